@@ -1,0 +1,40 @@
+"""Errors raised by the KV planes, the drop-in caches and the speculative checkpoint.
+
+Every error is raised *before* any buffer or bookkeeping is touched, so a caller that catches
+one holds a cache in exactly the state it had before the failing call.
+"""
+
+
+class CacheError(ValueError):
+    """Base class of every cache error (a ``ValueError``: the input was wrong)."""
+
+
+class CacheDiscontinuity(CacheError):
+    """A write did not start at the plane's next logical position.
+
+    Args:
+        layer: Index of the layer whose plane refused the write (``None`` if unknown).
+        expected: The logical position the plane expected (``origin_logical + len``).
+        got: The logical position the write claimed to start at.
+    """
+
+    def __init__(self, layer, expected: int, got: int):
+        self.layer = layer
+        self.expected = expected
+        self.got = got
+        where = f"layer {layer}" if layer is not None else "a layer"
+        super().__init__(
+            f"KV cache for {where} expected logical position {expected}, got {got}"
+        )
+
+
+class ContextOverflow(CacheError):
+    """A write would take a plane past its ``max_context``."""
+
+
+class RollbackError(CacheError):
+    """A speculative checkpoint could not be committed or rolled back exactly."""
+
+
+class IncompatibleCache(CacheError):
+    """A prompt cache does not belong to the model it is used with."""
