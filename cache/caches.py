@@ -141,9 +141,11 @@ class RingKVCache(_PlaneCache):
         count = keys.shape[2]
         if self._is_staged(count):
             self._check_rows(keys, values)
-            old_keys, old_values = self.logical_rows()
-            shadow_keys = mx.concatenate([old_keys, keys], axis=2)
-            shadow_values = mx.concatenate([old_values, values], axis=2)
+            shadow_keys, shadow_values = keys, values
+            if self.len:
+                old_keys, old_values = self.logical_rows()
+                shadow_keys = mx.concatenate([old_keys, keys], axis=2)
+                shadow_values = mx.concatenate([old_values, values], axis=2)
             self.write(self.offset, keys, values)
             return shadow_keys, shadow_values
         self.write(self.offset, keys, values)

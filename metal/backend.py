@@ -1,0 +1,146 @@
+"""Backend detection, kernel factories and launches.
+
+Kernel objects are built once: the fixed-arity ones at import, the ones whose
+arity is a plane count on first use per count (memoised). Construction is
+guarded, so importing this package never fails on a CPU-only mlx: without
+Metal or CUDA the factories return ``None`` and every wrapper takes its
+pure-MLX reference form.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+
+from .sources import CUDA, MAX_PLANES, METAL, KernelSpec
+
+Kernel = Callable[..., list]
+
+THREADGROUP = 256
+
+
+def _detect_backend() -> Optional[str]:
+    try:
+        if mx.metal.is_available():
+            return METAL
+    except (AttributeError, RuntimeError):
+        pass
+    try:
+        if mx.cuda.is_available():
+            return CUDA
+    except (AttributeError, RuntimeError):
+        pass
+    return None
+
+
+BACKEND: Optional[str] = _detect_backend()
+
+
+def kernel_backend() -> Optional[str]:
+    """The GPU backend custom kernels run on: ``"metal"``, ``"cuda"`` or None."""
+    return BACKEND
+
+
+def build_kernel(spec: KernelSpec, backend: Optional[str] = BACKEND) -> Optional[Kernel]:
+    """Build the mlx custom-kernel object for ``spec``.
+
+    Args:
+        spec: Kernel contract.
+        backend: ``"metal"``, ``"cuda"`` or None.
+
+    Returns:
+        The callable from ``mx.fast.metal_kernel``/``mx.fast.cuda_kernel``, or
+        None when there is no GPU backend.
+    """
+    if backend is None:
+        return None
+    common = dict(
+        name=spec.name(backend),
+        input_names=list(spec.input_names),
+        output_names=list(spec.output_names),
+        source=spec.source(backend),
+    )
+    try:
+        if backend == METAL:
+            return mx.fast.metal_kernel(**common)
+        return mx.fast.cuda_kernel(**common)
+    except RuntimeError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_for(spec: KernelSpec) -> Optional[Kernel]:
+    """The kernel object for ``spec``, built on first request and kept."""
+    return build_kernel(spec)
+
+
+def max_planes(kind: str) -> int:
+    """Planes one launch of ``kind`` (``"retain"``/``"restore"``) can bind."""
+    return MAX_PLANES[(BACKEND or CUDA, kind)]
+
+
+def use_kernel_path(use_kernel: Optional[bool], auto: bool) -> bool:
+    """Resolve a wrapper's ``use_kernel`` switch.
+
+    Args:
+        use_kernel: False forces the reference, True forces the kernel, None
+            picks ``auto`` when a GPU backend is present and the default device
+            is the GPU.
+        auto: What this wrapper picks by default on a GPU.
+
+    Returns:
+        Whether to launch the custom kernel.
+
+    Raises:
+        RuntimeError: ``use_kernel=True`` without Metal or CUDA.
+    """
+    if use_kernel is False:
+        return False
+    if use_kernel is None:
+        return auto and BACKEND is not None and mx.default_device().type == mx.gpu
+    if BACKEND is None:
+        raise RuntimeError(
+            "use_kernel=True needs mlx's Metal or CUDA backend; this mlx has "
+            "neither (use_kernel=None or False runs the pure-MLX reference)"
+        )
+    return True
+
+
+def launch(
+    spec: KernelSpec,
+    inputs: Sequence[mx.array],
+    output_shapes: Sequence[tuple[int, ...]],
+    word: mx.Dtype,
+    total: int,
+) -> list[mx.array]:
+    """Launch the kernel of ``spec`` with one thread per output word.
+
+    Args:
+        spec: Kernel contract (its built kernel object is looked up).
+        inputs: Inputs in the spec's order.
+        output_shapes: Output shapes (all of dtype ``word``).
+        word: Word dtype, also the template argument ``T``.
+        total: Thread count (the bodies bound-check against ``params[0]``).
+
+    Returns:
+        The kernel's outputs.
+    """
+    kernel = kernel_for(spec)
+    if kernel is None:
+        raise RuntimeError(f"kernel {spec.base} unavailable on this mlx build")
+    return kernel(
+        inputs=list(inputs),
+        output_shapes=[tuple(s) for s in output_shapes],
+        output_dtypes=[word] * len(output_shapes),
+        grid=(total, 1, 1),
+        threadgroup=(min(THREADGROUP, total), 1, 1),
+        template=[("T", word)],
+        stream=mx.gpu,
+    )
+
+
+def params(*values: int) -> mx.array:
+    """Runtime scalars of one launch as an int32 array."""
+    return mx.array(list(values), dtype=mx.int32)

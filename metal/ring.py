@@ -1,0 +1,217 @@
+"""Ring store with wrap and the staging shadow.
+
+Two operations on one ring plane buffer (head-major ``(..., H, C, D)`` or
+token-major ``(..., C, H, D)``), each with a custom-kernel form and a pure-MLX
+reference beside it:
+
+* :func:`ring_store` writes ``S <= C`` rows at physical ``(dest_start + i) % C``;
+* :func:`stage_shadow` un-rotates the live rows into logical order and appends a
+  chunk's rows, giving the contiguous span staged attention reads.
+
+Default paths (``use_kernel=None``) on a GPU: the store is one mlx scatter over
+host-built wrapped indices (it runs in place when mlx can donate the buffer, so
+it moves ``S`` rows, not ``C``); the shadow is the custom kernel (its output is
+a new array anyway). ``docs/metal.md`` has the byte counts behind that choice.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from . import backend
+from .backend import kernel_for, params, use_kernel_path
+from .layout import (
+    RowGeometry,
+    as_words,
+    block_rows,
+    buffer_geometry,
+    check_launch_size,
+    check_ring_index,
+    from_words,
+    word_dtype,
+    words_per_row,
+)
+from .sources import RING_STORE, STAGE_SHADOW
+
+# Built once at import (None without a GPU backend).
+kernel_for(RING_STORE)
+kernel_for(STAGE_SHADOW)
+
+
+def wrapped_rows(start: int, count: int, capacity: int) -> np.ndarray:
+    """Physical rows ``(start + i) % capacity`` for ``i < count``.
+
+    Args:
+        start: First physical row.
+        count: Number of rows.
+        capacity: Ring capacity ``C``.
+
+    Returns:
+        int32 numpy array of shape ``(count,)``.
+    """
+    return ((start + np.arange(count, dtype=np.int64)) % capacity).astype(np.int32)
+
+
+# --------------------------------------------------------------------- store
+
+
+def _ring_store_ops(
+    buffer: mx.array, rows: mx.array, start: int, geom: RowGeometry
+) -> mx.array:
+    count = rows.shape[geom.row_axis]
+    index = mx.array(wrapped_rows(start, count, geom.capacity))
+    index = index.reshape(geom.index_shape(count))
+    return mx.put_along_axis(buffer, index, rows, axis=geom.row_axis)
+
+
+def _ring_store_kernel(
+    buffer: mx.array, rows: mx.array, start: int, geom: RowGeometry
+) -> mx.array:
+    count = rows.shape[geom.row_axis]
+    word = word_dtype(geom)
+    words = words_per_row(geom, word)
+    total = geom.outer * geom.capacity * words
+    check_launch_size(total, "ring_store")
+    scalars = params(total, geom.outer, geom.capacity, words, count, start)
+    (out,) = backend.launch(
+        RING_STORE,
+        [as_words(buffer, geom, word), as_words(rows, geom, word), scalars],
+        [(geom.outer, geom.capacity, words)],
+        word,
+        total,
+    )
+    return from_words(out, geom, geom.capacity)
+
+
+def ring_store(
+    buffer: mx.array,
+    rows: mx.array,
+    dest_start: int,
+    *,
+    head_major: bool = True,
+    use_kernel: Optional[bool] = None,
+) -> mx.array:
+    """Write a block of rows into a ring at wrapped physical positions.
+
+    Row ``i`` of ``rows`` lands at physical row ``(dest_start + i) % C``, across
+    the seam in one operation (never split into two slice updates).
+
+    Shapes: buffer ``(B, H, C, D)`` / ``(B, C, H, D)``; rows ``(B, H, S, D)`` /
+    ``(B, S, H, D)`` with ``S <= C``; returns the buffer's shape.
+
+    Args:
+        buffer: The ring plane buffer (float16, bfloat16 or float32).
+        rows: ``S`` rows in the same layout and dtype.
+        dest_start: Physical row of the first written row, ``0 <= dest_start < C``.
+        head_major: Layout of ``buffer`` and ``rows``.
+        use_kernel: None (default) picks the mlx scatter, which runs in place
+            when the caller holds no other reference to ``buffer``; True forces
+            the custom kernel (one launch, writes a fresh ``C``-row buffer);
+            False forces the scatter.
+
+    Returns:
+        The updated buffer. ``buffer`` itself is not modified.
+
+    Raises:
+        ValueError: On a shape/dtype mismatch, ``S > C`` or ``dest_start``
+            outside ``[0, C)``.
+    """
+    geom = buffer_geometry(buffer, head_major, "buffer")
+    count = block_rows(geom, rows, "rows")
+    if count > geom.capacity:
+        raise ValueError(f"rows holds S={count} rows, more than capacity C={geom.capacity}")
+    start = check_ring_index(dest_start, geom.capacity, "dest_start")
+    if count == 0:
+        return buffer
+    if use_kernel_path(use_kernel, auto=False):
+        return _ring_store_kernel(buffer, rows, start, geom)
+    return _ring_store_ops(buffer, rows, start, geom)
+
+
+# -------------------------------------------------------------------- shadow
+
+
+def _stage_shadow_ops(
+    buffer: mx.array, rows: mx.array, origin: int, length: int, geom: RowGeometry
+) -> mx.array:
+    if length == 0:
+        return rows
+    index = mx.array(wrapped_rows(origin, length, geom.capacity))
+    live = mx.take(buffer, index, axis=geom.row_axis)
+    if rows.shape[geom.row_axis] == 0:
+        return live
+    return mx.concatenate([live, rows], axis=geom.row_axis)
+
+
+def _stage_shadow_kernel(
+    buffer: mx.array, rows: mx.array, origin: int, length: int, geom: RowGeometry
+) -> mx.array:
+    count = rows.shape[geom.row_axis]
+    word = word_dtype(geom)
+    words = words_per_row(geom, word)
+    span = length + count
+    total = geom.outer * span * words
+    check_launch_size(total, "stage_shadow")
+    scalars = params(total, geom.outer, geom.capacity, words, length, count, origin)
+    (out,) = backend.launch(
+        STAGE_SHADOW,
+        [as_words(buffer, geom, word), as_words(rows, geom, word), scalars],
+        [(geom.outer, span, words)],
+        word,
+        total,
+    )
+    return from_words(out, geom, span)
+
+
+def stage_shadow(
+    buffer: mx.array,
+    rows: mx.array,
+    origin_physical: int,
+    length: int,
+    *,
+    head_major: bool = True,
+    use_kernel: Optional[bool] = None,
+) -> mx.array:
+    """Build the staging shadow: live ring rows in logical order, then a chunk.
+
+    Logical row ``k < length`` of the ring lives at physical
+    ``(origin_physical + k) % C``; the shadow holds those rows in order
+    followed by the chunk's ``S`` rows, so staged attention reads one
+    contiguous span before the chunk overwrites anything.
+
+    Shapes: buffer ``(B, H, C, D)`` / ``(B, C, H, D)``; rows ``(B, H, S, D)`` /
+    ``(B, S, H, D)`` (any ``S``, a prefill chunk may be wider than the window);
+    returns ``(B, H, length + S, D)`` / ``(B, length + S, H, D)``.
+
+    Args:
+        buffer: The ring plane buffer (float16, bfloat16 or float32).
+        rows: The chunk's rows in the same layout and dtype.
+        origin_physical: Physical row of logical row 0, ``0 <= origin < C``.
+        length: Live rows, ``0 <= length <= C``.
+        head_major: Layout of ``buffer`` and ``rows``.
+        use_kernel: None (default) picks the custom kernel on a GPU (one
+            launch) and the reference (gather + concatenate) elsewhere; True /
+            False force one form.
+
+    Returns:
+        A new array holding the shadow.
+
+    Raises:
+        ValueError: On a shape/dtype mismatch or an origin/length out of range.
+    """
+    geom = buffer_geometry(buffer, head_major, "buffer")
+    count = block_rows(geom, rows, "rows")
+    origin = check_ring_index(origin_physical, geom.capacity, "origin_physical")
+    if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
+        raise ValueError(f"length must be an int, got {type(length).__name__}")
+    if not 0 <= int(length) <= geom.capacity:
+        raise ValueError(f"length={int(length)} outside [0, {geom.capacity}]")
+    length = int(length)
+    if length + count == 0:
+        return mx.zeros(geom.with_rows(0), dtype=geom.dtype)
+    if use_kernel_path(use_kernel, auto=True):
+        return _stage_shadow_kernel(buffer, rows, origin, length, geom)
+    return _stage_shadow_ops(buffer, rows, origin, length, geom)

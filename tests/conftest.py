@@ -1,0 +1,160 @@
+"""Shared fixtures: tiny random-weight mlx-lm models and a divergence checker."""
+
+import importlib
+import sys
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+settings.load_profile("ci")
+
+_TINY_ARGS = {
+    "muse_glimmer": dict(
+        hidden_size=64,
+        num_hidden_layers=8,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+    ),
+    "gemma3_text": dict(
+        model_type="gemma3_text",
+        hidden_size=64,
+        num_hidden_layers=6,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        query_pre_attn_scalar=16,
+        sliding_window_pattern=3,
+    ),
+    "gpt_oss": dict(
+        num_hidden_layers=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=64,
+        head_dim=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "cohere2": dict(
+        model_type="cohere2",
+        hidden_size=64,
+        head_dim=16,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        sliding_window_pattern=4,
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        hidden_size=64,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=4,
+        rms_norm_eps=1e-6,
+        vocab_size=256,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        head_dim=16,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+    ),
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=4,
+        intermediate_size=128,
+        num_attention_heads=4,
+        rms_norm_eps=1e-6,
+        vocab_size=256,
+        num_key_value_heads=2,
+    ),
+}
+
+SLIDING_ARCHS = ("muse_glimmer", "gemma3_text", "gpt_oss", "cohere2")
+
+
+def tiny_model(arch: str, seed: int = 0, window: Optional[int] = 16, **overrides):
+    """A float32 random-weight mlx-lm model of architecture ``arch``."""
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    args = dict(_TINY_ARGS[arch])
+    if window is not None and arch in SLIDING_ARCHS:
+        args["sliding_window"] = window
+    args.update(overrides)
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs(**args))
+    model.set_dtype(mx.float32)
+    if arch == "gpt_oss":
+        # Attention sinks start at zero; random ones exercise the sink path too.
+        for layer in model.layers:
+            layer.self_attn.sinks = mx.random.normal(layer.self_attn.sinks.shape)
+    mx.eval(model.parameters())
+    return model
+
+
+def mlx_lm_generate_module():
+    """mlx-lm's ``generate`` module (the package attribute is shadowed by the function)."""
+    importlib.import_module("mlx_lm.generate")
+    return sys.modules["mlx_lm.generate"]
+
+
+def greedy_reference(model, prompt: mx.array, max_tokens: int) -> List[int]:
+    """The target's own greedy output: mlx-lm's ``generate_step`` with mlx-lm's own cache."""
+    steps = mlx_lm_generate_module().generate_step(prompt, model, max_tokens=max_tokens)
+    return [token for token, _ in steps]
+
+
+def top2_margin(model, tokens: Sequence[int]) -> float:
+    """Gap between the target's two largest logits after ``tokens`` (full forward, no cache)."""
+    logits = model(mx.array(tokens, mx.uint32)[None])[0, -1]
+    top = mx.sort(logits)[-2:]
+    return (top[1] - top[0]).item()
+
+
+def assert_lossless(model, prompt: mx.array, reference: Sequence[int], output: Sequence[int]):
+    """``output`` equals ``reference``, except after a near-tie (top-2 margin < 1e-4).
+
+    A mismatch at a near-tie is reported (printed) and ends the comparison there, since the
+    two continuations legitimately part ways after it.
+    """
+    assert len(output) == len(reference), (len(output), len(reference))
+    for index, (want, got) in enumerate(zip(reference, output)):
+        if want == got:
+            continue
+        context = prompt.tolist() + list(reference[:index])
+        margin = top2_margin(model, context)
+        assert margin < 1e-4, (
+            f"output diverges from the target's greedy output at generated token {index} "
+            f"(want {want}, got {got}); top-2 margin {margin:.3g} is no near-tie"
+        )
+        print(f"near-tie flip at generated token {index}: margin {margin:.3g}")
+        return
+
+
+@pytest.fixture
+def glimmer():
+    return tiny_model("muse_glimmer", seed=0)
+
+
+def tiny_tokenizer(vocab_size: int = 256):
+    """An offline word-level tokenizer: token ``i`` is the word ``w{i}``; ``w0`` ends text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="w0", unk_token="w1")

@@ -1,0 +1,173 @@
+"""Speculative checkpoint: begin -> write block -> commit(n) equals appending only n rows."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash.cache import KvPlane, RollbackError, SpeculativeCheckpoint
+from dflash.cache.plane import ring_indices, take_rows
+
+
+def random_rows(rng, count, head_major, dtype):
+    shape = (1, 2, count, 3) if head_major else (1, count, 2, 3)
+    return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+
+def build(capacity, ring, head_major, history):
+    plane = KvPlane(window=capacity if ring else None, head_major=head_major)
+    position = 0
+    for keys, values in history:
+        plane.write(position, keys, values)
+        position = plane.offset
+    return plane
+
+
+def live_bits(plane):
+    """The live window's rows as they sit physically (uint8 view), plus all metadata."""
+    if plane.keys is None:
+        return plane.meta, None, None
+    rows = ring_indices(plane.origin_physical, 0, plane.len, max(plane.capacity, 1))
+    keys = take_rows(plane.keys, rows, plane.head_major)
+    values = take_rows(plane.values, rows, plane.head_major)
+    as_bits = lambda a: np.array(a.view(mx.uint8) if a.dtype != mx.bfloat16 else a.view(mx.uint16))
+    return plane.meta, as_bits(keys), as_bits(values)
+
+
+def split_block(block, cut, head_major):
+    """The block as one or two chunks (the draft model writes its block in pieces)."""
+    if cut is None:
+        return [block]
+    first = take_rows(block, slice(0, cut), head_major)
+    second = take_rows(block, slice(cut, None), head_major)
+    return [first, second]
+
+
+@settings(max_examples=400)
+@given(
+    capacity=st.integers(1, 64),
+    head_major=st.booleans(),
+    ring=st.booleans(),
+    start_len=st.integers(0, 140),
+    block=st.integers(1, 20),
+    cut=st.one_of(st.none(), st.integers(1, 19)),
+    dtype=st.sampled_from([mx.float32, mx.float16, mx.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_commit_equals_sequential_append_of_the_accepted_rows(
+    capacity, head_major, ring, start_len, block, cut, dtype, seed
+):
+    rng = np.random.default_rng(seed)
+    history = []
+    remaining = start_len
+    while remaining:
+        # Varied history chunks put the ring at arbitrary rotations before the block.
+        count = int(min(remaining, rng.integers(1, 40)))
+        history.append((random_rows(rng, count, head_major, dtype),) * 2)
+        remaining -= count
+    block_keys = random_rows(rng, block, head_major, dtype)
+    block_values = random_rows(rng, block, head_major, dtype)
+    if cut is not None and cut >= block:
+        cut = None
+    for accepted in range(block + 1):
+        plane = build(capacity, ring, head_major, history)
+        checkpoint = SpeculativeCheckpoint.begin([plane], block)
+        if ring:
+            assert checkpoint.retained_bytes <= min(block, capacity) * plane.row_bytes
+        else:
+            assert checkpoint.retained_bytes == 0
+        start = plane.offset
+        for keys, values in zip(
+            split_block(block_keys, cut, head_major), split_block(block_values, cut, head_major)
+        ):
+            plane.write(plane.offset, keys, values)
+        checkpoint.commit(accepted)
+
+        expected = build(capacity, ring, head_major, history)
+        if accepted:
+            rows = slice(0, accepted)
+            expected.write(
+                start, take_rows(block_keys, rows, head_major), take_rows(block_values, rows, head_major)
+            )
+        got_meta, got_keys, got_values = live_bits(plane)
+        want_meta, want_keys, want_values = live_bits(expected)
+        if ring:
+            assert got_meta == want_meta
+        else:
+            # A growing plane's storage may have grown for the block; the rows did not.
+            assert (got_meta.len, got_meta.origin_logical, got_meta.origin_physical) == (
+                want_meta.len, 0, 0)
+        np.testing.assert_array_equal(got_keys, want_keys)
+        np.testing.assert_array_equal(got_values, want_values)
+
+
+def muse_like_planes(window=32, rings=3):
+    planes = [KvPlane(window=window, layer=i) for i in range(rings)]
+    planes.append(KvPlane(window=None, layer=rings))
+    rows = mx.ones((1, 2, 70, 4))
+    for plane in planes:
+        plane.write(0, rows, rows)
+    return planes
+
+
+def test_retained_bytes_are_block_rows_of_rings_only():
+    planes = muse_like_planes()
+    checkpoint = SpeculativeCheckpoint.begin(planes, 16)
+    row = 2 * 4 * 4 * 2  # heads x dim x float32 x (K and V)
+    assert checkpoint.retained_bytes == 3 * 16 * row
+    checkpoint.rollback()
+
+
+def test_writing_past_the_checkpointed_block_is_refused_before_any_change():
+    planes = muse_like_planes()
+    checkpoint = SpeculativeCheckpoint.begin(planes, 4)
+    rows = mx.zeros((1, 2, 5, 4))
+    before = planes[0].meta
+    with pytest.raises(RollbackError, match="exceeds the checkpointed block"):
+        planes[0].write(planes[0].offset, rows, rows)
+    assert planes[0].meta == before
+    checkpoint.rollback()
+
+
+def test_commit_refuses_more_rows_than_written_and_a_second_commit():
+    planes = muse_like_planes()
+    checkpoint = SpeculativeCheckpoint.begin(planes, 4)
+    rows = mx.zeros((1, 2, 2, 4))
+    for plane in planes:
+        plane.write(plane.offset, rows, rows)
+    with pytest.raises(RollbackError, match="wrote 2 rows but 3"):
+        checkpoint.commit(3)
+    assert all(plane.offset == 72 for plane in planes)  # nothing changed
+    checkpoint.commit(2)
+    with pytest.raises(RollbackError, match="already committed"):
+        checkpoint.rollback()
+
+
+def test_an_exception_mid_round_rolls_back():
+    planes = muse_like_planes()
+    before = [live_bits(plane) for plane in planes]
+    rows = mx.full((1, 2, 3, 4), 7.0)
+    with pytest.raises(RuntimeError):
+        with SpeculativeCheckpoint.begin(planes, 3):
+            planes[0].write(planes[0].offset, rows, rows)
+            planes[1].write(planes[1].offset, rows, rows)
+            raise RuntimeError("forward failed half way")
+    for plane, (meta, keys, values) in zip(planes, before):
+        got = live_bits(plane)
+        assert got[0] == meta
+        np.testing.assert_array_equal(got[1], keys)
+        np.testing.assert_array_equal(got[2], values)
+        assert plane.speculation is None
+
+
+def test_begin_refuses_foreign_caches_and_nested_checkpoints():
+    from mlx_lm.models.cache import KVCache
+
+    with pytest.raises(ValueError, match="not a dflash KV plane"):
+        SpeculativeCheckpoint.begin([KVCache()], 2)
+    planes = muse_like_planes()
+    checkpoint = SpeculativeCheckpoint.begin(planes, 2)
+    with pytest.raises(RollbackError, match="already has an open checkpoint"):
+        SpeculativeCheckpoint.begin(planes, 2)
+    checkpoint.rollback()

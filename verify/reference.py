@@ -1,0 +1,144 @@
+"""Reference oracles: float32, full history, the window applied as a mask.
+
+The production planes keep a rotated ring of ``window`` rows; the oracle keeps every row ever
+written, in time order, and expresses the sliding window only in the attention mask. The two
+share no code path, which is what makes the oracle worth comparing against.
+"""
+
+from typing import Optional, Tuple
+
+import mlx.core as mx
+from mlx_lm.models.cache import create_attention_mask
+
+from dflash.cache.errors import CacheDiscontinuity
+
+
+def window_mask(query_positions: mx.array, key_positions: mx.array, window: Optional[int]):
+    """Boolean mask: query at ``p`` sees key at ``k`` iff ``p - window < k <= p``.
+
+    Shapes:
+        query_positions: ``(Q,)``; key_positions: ``(K,)``; returns ``(Q, K)``.
+    """
+    query = query_positions[:, None]
+    key = key_positions[None]
+    visible = key <= query
+    if window is not None:
+        visible = visible & (key > query - window)
+    return visible
+
+
+def reference_attention(
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    query_positions: mx.array,
+    window: Optional[int],
+    scale: float,
+) -> mx.array:
+    """Attention of ``queries`` over the full history in float32, windowed by a mask.
+
+    Args:
+        queries: Queries at absolute positions ``query_positions``.
+        keys: Every key from position 0, in time order.
+        values: Every value from position 0, in time order.
+        query_positions: Absolute position of each query.
+        window: Sliding window (``None``: full attention).
+        scale: Score scale.
+
+    Shapes:
+        queries: ``(B, Hq, Q, D)``; keys, values: ``(B, Hkv, K, D)``; returns ``(B, Hq, Q, D)``.
+    """
+    queries, keys, values = (a.astype(mx.float32) for a in (queries, keys, values))
+    repeats = queries.shape[1] // keys.shape[1]
+    if repeats > 1:
+        keys = mx.repeat(keys, repeats, axis=1)
+        values = mx.repeat(values, repeats, axis=1)
+    scores = (queries * scale) @ keys.swapaxes(-1, -2)
+    mask = window_mask(query_positions, mx.arange(keys.shape[2]), window)
+    scores = mx.where(mask, scores, mx.array(-mx.inf, mx.float32))
+    return mx.softmax(scores, axis=-1) @ values
+
+
+class ReferenceKVCache:
+    """A drop-in mlx-lm cache that keeps the full history and masks the window.
+
+    Float32 throughout; never evicts a row. Its ``snapshot`` encoding (``"f32-full-history"``)
+    is deliberately not the planes' encoding, so neither can install the other's state.
+
+    Args:
+        window: The layer's sliding window (``None`` for a full-attention layer).
+    """
+
+    encoding = "f32-full-history"
+
+    def __init__(self, window: Optional[int] = None):
+        self.window = window
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+        self.offset = 0
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        """Append a chunk and return the whole history in float32.
+
+        Shapes:
+            keys, values: ``(B, H, S, D)``.
+        """
+        keys, values = keys.astype(mx.float32), values.astype(mx.float32)
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = mx.concatenate([self.keys, keys], axis=2)
+            self.values = mx.concatenate([self.values, values], axis=2)
+        self.offset += keys.shape[2]
+        return self.keys, self.values
+
+    def write_at(self, start: int, keys: mx.array, values: mx.array) -> None:
+        """Append with an explicit start position (fail-closed on a gap or replay)."""
+        if start != self.offset:
+            raise CacheDiscontinuity(None, self.offset, start)
+        self.update_and_fetch(keys, values)
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        """Causal mask over the full history, windowed when the layer slides."""
+        window = window_size if window_size is not None else self.window
+        if window is None:
+            return create_attention_mask(N, offset=self.offset, return_array=return_array,
+                                         window_size=None)
+        positions = mx.arange(self.offset, self.offset + N)
+        return window_mask(positions, mx.arange(self.offset + N), window)
+
+    @property
+    def state(self):
+        return [] if self.keys is None else (self.keys, self.values)
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self.offset, n)
+        self.offset -= n
+        if self.keys is not None:
+            self.keys = self.keys[:, :, : self.offset]
+            self.values = self.values[:, :, : self.offset]
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+def make_reference_cache(model) -> list:
+    """One :class:`ReferenceKVCache` per layer, windowed where the model's own cache rotates."""
+    from mlx_lm.models.cache import RotatingKVCache
+
+    template = model.make_cache() if hasattr(model, "make_cache") else [None] * len(model.layers)
+    return [
+        ReferenceKVCache(t.max_size if isinstance(t, RotatingKVCache) else None)
+        for t in template
+    ]
