@@ -19,6 +19,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache import SpeculativeCheckpoint, check_prompt_cache, make_prompt_cache
 from .cache.errors import IncompatibleCache
+from .verify.acceptance import greedy_accept
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -109,26 +110,33 @@ class _Sampling:
         # The history is kept only when a processor needs it.
         self.history = list(history.tolist()) if self.processors else []
 
-    def sample(self, logits: mx.array, inputs: Sequence[int] = ()) -> Tuple[mx.array, mx.array]:
-        """Sample one token per row of ``logits``.
+    def processed_logprobs(self, logits: mx.array, inputs: Sequence[int] = ()) -> mx.array:
+        """Log-probabilities of ``logits`` after the logits processors.
 
         Row ``i`` of ``N`` follows the history plus ``inputs[: len(inputs) - N + i + 1]``.
 
         Shapes:
-            logits: ``(N, V)``; returns tokens ``(N,)`` and logprobs ``(N, V)``.
+            logits: ``(N, V)``; returns ``(N, V)``.
         """
         if self.processors:
             rows = []
-            rows_count = logits.shape[0]
-            for i in range(rows_count):
-                row = logits[i : i + 1]
-                upto = len(inputs) - rows_count + i + 1
+            for i in range(logits.shape[0]):
+                upto = len(inputs) - logits.shape[0] + i + 1
                 seen = mx.array(self.history + list(inputs[:upto]), mx.uint32)
+                row = logits[i : i + 1]
                 for processor in self.processors:
                     row = processor(seen, row)
                 rows.append(row)
             logits = mx.concatenate(rows, axis=0)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def sample(self, logits: mx.array, inputs: Sequence[int] = ()) -> Tuple[mx.array, mx.array]:
+        """Sample one token per row of ``logits`` (see :meth:`processed_logprobs`).
+
+        Shapes:
+            logits: ``(N, V)``; returns tokens ``(N,)`` and logprobs ``(N, V)``.
+        """
+        logprobs = self.processed_logprobs(logits, inputs)
         return self.sampler(logprobs), logprobs
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -163,17 +171,9 @@ def _verify_block(model, target_cache, block: List[int], sampling):
         logits = model(mx.array(block, mx.uint32)[None], cache=target_cache)[0]
         tokens, logprobs = sampling.sample(logits, block)
         targets = tokens.tolist()
-        accepted = _accepted_prefix(block[1:], targets)
+        accepted = greedy_accept(block[1:], targets)
         checkpoint.commit(accepted + 1)
     return targets, logprobs, accepted
-
-
-def _accepted_prefix(drafts: Sequence[int], targets: Sequence[int]) -> int:
-    """Length of the longest prefix where each draft equals the target's own token."""
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
-        accepted += 1
-    return accepted
 
 
 def speculative_generate_step(

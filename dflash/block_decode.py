@@ -1,0 +1,181 @@
+"""The DFlash draft/verify loop: one drafter forward drafts a block, one target forward verifies it.
+
+Per round: the block ``[last committed token, mask, ..., mask]`` goes through the drafter, which
+sees the target only through tapped hidden states of committed tokens; its ``B - 1`` proposals
+are verified by the target in one forward inside a ``SpeculativeCheckpoint``; the accepted rows
+plus the target's own next token are committed, and the drafter's context grows by the target
+features of exactly those committed tokens.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Generator, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generation_stream
+
+from .cache import SpeculativeCheckpoint, check_prompt_cache, make_prompt_cache
+from .generation import Sampler, _Sampling, as_prompt_array
+from .taps import TargetTaps
+from .verify.acceptance import (
+    ParamSampler,
+    acceptance_histogram,
+    greedy_accept,
+    rejection_sample,
+    sampling_logprobs,
+)
+
+
+@dataclass
+class GenerationStats:
+    """Per-generation statistics of a DFlash run.
+
+    Attributes:
+        block_size: Drafter block size ``B`` (``B - 1`` drafts per round).
+        rounds: Verify forwards of the target after prefill.
+        accepted: Drafts accepted in each round.
+    """
+
+    block_size: int
+    rounds: int = 0
+    accepted: List[int] = field(default_factory=list)
+
+    @property
+    def committed(self) -> int:
+        """Tokens committed by the rounds (accepted drafts plus one target token each)."""
+        return sum(self.accepted) + self.rounds
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per round (DFlash's τ)."""
+        return self.committed / self.rounds if self.rounds else 0.0
+
+    @property
+    def histogram(self) -> List[int]:
+        """``histogram[n]``: rounds that accepted exactly ``n`` drafts."""
+        return acceptance_histogram(self.accepted, self.block_size)
+
+    @property
+    def position_acceptance(self) -> List[float]:
+        """Fraction of rounds whose draft at block position ``i`` (1-based) was accepted."""
+        if not self.rounds:
+            return [0.0] * (self.block_size - 1)
+        return [
+            sum(n >= i for n in self.accepted) / self.rounds for i in range(1, self.block_size)
+        ]
+
+
+def _draft(drafter, context, last: int, block_size: int, sampling: _Sampling):
+    """Draft ``block_size - 1`` tokens after ``last``; also their sampling log-distributions."""
+    block = mx.array([[last] + [drafter.config.mask_token_id] * (block_size - 1)], mx.uint32)
+    logits = drafter(block, context)[0, 1:]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    params = _params(sampling)
+    if params is None or params.greedy:
+        tokens = mx.argmax(logprobs, axis=-1) if params is not None else sampling.sampler(logprobs)
+        return tokens.tolist(), None
+    draft_logprobs = sampling_logprobs(logprobs, params)
+    return mx.random.categorical(draft_logprobs).tolist(), draft_logprobs
+
+
+def _params(sampling: _Sampling):
+    """The sampler's settings when it exposes them (``dflash.make_sampler``), else ``None``."""
+    return sampling.sampler.params if isinstance(sampling.sampler, ParamSampler) else None
+
+
+def _accept(sampling: _Sampling, logits: mx.array, block: List[int], drafts, draft_logprobs):
+    """Apply the acceptance rule; returns ``(accepted, bonus, target logprobs)``."""
+    params = _params(sampling)
+    if params is not None and not params.greedy:
+        logprobs = sampling.processed_logprobs(logits, block)
+        target_logprobs = sampling_logprobs(logprobs, params)
+        accepted, bonus = rejection_sample(target_logprobs, draft_logprobs, drafts)
+        return accepted, bonus, logprobs
+    # Greedy, or an opaque sampler: keep a draft only where the target's own sample equals it.
+    tokens, logprobs = sampling.sample(logits, block)
+    targets = tokens.tolist()
+    accepted = greedy_accept(drafts, targets)
+    return accepted, targets[accepted], logprobs
+
+
+def _prefill(model, cache, taps: TargetTaps, drafter, context, tokens: mx.array, step: int):
+    """Run prompt tokens through the target in chunks; feed their features to the drafter."""
+    for first in range(0, tokens.size, step):
+        chunk = tokens[first : first + step]
+        model(chunk[None], cache=cache)
+        drafter.append_context(context, taps.pop(), start_position=cache[0].offset - chunk.size)
+        mx.eval([c.state for c in cache])
+
+
+def dflash_generate_step(
+    prompt: mx.array,
+    model: nn.Module,
+    drafter: nn.Module,
+    *,
+    block_size: Optional[int] = None,
+    max_tokens: int = 256,
+    sampler: Optional[Sampler] = None,
+    logits_processors: Optional[list] = None,
+    prompt_cache: Optional[Any] = None,
+    prefill_step_size: int = 2048,
+    stats: Optional[GenerationStats] = None,
+) -> Generator[Tuple[int, mx.array, bool], None, None]:
+    """DFlash speculative decoding: lossless, one target forward per drafted block.
+
+    Args:
+        prompt: The prompt tokens.
+        model: The target mlx-lm model.
+        drafter: A DFlash drafter bound to ``model`` (see ``dflash.load_drafter``).
+        block_size: Block size ``B`` (``B - 1`` drafts per round); default the drafter's.
+        max_tokens: Tokens to generate (``-1``: no limit).
+        sampler: ``None`` (greedy), ``dflash.make_sampler(...)`` (lossless rejection
+            sampling at temperature > 0), or any mlx-lm sampler (lossless sample-match rule).
+        logits_processors: Functions ``(tokens, logits) -> logits`` applied to the target.
+        prompt_cache: The target's dflash caches (updated in place); built if ``None``.
+        prefill_step_size: Prompt tokens per prefill forward.
+        stats: A :class:`GenerationStats` to fill in (rounds, τ, acceptance).
+
+    Shapes:
+        prompt: ``(P,)``.
+
+    Yields:
+        ``(token, logprobs, from_draft)`` as mlx-lm's speculative generator does.
+    """
+    block_size = drafter.config.block_size if block_size is None else block_size
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    prompt = as_prompt_array(prompt)
+    if prompt_cache is None:
+        prompt_cache = make_prompt_cache(model)
+    elif check_prompt_cache(model, prompt_cache) != 0:
+        raise ValueError("dflash_generate_step needs an empty prompt cache (the drafter "
+                         "must see the target features of every prompt token)")
+    stats = stats if stats is not None else GenerationStats(block_size)
+    stats.block_size = block_size
+    sampling = _Sampling(sampler, logits_processors, prompt[:-1])
+    context = drafter.make_context()
+    with TargetTaps(model, drafter.config.target_layer_ids) as taps, mx.stream(generation_stream):
+        _prefill(model, prompt_cache, taps, drafter, context, prompt[:-1], prefill_step_size)
+        last = prompt[-1].item()
+        emitted = 0
+        while max_tokens < 0 or emitted < max_tokens:
+            left = max_tokens - emitted if max_tokens >= 0 else block_size
+            size = max(1, min(block_size, left))
+            drafts, draft_logprobs = _draft(drafter, context, last, size, sampling) if size > 1 else ([], None)
+            block = [last] + drafts
+            position = prompt_cache[0].offset
+            with SpeculativeCheckpoint.begin(prompt_cache, len(block)) as checkpoint:
+                logits = model(mx.array(block, mx.uint32)[None], cache=prompt_cache)[0]
+                features = taps.pop()
+                accepted, bonus, logprobs = _accept(sampling, logits, block, drafts, draft_logprobs)
+                checkpoint.commit(accepted + 1)
+            drafter.append_context(context, features[:, : accepted + 1], start_position=position)
+            stats.rounds += 1
+            stats.accepted.append(accepted)
+            sampling.extend(block[: accepted + 1])
+            last = bonus
+            for index, token in enumerate(drafts[:accepted] + [bonus]):
+                yield token, logprobs[index], index < accepted
+                emitted += 1
+                if emitted == max_tokens:
+                    return
