@@ -12,19 +12,31 @@ if not _os.path.isdir(_os.path.join(_here, "cache")) and _os.path.isfile(
 ):
     __path__.append(_root)
 
+from .block_decode import GenerationStats, dflash_generate_step
 from .cache import SpeculativeCheckpoint, make_prompt_cache
-from .generation import (
-    generate,
-    generate_step,
-    speculative_generate_step,
-    stream_generate,
-)
+from .drafter import DFlashDrafter, DrafterConfig, DrafterContext, DraftProposal
+from .generation import generate, generate_step, speculative_generate_step, stream_generate
+from .loader import DrafterLoadError, load_drafter, save_drafter
+from .taps import TargetTaps
+from .verify.acceptance import SamplingParams, make_sampler
 
 __all__ = [
+    "DFlashDrafter",
+    "DraftProposal",
+    "DrafterConfig",
+    "DrafterContext",
+    "DrafterLoadError",
+    "GenerationStats",
+    "SamplingParams",
     "SpeculativeCheckpoint",
+    "TargetTaps",
+    "dflash_generate_step",
     "generate",
     "generate_step",
+    "load_drafter",
     "make_prompt_cache",
+    "make_sampler",
+    "save_drafter",
     "speculative_generate_step",
     "stream_generate",
 ]

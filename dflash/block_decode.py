@@ -13,6 +13,7 @@ from typing import Any, Generator, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generation_stream
+from mlx_lm.sample_utils import greedy_sampler
 
 from .cache import SpeculativeCheckpoint, check_prompt_cache, make_prompt_cache
 from .generation import Sampler, _Sampling, as_prompt_array
@@ -66,16 +67,29 @@ class GenerationStats:
 
 
 def _draft(drafter, context, last: int, block_size: int, sampling: _Sampling):
-    """Draft ``block_size - 1`` tokens after ``last``; also their sampling log-distributions."""
+    """Draft ``block_size - 1`` tokens after ``last``.
+
+    Returns:
+        ``(drafts, draft_logprobs)``: the tokens, and when sampling with known settings the
+        ``(B - 1, V)`` log-distribution each was drawn from (the ``q`` of rejection sampling).
+    """
     block = mx.array([[last] + [drafter.config.mask_token_id] * (block_size - 1)], mx.uint32)
+    params = _params(sampling)
+    sampled = params is not None and not params.greedy
+    if getattr(drafter.config, "has_candidate_selector", False):
+        # DFlash2 re-ranks candidates given the previous pick: drafts are not a row argmax.
+        proposal = drafter.propose(block, context, temperature=params.temp if sampled else 0.0)
+        draft_logprobs = mx.log(proposal.probs[0]) if sampled else None
+        return proposal.tokens[0].tolist(), draft_logprobs
     logits = drafter(block, context)[0, 1:]
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    params = _params(sampling)
-    if params is None or params.greedy:
-        tokens = mx.argmax(logprobs, axis=-1) if params is not None else sampling.sampler(logprobs)
-        return tokens.tolist(), None
-    draft_logprobs = sampling_logprobs(logprobs, params)
-    return mx.random.categorical(draft_logprobs).tolist(), draft_logprobs
+    if sampled:
+        draft_logprobs = sampling_logprobs(logprobs, params)
+        return mx.random.categorical(draft_logprobs).tolist(), draft_logprobs
+    if params is None and sampling.sampler is not greedy_sampler:
+        # An opaque sampler: any proposal is lossless under the sample-match rule.
+        return sampling.sampler(logprobs).tolist(), None
+    return mx.argmax(logprobs, axis=-1).tolist(), None
 
 
 def _params(sampling: _Sampling):

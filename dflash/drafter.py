@@ -783,7 +783,9 @@ class DFlashDrafter(nn.Module):
             h = h * self.config.input_embedding_scale
         return h
 
-    def hidden_states(self, block_tokens: mx.array, context: DrafterContext) -> mx.array:
+    def hidden_states(
+        self, block_tokens: mx.array, context: DrafterContext
+    ) -> mx.array:
         """Run the draft layers over a block and apply the final ``norm``.
 
         Args:

@@ -275,6 +275,7 @@ def stream_generate(
     prompt: Union[str, mx.array, List[int]],
     max_tokens: int = 256,
     draft_model: Optional[nn.Module] = None,
+    drafter: Optional[nn.Module] = None,
     **kwargs,
 ) -> Generator[GenerationResponse, None, None]:
     """mlx-lm's ``stream_generate`` over dflash caches and speculative decoding.
@@ -285,7 +286,10 @@ def stream_generate(
         prompt: A string or token ids.
         max_tokens: Tokens to generate (``-1``: no limit; ``0`` is refused as in mlx-lm).
         draft_model: A draft model for speculative decoding (``None``: plain decoding).
-        kwargs: Passed to :func:`speculative_generate_step` or :func:`generate_step`.
+        drafter: A DFlash drafter (``dflash.load_drafter``): DFlash block decoding. Pass
+            ``stats=dflash.GenerationStats(...)`` to collect rounds, τ and acceptance.
+        kwargs: Passed to ``dflash_generate_step``, :func:`speculative_generate_step` or
+            :func:`generate_step`.
 
     Yields:
         mlx-lm ``GenerationResponse`` objects, one per token; the last has ``finish_reason``
@@ -296,11 +300,19 @@ def stream_generate(
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     prompt = _encode_prompt(tokenizer, prompt)
-    if draft_model is None:
+    if drafter is not None and draft_model is not None:
+        raise ValueError("pass either drafter (DFlash) or draft_model, not both")
+    if drafter is not None:
+        from .block_decode import dflash_generate_step
+
+        kwargs.pop("num_draft_tokens", None)
+        tokens = dflash_generate_step(prompt, model, drafter, max_tokens=max_tokens, **kwargs)
+    elif draft_model is None:
         kwargs.pop("num_draft_tokens", None)
         steps = generate_step(prompt, model, max_tokens=max_tokens, **kwargs)
         tokens = ((token, logprobs, False) for token, logprobs in steps)
     else:
+        kwargs.pop("block_size", None)
         tokens = speculative_generate_step(
             prompt, model, draft_model, max_tokens=max_tokens, **kwargs
         )

@@ -96,7 +96,9 @@ def _architecture(cfg: Mapping[str, Any]) -> str:
     return arch
 
 
-def config_from_dict(cfg: Mapping[str, Any], embedding: str = EMBED_RAW) -> DrafterConfig:
+def config_from_dict(
+    cfg: Mapping[str, Any], embedding: str = EMBED_RAW
+) -> DrafterConfig:
     """Build a :class:`DrafterConfig` from a checkpoint's ``config.json``.
 
     Args:

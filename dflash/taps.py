@@ -82,6 +82,8 @@ class TargetTaps:
 
         Raises:
             RuntimeError: a tapped layer is already tapped by another ``TargetTaps``.
+
+        Shapes: none.
         """
         if self._attached:
             return
@@ -95,7 +97,10 @@ class TargetTaps:
         self._attached = True
 
     def detach(self) -> None:
-        """Restore every tapped layer's original class and drop pending records."""
+        """Restore every tapped layer's original class and drop pending records.
+
+        Shapes: none.
+        """
         for index in sorted(set(self.layer_ids)):
             layer = self.layers[index]
             original = getattr(type(layer), _ORIGINAL_CLASS, None)

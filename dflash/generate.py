@@ -1,0 +1,153 @@
+"""``dflash-generate`` / ``python -m dflash.generate``: mlx-lm's generate CLI with DFlash.
+
+Flags follow ``mlx_lm.generate`` where they apply, plus ``--drafter`` / ``--block-size`` (DFlash)
+and ``--draft-model`` / ``--num-draft-tokens`` (a classic draft model). Any failure prints one
+line and exits non-zero.
+"""
+
+import argparse
+import sys
+import types
+from typing import List, Optional
+
+import mlx.core as mx
+
+DESCRIPTION = "Generate text with DFlash speculative decoding (lossless) on mlx-lm models."
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, not usage plus a message."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"dflash-generate: error: {message}\n")
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def _non_negative(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dflash-generate", description=DESCRIPTION)
+    parser.add_argument("--model", help="local path or Hugging Face repo of the target model")
+    parser.add_argument("--prompt", "-p", default="hello", help="the prompt ('-' reads stdin)")
+    parser.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
+    parser.add_argument("--ignore-chat-template", action="store_true",
+                        help="use the raw prompt without the tokenizer's chat template")
+    parser.add_argument("--max-tokens", "-m", type=_positive(int), default=100)
+    parser.add_argument("--temp", type=_non_negative(float), default=0.0, help="sampling temperature")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sampling top-p")
+    parser.add_argument("--top-k", type=_non_negative(int), default=0, help="sampling top-k")
+    parser.add_argument("--min-p", type=float, default=0.0, help="sampling min-p")
+    parser.add_argument("--seed", type=int, default=None, help="PRNG seed")
+    parser.add_argument("--verbose", type=lambda t: t.lower() in ("true", "t", "1"), default=True,
+                        help="'True' prints statistics, 'False' only the text")
+    parser.add_argument("--drafter", help="path or repo of a DFlash drafter for --model")
+    parser.add_argument("--block-size", type=_positive(int), default=None,
+                        help="DFlash block size (default: the drafter's)")
+    parser.add_argument("--draft-model", help="a classic draft model (same tokenizer)")
+    parser.add_argument("--num-draft-tokens", type=_non_negative(int), default=3,
+                        help="draft tokens per round with --draft-model")
+    parser.add_argument("--prefill-step-size", type=_positive(int), default=2048)
+    return parser
+
+
+def _prompt_tokens(tokenizer, args) -> List[int]:
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.ignore_chat_template or tokenizer.chat_template is None:
+        return tokenizer.encode(text)
+    messages = [] if args.system_prompt is None else [{"role": "system", "content": args.system_prompt}]
+    messages.append({"role": "user", "content": text})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def _histogram_line(stats) -> str:
+    return " ".join(f"{n}:{count}" for n, count in enumerate(stats.histogram) if count)
+
+
+def run(args) -> None:
+    """Load the models, stream the text, print the statistics."""
+    from mlx_lm import load
+
+    from .block_decode import GenerationStats
+    from .generation import stream_generate
+    from .loader import load_drafter
+    from .verify.acceptance import SamplingParams, make_sampler
+
+    if args.model is None:
+        raise ValueError("no --model given (the bundled demo model is not built yet)")
+    if args.drafter and args.draft_model:
+        raise ValueError("use --drafter (DFlash) or --draft-model, not both")
+    SamplingParams(args.temp, args.top_p, args.min_p, args.top_k)  # validates the settings
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    model, tokenizer = load(args.model)
+    kwargs = {"sampler": make_sampler(args.temp, args.top_p, args.min_p, args.top_k),
+              "prefill_step_size": args.prefill_step_size}
+    stats = None
+    if args.drafter:
+        kwargs["drafter"] = load_drafter(args.drafter, model)
+        stats = GenerationStats(args.block_size or kwargs["drafter"].config.block_size)
+        kwargs.update(block_size=args.block_size, stats=stats)
+    elif args.draft_model:
+        kwargs["draft_model"], _ = load(args.draft_model)
+        kwargs["num_draft_tokens"] = args.num_draft_tokens
+    prompt = _prompt_tokens(tokenizer, args)
+    response = None
+    for response in stream_generate(model, tokenizer, prompt, max_tokens=args.max_tokens, **kwargs):
+        print(response.text, end="", flush=True)
+    print()
+    if args.verbose and response is not None:
+        print("=" * 10)
+        print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {response.generation_tokens} tokens, "
+              f"{response.generation_tps:.3f} tokens-per-sec")
+        if stats is not None:
+            print(f"DFlash: {stats.rounds} rounds, tau {stats.tau:.2f} tokens/round, "
+                  f"block {stats.block_size}")
+            print(f"Accepted drafts per round (n:rounds): {_histogram_line(stats)}")
+        print(f"Peak memory: {response.peak_memory:.3f} GB")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Entry point of ``dflash-generate``: one line and a non-zero exit on any failure."""
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception as error:  # the CLI's contract: one clear line, no traceback
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"dflash-generate: error: {message}", file=sys.stderr)
+        sys.exit(1)
+
+
+class _CallableModule(types.ModuleType):
+    """Importing ``dflash.generate`` rebinds the package attribute ``dflash.generate`` (the
+    function, as in mlx-lm) to this module; calling the module still generates."""
+
+    def __call__(self, *args, **kwargs):
+        from .generation import generate
+
+        return generate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+
+if __name__ == "__main__":
+    main()

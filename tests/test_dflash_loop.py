@@ -1,0 +1,136 @@
+"""The DFlash draft/verify loop: lossless greedy output, full acceptance, exact sampling."""
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import assert_lossless, greedy_reference, tiny_model
+
+from dflash.block_decode import GenerationStats, dflash_generate_step
+from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.verify.acceptance import make_sampler, rejection_sample
+
+MASK = 255
+
+
+def random_drafter(target, seed=7, block_size=8, **overrides):
+    layers = len(target.layers)
+    fields = dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=96, rms_norm_eps=1e-5, rope_theta=10000.0,
+        layer_types=("sliding_attention", "full_attention"), sliding_window=16,
+        block_size=block_size, mask_token_id=MASK,
+        target_layer_ids=(1, layers // 2, layers - 1),
+    )
+    fields.update(overrides)
+    mx.random.seed(seed)
+    drafter = DFlashDrafter(DrafterConfig(**fields))
+    mx.eval(drafter.parameters())
+    drafter.bind(target)
+    return drafter
+
+
+class OracleDrafter:
+    """Proposes the target's own greedy continuation: every draft is accepted."""
+
+    def __init__(self, sequence, block_size, target_layer_ids):
+        self.sequence = sequence
+        self.config = SimpleNamespace(
+            block_size=block_size, mask_token_id=MASK, target_layer_ids=target_layer_ids,
+            has_candidate_selector=False)
+
+    def make_context(self):
+        return SimpleNamespace(offset=0)
+
+    def append_context(self, context, target_hidden, start_position):
+        assert start_position == context.offset, "context must grow contiguously"
+        context.offset += target_hidden.shape[1]
+
+    def __call__(self, block_tokens, context):
+        size = block_tokens.shape[1]
+        # Block position i sits at absolute position context.offset + i.
+        wanted = self.sequence[context.offset + 1 : context.offset + size]
+        logits = mx.full((1, size, 256), -10.0)
+        for i, token in enumerate(wanted, start=1):
+            logits[0, i, token] = 10.0
+        return logits
+
+
+@pytest.mark.parametrize("arch", ["muse_glimmer", "qwen3"])
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_greedy_output_equals_target_greedy(arch, seed, block_size):
+    target = tiny_model(arch, seed=seed, window=16)
+    drafter = random_drafter(target, seed=seed + 10, block_size=block_size)
+    prompt = mx.random.randint(0, 250, (19,))
+    reference = greedy_reference(target, prompt, 70)  # 89 positions: 5 wraps of a 16-row ring
+    stats = GenerationStats(block_size)
+    output = [t for t, _, _ in dflash_generate_step(prompt, target, drafter, max_tokens=70, stats=stats)]
+    assert_lossless(target, prompt, reference, output)
+    assert stats.rounds >= 1 and 1.0 <= stats.tau <= block_size
+
+
+@pytest.mark.parametrize("block_size", [2, 5, 16])
+def test_oracle_drafter_is_fully_accepted_every_round(block_size):
+    target = tiny_model("muse_glimmer", seed=4, window=16)
+    prompt = mx.random.randint(0, 250, (19,))
+    reference = greedy_reference(target, prompt, 64)
+    drafter = OracleDrafter(prompt.tolist() + reference, block_size, (1, 4, 7))
+    stats = GenerationStats(block_size)
+    steps = list(dflash_generate_step(prompt, target, drafter, max_tokens=64, stats=stats))
+    assert [t for t, _, _ in steps] == reference
+    full_rounds = stats.accepted[:-1]  # the last round may be cut by max_tokens
+    assert all(n == block_size - 1 for n in full_rounds)
+    assert stats.tau > block_size - 1
+    # Every round ends with the target's own (bonus) token.
+    assert [d for _, _, d in steps[:block_size]] == [True] * (block_size - 1) + [False]
+
+
+def chi_square(counts, probs):
+    expected = np.asarray(probs) * np.sum(counts)
+    keep = expected > 0
+    return float(np.sum((np.asarray(counts)[keep] - expected[keep]) ** 2 / expected[keep]))
+
+
+CRITICAL_DF5_P001 = 20.52  # chi-square, 5 degrees of freedom, p = 0.001
+
+
+def test_rejection_sampling_reproduces_the_target_distribution():
+    p = np.array([[0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.1, 0.1, 0.5, 0.1, 0.1, 0.1]])
+    q = np.array([[0.05, 0.05, 0.3, 0.3, 0.2, 0.1]])
+    target, draft = mx.log(mx.array(p)), mx.log(mx.array(q))
+    rng = np.random.default_rng(0)
+    first = np.zeros(6)
+    biased = np.zeros(6)
+    for i in range(4000):
+        d = int(rng.choice(6, p=q[0]))
+        accepted, bonus = rejection_sample(target, draft, [d], key=mx.random.key(i))
+        first[d if accepted else bonus] += 1
+        biased[d] += 1  # "always accept": what a broken rule would emit
+    assert chi_square(first, p[0]) < CRITICAL_DF5_P001
+    assert chi_square(biased, p[0]) > 10 * CRITICAL_DF5_P001  # the test can tell
+
+
+def test_dflash_sampling_at_temperature_matches_the_target():
+    target = tiny_model("muse_glimmer", seed=5, window=16, vocab_size=6)
+    drafter = random_drafter(target, seed=6, block_size=4, mask_token_id=5)
+    prompt = mx.array([1, 2, 3, 4, 0, 1, 2])
+    logits = target(prompt[None])[0, -1]
+    probs = np.array(mx.softmax(logits.astype(mx.float32)))
+    counts = np.zeros(6)
+    sampler = make_sampler(temp=1.0)
+    mx.random.seed(11)
+    for _ in range(1200):
+        steps = dflash_generate_step(prompt, target, drafter, max_tokens=2, sampler=sampler)
+        counts[next(steps)[0]] += 1
+    assert chi_square(counts, probs) < CRITICAL_DF5_P001
+
+
+def test_bad_block_size_and_empty_prompt_are_refused():
+    target = tiny_model("muse_glimmer", seed=0)
+    drafter = random_drafter(target)
+    with pytest.raises(ValueError, match="block_size"):
+        next(dflash_generate_step(mx.array([1, 2]), target, drafter, block_size=0))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        next(dflash_generate_step(mx.array([], mx.uint32), target, drafter))

@@ -1,0 +1,110 @@
+"""CUDA twin of every kernel, bit-identical to the pure-MLX reference.
+
+Needs mlx's CUDA backend (an NVIDIA GPU); skipped elsewhere. Same properties
+as the CPU reference tests, plus the full Muse Glimmer ring geometry, the
+checkpoint round trip through all four kernels, the launch counts, and what
+``use_kernel=None`` picks on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash.metal import (
+    kernel_backend,
+    restore_rows,
+    retain_rows,
+    ring_store,
+    stage_shadow,
+)
+from dflash.metal.bench import graph_launches
+from dflash.metal.selfcheck import (
+    OPS,
+    Case,
+    case_strategy,
+    check_case,
+    check_round_trip,
+    glimmer_cases,
+)
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend"),
+]
+
+EXAMPLES = 100
+
+
+def test_backend_is_cuda() -> None:
+    assert kernel_backend() == "cuda"
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_cuda_matches_reference(op: str) -> None:
+    @settings(max_examples=EXAMPLES, deadline=None)
+    @given(case_strategy(op))
+    def check(case: Case) -> None:
+        assert check_case(case, "kernel") is None, case
+
+    check()
+
+
+@pytest.mark.parametrize("op", ["retain_rows", "restore_rows"])
+def test_cuda_many_planes(op: str) -> None:
+    @settings(max_examples=20, deadline=None)
+    @given(case_strategy(op, max_capacity=40, max_planes=140))
+    def check(case: Case) -> None:
+        assert check_case(case, "kernel") is None, case
+
+    check()
+
+
+@pytest.mark.parametrize("case", glimmer_cases(), ids=lambda c: c.op)
+def test_cuda_glimmer_geometry(case: Case) -> None:
+    assert check_case(case, "kernel") is None
+
+
+def test_cuda_round_trip() -> None:
+    @settings(max_examples=EXAMPLES, deadline=None)
+    @given(case_strategy("restore_rows"), st.data())
+    def check(case: Case, data: st.DataObject) -> None:
+        case = dataclasses.replace(case, scattered=False)
+        accepted = data.draw(st.integers(0, case.count))
+        assert check_round_trip(case, accepted, use_kernel=True) is None
+
+    check()
+
+
+def _planes(count: int) -> list[mx.array]:
+    planes = [
+        mx.random.normal((1, 2, 64, 16)).astype(mx.bfloat16) for _ in range(count)
+    ]
+    mx.eval(planes)
+    return planes
+
+
+def test_one_launch_for_all_glimmer_planes() -> None:
+    planes = _planes(78)
+    dests = mx.array(np.tile(np.arange(60, 76) % 64, (78, 1)).astype(np.int32))
+    block = retain_rows(planes, dests, use_kernel=True)
+    assert graph_launches(block)["CustomKernel"] == 1
+    restored = restore_rows(planes, dests, block, use_kernel=True)
+    assert graph_launches(*restored)["CustomKernel"] == 1
+
+
+def test_auto_picks_kernels_for_fresh_outputs_and_scatter_for_stores() -> None:
+    (plane,) = _planes(1)
+    rows = mx.zeros((1, 2, 16, 16), dtype=mx.bfloat16)
+    dests = mx.array(np.arange(16, dtype=np.int32)[None])
+    assert graph_launches(stage_shadow(plane, rows, 5, 64))["CustomKernel"] == 1
+    assert graph_launches(retain_rows([plane], dests))["CustomKernel"] == 1
+    store = graph_launches(ring_store(plane, rows, 60))
+    assert store["CustomKernel"] == 0 and store["ScatterAxis"] == 1
+    restore = graph_launches(*restore_rows([plane], dests, rows[None]))
+    assert restore["CustomKernel"] == 0 and restore["ScatterAxis"] == 1

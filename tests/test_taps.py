@@ -1,0 +1,145 @@
+"""Target taps: recorded layer outputs, clean detach, mlx-lm models left untouched."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama, muse_glimmer, qwen3
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import make_prompt_cache
+
+from dflash.taps import TargetTaps, target_layers
+
+LAYERS = 8
+TOKENS = mx.array([[3, 17, 5, 99, 42, 7, 7, 250, 1, 64, 128, 9]])
+
+
+def build(family: str):
+    mx.random.seed(21)
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=LAYERS,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+    )
+    if family == "muse_glimmer":
+        # A window shorter than the prompt exercises the sliding masks too.
+        model = muse_glimmer.Model(muse_glimmer.ModelArgs(sliding_window=8, **common))
+    elif family == "qwen3":
+        args = qwen3.ModelArgs(
+            model_type="qwen3",
+            rms_norm_eps=1e-6,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            rope_theta=10000.0,
+            **common,
+        )
+        model = qwen3.Model(args)
+    else:
+        args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-6, **common)
+        model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def manual_layer_outputs(model, tokens):
+    """Each decoder layer's output, running the layers by hand as the model would."""
+    inner = model.model
+    h = inner.embed_tokens(tokens)
+    if isinstance(model, muse_glimmer.Model):
+        h = mx.fast.rms_norm(h, None, inner.embed_eps)
+        masks = inner._masks(h, [None] * LAYERS)
+    else:
+        masks = [create_attention_mask(h, None)] * LAYERS
+    outputs = []
+    for layer, mask in zip(inner.layers, masks):
+        h = layer(h, mask, None)
+        outputs.append(h)
+    return outputs
+
+
+FAMILIES = ["muse_glimmer", "qwen3", "llama"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_taps_equal_manual_layer_outputs(family):
+    model = build(family)
+    ids = (6, 1, 4)
+    expected = manual_layer_outputs(model, TOKENS)
+    with TargetTaps(model, ids) as taps:
+        model(TOKENS)
+        got = taps.pop()
+    want = mx.concatenate([expected[i] for i in ids], axis=-1)
+    assert got.shape == (1, TOKENS.shape[1], 3 * 64)
+    assert mx.allclose(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_detach_restores_class_parameters_and_outputs(family):
+    model = build(family)
+    layers = target_layers(model)
+    classes = [type(layer) for layer in layers]
+    names = [name for name, _ in tree_flatten(model.parameters())]
+    before = model(TOKENS)
+    taps = TargetTaps(model, (0, 3, 7))
+    taps.attach()
+    assert type(layers[3]) is not classes[3]
+    assert isinstance(layers[3], classes[3])
+    assert [name for name, _ in tree_flatten(model.parameters())] == names
+    assert mx.array_equal(model(TOKENS), before)
+    taps.detach()
+    assert [type(layer) for layer in layers] == classes
+    assert mx.array_equal(model(TOKENS), before)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_taps_follow_chunked_cached_forwards(family):
+    model = build(family)
+    ids = (1, 5)
+    with TargetTaps(model, ids) as taps:
+        model(TOKENS)
+        whole = taps.pop()
+        cache = make_prompt_cache(model)
+        model(TOKENS[:, :7], cache=cache)
+        first = taps.pop()
+        model(TOKENS[:, 7:], cache=cache)
+        second = taps.pop()
+    assert mx.allclose(
+        mx.concatenate([first, second], axis=1), whole, atol=1e-5, rtol=1e-5
+    )
+
+
+def test_pop_order_duplicates_and_clearing():
+    model = build("qwen3")
+    expected = manual_layer_outputs(model, TOKENS)
+    with TargetTaps(model, (4, 1, 4)) as taps:
+        model(TOKENS)
+        got = taps.pop()
+        with pytest.raises(RuntimeError, match="no recorded output"):
+            taps.pop()
+    want = mx.concatenate([expected[4], expected[1], expected[4]], axis=-1)
+    assert mx.allclose(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_invalid_layer_ids_and_double_tapping():
+    model = build("llama")
+    with pytest.raises(ValueError, match=r"\[8\] out of range .* 8 layers"):
+        TargetTaps(model, (1, 8))
+    with pytest.raises(ValueError, match=r"\[-1\]"):
+        TargetTaps(model, (-1,))
+    with TargetTaps(model, (2,)):
+        with pytest.raises(RuntimeError, match="already tapped"):
+            TargetTaps(model, (2, 3)).attach()
+    assert type(model.layers[2]) is llama.TransformerBlock
+
+
+def test_context_manager_detaches_on_error():
+    model = build("muse_glimmer")
+    with pytest.raises(KeyError):
+        with TargetTaps(model, (0,)):
+            raise KeyError("boom")
+    assert type(model.layers[0]) is muse_glimmer.DecoderLayer
