@@ -43,7 +43,9 @@ def kernel_backend() -> Optional[str]:
     return BACKEND
 
 
-def build_kernel(spec: KernelSpec, backend: Optional[str] = BACKEND) -> Optional[Kernel]:
+def build_kernel(
+    spec: KernelSpec, backend: Optional[str] = BACKEND
+) -> Optional[Kernel]:
     """Build the mlx custom-kernel object for ``spec``.
 
     Args:

@@ -6,8 +6,8 @@ may be passed together) into one ``(P, ...)`` block; on commit/rollback
 :func:`restore_rows` puts the rejected ones back.
 
 Default paths (``use_kernel=None``) on a GPU: retain is the custom kernel (one
-launch for all planes, or a few on Metal where a launch binds at most 28
-buffers); restore is one mlx scatter per plane, which runs in place when mlx
+launch for all planes on CUDA; on Metal one per 28 planes, the most a launch
+can bind); restore is one mlx scatter per plane, which runs in place when mlx
 can donate the plane buffer, so it moves only the restored rows. The restore
 kernel (one launch, but a fresh ``C``-row output per plane) is there for
 ``use_kernel=True`` and for the benchmark; ``docs/metal.md`` has the numbers.
@@ -45,11 +45,17 @@ def _block_shape(planes: int, geom: RowGeometry, n: int) -> tuple[int, ...]:
 # -------------------------------------------------------------------- retain
 
 
+def _plane(x: mx.array, p: int) -> mx.array:
+    # A slice + squeeze is a view; integer indexing would launch a gather.
+    return mx.squeeze(x[p : p + 1], axis=0)
+
+
 def _retain_rows_ops(
     buffers: Sequence[mx.array], dests: mx.array, geom: RowGeometry
 ) -> mx.array:
     gathered = [
-        mx.take(buffer, dests[p], axis=geom.row_axis) for p, buffer in enumerate(buffers)
+        mx.take(buffer, _plane(dests, p), axis=geom.row_axis)
+        for p, buffer in enumerate(buffers)
     ]
     return mx.stack(gathered)
 
@@ -123,8 +129,8 @@ def _restore_rows_ops(
     return [
         mx.put_along_axis(
             buffer,
-            dests[p].reshape(geom.index_shape(n)),
-            rows[p],
+            _plane(dests, p).reshape(geom.index_shape(n)),
+            _plane(rows, p),
             axis=geom.row_axis,
         )
         for p, buffer in enumerate(buffers)
@@ -142,7 +148,10 @@ def _restore_rows_kernel(
         planes = hi - lo
         total = planes * geom.outer * geom.capacity * words
         check_launch_size(total, "restore_rows")
-        block = rows[lo:hi].reshape(planes, geom.outer, n, geom.width).view(word)
+        # ``rows`` is usually a slice of a retained block along n (the rejected
+        # tail): make the copy explicit (a no-op when already contiguous).
+        block = mx.contiguous(rows[lo:hi])
+        block = block.reshape(planes, geom.outer, n, geom.width).view(word)
         inputs = [as_words(b, geom, word) for b in buffers[lo:hi]]
         inputs += [
             dests[lo:hi],

@@ -122,7 +122,9 @@ def ring_store(
     geom = buffer_geometry(buffer, head_major, "buffer")
     count = block_rows(geom, rows, "rows")
     if count > geom.capacity:
-        raise ValueError(f"rows holds S={count} rows, more than capacity C={geom.capacity}")
+        raise ValueError(
+            f"rows holds S={count} rows, more than capacity C={geom.capacity}"
+        )
     start = check_ring_index(dest_start, geom.capacity, "dest_start")
     if count == 0:
         return buffer

@@ -224,10 +224,12 @@ def restore_spec(planes: int) -> KernelSpec:
 # Buffer-argument budget of one Metal launch (the argument table has 31 slots,
 # and mlx.fast.metal_kernel has no argument buffers): retain binds P planes +
 # dests + params + out, restore binds P planes + dests + rows + params + P outs.
-# CUDA passes pointers as kernel parameters (4 KiB classic limit), far more room.
+# CUDA passes the pointers as kernel parameters: 8 bytes each against the
+# classic 4 KiB parameter limit (259 and 323 pointers at these maxima), so all
+# 78 K/V ring planes of Muse Glimmer fit one launch of either kernel.
 MAX_PLANES: dict[tuple[str, str], int] = {
     (METAL, "retain"): 28,
     (METAL, "restore"): 14,
-    (CUDA, "retain"): 128,
-    (CUDA, "restore"): 64,
+    (CUDA, "retain"): 256,
+    (CUDA, "restore"): 160,
 }

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from dflash.metal import backend, restore_rows, retain_rows
 from dflash.metal.compile_check import (
+    CUDA_CHECK_PLANES,
     MetalEmulator,
     check_cuda,
     check_metal,
@@ -80,7 +81,7 @@ def test_metal_bodies_compile(tmp_path: Path) -> None:
 
 @needs_nvcc
 def test_cuda_bodies_compile(tmp_path: Path) -> None:
-    result = check_cuda(check_specs(), tmp_path, NVCC)
+    result = check_cuda(check_specs(CUDA_CHECK_PLANES), tmp_path, NVCC)
     assert result.ok, f"{result.command}\n{result.log}"
 
 
