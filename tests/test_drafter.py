@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import mlx.core as mx
+from conftest import tiny_model
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -25,41 +26,13 @@ WINDOW = 8
 
 
 def muse_target() -> muse_glimmer.Model:
-    mx.random.seed(11)
-    args = muse_glimmer.ModelArgs(
-        hidden_size=HIDDEN,
-        num_hidden_layers=8,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=VOCAB,
-        sliding_window=32,
-    )
-    model = muse_glimmer.Model(args)
-    mx.eval(model.parameters())
-    return model
+    return tiny_model("muse_glimmer", seed=11, window=32)
 
 
 def qwen3_target() -> qwen3.Model:
-    mx.random.seed(12)
-    args = qwen3.ModelArgs(
-        model_type="qwen3",
-        hidden_size=HIDDEN,
-        num_hidden_layers=8,
-        intermediate_size=128,
-        num_attention_heads=4,
-        rms_norm_eps=1e-6,
-        vocab_size=VOCAB,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        head_dim=16,
-        tie_word_embeddings=False,
-        rope_theta=10000.0,
+    return tiny_model(
+        "qwen3", seed=12, num_hidden_layers=8, tie_word_embeddings=False, max_position_embeddings=512
     )
-    model = qwen3.Model(args)
-    mx.eval(model.parameters())
-    return model
 
 
 def tiny_config(**overrides) -> DrafterConfig:

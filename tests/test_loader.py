@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+from conftest import tiny_model
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models import muse_glimmer, qwen3
+from mlx_lm.models import qwen3
 
 from dflash.drafter import (
     ARCH_ASSISTANT,
@@ -46,20 +47,7 @@ def header_shapes(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def target():
-    mx.random.seed(31)
-    args = muse_glimmer.ModelArgs(
-        hidden_size=HIDDEN,
-        num_hidden_layers=8,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=VOCAB,
-        sliding_window=32,
-    )
-    model = muse_glimmer.Model(args)
-    mx.eval(model.parameters())
-    return model
+    return tiny_model("muse_glimmer", seed=31, window=32)
 
 
 def tiny_drafter(kind: str) -> DFlashDrafter:

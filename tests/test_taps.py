@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import mlx.core as mx
+from conftest import tiny_model
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models import llama, muse_glimmer, qwen3
+from mlx_lm.models import llama, muse_glimmer
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -16,34 +17,11 @@ TOKENS = mx.array([[3, 17, 5, 99, 42, 7, 7, 250, 1, 64, 128, 9]])
 
 
 def build(family: str):
-    mx.random.seed(21)
-    common = dict(
-        hidden_size=64,
-        num_hidden_layers=LAYERS,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=256,
-    )
-    if family == "muse_glimmer":
-        # A window shorter than the prompt exercises the sliding masks too.
-        model = muse_glimmer.Model(muse_glimmer.ModelArgs(sliding_window=8, **common))
-    elif family == "qwen3":
-        args = qwen3.ModelArgs(
-            model_type="qwen3",
-            rms_norm_eps=1e-6,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-            rope_theta=10000.0,
-            **common,
-        )
-        model = qwen3.Model(args)
-    else:
-        args = llama.ModelArgs(model_type="llama", rms_norm_eps=1e-6, **common)
-        model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
+    # A window shorter than the prompt exercises the sliding masks too.
+    extra = {}
+    if family == "qwen3":
+        extra = dict(tie_word_embeddings=False, max_position_embeddings=512)
+    return tiny_model(family, seed=21, window=8, num_hidden_layers=LAYERS, **extra)
 
 
 def manual_layer_outputs(model, tokens):
