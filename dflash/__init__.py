@@ -14,6 +14,7 @@ if not _os.path.isdir(_os.path.join(_here, "cache")) and _os.path.isfile(
 
 from .block_decode import GenerationStats, dflash_generate_step
 from .cache import SpeculativeCheckpoint, make_prompt_cache
+from .demo import demo_available, load_demo
 from .drafter import DFlashDrafter, DrafterConfig, DrafterContext, DraftProposal
 from .generation import generate, generate_step, speculative_generate_step, stream_generate
 from .loader import DrafterLoadError, load_drafter, save_drafter
@@ -30,9 +31,11 @@ __all__ = [
     "SamplingParams",
     "SpeculativeCheckpoint",
     "TargetTaps",
+    "demo_available",
     "dflash_generate_step",
     "generate",
     "generate_step",
+    "load_demo",
     "load_drafter",
     "make_prompt_cache",
     "make_sampler",

@@ -44,7 +44,8 @@ def _non_negative(kind):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="dflash-generate", description=DESCRIPTION)
-    parser.add_argument("--model", help="local path or Hugging Face repo of the target model")
+    parser.add_argument("--model", help="local path or Hugging Face repo of the target model "
+                        "(default: the bundled demo pair, target and drafter)")
     parser.add_argument("--prompt", "-p", default="hello", help="the prompt ('-' reads stdin)")
     parser.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
     parser.add_argument("--ignore-chat-template", action="store_true",
@@ -80,29 +81,53 @@ def _histogram_line(stats) -> str:
     return " ".join(f"{n}:{count}" for n, count in enumerate(stats.histogram) if count)
 
 
+def _load_models(args):
+    """``(model, tokenizer, drafter or None)`` from the flags; the demo pair without --model."""
+    from mlx_lm import load
+
+    from .loader import load_drafter
+
+    if args.model is None:
+        return _load_demo_pair(args)
+    model, tokenizer = load(args.model)
+    drafter = load_drafter(args.drafter, model) if args.drafter else None
+    return model, tokenizer, drafter
+
+
+def _load_demo_pair(args):
+    """The bundled demo target and drafter, announced in one line on stderr."""
+    from . import demo
+
+    for flag, value in (("--draft-model", args.draft_model), ("--drafter", args.drafter)):
+        if value:
+            raise ValueError(f"{flag} needs --model (without --model the bundled demo pair "
+                             "is used)")
+    model, tokenizer, drafter = demo.load_demo()
+    print(f"dflash-generate: no --model given; using the bundled demo pair "
+          f"({demo.DEMO_DESCRIPTION}, {demo.DEMO_DIR})", file=sys.stderr)
+    return model, tokenizer, drafter
+
+
 def run(args) -> None:
     """Load the models, stream the text, print the statistics."""
     from mlx_lm import load
 
     from .block_decode import GenerationStats
     from .generation import stream_generate
-    from .loader import load_drafter
     from .verify.acceptance import SamplingParams, make_sampler
 
-    if args.model is None:
-        raise ValueError("no --model given (the bundled demo model is not built yet)")
     if args.drafter and args.draft_model:
         raise ValueError("use --drafter (DFlash) or --draft-model, not both")
     SamplingParams(args.temp, args.top_p, args.min_p, args.top_k)  # validates the settings
     if args.seed is not None:
         mx.random.seed(args.seed)
-    model, tokenizer = load(args.model)
+    model, tokenizer, drafter = _load_models(args)
     kwargs = {"sampler": make_sampler(args.temp, args.top_p, args.min_p, args.top_k),
               "prefill_step_size": args.prefill_step_size}
     stats = None
-    if args.drafter:
-        kwargs["drafter"] = load_drafter(args.drafter, model)
-        stats = GenerationStats(args.block_size or kwargs["drafter"].config.block_size)
+    if drafter is not None:
+        kwargs["drafter"] = drafter
+        stats = GenerationStats(args.block_size or drafter.config.block_size)
         kwargs.update(block_size=args.block_size, stats=stats)
     elif args.draft_model:
         kwargs["draft_model"], _ = load(args.draft_model)

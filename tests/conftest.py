@@ -1,12 +1,19 @@
 """Shared fixtures: tiny random-weight mlx-lm models and a divergence checker."""
 
 import importlib
-import sys
-from typing import List, Optional, Sequence
+import json
+from typing import Optional, Sequence
 
 import mlx.core as mx
 import pytest
 from hypothesis import HealthCheck, settings
+from mlx.utils import tree_flatten
+
+from dflash.reference import (  # noqa: F401 (re-exported to the tests)
+    greedy_reference,
+    mlx_lm_generate_module,
+    top2_margin,
+)
 
 settings.register_profile(
     "ci", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
@@ -104,25 +111,6 @@ def tiny_model(arch: str, seed: int = 0, window: Optional[int] = 16, **overrides
     return model
 
 
-def mlx_lm_generate_module():
-    """mlx-lm's ``generate`` module (the package attribute is shadowed by the function)."""
-    importlib.import_module("mlx_lm.generate")
-    return sys.modules["mlx_lm.generate"]
-
-
-def greedy_reference(model, prompt: mx.array, max_tokens: int) -> List[int]:
-    """The target's own greedy output: mlx-lm's ``generate_step`` with mlx-lm's own cache."""
-    steps = mlx_lm_generate_module().generate_step(prompt, model, max_tokens=max_tokens)
-    return [token for token, _ in steps]
-
-
-def top2_margin(model, tokens: Sequence[int]) -> float:
-    """Gap between the target's two largest logits after ``tokens`` (full forward, no cache)."""
-    logits = model(mx.array(tokens, mx.uint32)[None])[0, -1]
-    top = mx.sort(logits)[-2:]
-    return (top[1] - top[0]).item()
-
-
 def assert_lossless(model, prompt: mx.array, reference: Sequence[int], output: Sequence[int]):
     """``output`` equals ``reference``, except after a near-tie (top-2 margin < 1e-4).
 
@@ -158,3 +146,12 @@ def tiny_tokenizer(vocab_size: int = 256):
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.decoder = decoders.WordPiece(prefix="##")
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="w0", unk_token="w1")
+
+
+def save_target(model, path):
+    """Save a tiny target as an mlx-lm model folder (weights, config, tiny tokenizer)."""
+    path.mkdir(parents=True)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = {k: v for k, v in vars(model.args).items() if not k.startswith("_")}
+    (path / "config.json").write_text(json.dumps(config))
+    tiny_tokenizer().save_pretrained(str(path))

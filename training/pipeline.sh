@@ -12,7 +12,7 @@ mkdir -p "$work" "$out"
 case "$stage" in
   target)
     python -m training.train_target --data "$data" --checkpoint "$work/ckpt-target" \
-      --export "$work/target" --run-seconds "${RUN_SECONDS:-470}" 2>&1 | tee "$out/train-target.log"
+      --export "$work/target" --run-seconds "${RUN_SECONDS:-480}" 2>&1 | tee "$out/train-target.log"
     if [ -f "$work/target/config.json" ]; then cp -r "$work/target" "$out/"; fi
     ;;
   drafter)
