@@ -28,7 +28,7 @@ case "$stage" in
   raw)
     python -m training.train_drafter --source raw --data "$data" --target "$work/target" \
       --distill "$work/distill" --checkpoint "$work/ckpt-drafter-raw" \
-      --total-steps "${TOTAL_STEPS:?set TOTAL_STEPS to the greedy drafter's}" \
+      --total-steps "${TOTAL_STEPS:?set TOTAL_STEPS to the greedy run total}" \
       --run-seconds "${RUN_SECONDS:-150}" 2>&1 | tee "$out/train-drafter-raw.log"
     ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
