@@ -12,7 +12,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import create_attention_mask
 
 from .errors import CacheError, RollbackError
-from .plane import KvPlane
+from .plane import KvPlane, kv_halves
 
 _META_FIELDS = (
     "window",
@@ -56,20 +56,20 @@ class _PlaneCache(KvPlane):
         return self.len
 
     def empty(self) -> bool:
-        return self.keys is None
+        return self.kv is None
 
     @property
     def state(self):
-        if self.keys is None:
+        if self.kv is None:
             return []
         return self.keys, self.values
 
     @state.setter
     def state(self, value) -> None:
         if not value:
-            self.keys = self.values = None
+            self.set_buffers(None, None)
             return
-        self.keys, self.values = value
+        self.set_buffers(*value)
 
     @property
     def meta_state(self) -> Tuple[str, ...]:
@@ -90,7 +90,7 @@ class _PlaneCache(KvPlane):
     def from_state(cls, state, meta_state):
         """Rebuild a cache from ``state`` and ``meta_state`` (as mlx-lm's caches do)."""
         obj = cls.__new__(cls)
-        obj.speculation = None
+        obj.init_runtime()
         obj.meta_state = meta_state
         obj.state = state
         return obj
@@ -122,12 +122,20 @@ class RingKVCache(_PlaneCache):
         window: The layer's sliding window (mlx-lm's ``max_size``).
         max_context: Largest context the cache accepts (``None``: unbounded).
         layer: Layer index, used in error messages.
+        use_kernel: Custom-kernel switch of the staging shadow (``None``: the kernel on a
+            Metal/CUDA GPU unless ``DFLASH_KERNELS=0``).
     """
 
     def __init__(
-        self, window: int, max_context: Optional[int] = None, layer: Optional[int] = None
+        self,
+        window: int,
+        max_context: Optional[int] = None,
+        layer: Optional[int] = None,
+        use_kernel: Optional[bool] = None,
     ):
-        super().__init__(window=window, max_context=max_context, layer=layer)
+        super().__init__(
+            window=window, max_context=max_context, layer=layer, use_kernel=use_kernel
+        )
 
     def _is_staged(self, count: int) -> bool:
         return count > 1 and self.len + count > self.capacity
@@ -135,21 +143,31 @@ class RingKVCache(_PlaneCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store a chunk and return the keys/values its queries attend to.
 
+        A staged chunk returns its staging shadow (one launch with the kernels); inside a
+        :class:`SpeculativeCheckpoint` the chunk is then held back from the ring until commit.
+
         Shapes:
             keys, values: ``(B, H, S, D)``.
         """
         count = keys.shape[2]
-        if self._is_staged(count):
-            self._check_rows(keys, values)
-            shadow_keys, shadow_values = keys, values
-            if self.len:
-                old_keys, old_values = self.logical_rows()
-                shadow_keys = mx.concatenate([old_keys, keys], axis=2)
-                shadow_values = mx.concatenate([old_values, values], axis=2)
+        if not self._is_staged(count):
             self.write(self.offset, keys, values)
-            return shadow_keys, shadow_values
-        self.write(self.offset, keys, values)
-        return self.attention_rows()
+            return self.attention_rows()
+        self._check_rows(keys, values)
+        start = self.offset
+        self.check_continuity(start, count)
+        kv = mx.stack([keys, values])
+        checkpoint = self.speculation
+        if checkpoint is not None:
+            checkpoint.admit(start, count)
+            if checkpoint.can_defer():
+                shadow = self.shadow(kv)
+                checkpoint.defer(start, kv)
+                return kv_halves(shadow)
+            checkpoint.prepare_store(start, kv)
+        shadow = self.shadow(kv)
+        self.store_chunk(start, kv)
+        return kv_halves(shadow)
 
     def make_mask(
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
@@ -176,10 +194,19 @@ class GrowingKVCache(_PlaneCache):
     Args:
         max_context: Largest context the cache accepts (``None``: unbounded).
         layer: Layer index, used in error messages.
+        use_kernel: Accepted for symmetry with :class:`RingKVCache` (a growing plane never
+            stages, so it launches no custom kernel).
     """
 
-    def __init__(self, max_context: Optional[int] = None, layer: Optional[int] = None):
-        super().__init__(window=None, max_context=max_context, layer=layer)
+    def __init__(
+        self,
+        max_context: Optional[int] = None,
+        layer: Optional[int] = None,
+        use_kernel: Optional[bool] = None,
+    ):
+        super().__init__(
+            window=None, max_context=max_context, layer=layer, use_kernel=use_kernel
+        )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append a chunk and return every row so far.

@@ -1,143 +1,183 @@
-"""Speculative checkpoint: exact, O(block) rollback of a verify block.
+"""Speculative checkpoint: exact, O(block) rollback of a verify block, no host sync in ``begin``.
 
 ``SpeculativeCheckpoint.begin(prompt_cache, token_count)`` before a forward that writes up to
 ``token_count`` rows; ``commit(accepted)`` keeps the first ``accepted`` rows of the block and
 leaves every plane exactly as sequential appends of those rows would have left it;
-``rollback()`` is ``commit(0)``.
+``rollback()`` is ``commit(0)``. ``begin`` only records bookkeeping (Python ints): it launches
+nothing and never waits for the device.
 
-- A growing plane's block lands in unused rows past ``len``: rewinding is three integers.
-- A ring at steady state has no unused rows: the block overwrites its oldest live rows, so the
-  checkpoint keeps exactly those rows (at most ``token_count`` per plane, never the window).
+How each plane is undone:
+
+- **Growing plane**: the block lands in unused rows past ``len``; rewinding is three integers.
+- **Ring plane, staged block** (the verify block of a speculative round: a multi-token chunk
+  that overwrites live rows, written by one ``update_and_fetch``): attention reads the staging
+  shadow, never the ring, so the block is *held back*: the forward does not write the ring at
+  all, ``commit(n)`` appends the block's first ``n`` rows (one store per plane, in place) and
+  ``rollback()`` writes nothing. Nothing is retained or restored.
+- **Ring plane, any other write** under the checkpoint (a single-token decode step at a full
+  ring, a block written in several chunks, ``KvPlane.write``): before the first such write, the
+  rows the block will overwrite are retained (at most ``token_count`` per plane) for every ring
+  plane not yet written, one ``retain_rows`` launch per buffer geometry, and evaluated once so
+  the in-place stores after it can reuse their buffers; ``commit`` puts back the rows still live.
 """
 
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+import numpy as np
 
+from ..metal.checkpoint import retain_rows
+from ..metal.ring import ring_write, wrapped_rows
 from .errors import CacheError, RollbackError
-from .plane import KvPlane, PlaneMeta, put_rows, ring_indices, row_axis, take_rows
+from .plane import KvPlane, PlaneMeta, kv_half, meta_after, take_kv_rows
+
+UNTOUCHED = "untouched"  # nothing written under the checkpoint yet
+DEFERRED = "deferred"  # one staged block held back from the ring
+RETAINED = "retained"  # overwritten rows retained; writes go to the ring
 
 
-@dataclass
 class PlaneCheckpoint:
     """What one plane needs to undo a block.
 
-    Attributes:
+    Args:
         plane: The plane.
-        start: Absolute position of the block's first row.
+        owner: The checkpoint this belongs to.
         token_count: Most rows the block may write.
+
+    Attributes:
+        start: Absolute position of the block's first row.
         meta: The plane's bookkeeping before the block.
-        retained_count: Number of live rows the block will overwrite (oldest first).
-        retained_keys, retained_values: Those rows, in logical order (``None`` if none).
-        journal: The chunks written under this checkpoint, for blocks wider than the ring.
+        mode: ``"untouched"``, ``"deferred"`` (a staged block held back) or ``"retained"``.
+        pending: The held-back block, K and V stacked (``deferred`` only).
+        retained_count: Live rows retained before being overwritten (oldest first).
+        journal: The chunks written to the ring under this checkpoint, for blocks wider than
+            the ring.
     """
 
-    plane: KvPlane
-    start: int
-    token_count: int
-    meta: PlaneMeta
-    retained_count: int = 0
-    retained_keys: Optional[mx.array] = None
-    retained_values: Optional[mx.array] = None
-    journal: List[tuple] = field(default_factory=list)
+    def __init__(
+        self, plane: KvPlane, owner: "SpeculativeCheckpoint", token_count: int
+    ):
+        self.plane = plane
+        self.owner = owner
+        self.start = plane.offset
+        self.token_count = token_count
+        self.meta = plane.meta
+        self.mode = UNTOUCHED
+        self.pending: Optional[mx.array] = None
+        self.retained_block: Optional[mx.array] = None
+        self.retained_slot = 0
+        self.retained_count = 0
+        self.journal: List[Tuple[int, mx.array]] = []
 
     @property
     def written(self) -> int:
+        """Rows written so far under the checkpoint."""
         return self.plane.offset - self.start
 
-    def admit(self, plane: KvPlane, start: int, keys: mx.array, values: mx.array) -> None:
-        """Refuse (before any change) a write that exceeds the checkpointed block."""
-        count = keys.shape[row_axis(plane.head_major)]
-        if start - self.start + count > self.token_count:
-            raise RollbackError(
-                f"layer {plane.layer}: writing {count} rows at position {start} exceeds the "
-                f"checkpointed block of {self.token_count} rows from {self.start}"
-            )
-        self.journal.append((start, keys, values))
+    @property
+    def overwritten(self) -> int:
+        """Live rows of the ring the whole block overwrites (0 for growing planes)."""
+        if not self.plane.is_ring or self.plane.kv is None:
+            return 0
+        meta = self.meta
+        return min(meta.len, max(0, meta.len + self.token_count - meta.capacity))
 
     @property
     def retained_bytes(self) -> int:
-        if self.retained_keys is None:
-            return 0
-        return self.retained_keys.nbytes + self.retained_values.nbytes
+        """Bytes of the K and V rows retained for this plane."""
+        return self.retained_count * self.plane.row_bytes
 
+    # ----------------------------------------------------------------- writes
+    def admit(self, start: int, count: int) -> None:
+        """Refuse (before any change) a write that exceeds the checkpointed block."""
+        if start - self.start + count > self.token_count:
+            raise RollbackError(
+                f"layer {self.plane.layer}: writing {count} rows at position {start} exceeds "
+                f"the checkpointed block of {self.token_count} rows from {self.start}"
+            )
 
-def _meta_after(meta: PlaneMeta, is_ring: bool, count: int) -> PlaneMeta:
-    """Bookkeeping after appending ``count`` rows to a plane with bookkeeping ``meta``."""
-    total = meta.len + count
-    if not is_ring or total <= meta.capacity:
-        return PlaneMeta(meta.capacity, total, meta.origin_logical, meta.origin_physical)
-    overflow = total - meta.capacity
-    return PlaneMeta(
-        meta.capacity,
-        meta.capacity,
-        meta.origin_logical + overflow,
-        (meta.origin_physical + overflow) % meta.capacity,
-    )
+    def can_defer(self) -> bool:
+        """Whether a staged chunk written now can be held back from the ring."""
+        return self.mode == UNTOUCHED and self.plane.is_ring
 
+    def defer(self, start: int, kv: mx.array) -> None:
+        """Hold a staged chunk back: bookkeeping advances, the ring is not written.
 
-def _begin_plane(plane: KvPlane, token_count: int) -> PlaneCheckpoint:
-    meta = plane.meta
-    ckpt = PlaneCheckpoint(plane, plane.offset, token_count, meta)
-    if plane.is_ring and plane.keys is not None:
-        # The block overwrites the oldest live rows once it runs past the free slots.
-        overwritten = min(meta.len, max(0, meta.len + token_count - meta.capacity))
-        if overwritten:
-            # An index array (not a slice) makes a real copy, not a view of the ring.
-            rows = (mx.arange(overwritten) + meta.origin_physical) % meta.capacity
-            ckpt.retained_count = overwritten
-            ckpt.retained_keys = take_rows(plane.keys, rows, plane.head_major)
-            ckpt.retained_values = take_rows(plane.values, rows, plane.head_major)
-    return ckpt
+        Shapes:
+            kv: ``(2, B, H, S, D)`` head-major or ``(2, B, S, H, D)`` token-major.
+        """
+        self.plane.append_batch(start, kv.shape[self.plane.kv_axis])
+        self.pending = kv
+        self.mode = DEFERRED
 
+    def prepare_store(self, start: int, kv: mx.array) -> None:
+        """Make a write to the ring undoable: retain (or flush) first, then journal it."""
+        if not self.plane.is_ring:
+            return
+        if self.mode == UNTOUCHED:
+            self.owner.retain_untouched()
+        elif self.mode == DEFERRED:
+            self.flush()
+        self.journal.append((start, kv))
 
-def _journal_rows(ckpt: PlaneCheckpoint, first: int, last: int):
-    """Block rows ``first .. last - 1`` (block-relative) from the chunks written."""
-    head_major = ckpt.plane.head_major
-    axis = row_axis(head_major)
-    keys = mx.concatenate([k for _, k, _ in ckpt.journal], axis=axis)
-    values = mx.concatenate([v for _, _, v in ckpt.journal], axis=axis)
-    rows = slice(first, last)
-    return take_rows(keys, rows, head_major), take_rows(values, rows, head_major)
+    def settle(self) -> None:
+        """Write a held-back block to the ring (a reader needs the buffers to be current)."""
+        if self.mode == DEFERRED:
+            self.flush()
 
+    def flush(self) -> None:
+        """Retain what the held-back block overwrites, then store it in the ring."""
+        kv, self.pending = self.pending, None
+        self.owner.retain([self])
+        self.plane.set_meta(self.meta)
+        self.plane.store_chunk(self.start, kv)
+        self.journal.append((self.start, kv))
 
-def _commit_ring_rows(ckpt: PlaneCheckpoint, accepted: int, final: PlaneMeta) -> None:
-    """Put back every retained row still live after ``accepted`` rows; re-lay lost ones."""
-    plane, meta = ckpt.plane, ckpt.meta
-    written = ckpt.written
-    if written == 0:
-        return
-    if ckpt.retained_count:
-        # Retained row k sits at logical position meta.origin_logical + k.
-        first_live = max(0, final.origin_logical - meta.origin_logical)
-        if first_live < ckpt.retained_count:
-            count = ckpt.retained_count - first_live
-            dest = ring_indices(meta.origin_physical, first_live, count, meta.capacity)
-            tail = slice(first_live, ckpt.retained_count)
-            put_rows(plane.keys, dest, take_rows(ckpt.retained_keys, tail, plane.head_major), plane.head_major)
-            put_rows(plane.values, dest, take_rows(ckpt.retained_values, tail, plane.head_major), plane.head_major)
-    # Accepted rows overwritten later in the same block (only when it is wider than the ring).
-    first = max(0, accepted - meta.capacity)
-    last = min(accepted, written - meta.capacity)
-    if first < last:
-        keys, values = _journal_rows(ckpt, first, last)
-        logical = ckpt.start + first - final.origin_logical
-        dest = ring_indices(final.origin_physical, logical, last - first, final.capacity)
-        put_rows(plane.keys, dest, keys, plane.head_major)
-        put_rows(plane.values, dest, values, plane.head_major)
+    # ----------------------------------------------------------------- commit
+    def commit(self, accepted: int) -> None:
+        """Leave the plane as sequential appends of the block's first ``accepted`` rows."""
+        plane = self.plane
+        written = self.written
+        final = meta_after(self.meta, plane.is_ring, accepted)
+        plane.speculation = None
+        if not plane.is_ring:
+            # Storage may have grown during the block; the grown rows are simply unused.
+            plane.set_meta(PlaneMeta(plane.capacity, final.len, 0, 0))
+            return
+        if self.mode == DEFERRED:
+            kv, self.pending = self.pending, None
+            plane.set_meta(self.meta)
+            if accepted:
+                kept = take_kv_rows(kv, slice(0, accepted), plane.head_major)
+                plane.store_chunk(self.start, kept)
+            return
+        if self.mode == RETAINED and written:
+            self._restore(accepted, final, written)
+        plane.set_meta(final)
 
-
-def _commit_plane(ckpt: PlaneCheckpoint, accepted: int) -> None:
-    plane = ckpt.plane
-    final = _meta_after(ckpt.meta, plane.is_ring, accepted)
-    if plane.is_ring:
-        _commit_ring_rows(ckpt, accepted, final)
-    else:
-        # Storage may have grown during the block; the grown rows are simply unused.
-        final = PlaneMeta(plane.capacity, final.len, 0, 0)
-    plane.set_meta(final)
-    plane.speculation = None
+    def _restore(self, accepted: int, final: PlaneMeta, written: int) -> None:
+        """Put back every retained row still live after ``accepted`` rows; re-lay lost ones."""
+        plane, meta = self.plane, self.meta
+        if self.retained_count:
+            # Retained row k sits at logical position meta.origin_logical + k.
+            first_live = max(0, final.origin_logical - meta.origin_logical)
+            if first_live < self.retained_count:
+                rows = take_kv_rows(
+                    kv_half(self.retained_block, self.retained_slot),
+                    slice(first_live, self.retained_count),
+                    plane.head_major,
+                )
+                dest = (meta.origin_physical + first_live) % meta.capacity
+                plane.kv = ring_write(plane.kv, rows, dest, plane.kv_axis)
+        # Accepted rows overwritten later in the same block (only when it is wider than the ring).
+        first = max(0, accepted - meta.capacity)
+        last = min(accepted, written - meta.capacity)
+        if first < last:
+            block = mx.concatenate([kv for _, kv in self.journal], axis=plane.kv_axis)
+            rows = take_kv_rows(block, slice(first, last), plane.head_major)
+            logical = self.start + first - final.origin_logical
+            dest = (final.origin_physical + logical) % final.capacity
+            plane.kv = ring_write(plane.kv, rows, dest, plane.kv_axis)
 
 
 class SpeculativeCheckpoint:
@@ -151,21 +191,29 @@ class SpeculativeCheckpoint:
         >>> ckpt.commit(accepted + 1)
     """
 
-    def __init__(self, planes: List[PlaneCheckpoint], token_count: int):
-        self._planes = planes
+    def __init__(self, token_count: int, use_kernel: Optional[bool] = None):
+        self._planes: List[PlaneCheckpoint] = []
         self.token_count = token_count
+        self.use_kernel = use_kernel
         self.closed = False
 
     @classmethod
-    def begin(cls, prompt_cache: Sequence, token_count: int) -> "SpeculativeCheckpoint":
+    def begin(
+        cls, prompt_cache: Sequence, token_count: int, use_kernel: Optional[bool] = None
+    ) -> "SpeculativeCheckpoint":
         """Open a checkpoint before a forward writes up to ``token_count`` rows.
+
+        Launches nothing and does not wait for the device: it records each plane's
+        bookkeeping (Python ints).
 
         Args:
             prompt_cache: The caches (KV planes) of every layer that the forward writes.
             token_count: Most rows the forward will write into each plane.
+            use_kernel: Switch of the retain kernel, if rows must be retained (``None``: each
+                plane's own ``use_kernel``).
 
         Returns:
-            The open checkpoint; its retained rows are already evaluated.
+            The open checkpoint.
         """
         if token_count < 0:
             raise CacheError(f"token_count must be >= 0, got {token_count}")
@@ -177,29 +225,74 @@ class SpeculativeCheckpoint:
                     "build the cache with dflash.cache.make_prompt_cache"
                 )
             if plane.speculation is not None:
-                raise RollbackError(f"layer {plane.layer} already has an open checkpoint")
-        checkpoints = [_begin_plane(plane, token_count) for plane in planes]
-        retained = [
-            array
-            for ckpt in checkpoints
-            if ckpt.retained_keys is not None
-            for array in (ckpt.retained_keys, ckpt.retained_values)
+                raise RollbackError(
+                    f"layer {plane.layer} already has an open checkpoint"
+                )
+        checkpoint = cls(token_count, use_kernel)
+        checkpoint._planes = [
+            PlaneCheckpoint(p, checkpoint, token_count) for p in planes
         ]
-        # Materialise the retained rows now so the block's in-place writes cannot alias them.
-        if retained:
-            mx.eval(retained)
-        for ckpt in checkpoints:
+        for ckpt in checkpoint._planes:
             ckpt.plane.speculation = ckpt
-        return cls(checkpoints, token_count)
+        return checkpoint
 
     @property
     def retained_bytes(self) -> int:
-        """Bytes of K/V rows this checkpoint holds (ring rows only; growing planes hold none)."""
+        """Bytes of K/V rows this checkpoint holds (ring rows only; growing planes hold none).
+
+        Zero for a staged block (held back, nothing retained); at most ``token_count`` rows
+        per ring plane otherwise.
+        """
         return sum(ckpt.retained_bytes for ckpt in self._planes)
 
     @property
     def planes(self) -> List[PlaneCheckpoint]:
         return list(self._planes)
+
+    def retain_untouched(self) -> None:
+        """Retain the overwritten rows of every ring plane nothing was written to yet."""
+        self.retain(
+            [c for c in self._planes if c.plane.is_ring and c.mode == UNTOUCHED]
+        )
+
+    def retain(self, ckpts: Sequence[PlaneCheckpoint]) -> None:
+        """Retain the rows the block overwrites in ``ckpts``' rings (still as at ``begin``).
+
+        Planes of one buffer geometry share one ``retain_rows`` launch (one on CUDA, one per
+        28 planes on Metal, a gather per plane plus a stack for the reference).
+        """
+        groups = {}
+        for ckpt in ckpts:
+            ckpt.mode = RETAINED
+            count = ckpt.overwritten
+            if count == 0:
+                continue
+            plane = ckpt.plane
+            flag = self.use_kernel if self.use_kernel is not None else plane.use_kernel
+            key = (plane.kv.shape, str(plane.kv.dtype), plane.head_major, count, flag)
+            groups.setdefault(key, []).append(ckpt)
+        blocks = []
+        for (_, _, head_major, count, flag), members in groups.items():
+            dests = np.stack(
+                [
+                    wrapped_rows(c.meta.origin_physical, count, c.meta.capacity)
+                    for c in members
+                ]
+            )
+            block = retain_rows(
+                [c.plane.kv for c in members],
+                mx.array(dests),
+                head_major=head_major,
+                use_kernel=flag,
+            )
+            for slot, ckpt in enumerate(members):
+                ckpt.retained_block, ckpt.retained_slot = block, slot
+                ckpt.retained_count = count
+            blocks.append(block)
+        if blocks:
+            # The in-place stores that follow can reuse (donate) a ring buffer only once no
+            # pending reader holds it, so the retained rows are materialised here.
+            mx.eval(blocks)
 
     def commit(self, accepted: int) -> None:
         """Keep the first ``accepted`` rows of the block in every plane; undo the rest.
@@ -221,7 +314,7 @@ class SpeculativeCheckpoint:
                     "were to be kept"
                 )
         for ckpt in self._planes:
-            _commit_plane(ckpt, accepted)
+            ckpt.commit(accepted)
         self.closed = True
 
     def rollback(self) -> None:

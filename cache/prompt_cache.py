@@ -17,7 +17,11 @@ def _model_template(model: nn.Module) -> List[Any]:
     return [KVCache() for _ in model.layers]
 
 
-def make_prompt_cache(model: nn.Module, max_context: Optional[int] = None) -> List[KvPlane]:
+def make_prompt_cache(
+    model: nn.Module,
+    max_context: Optional[int] = None,
+    use_kernel: Optional[bool] = None,
+) -> List[KvPlane]:
     """Construct the model's cache out of KV planes.
 
     A ring is built wherever the model's own ``make_cache()`` asks for a ``RotatingKVCache``
@@ -28,6 +32,9 @@ def make_prompt_cache(model: nn.Module, max_context: Optional[int] = None) -> Li
         model: An mlx-lm model.
         max_context: Largest context the cache accepts; ``None`` means unbounded. A ring's
             capacity is ``min(window, max_context)``.
+        use_kernel: The planes' custom-kernel switch: ``None`` runs the ``dflash.metal``
+            kernels on a Metal or CUDA GPU (unless ``DFLASH_KERNELS=0``) and the pure-MLX
+            reference elsewhere; ``False`` / ``True`` force one form.
 
     Returns:
         One cache per layer, drop-in for mlx-lm's.
@@ -40,9 +47,15 @@ def make_prompt_cache(model: nn.Module, max_context: Optional[int] = None) -> Li
                     f"layer {layer} asks for a RotatingKVCache with keep={template.keep}; "
                     "dflash rings keep no attention-sink rows"
                 )
-            caches.append(RingKVCache(template.max_size, max_context, layer=layer))
+            caches.append(
+                RingKVCache(
+                    template.max_size, max_context, layer=layer, use_kernel=use_kernel
+                )
+            )
         elif type(template) is KVCache:
-            caches.append(GrowingKVCache(max_context, layer=layer))
+            caches.append(
+                GrowingKVCache(max_context, layer=layer, use_kernel=use_kernel)
+            )
         else:
             raise IncompatibleCache(
                 f"layer {layer} asks for a {type(template).__name__}, which dflash cannot "
@@ -60,7 +73,9 @@ def _expected_row_shape(model: nn.Module):
     return None
 
 
-def check_prompt_cache(model: nn.Module, prompt_cache: Sequence[Any], what: str = "") -> int:
+def check_prompt_cache(
+    model: nn.Module, prompt_cache: Sequence[Any], what: str = ""
+) -> int:
     """Check that ``prompt_cache`` is a dflash cache built for ``model``; return its offset.
 
     Args:
@@ -100,5 +115,7 @@ def check_prompt_cache(model: nn.Module, prompt_cache: Sequence[Any], what: str 
                 )
     offsets = {cache.offset for cache in prompt_cache}
     if len(offsets) > 1:
-        raise IncompatibleCache(f"{name} layers are at different positions {sorted(offsets)}")
+        raise IncompatibleCache(
+            f"{name} layers are at different positions {sorted(offsets)}"
+        )
     return offsets.pop() if offsets else 0

@@ -2,8 +2,9 @@
 
 Layout of a demo folder (``DEMO_DIR`` for the bundled one)::
 
-    <dir>/target/   config.json (model_type muse_glimmer), model.safetensors,
-                    tokenizer.json, tokenizer_config.json   -- an mlx-lm model folder
+    <dir>/target/   config.json (model_type muse_glimmer), model*.safetensors
+                    (shards, as mlx-lm globs them), tokenizer.json,
+                    tokenizer_config.json                  -- an mlx-lm model folder
     <dir>/drafter/  config.json, model.safetensors           -- a dflash drafter folder
 
 Both are read offline from disk; nothing is downloaded.
@@ -13,25 +14,25 @@ import json
 from pathlib import Path
 from typing import Any, Optional, Tuple, Union
 
+import mlx.core as mx
 import mlx.nn as nn
 
 DEMO_DIR = Path(__file__).parent / "demo"
 DEMO_MODEL_TYPE = "muse_glimmer"
 DEMO_DESCRIPTION = "Muse Glimmer code model + DFlash drafter"
 
-TARGET_FILES = (
-    "config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-)
+TARGET_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+# mlx-lm reads every ``model*.safetensors``; the demo target is stored in shards.
+TARGET_WEIGHTS = "model*.safetensors"
 DRAFTER_FILES = ("config.json", "model.safetensors")
 
 
 def _required_files(root: Path) -> Tuple[Path, ...]:
     target = tuple(root / "target" / name for name in TARGET_FILES)
+    shards = sorted((root / "target").glob(TARGET_WEIGHTS))
+    weights = tuple(shards) or (root / "target" / "model.safetensors",)
     drafter = tuple(root / "drafter" / name for name in DRAFTER_FILES)
-    return target + drafter
+    return target + weights + drafter
 
 
 def _missing_error(root: Path, missing: Path) -> FileNotFoundError:
@@ -108,12 +109,19 @@ def _load_drafter(folder: Path, model: nn.Module) -> nn.Module:
 
 def load_demo(
     path: Optional[Union[str, Path]] = None,
+    dtype: Optional[mx.Dtype] = mx.float32,
 ) -> Tuple[nn.Module, Any, nn.Module]:
     """Load a demo pair: the target, its tokenizer and the DFlash drafter bound to it.
+
+    The weights are stored in bfloat16 (to fit the package); by default both models
+    compute in float32. bfloat16 logits are coarse (one step is 1/16 near the
+    soft-cap's range), so greedy ties are common and a 16-token verify forward and a
+    1-token forward may break them differently; in float32 that is rare.
 
     Args:
         path: A demo folder (``target/`` and ``drafter/`` inside); default the
             bundled one, ``DEMO_DIR``.
+        dtype: Compute dtype for both models; ``None`` keeps the stored bfloat16.
 
     Returns:
         ``(model, tokenizer, drafter)`` as ``mlx_lm.load`` and
@@ -127,4 +135,7 @@ def load_demo(
     _check_target_config(root)
     model, tokenizer = _load_target(root / "target")
     drafter = _load_drafter(root / "drafter", model)
+    if dtype is not None:
+        model.set_dtype(dtype)
+        drafter.set_dtype(dtype)
     return model, tokenizer, drafter

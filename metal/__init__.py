@@ -5,18 +5,31 @@ Each operation has one contract and three forms: a Metal body
 same index arithmetic) and a pure-MLX reference. Wrappers dispatch on
 ``mx.metal.is_available()`` / ``mx.cuda.is_available()``; ``use_kernel=False``
 forces the reference, ``use_kernel=True`` the kernel, ``None`` (default) picks
-per operation (see ``docs/metal.md``).
+per operation, and ``DFLASH_KERNELS=0`` makes ``None`` pick the reference (see
+``docs/metal.md``). ``dflash.cache`` runs them on its hot path: the staging
+shadow (:class:`ShadowStager`), the in-place store (:func:`ring_write`) and,
+for non-staged writes under a checkpoint, :func:`retain_rows`.
 """
 
 from .backend import kernel_backend
 from .checkpoint import restore_rows, retain_rows
-from .ring import ring_store, stage_shadow, wrapped_rows
+from .ring import (
+    ShadowStager,
+    ring_store,
+    ring_write,
+    stage_shadow,
+    wrapped_index,
+    wrapped_rows,
+)
 
 __all__ = [
+    "ShadowStager",
     "kernel_backend",
     "restore_rows",
     "retain_rows",
     "ring_store",
+    "ring_write",
     "stage_shadow",
+    "wrapped_index",
     "wrapped_rows",
 ]

@@ -10,6 +10,7 @@ pure-MLX reference form.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -36,6 +37,16 @@ def _detect_backend() -> Optional[str]:
 
 
 BACKEND: Optional[str] = _detect_backend()
+
+# ``DFLASH_KERNELS=0`` makes every default (``use_kernel=None``) pick the pure-MLX
+# reference; an explicit ``use_kernel=True`` still launches the kernel.
+KERNELS_ENV = "DFLASH_KERNELS"
+KERNELS_ENABLED: bool = os.environ.get(KERNELS_ENV, "1").strip().lower() not in {
+    "0",
+    "false",
+    "off",
+    "no",
+}
 
 
 def kernel_backend() -> Optional[str]:
@@ -83,13 +94,18 @@ def max_planes(kind: str) -> int:
     return MAX_PLANES[(BACKEND or CUDA, kind)]
 
 
+def gpu_is_default() -> bool:
+    """Whether mlx's default device is the GPU."""
+    return mx.default_device().type == mx.gpu
+
+
 def use_kernel_path(use_kernel: Optional[bool], auto: bool) -> bool:
     """Resolve a wrapper's ``use_kernel`` switch.
 
     Args:
         use_kernel: False forces the reference, True forces the kernel, None
-            picks ``auto`` when a GPU backend is present and the default device
-            is the GPU.
+            picks ``auto`` when a GPU backend is present, the default device
+            is the GPU and ``DFLASH_KERNELS`` is not ``0``.
         auto: What this wrapper picks by default on a GPU.
 
     Returns:
@@ -101,7 +117,7 @@ def use_kernel_path(use_kernel: Optional[bool], auto: bool) -> bool:
     if use_kernel is False:
         return False
     if use_kernel is None:
-        return auto and BACKEND is not None and mx.default_device().type == mx.gpu
+        return auto and KERNELS_ENABLED and BACKEND is not None and gpu_is_default()
     if BACKEND is None:
         raise RuntimeError(
             "use_kernel=True needs mlx's Metal or CUDA backend; this mlx has "
@@ -143,6 +159,11 @@ def launch(
     )
 
 
+@functools.lru_cache(maxsize=256)
 def params(*values: int) -> mx.array:
-    """Runtime scalars of one launch as an int32 array."""
+    """Runtime scalars of one launch as an int32 array.
+
+    Memoised: every layer of a round launches with the same scalars, and an
+    ``mx.array`` is immutable, so one host-to-device copy serves them all.
+    """
     return mx.array(list(values), dtype=mx.int32)

@@ -1,38 +1,41 @@
-"""Per-round KV-cache overhead of a DFlash round: kernels vs reference ops.
+"""Per-round KV-cache cost of a speculative verify round: the wired cache vs reference ops.
 
-Geometry (defaults): Muse Glimmer's cache, 39 ring planes of 2,048 rows plus 13
-growing planes, 2 KV heads x 128, bfloat16, B=1; K and V are separate planes,
-so a round touches 78 ring buffers and 26 growing buffers. At each context
-(default 4k and 32k) the rings are full and rotated as sequential appends
-leave them, the growing planes hold ``context`` rows.
+Geometry (defaults): Muse Glimmer's cache, 39 ring layers of 2,048 rows and 13 growing layers
+in its [sliding, sliding, sliding, full] order, 2 KV heads x 128, bfloat16, B=1, a 16-token
+verify block, at 4k and 32k context (rings full and rotated as sequential appends leave them).
 
-One round, for every accepted count ``a`` in ``0..block``:
+Three measurements, each per context:
 
-1. **retain**: gather the ``block`` rows the verify block will overwrite from
-   all 78 ring buffers (:func:`retain_rows`);
-2. **store**: write the block into every plane (:func:`ring_store`; ring
-   planes at their origin, across the seam; growing planes at their end);
-3. **commit(a)**: put the ``block - a`` rejected rows back in every ring
-   buffer (:func:`restore_rows`); growing planes rewind by metadata only.
+* ``ops``: the **reference ops** of a round as the cache ran them before it was wired (the
+  numbers issue #3 started from): gather the block's rows from all 78 K/V ring planes + stack,
+  store the block in all 104 planes, put the rejected rows back, each phase ending in
+  ``mx.eval`` (the old ``begin`` synced the host).
+* ``cache``: the **wired cache** (``RingKVCache`` / ``GrowingKVCache`` from ``dflash.cache``)
+  driven as a model forward drives it, per mode (``reference``: ``use_kernel=False``;
+  ``kernels``: ``use_kernel=True``). A checkpoint round is ``begin`` ->
+  ``update_and_fetch`` in every layer (K/V handed over as mlx-lm's transposed views) ->
+  evaluate what attention reads -> ``commit(kept)`` -> evaluate the buffers; a plain round is
+  the same forward with no checkpoint (what a non-speculative 16-token forward costs the
+  cache). ``checkpoint_ms`` = round - plain is what speculation adds.
+* ``verify`` (unless ``--skip-verify``): the 16-token verify forward of Muse Glimmer
+  (mlx-lm ``muse_glimmer``, default ``ModelArgs``, bfloat16 random weights; ``--small``: a
+  tiny one) on the wired cache at the same context, inside a checkpoint, per mode.
 
-Each phase ends in ``mx.eval`` (a real round evaluates the verify forward
-before it can accept), then ``mx.synchronize``. Modes: ``reference`` (pure-MLX
-ops everywhere), ``kernels`` (every op in its custom-kernel form),
-``auto`` (the wrappers' defaults). Reported per mode, context and ``a``:
-median / p10 / p90 wall time of the round and of each phase, kernel launches
-(graph nodes that launch work, views excluded), bytes the round allocates
-(peak minus resident before the round: ~0 for an in-place scatter, one plane
-per fresh output), and modelled bytes read + written. The staging shadow
-(78 ``stage_shadow`` calls, what staged attention reads) is timed apart.
+Every kept count ``0..block`` (rollback .. full acceptance) is timed; launches are the graph
+nodes that launch work (views excluded) of one lazy round, counted before evaluation;
+``allocated_bytes`` is peak minus resident memory over the commit (the ops round: over the
+round): a ring copied instead of updated in place shows here.
 
-``python -m dflash.metal.bench --json OUT`` on the GPU; for a CPU smoke run
-shrink it, e.g. ``--contexts 96 --window 64 --sliding 2 --full 1 --dim 16
---block 4 --reps 2 --warmup 1``.
+``python -m dflash.metal.bench --json OUT`` writes JSON and a markdown table (``OUT`` with
+``.md``) after every result, so a run cut short keeps what it measured. ``--small`` is a
+CPU-sized geometry (and model) that runs every code path in seconds; ``--emulate-metal DIR``
+runs the kernel mode on the CPU through the Metal bodies (code paths only).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import io
 import json
 import platform
@@ -41,15 +44,25 @@ import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from .backend import kernel_backend, use_kernel_path
+from ..cache import (
+    GrowingKVCache,
+    PlaneMeta,
+    RingKVCache,
+    SpeculativeCheckpoint,
+    make_prompt_cache,
+)
+from . import backend
+from .backend import kernel_backend
 from .checkpoint import restore_rows, retain_rows
-from .ring import ring_store, stage_shadow, wrapped_rows
+from .ring import ring_store, wrapped_rows
 
 # Primitives that only reinterpret an existing buffer (no kernel launch).
 VIEW_PRIMITIVES = frozenset(
@@ -71,7 +84,7 @@ VIEW_PRIMITIVES = frozenset(
     }
 )
 
-MODES: dict[str, Optional[bool]] = {"reference": False, "kernels": True, "auto": None}
+CACHE_MODES: dict[str, bool] = {"reference": False, "kernels": True}
 
 
 def graph_launches(*arrays: mx.array) -> Counter:
@@ -91,10 +104,10 @@ def graph_launches(*arrays: mx.array) -> Counter:
 
 @dataclass(frozen=True)
 class Geometry:
-    """Cache geometry of the benchmark.
+    """Cache geometry of the benchmark (and of the verify model).
 
     Attributes:
-        sliding: Sliding (ring) layers; K and V each are one plane.
+        sliding: Sliding (ring) layers; K and V of each are one stacked plane.
         full: Full-attention (growing) layers.
         window: Ring capacity ``C``.
         heads: KV heads.
@@ -117,179 +130,24 @@ class Geometry:
         return getattr(mx, self.dtype)
 
     @property
+    def layers(self) -> int:
+        """Decoder layers."""
+        return self.sliding + self.full
+
+    @property
     def plane_row_bytes(self) -> int:
         """Bytes of one row of one K or V plane (B = 1)."""
         return self.heads * self.dim * self.mx_dtype.size
 
-
-@dataclass
-class CacheState:
-    """Buffers and bookkeeping of the simulated cache at one context."""
-
-    rings: list[mx.array]
-    growing: list[mx.array]
-    ring_origin: int
-    growing_len: int
+    def full_layers(self) -> frozenset[int]:
+        """Muse Glimmer's order: every fourth layer is full; any others come last."""
+        slots = [i for i in range(self.layers) if i % 4 == 3][: self.full]
+        rest = [i for i in reversed(range(self.layers)) if i not in slots]
+        return frozenset(slots + rest[: self.full - len(slots)])
 
 
-def make_state(geom: Geometry, context: int) -> CacheState:
-    """Full rings rotated as ``context`` sequential appends leave them."""
-
-    def plane(rows: int) -> mx.array:
-        return mx.random.normal((1, geom.heads, rows, geom.dim)).astype(geom.mx_dtype)
-
-    rings = [plane(geom.window) for _ in range(2 * geom.sliding)]
-    growing = [plane(context + geom.block) for _ in range(2 * geom.full)]
-    mx.eval(rings, growing)
-    return CacheState(rings, growing, context % geom.window, context)
-
-
-@dataclass
-class Samples:
-    """Wall times (ms) of repeated rounds."""
-
-    total: list[float] = field(default_factory=list)
-    retain: list[float] = field(default_factory=list)
-    store: list[float] = field(default_factory=list)
-    commit: list[float] = field(default_factory=list)
-    allocated: list[int] = field(default_factory=list)
-
-
-def _timed(step: Callable[[], list[mx.array]]) -> tuple[list[mx.array], float]:
-    start = time.perf_counter()
-    outputs = step()
-    mx.eval(outputs)
-    mx.synchronize()
-    return outputs, (time.perf_counter() - start) * 1e3
-
-
-def _dests(geom: Geometry, state: CacheState) -> mx.array:
-    row = wrapped_rows(state.ring_origin, geom.block, geom.window)
-    return mx.array(np.tile(row, (2 * geom.sliding, 1)))
-
-
-def _block_slice(retained: mx.array, accepted: int) -> mx.array:
-    return retained[:, :, :, accepted:, :]
-
-
-def _phase_retain(
-    state: CacheState, dests: mx.array, flag: Optional[bool]
-) -> list[mx.array]:
-    return [retain_rows(state.rings, dests, use_kernel=flag)]
-
-
-def _phase_store(
-    state: CacheState, rows: mx.array, flag: Optional[bool]
-) -> list[mx.array]:
-    state.rings = [
-        ring_store(p, rows, state.ring_origin, use_kernel=flag) for p in state.rings
-    ]
-    state.growing = [
-        ring_store(p, rows, state.growing_len, use_kernel=flag) for p in state.growing
-    ]
-    return state.rings + state.growing
-
-
-def _phase_commit(
-    geom: Geometry,
-    state: CacheState,
-    dests: mx.array,
-    retained: mx.array,
-    accepted: int,
-    flag: Optional[bool],
-) -> list[mx.array]:
-    if accepted < geom.block:
-        state.rings = restore_rows(
-            state.rings,
-            dests[:, accepted:],
-            _block_slice(retained, accepted),
-            use_kernel=flag,
-        )
-    return state.rings
-
-
-def run_round(
-    geom: Geometry,
-    state: CacheState,
-    rows: mx.array,
-    accepted: int,
-    flag: Optional[bool],
-    samples: Samples,
-) -> None:
-    """One timed round; the state keeps the rotation so rounds repeat."""
-    dests = _dests(geom, state)
-    mx.synchronize()
-    mx.reset_peak_memory()
-    resident = mx.get_active_memory()
-    (retained,), t_retain = _timed(lambda: _phase_retain(state, dests, flag))
-    # Keep no reference to a phase's outputs beyond ``state``: an extra one
-    # would stop mlx from donating the planes to the next in-place scatter.
-    t_store = _timed(lambda: _phase_store(state, rows, flag))[1]
-    t_commit = _timed(
-        lambda: _phase_commit(geom, state, dests, retained, accepted, flag)
-    )[1]
-    samples.allocated.append(int(mx.get_peak_memory() - resident))
-    samples.retain.append(t_retain)
-    samples.store.append(t_store)
-    samples.commit.append(t_commit)
-    samples.total.append(t_retain + t_store + t_commit)
-
-
-def count_round(
-    geom: Geometry,
-    state: CacheState,
-    rows: mx.array,
-    accepted: int,
-    flag: Optional[bool],
-) -> Counter:
-    """Launches of one round, phase by phase, on a copy of the state.
-
-    Each phase's graph is counted, then evaluated so the next phase's graph
-    holds only its own nodes. ``state`` keeps references to its buffers, so
-    nothing here can donate (overwrite) them.
-    """
-    copy = CacheState(
-        list(state.rings), list(state.growing), state.ring_origin, state.growing_len
-    )
-    dests = _dests(geom, copy)
-    (retained,) = _phase_retain(copy, dests, flag)
-    counts = graph_launches(retained)
-    mx.eval(retained)
-    stored = _phase_store(copy, rows, flag)
-    counts += graph_launches(*stored)
-    mx.eval(stored)
-    if accepted < geom.block:
-        counts += graph_launches(
-            *_phase_commit(geom, copy, dests, retained, accepted, flag)
-        )
-    return counts
-
-
-def model_bytes(geom: Geometry, context: int, accepted: int, mode: str) -> int:
-    """Bytes read + written by one round under the chosen forms (model).
-
-    In place (scatter, donated): a store moves ``block`` rows per plane and a
-    restore ``block - a``; a fresh-output kernel reads and writes a whole
-    plane. Retain reads and writes ``block`` rows per ring plane (twice in
-    the reference: per-plane gathers, then the stack copies them again).
-    """
-    row = geom.plane_row_bytes
-    rings, growing = 2 * geom.sliding, 2 * geom.full
-    fresh = mode == "kernels"
-    retain = rings * 2 * geom.block * row * (2 if mode == "reference" else 1)
-    ring_store_bytes = rings * (
-        2 * geom.window * row if fresh else 2 * geom.block * row
-    )
-    grow_rows = context + geom.block
-    grow_store = growing * (2 * grow_rows * row if fresh else 2 * geom.block * row)
-    rejected = geom.block - accepted
-    if rejected == 0:
-        restore = 0
-    elif fresh:
-        restore = rings * 2 * geom.window * row
-    else:
-        restore = rings * 2 * rejected * row
-    return retain + ring_store_bytes + grow_store + restore
+SMALL = Geometry(sliding=6, full=2, window=64, heads=2, dim=32, block=8)
+SMALL_CONTEXTS = (96, 160)
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:
@@ -298,148 +156,759 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
     def pick(q: float) -> float:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
+    return {"median": statistics.median(ordered), "p10": pick(0.1), "p90": pick(0.9)}
+
+
+def _sync_time(step: Callable[[], object]) -> tuple[object, float]:
+    """Run ``step`` (which evaluates its own work), then wait for the device; ms."""
+    mx.synchronize()
+    start = time.perf_counter()
+    out = step()
+    mx.synchronize()
+    return out, (time.perf_counter() - start) * 1e3
+
+
+class Allocation:
+    """Peak minus resident device memory over a span (bytes)."""
+
+    def __enter__(self) -> "Allocation":
+        mx.synchronize()
+        mx.reset_peak_memory()
+        self.resident = mx.get_active_memory()
+        self.bytes = 0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        mx.synchronize()
+        self.bytes = max(0, int(mx.get_peak_memory() - self.resident))
+
+
+# ----------------------------------------------------------- reference ops
+
+
+@dataclass
+class OpsState:
+    """Raw K and V plane buffers at one context (the pre-wiring, per-plane layout)."""
+
+    rings: list[mx.array]
+    growing: list[mx.array]
+    ring_origin: int
+    growing_len: int
+
+
+def make_ops_state(geom: Geometry, context: int) -> OpsState:
+    """Full rings rotated as ``context`` sequential appends leave them."""
+
+    def plane(rows: int) -> mx.array:
+        return mx.random.normal((1, geom.heads, rows, geom.dim)).astype(geom.mx_dtype)
+
+    rings = [plane(geom.window) for _ in range(2 * geom.sliding)]
+    growing = [plane(context + geom.block) for _ in range(2 * geom.full)]
+    mx.eval(rings, growing)
+    return OpsState(rings, growing, context % geom.window, context)
+
+
+OPS_PHASES = ("retain", "store", "restore")
+
+
+def ops_round(
+    geom: Geometry, state: OpsState, rows: mx.array, kept: int, count: bool = False
+) -> dict:
+    """Retain -> store -> put back the rejected rows, with pure-MLX ops per plane.
+
+    Each phase ends in ``mx.eval`` and a device sync, as the cache did before it was wired
+    (its ``begin`` evaluated the retained rows).
+
+    Args:
+        geom: Geometry.
+        state: Buffers, replaced by the round's outputs.
+        rows: The block's rows (one plane's worth, stored in every plane).
+        kept: Rows of the block kept.
+        count: Count each phase's launches (on its lazy graph) instead of timing it.
+
+    Returns:
+        Phase name -> ms, or -> launches (a ``Counter``) when ``count``.
+    """
+    out: dict = {}
+    clock = [time.perf_counter()]
+
+    def finish(phase: str, outputs: list[mx.array]) -> None:
+        """End a phase: count its launches, or evaluate it and record its wall time."""
+        if count:
+            out[phase] = graph_launches(*outputs)
+            mx.eval(outputs)
+            return
+        mx.eval(outputs)
+        mx.synchronize()
+        now = time.perf_counter()
+        out[phase] = (now - clock[-1]) * 1e3
+        clock.append(now)
+
+    dests = mx.array(
+        np.tile(
+            wrapped_rows(state.ring_origin, geom.block, geom.window),
+            (2 * geom.sliding, 1),
+        )
+    )
+    retained = retain_rows(state.rings, dests, use_kernel=False)
+    finish("retain", [retained])
+    state.rings = [
+        ring_store(p, rows, state.ring_origin, use_kernel=False) for p in state.rings
+    ]
+    state.growing = [
+        ring_store(p, rows, state.growing_len, use_kernel=False) for p in state.growing
+    ]
+    finish("store", state.rings + state.growing)
+    if kept < geom.block:
+        state.rings = restore_rows(
+            state.rings, dests[:, kept:], retained[:, :, :, kept:, :], use_kernel=False
+        )
+    finish("restore", state.rings)
+    if not count:
+        out["round"] = (clock[-1] - clock[0]) * 1e3
+    return out
+
+
+def bench_ops(geom: Geometry, context: int, args: argparse.Namespace) -> dict:
+    """Every kept count of the reference-ops round at one context."""
+    state = make_ops_state(geom, context)
+    rows = mx.random.normal((1, geom.heads, geom.block, geom.dim)).astype(geom.mx_dtype)
+    mx.eval(rows)
+    per_kept = []
+    for kept in range(geom.block + 1):
+        launches = ops_round(geom, state, rows, kept, count=True)
+        samples, allocated = [], []
+        for _ in range(args.warmup + args.reps):
+            mx.synchronize()
+            with Allocation() as alloc:
+                samples.append(ops_round(geom, state, rows, kept))
+            allocated.append(alloc.bytes)
+        samples = samples[args.warmup :]
+        total = sum(launches.values(), Counter())
+        row = {"kept": kept, "round_ms": _stats([s["round"] for s in samples])}
+        for phase in OPS_PHASES:
+            row[f"{phase}_ms"] = _stats([s[phase] for s in samples])
+            row[f"{phase}_launches"] = sum(launches[phase].values())
+        row.update(
+            launches=sum(total.values()),
+            launches_by_primitive=dict(total),
+            allocated_bytes=_median_int(allocated[args.warmup :]),
+        )
+        per_kept.append(row)
+    return {"context": context, "mode": "ops-reference", "per_kept": per_kept}
+
+
+# ------------------------------------------------------------- wired cache
+
+
+def make_cache(geom: Geometry, use_kernel: Optional[bool], model=None) -> list:
+    """The wired cache: a model's ``make_prompt_cache`` or planes in Glimmer's layer order."""
+    if model is not None:
+        return make_prompt_cache(model, use_kernel=use_kernel)
+    full = geom.full_layers()
+    return [
+        (
+            GrowingKVCache(layer=i, use_kernel=use_kernel)
+            if i in full
+            else RingKVCache(geom.window, layer=i, use_kernel=use_kernel)
+        )
+        for i in range(geom.layers)
+    ]
+
+
+def fill_cache(cache: list, geom: Geometry, context: int) -> None:
+    """Put every plane where ``context`` sequential appends leave it (random rows).
+
+    Rings: full, rotated by ``context % C``; growing planes: ``context`` rows, room for a
+    block past them (so no round reallocates).
+    """
+    for plane in cache:
+        if plane.is_ring:
+            rows, capacity = plane.capacity, plane.capacity
+            meta = PlaneMeta(
+                capacity, rows, context - rows, (context - rows) % capacity
+            )
+        else:
+            capacity = -(-(context + geom.block) // 256) * 256
+            meta = PlaneMeta(capacity, context, 0, 0)
+        shape = (1, geom.heads, capacity, geom.dim)
+        keys = mx.random.normal(shape).astype(geom.mx_dtype)
+        values = mx.random.normal(shape).astype(geom.mx_dtype)
+        plane.set_buffers(keys, values)
+        plane.set_meta(meta)
+        mx.eval(plane.kv)
+
+
+def block_rows(
+    geom: Geometry, layers: int, seed: int = 0
+) -> list[tuple[mx.array, mx.array]]:
+    """Per layer, a block's keys and values as mlx-lm hands them over (transposed views)."""
+    out = []
+    for layer in range(layers):
+        pair = mx.random.normal(
+            (2, 1, geom.block, geom.heads, geom.dim), key=mx.random.key(seed + layer)
+        ).astype(geom.mx_dtype)
+        keys, values = (mx.squeeze(pair[i : i + 1], 0) for i in (0, 1))
+        mx.eval(keys, values)  # views of one evaluated buffer, laid out (B, S, H, D)
+        out.append((keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)))
+    return out
+
+
+def cache_fetch(cache: list, rows: list) -> list[mx.array]:
+    """``update_and_fetch`` in every layer (lazy); the arrays attention would read."""
+    return [
+        a for plane, (k, v) in zip(cache, rows) for a in plane.update_and_fetch(k, v)
+    ]
+
+
+def rewind(cache: list, metas: list) -> None:
+    """Put every plane's bookkeeping back (Python ints only)."""
+    for plane, meta in zip(cache, metas):
+        plane.set_meta(meta)
+
+
+@dataclass
+class RoundSample:
+    """Wall times (ms) and allocations (bytes) of one checkpoint round."""
+
+    fetch_ms: float
+    commit_ms: float
+    fetch_bytes: int
+    commit_bytes: int
+
+
+def cache_round(cache: list, rows: list, kept: int, block: int) -> RoundSample:
+    """One checkpoint round, timed by phase; the bookkeeping is rewound afterwards.
+
+    Rewinding keeps every round at the same ring rotation and the growing planes inside
+    their storage, so no round pays for a reallocation.
+    """
+    metas = [plane.meta for plane in cache]
+
+    def fetch():
+        checkpoint = SpeculativeCheckpoint.begin(cache, block)
+        mx.eval(cache_fetch(cache, rows))
+        return checkpoint
+
+    with Allocation() as fetch_alloc:
+        checkpoint, fetch_ms = _sync_time(fetch)
+
+    def commit():
+        checkpoint.commit(kept)
+        mx.eval([plane.kv for plane in cache])
+
+    with Allocation() as commit_alloc:
+        commit_ms = _sync_time(commit)[1]
+    rewind(cache, metas)
+    return RoundSample(fetch_ms, commit_ms, fetch_alloc.bytes, commit_alloc.bytes)
+
+
+def plain_round(cache: list, rows: list) -> float:
+    """The same forward with no checkpoint (rows stored as it runs); rewound after."""
+    metas = [plane.meta for plane in cache]
+
+    def step():
+        mx.eval(cache_fetch(cache, rows))
+        mx.eval([plane.kv for plane in cache])
+
+    elapsed = _sync_time(step)[1]
+    rewind(cache, metas)
+    return elapsed
+
+
+def count_cache_round(cache: list, rows: list, kept: int, block: int) -> dict:
+    """Launches of one checkpoint round and of one plain round, counted lazily."""
+    metas = [plane.meta for plane in cache]
+    checkpoint = SpeculativeCheckpoint.begin(cache, block)
+    seen = cache_fetch(cache, rows)
+    fetch = graph_launches(*seen)
+    mx.eval(seen)
+    checkpoint.commit(kept)
+    buffers = [plane.kv for plane in cache]
+    commit = graph_launches(*buffers)
+    mx.eval(buffers)
+    rewind(cache, metas)
+    seen = cache_fetch(cache, rows)
+    plain = graph_launches(*seen)
+    mx.eval(seen)
+    buffers = [plane.kv for plane in cache]
+    plain += graph_launches(*buffers)
+    mx.eval(buffers)
+    rewind(cache, metas)
+    total = fetch + commit
     return {
-        "median": statistics.median(ordered),
-        "p10": pick(0.1),
-        "p90": pick(0.9),
+        "launches": sum(total.values()),
+        "fetch_launches": sum(fetch.values()),
+        "commit_launches": sum(commit.values()),
+        "plain_launches": sum(plain.values()),
+        "launches_by_primitive": dict(total),
     }
 
 
-def bench_stage(
-    geom: Geometry,
-    state: CacheState,
-    rows: mx.array,
-    flag: Optional[bool],
-    reps: int,
-    warmup: int,
-) -> dict:
-    """Time building all ring shadows of one staged verify (78 calls)."""
-
-    def step() -> list[mx.array]:
-        return [
-            stage_shadow(p, rows, state.ring_origin, geom.window, use_kernel=flag)
-            for p in state.rings
-        ]
-
-    launches = graph_launches(*step())
-    times = [_timed(step)[1] for _ in range(warmup + reps)][warmup:]
-    return {"ms": _stats(times), "launches": dict(launches)}
-
-
-def bench_mode(
+def bench_cache(
     geom: Geometry, context: int, mode: str, args: argparse.Namespace
 ) -> dict:
-    """All accepted counts of one mode at one context."""
-    flag = MODES[mode]
-    # Without a GPU the auto path is the reference; model what actually runs.
-    modelled = "reference" if flag is None and not use_kernel_path(None, True) else mode
-    state = make_state(geom, context)
-    rows = mx.random.normal((1, geom.heads, geom.block, geom.dim)).astype(geom.mx_dtype)
-    mx.eval(rows)
-    per_accept = []
-    for accepted in range(geom.block + 1):
-        launches = count_round(geom, state, rows, accepted, flag)
-        samples = Samples()
-        for rep in range(args.warmup + args.reps):
-            run_round(geom, state, rows, accepted, flag, samples)
-        keep = slice(args.warmup, None)
-        per_accept.append(
+    """Every kept count of the wired-cache round at one context, one mode."""
+    cache = make_cache(geom, CACHE_MODES[mode])
+    fill_cache(cache, geom, context)
+    rows = block_rows(geom, len(cache))
+    per_kept = []
+    for kept in range(geom.block + 1):
+        counts = count_cache_round(cache, rows, kept, geom.block)
+        samples, plain = [], []
+        for _ in range(args.warmup + args.reps):
+            samples.append(cache_round(cache, rows, kept, geom.block))
+            plain.append(plain_round(cache, rows))
+        samples, plain = samples[args.warmup :], plain[args.warmup :]
+        rounds = [sample.fetch_ms + sample.commit_ms for sample in samples]
+        per_kept.append(
             {
-                "accepted": accepted,
-                "round_ms": _stats(samples.total[keep]),
-                "retain_ms": _stats(samples.retain[keep]),
-                "store_ms": _stats(samples.store[keep]),
-                "commit_ms": _stats(samples.commit[keep]),
-                "launches": sum(launches.values()),
-                "launches_by_primitive": dict(launches),
-                "allocated_bytes": int(statistics.median(samples.allocated[keep])),
-                "model_bytes": model_bytes(geom, context, accepted, modelled),
+                "kept": kept,
+                "round_ms": _stats(rounds),
+                "fetch_ms": _stats([sample.fetch_ms for sample in samples]),
+                "commit_ms": _stats([sample.commit_ms for sample in samples]),
+                "plain_ms": _stats(plain),
+                "checkpoint_ms": _stats([r - p for r, p in zip(rounds, plain)]),
+                "fetch_allocated_bytes": _median_int(s.fetch_bytes for s in samples),
+                "allocated_bytes": _median_int(s.commit_bytes for s in samples),
+                **counts,
             }
         )
-    stage = bench_stage(geom, state, rows, flag, args.reps, args.warmup)
-    return {"context": context, "mode": mode, "per_accept": per_accept, "stage": stage}
+    return {"context": context, "mode": mode, "per_kept": per_kept}
 
 
-def _print_result(result: dict) -> None:
-    print(f"\ncontext {result['context']}  mode {result['mode']}")
-    print("  a  round ms  retain  store  commit  launches  alloc MiB  model MiB")
-    for row in result["per_accept"]:
-        print(
-            f"{row['accepted']:3d} {row['round_ms']['median']:9.3f}"
-            f" {row['retain_ms']['median']:7.3f} {row['store_ms']['median']:6.3f}"
-            f" {row['commit_ms']['median']:7.3f} {row['launches']:9d}"
-            f" {row['allocated_bytes'] / 2**20:10.2f} {row['model_bytes'] / 2**20:10.2f}"
-        )
-    stage = result["stage"]
-    print(
-        f"  stage shadows: {stage['ms']['median']:.3f} ms, "
-        f"{sum(stage['launches'].values())} launches"
+def _median_int(values) -> int:
+    return int(statistics.median(list(values)))
+
+
+# ------------------------------------------------------------------ verify
+
+
+def glimmer_args(geom: Geometry, small: bool):
+    """mlx-lm ``muse_glimmer`` ModelArgs: the default (full size) or a tiny one."""
+    module = importlib.import_module("mlx_lm.models.muse_glimmer")
+    if not small:
+        return module, module.ModelArgs()
+    return module, module.ModelArgs(
+        hidden_size=64,
+        num_hidden_layers=geom.layers,
+        intermediate_size=128,
+        num_attention_heads=2 * geom.heads,
+        num_key_value_heads=geom.heads,
+        head_dim=geom.dim,
+        vocab_size=256,
+        sliding_window=geom.window,
     )
+
+
+def random_glimmer(geom: Geometry, small: bool):
+    """Muse Glimmer with random weights in ``geom``'s dtype (no float32 copy is made)."""
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    module, model_args = glimmer_args(geom, small)
+    model = module.Model(model_args)
+    names = [name for name, _ in tree_flatten(model.parameters())]
+    shapes = dict(tree_flatten(model.parameters()))
+    for start in range(0, len(names), 16):
+        chunk = []
+        for index, name in enumerate(names[start : start + 16], start=start):
+            weight = mx.random.normal(
+                shapes[name].shape,
+                dtype=geom.mx_dtype,
+                key=mx.random.key(index),
+            )
+            chunk.append((name, weight * 0.02))
+        model.update(tree_unflatten(chunk))
+        mx.eval([w for _, w in chunk])
+    return model, model_args
+
+
+def verify_geometry(model_args, geom: Geometry) -> Geometry:
+    """The cache geometry the model implies."""
+    sliding = sum(t == "sliding_attention" for t in model_args.layer_types)
+    return replace(
+        geom,
+        sliding=sliding,
+        full=model_args.num_hidden_layers - sliding,
+        window=model_args.sliding_window,
+        heads=model_args.num_key_value_heads,
+        dim=model_args.head_dim,
+    )
+
+
+def bench_verify(
+    model, model_args, geom: Geometry, context: int, mode: str, args
+) -> dict:
+    """The verify forward inside a checkpoint (and without one), per kept count.
+
+    Every run starts from the same bookkeeping (rewound after it), so the ring rotation and
+    the growing planes' length stay those of ``context``.
+    """
+    cache = make_cache(geom, CACHE_MODES[mode], model=model)
+    fill_cache(cache, geom, context)
+    metas = [plane.meta for plane in cache]
+    tokens = mx.random.randint(
+        0, model_args.vocab_size, (1, geom.block), key=mx.random.key(1)
+    )
+    mx.eval(tokens)
+    checkpoint = SpeculativeCheckpoint.begin(cache, geom.block)
+    logits = model(tokens, cache=cache)
+    launches = graph_launches(logits)
+    mx.eval(logits)
+    checkpoint.rollback()
+    results = {
+        "context": context,
+        "mode": mode,
+        "forward_launches": sum(launches.values()),
+    }
+    for kept in (1, geom.block):
+
+        def verify() -> None:
+            checkpoint = SpeculativeCheckpoint.begin(cache, geom.block)
+            mx.eval(model(tokens, cache=cache))
+            checkpoint.commit(kept)
+            mx.eval([plane.kv for plane in cache])
+
+        results[f"verify_ms_kept_{kept}"] = _repeat(verify, cache, metas, args)
+
+    def plain() -> None:
+        mx.eval(model(tokens, cache=cache))
+        mx.eval([plane.kv for plane in cache])
+
+    results["plain_forward_ms"] = _repeat(plain, cache, metas, args)
+    return results
+
+
+def _repeat(step: Callable[[], None], cache: list, metas: list, args) -> dict:
+    """Time ``step`` after warm-up, rewinding the bookkeeping after every run."""
+    times = []
+    for _ in range(args.verify_warmup + args.verify_reps):
+        times.append(_sync_time(step)[1])
+        rewind(cache, metas)
+    return _stats(times[args.verify_warmup :])
+
+
+# ------------------------------------------------------------------ report
+
+
+def _median_of(rows: list[dict], key: str) -> float:
+    """Median over kept counts of each row's median ``key``."""
+    return statistics.median(row[key]["median"] for row in rows)
+
+
+def _max_of(rows: list[dict], key: str) -> float:
+    """Largest over kept counts of each row's median ``key``."""
+    return max(row[key]["median"] for row in rows)
+
+
+def _checkpoint_rows(report: dict) -> list[str]:
+    """What undoing a block costs per round: the old ops vs the wired checkpoint."""
+    lines = [
+        "| context | route | checkpoint ms, median over kept | max over kept | "
+        "checkpoint launches (kept 0 / 1 / B) |",
+        "|---:|---|---:|---:|---|",
+    ]
+    block = report["meta"]["geometry"]["block"]
+    for result in report["ops"]:
+        rows = result["per_kept"]
+        cost = [r["retain_ms"]["median"] + r["restore_ms"]["median"] for r in rows]
+        launches = " / ".join(
+            str(rows[k]["retain_launches"] + rows[k]["restore_launches"])
+            for k in (0, 1, block)
+        )
+        lines.append(
+            f"| {result['context']:,} | reference ops: retain + restore, host sync "
+            f"| {statistics.median(cost):.3f} | {max(cost):.3f} | {launches} |"
+        )
+    for result in report["cache"]:
+        rows = result["per_kept"]
+        launches = " / ".join(
+            str(rows[k]["launches"] - rows[k]["plain_launches"]) for k in (0, 1, block)
+        )
+        lines.append(
+            f"| {result['context']:,} | wired cache, {result['mode']}: round - plain "
+            f"| {_median_of(rows, 'checkpoint_ms'):.3f} | {_max_of(rows, 'checkpoint_ms'):.3f} "
+            f"| {launches} |"
+        )
+    return lines
+
+
+def _round_rows(report: dict) -> list[str]:
+    """All the cache work of a round."""
+    lines = [
+        "| context | route | round ms kept=0 | kept=1 | kept=B | max over kept | "
+        "plain forward's cache work | launches kept=0 / 1 / B | commit alloc MiB |",
+        "|---:|---|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    block = report["meta"]["geometry"]["block"]
+    for result in report["ops"] + report["cache"]:
+        rows = result["per_kept"]
+        plain = f"{_median_of(rows, 'plain_ms'):.3f}" if "plain_ms" in rows[0] else "—"
+        launches = " / ".join(str(rows[k]["launches"]) for k in (0, 1, block))
+        alloc = max(r["allocated_bytes"] for r in rows) / 2**20
+        times = " | ".join(
+            f"{rows[k]['round_ms']['median']:.3f}" for k in (0, 1, block)
+        )
+        lines.append(
+            f"| {result['context']:,} | {result['mode']} | {times} | "
+            f"{_max_of(rows, 'round_ms'):.3f} | {plain} | {launches} | {alloc:.2f} |"
+        )
+    return lines
+
+
+def _verify_rows(report: dict) -> list[str]:
+    """The verify forward, and the cache round as a share of it."""
+    lines = [
+        "| context | mode | verify kept=1 | verify kept=B | plain forward | forward "
+        "launches | checkpoint (max over kept) / verify | cache round (max) / verify |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    block = report["meta"]["geometry"]["block"]
+    for result in report["verify"]:
+        verify = result[f"verify_ms_kept_{block}"]["median"]
+        cache = [
+            c
+            for c in report["cache"]
+            if c["context"] == result["context"] and c["mode"] == result["mode"]
+        ]
+        shares = ["—", "—"]
+        if cache:
+            rows = cache[0]["per_kept"]
+            shares = [
+                f"{100 * _max_of(rows, key) / verify:.1f} %"
+                for key in ("checkpoint_ms", "round_ms")
+            ]
+        lines.append(
+            f"| {result['context']:,} | {result['mode']} | "
+            f"{result['verify_ms_kept_1']['median']:.2f} | {verify:.2f} | "
+            f"{result['plain_forward_ms']['median']:.2f} | {result['forward_launches']} | "
+            f"{shares[0]} | {shares[1]} |"
+        )
+    return lines
+
+
+def markdown(report: dict) -> str:
+    """The report as markdown tables."""
+    meta = report["meta"]
+    geom = meta["geometry"]
+    lines = [
+        f"# dflash.metal.bench — {meta['date']}",
+        "",
+        f"`{meta['command']}`",
+        "",
+        f"mlx {meta['mlx']}, kernel backend `{meta['backend']}`"
+        + (" (Metal bodies emulated on the CPU)" if meta["emulated_metal"] else "")
+        + f", device `{meta['device']}`; {geom['sliding']} ring layers x {geom['window']} "
+        f"rows + {geom['full']} growing, {geom['heads']} KV heads x {geom['dim']}, "
+        f"{geom['dtype']}, block B = {geom['block']}; medians of {meta['reps']} rounds "
+        f"after {meta['warmup']} warm-up, every kept count 0..B (0 = rollback).",
+        "",
+        "## What undoing a block costs",
+        "",
+        "Reference ops: the old checkpoint's retain (gathers + stack, then `mx.eval`) and "
+        "restore phases. Wired cache: a checkpoint round minus the same forward without a "
+        "checkpoint. Launches counted on the lazy graph (views excluded).",
+        "",
+        *_checkpoint_rows(report),
+        "",
+        "## All cache work of a round",
+        "",
+        "Reference ops: retain + store + restore. Wired cache: begin + `update_and_fetch` "
+        "in every layer (staging shadows included) + commit, evaluated.",
+        "",
+        *_round_rows(report),
+    ]
+    if meta["emulated_metal"]:
+        lines += [
+            "",
+            "Emulated Metal: kernels run eagerly in a CPU subprocess, so kernel-mode "
+            "launch counts omit them and times mean nothing.",
+        ]
+    if report["verify"]:
+        lines += [
+            "",
+            f"## Verify forward ({report['verify_model']})",
+            "",
+            *_verify_rows(report),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _print(result: dict, title: str) -> None:
+    print(f"\n{title}: context {result['context']}  mode {result['mode']}")
+    print(
+        "  kept  round ms  launches  allocated MiB"
+        + ("  plain ms  ckpt ms" if "plain_ms" in result["per_kept"][0] else "")
+    )
+    for row in result["per_kept"]:
+        extra = ""
+        if "plain_ms" in row:
+            extra = f" {row['plain_ms']['median']:9.3f} {row['checkpoint_ms']['median']:8.3f}"
+        print(
+            f"  {row['kept']:4d} {row['round_ms']['median']:9.3f} {row['launches']:9d}"
+            f" {row['allocated_bytes'] / 2**20:14.2f}{extra}"
+        )
+
+
+# --------------------------------------------------------------------- main
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True, help="write results here")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
-    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
-    parser.add_argument("--sliding", type=int, default=Geometry.sliding)
-    parser.add_argument("--full", type=int, default=Geometry.full)
-    parser.add_argument("--window", type=int, default=Geometry.window)
-    parser.add_argument("--heads", type=int, default=Geometry.heads)
-    parser.add_argument("--dim", type=int, default=Geometry.dim)
     parser.add_argument(
-        "--dtype", default=Geometry.dtype, choices=["float16", "bfloat16", "float32"]
+        "--markdown", help="markdown table here (default: JSON path, .md)"
     )
-    parser.add_argument("--block", type=int, default=Geometry.block)
+    parser.add_argument(
+        "--small", action="store_true", help="CPU-sized geometry and model"
+    )
+    parser.add_argument("--contexts", type=int, nargs="+")
+    parser.add_argument(
+        "--modes", nargs="+", choices=list(CACHE_MODES), default=list(CACHE_MODES)
+    )
+    parser.add_argument(
+        "--skip-ops", action="store_true", help="skip the reference-ops baseline"
+    )
+    parser.add_argument(
+        "--skip-verify", action="store_true", help="skip the model forward"
+    )
+    parser.add_argument("--sliding", type=int)
+    parser.add_argument("--full", type=int)
+    parser.add_argument("--window", type=int)
+    parser.add_argument("--heads", type=int)
+    parser.add_argument("--dim", type=int)
+    parser.add_argument("--dtype", choices=["float16", "bfloat16", "float32"])
+    parser.add_argument("--block", type=int)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
-    return parser.parse_args(argv)
+    parser.add_argument("--verify-reps", type=int, default=5)
+    parser.add_argument("--verify-warmup", type=int, default=2)
+    parser.add_argument(
+        "--emulate-metal",
+        metavar="DIR",
+        help="no GPU: compile the Metal bodies with g++ in DIR and run the kernel mode on the "
+        "CPU through them (checks the code path, not speed)",
+    )
+    args = parser.parse_args(argv)
+    if args.small:
+        args.reps = min(args.reps, 3)
+        args.warmup = min(args.warmup, 1)
+        args.verify_reps = min(args.verify_reps, 2)
+        args.verify_warmup = min(args.verify_warmup, 1)
+    return args
+
+
+def geometry(args: argparse.Namespace) -> Geometry:
+    """Defaults (or ``--small``) overridden by explicit flags."""
+    geom = SMALL if args.small else Geometry()
+    overrides = {
+        name: getattr(args, name)
+        for name in ("sliding", "full", "window", "heads", "dim", "dtype", "block")
+        if getattr(args, name) is not None
+    }
+    return replace(geom, **overrides)
+
+
+def _emulate_metal(workdir: str) -> None:
+    from .compile_check import MetalEmulator, check_specs, find_compiler
+
+    compiler = find_compiler("g++")
+    if compiler is None:
+        raise SystemExit("--emulate-metal needs g++")
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    emulator = MetalEmulator(Path(workdir), check_specs(), compiler)
+    if not emulator.build.ok:
+        raise SystemExit(f"emulator build failed:\n{emulator.build.log}")
+    backend.BACKEND = "metal"
+    backend.launch = emulator.launch
+
+
+def _meta(args: argparse.Namespace, argv, geom: Geometry, contexts, skipped) -> dict:
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "mlx": mx.__version__,
+        "backend": kernel_backend(),
+        "emulated_metal": bool(args.emulate_metal),
+        "device": str(mx.default_device()),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "geometry": asdict(geom),
+        "contexts": list(contexts),
+        "reps": args.reps,
+        "warmup": args.warmup,
+        "verify_reps": args.verify_reps,
+        "skipped_modes": skipped,
+        "command": " ".join(
+            ["python -m dflash.metal.bench"]
+            + list(sys.argv[1:] if argv is None else argv)
+        ),
+    }
+
+
+def _save(report: dict, args: argparse.Namespace) -> str:
+    """Write the JSON and markdown (after every result, so a cut-short run keeps them)."""
+    with open(args.json, "w") as out:
+        json.dump(report, out, indent=1)
+    markdown_path = args.markdown or str(Path(args.json).with_suffix(".md"))
+    Path(markdown_path).write_text(markdown(report))
+    return markdown_path
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the benchmark and write JSON."""
+    """Run the benchmark; write JSON and markdown."""
     args = parse_args(argv)
-    geom = Geometry(
-        args.sliding,
-        args.full,
-        args.window,
-        args.heads,
-        args.dim,
-        args.dtype,
-        args.block,
-    )
-    backend = kernel_backend()
-    modes = [m for m in args.modes if backend is not None or MODES[m] is not True]
-    skipped = sorted(set(args.modes) - set(modes))
-    results = []
-    for context in args.contexts:
+    if args.emulate_metal:
+        _emulate_metal(args.emulate_metal)
+    geom = geometry(args)
+    contexts = args.contexts or (list(SMALL_CONTEXTS) if args.small else [4096, 32768])
+    for context in contexts:
         if context < geom.window:
             raise SystemExit(
                 f"context {context} < window {geom.window}: rings not full"
             )
+    modes = [
+        m for m in args.modes if kernel_backend() is not None or not CACHE_MODES[m]
+    ]
+    skipped = sorted(set(args.modes) - set(modes))
+    report = {"ops": [], "cache": [], "verify": [], "verify_model": None}
+    report["meta"] = _meta(args, argv, geom, contexts, skipped)
+    for context in contexts:
         for mode in modes:
-            result = bench_mode(geom, context, mode, args)
-            _print_result(result)
-            results.append(result)
-    report = {
-        "meta": {
-            "mlx": mx.__version__,
-            "backend": backend,
-            "default_device": str(mx.default_device()),
-            "python": platform.python_version(),
-            "geometry": asdict(geom),
-            "plane_row_bytes": geom.plane_row_bytes,
-            "reps": args.reps,
-            "warmup": args.warmup,
-            "skipped_modes": skipped,
-        },
-        "results": results,
-    }
-    with open(args.json, "w") as out:
-        json.dump(report, out, indent=1)
+            result = bench_cache(geom, context, mode, args)
+            _print(result, "wired cache")
+            report["cache"].append(result)
+            _save(report, args)
+        if not args.skip_ops:
+            result = bench_ops(geom, context, args)
+            _print(result, "reference ops")
+            report["ops"].append(result)
+            _save(report, args)
+    if not args.skip_verify:
+        tic = time.perf_counter()
+        model, model_args = random_glimmer(geom, args.small)
+        vgeom = verify_geometry(model_args, geom)
+        report["verify_model"] = (
+            f"muse_glimmer {'tiny' if args.small else 'default ModelArgs'}: "
+            f"{model_args.num_hidden_layers} layers, hidden {model_args.hidden_size}, "
+            f"{geom.dtype} random weights, built in {time.perf_counter() - tic:.1f} s"
+        )
+        print(f"\n{report['verify_model']}")
+        for context in contexts:
+            for mode in modes:
+                result = bench_verify(model, model_args, vgeom, context, mode, args)
+                print(
+                    f"verify: context {context} mode {mode}: "
+                    f"{result[f'verify_ms_kept_{vgeom.block}']['median']:.2f} ms "
+                    f"(plain {result['plain_forward_ms']['median']:.2f} ms)"
+                )
+                report["verify"].append(result)
+                _save(report, args)
+        del model
+    report["meta"]["date"] = _meta(args, argv, geom, contexts, skipped)["date"]
+    markdown_path = _save(report, args)
     print(
-        f"\nwrote {args.json}"
+        f"\nwrote {args.json} and {markdown_path}"
         + (f" (skipped without a GPU: {skipped})" if skipped else "")
     )
     return 0

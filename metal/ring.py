@@ -8,14 +8,21 @@ reference beside it:
 * :func:`stage_shadow` un-rotates the live rows into logical order and appends a
   chunk's rows, giving the contiguous span staged attention reads.
 
-Default paths (``use_kernel=None``) on a GPU: the store is one mlx scatter over
-host-built wrapped indices (it runs in place when mlx can donate the buffer, so
-it moves ``S`` rows, not ``C``); the shadow is the custom kernel (its output is
-a new array anyway). ``docs/metal.md`` has the byte counts behind that choice.
+Default paths (``use_kernel=None``) on a GPU: the store is one mlx op (a slice
+update, or one scatter over host-built wrapped indices when the rows cross the
+seam; it runs in place when mlx can donate the buffer, so it moves ``S`` rows,
+not ``C``); the shadow is the custom kernel (its output is a new array anyway).
+``docs/metal.md`` has the byte counts behind that choice.
+
+The KV cache calls two prevalidated entry points on its hot path:
+:func:`ring_write` (the in-place store, one launch, never split at the seam) and
+:class:`ShadowStager` (the shadow, geometry checked once per plane).
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
@@ -55,16 +62,64 @@ def wrapped_rows(start: int, count: int, capacity: int) -> np.ndarray:
     return ((start + np.arange(count, dtype=np.int64)) % capacity).astype(np.int32)
 
 
+@functools.lru_cache(maxsize=64)
+def wrapped_index(start: int, count: int, capacity: int) -> mx.array:
+    """:func:`wrapped_rows` as an ``mx.array``, memoised.
+
+    Every layer of a round stores or stages at the same ring position, so one
+    host-to-device copy of the index serves them all (``mx.array`` is
+    immutable, so sharing it is safe).
+
+    Returns:
+        int32 array of shape ``(count,)``.
+    """
+    return mx.array(wrapped_rows(start, count, capacity))
+
+
 # --------------------------------------------------------------------- store
+
+
+def ring_write(
+    buffer: mx.array, rows: mx.array, dest_start: int, axis: int
+) -> mx.array:
+    """Store rows at physical ``(dest_start + i) % C``: one mlx launch, never split.
+
+    The pure-MLX store, prevalidated (the caller guarantees ``rows`` matches
+    ``buffer`` off ``axis``, ``S <= C`` and ``0 <= dest_start < C``): a slice
+    update when the rows do not cross the seam, else one scatter over a
+    memoised wrapped index. Either runs in place when mlx can donate ``buffer``
+    (no other reference to it is alive when the op is evaluated).
+
+    Shapes: buffer ``(..., C, ...)`` with rows on ``axis``; rows the same with
+    ``S`` rows; returns the buffer's shape.
+
+    Args:
+        buffer: Ring (or growing) buffer.
+        rows: Rows to store.
+        dest_start: Physical row of ``rows``' first row.
+        axis: Row axis (non-negative).
+
+    Returns:
+        The updated buffer; the ``buffer`` object itself is left as it was.
+    """
+    count = rows.shape[axis]
+    capacity = buffer.shape[axis]
+    if dest_start + count <= capacity:
+        # ``[...]`` is a new handle on the same array (no graph node), so the
+        # in-place ``__setitem__`` below rebinds it, never the caller's object.
+        out = buffer[...]
+        out[(slice(None),) * axis + (slice(dest_start, dest_start + count),)] = rows
+        return out
+    shape = [1] * buffer.ndim
+    shape[axis] = count
+    index = wrapped_index(dest_start, count, capacity).reshape(shape)
+    return mx.put_along_axis(buffer, index, rows, axis=axis)
 
 
 def _ring_store_ops(
     buffer: mx.array, rows: mx.array, start: int, geom: RowGeometry
 ) -> mx.array:
-    count = rows.shape[geom.row_axis]
-    index = mx.array(wrapped_rows(start, count, geom.capacity))
-    index = index.reshape(geom.index_shape(count))
-    return mx.put_along_axis(buffer, index, rows, axis=geom.row_axis)
+    return ring_write(buffer, rows, start, geom.row_axis)
 
 
 def _ring_store_kernel(
@@ -141,7 +196,7 @@ def _stage_shadow_ops(
 ) -> mx.array:
     if length == 0:
         return rows
-    index = mx.array(wrapped_rows(origin, length, geom.capacity))
+    index = wrapped_index(origin, length, geom.capacity)
     live = mx.take(buffer, index, axis=geom.row_axis)
     if rows.shape[geom.row_axis] == 0:
         return live
@@ -217,3 +272,64 @@ def stage_shadow(
     if use_kernel_path(use_kernel, auto=True):
         return _stage_shadow_kernel(buffer, rows, origin, length, geom)
     return _stage_shadow_ops(buffer, rows, origin, length, geom)
+
+
+@dataclass(frozen=True)
+class ShadowStager:
+    """:func:`stage_shadow` for one ring geometry, checked once, called per chunk.
+
+    The cache builds one per ring buffer; each call then skips the argument
+    checks of :func:`stage_shadow` (the cache guarantees them: ``rows`` in the
+    buffer's layout and dtype, ``0 <= origin < C``, ``0 <= length <= C``) and
+    runs the same kernel or reference body.
+
+    Attributes:
+        geom: Geometry of the ring buffers this stager serves.
+        use_kernel: As for :func:`stage_shadow` (resolved per call, so
+            ``DFLASH_KERNELS`` and the default device are honoured).
+    """
+
+    geom: RowGeometry
+    use_kernel: Optional[bool] = None
+
+    @classmethod
+    def for_buffer(
+        cls,
+        buffer: mx.array,
+        *,
+        head_major: bool = True,
+        use_kernel: Optional[bool] = None,
+    ) -> "ShadowStager":
+        """Validate ``buffer`` once and build its stager.
+
+        Args:
+            buffer: A ring buffer ``(..., H, C, D)`` / ``(..., C, H, D)``.
+            head_major: Layout of the buffer.
+            use_kernel: Kernel switch of every call.
+
+        Returns:
+            The stager.
+        """
+        geom = buffer_geometry(buffer, head_major, "buffer")
+        word_dtype(geom)  # refuses rows that are not whole 2-byte words
+        return cls(geom, use_kernel)
+
+    def serves(self, buffer: mx.array) -> bool:
+        """Whether ``buffer`` has this stager's shape and dtype."""
+        return (
+            tuple(buffer.shape) == self.geom.shape and buffer.dtype == self.geom.dtype
+        )
+
+    def __call__(
+        self, buffer: mx.array, rows: mx.array, origin_physical: int, length: int
+    ) -> mx.array:
+        """The shadow: ``length`` live rows from ``origin_physical`` on, then ``rows``.
+
+        Shapes: buffer as ``geom``; rows ``(..., H, S, D)`` / ``(..., S, H, D)``;
+        returns the same with ``length + S`` rows.
+        """
+        if use_kernel_path(self.use_kernel, auto=True):
+            return _stage_shadow_kernel(
+                buffer, rows, origin_physical, length, self.geom
+            )
+        return _stage_shadow_ops(buffer, rows, origin_physical, length, self.geom)

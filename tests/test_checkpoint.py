@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash.cache import KvPlane, RollbackError, SpeculativeCheckpoint
+from dflash.cache import KvPlane, RingKVCache, RollbackError, SpeculativeCheckpoint
 from dflash.cache.plane import ring_indices, take_rows
 
 
@@ -31,7 +31,9 @@ def live_bits(plane):
     rows = ring_indices(plane.origin_physical, 0, plane.len, max(plane.capacity, 1))
     keys = take_rows(plane.keys, rows, plane.head_major)
     values = take_rows(plane.values, rows, plane.head_major)
-    as_bits = lambda a: np.array(a.view(mx.uint8) if a.dtype != mx.bfloat16 else a.view(mx.uint16))
+    as_bits = lambda a: np.array(
+        a.view(mx.uint8) if a.dtype != mx.bfloat16 else a.view(mx.uint16)
+    )
     return plane.meta, as_bits(keys), as_bits(values)
 
 
@@ -79,7 +81,8 @@ def test_commit_equals_sequential_append_of_the_accepted_rows(
             assert checkpoint.retained_bytes == 0
         start = plane.offset
         for keys, values in zip(
-            split_block(block_keys, cut, head_major), split_block(block_values, cut, head_major)
+            split_block(block_keys, cut, head_major),
+            split_block(block_values, cut, head_major),
         ):
             plane.write(plane.offset, keys, values)
         checkpoint.commit(accepted)
@@ -88,7 +91,9 @@ def test_commit_equals_sequential_append_of_the_accepted_rows(
         if accepted:
             rows = slice(0, accepted)
             expected.write(
-                start, take_rows(block_keys, rows, head_major), take_rows(block_values, rows, head_major)
+                start,
+                take_rows(block_keys, rows, head_major),
+                take_rows(block_values, rows, head_major),
             )
         got_meta, got_keys, got_values = live_bits(plane)
         want_meta, want_keys, want_values = live_bits(expected)
@@ -96,8 +101,11 @@ def test_commit_equals_sequential_append_of_the_accepted_rows(
             assert got_meta == want_meta
         else:
             # A growing plane's storage may have grown for the block; the rows did not.
-            assert (got_meta.len, got_meta.origin_logical, got_meta.origin_physical) == (
-                want_meta.len, 0, 0)
+            assert (
+                got_meta.len,
+                got_meta.origin_logical,
+                got_meta.origin_physical,
+            ) == (want_meta.len, 0, 0)
         np.testing.assert_array_equal(got_keys, want_keys)
         np.testing.assert_array_equal(got_values, want_values)
 
@@ -114,9 +122,34 @@ def muse_like_planes(window=32, rings=3):
 def test_retained_bytes_are_block_rows_of_rings_only():
     planes = muse_like_planes()
     checkpoint = SpeculativeCheckpoint.begin(planes, 16)
+    assert checkpoint.retained_bytes == 0  # begin records bookkeeping only
+    rows = mx.zeros((1, 2, 16, 4))
+    planes[0].write(
+        planes[0].offset, rows, rows
+    )  # the first write retains for every ring
     row = 2 * 4 * 4 * 2  # heads x dim x float32 x (K and V)
     assert checkpoint.retained_bytes == 3 * 16 * row
     checkpoint.rollback()
+
+
+def test_a_staged_block_is_held_back_and_retains_nothing():
+    planes = [RingKVCache(32, layer=i) for i in range(3)]
+    rows = mx.ones((1, 2, 70, 4))
+    for plane in planes:
+        plane.update_and_fetch(rows, rows)
+    before = [live_bits(plane) for plane in planes]
+    checkpoint = SpeculativeCheckpoint.begin(planes, 16)
+    block = mx.full((1, 2, 16, 4), 3.0)
+    for plane in planes:
+        plane.update_and_fetch(block, block)
+    assert checkpoint.retained_bytes == 0
+    assert all(plane.speculation.mode == "deferred" for plane in planes)
+    checkpoint.rollback()
+    for plane, (meta, keys, values) in zip(planes, before):
+        got = live_bits(plane)
+        assert got[0] == meta
+        np.testing.assert_array_equal(got[1], keys)
+        np.testing.assert_array_equal(got[2], values)
 
 
 def test_writing_past_the_checkpointed_block_is_refused_before_any_change():

@@ -8,52 +8,68 @@ from pathlib import Path
 import pytest
 
 from dflash.metal import backend, bench
-from dflash.metal.compile_check import MetalEmulator, check_specs, find_compiler
+from dflash.metal.compile_check import find_compiler
 
-TINY = ["--window", "256", "--sliding", "2", "--full", "1", "--heads", "2"]
+TINY = ["--window", "256", "--sliding", "3", "--full", "1", "--heads", "2"]
 TINY += ["--dim", "64", "--block", "4", "--reps", "2", "--warmup", "1"]
+PLANE_BYTES = 256 * 2 * 64 * 2  # one K or V ring plane
 
 
-def _run(tmp_path: Path, *extra: str) -> dict:
+def _run(tmp_path: Path, *extra: str, geometry=TINY) -> dict:
     out = tmp_path / "bench.json"
-    assert bench.main(["--json", str(out), *TINY, *extra]) == 0
+    assert bench.main(["--json", str(out), *geometry, *extra]) == 0
+    assert (tmp_path / "bench.md").read_text().startswith("# dflash.metal.bench")
     return json.loads(out.read_text())
 
 
-def test_bench_reference_round(tmp_path: Path) -> None:
-    report = _run(tmp_path, "--contexts", "300", "700", "--modes", "reference")
+def test_bench_rounds_and_launch_counts(tmp_path: Path) -> None:
+    report = _run(tmp_path, "--contexts", "300", "700", "--skip-verify")
     assert report["meta"]["geometry"]["window"] == 256
-    rings, growing, block = 4, 2, 4
-    plane_bytes = 256 * 2 * 64 * 2
-    for result in report["results"]:
-        rows = result["per_accept"]
-        assert [r["accepted"] for r in rows] == list(range(block + 1))
-        for row in rows:
-            restore = rings if row["accepted"] < block else 0
-            # rings gathers + 1 stack, one scatter per plane, one per restore.
-            assert row["launches"] == rings + 1 + rings + growing + restore
-            # The scatters ran in place: the round allocates less than a plane.
-            assert row["allocated_bytes"] < plane_bytes
-        assert result["stage"]["launches"] == {"Gather": rings, "Concatenate": rings}
+    rings, growing, block = 3, 1, 4
+    for result in report["ops"]:
+        for row in result["per_kept"]:
+            # K and V planes: gathers + stack, one store per plane, one restore per ring.
+            restore = 2 * rings if row["kept"] < block else 0
+            assert row["launches"] == 2 * rings + 1 + 2 * (rings + growing) + restore
+            assert row["allocated_bytes"] < PLANE_BYTES  # in place: under one plane
+    for result in report["cache"]:
+        assert result["mode"] == "reference"
+        for row in result["per_kept"]:
+            # Per ring: stack K/V + gather + concatenate (the shadow); per growing plane:
+            # stack + store. The commit stores the kept rows: one launch per ring.
+            assert row["fetch_launches"] == 3 * rings + 2 * growing
+            assert row["commit_launches"] == (rings if row["kept"] else 0)
+            assert row["plain_launches"] == 3 * rings + 2 * growing + rings
+            assert row["allocated_bytes"] < PLANE_BYTES  # the commit stores in place
+        assert [r["kept"] for r in result["per_kept"]] == list(range(block + 1))
+
+
+def test_bench_small_runs_every_section(tmp_path: Path) -> None:
+    report = _run(tmp_path, "--small", "--contexts", "64", geometry=[])
+    assert [r["mode"] for r in report["cache"]] == ["reference"]
+    assert report["meta"]["skipped_modes"] == ["kernels"]
+    (verify,) = report["verify"]
+    assert verify["forward_launches"] > 0 and verify["plain_forward_ms"]["median"] > 0
 
 
 def test_bench_refuses_context_below_window(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="rings not full"):
-        _run(tmp_path, "--contexts", "100", "--modes", "reference")
+        _run(tmp_path, "--contexts", "10")
 
 
 @pytest.mark.skipif(find_compiler("g++") is None, reason="g++ not installed")
-def test_bench_kernel_modes_on_emulated_metal(tmp_path: Path) -> None:
-    emu = MetalEmulator(tmp_path, check_specs(planes=(4,)))
-    assert emu.build.ok, emu.build.log
+def test_bench_kernel_mode_on_emulated_metal(tmp_path: Path) -> None:
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(backend, "BACKEND", "metal")
-        patch.setattr(backend, "launch", emu.launch)
-        report = _run(tmp_path, "--contexts", "300", "--modes", "kernels", "auto")
-    assert [r["mode"] for r in report["results"]] == ["kernels", "auto"]
-    assert emu.launches > 0
-    kernels, auto = report["results"]
-    # Fresh-output stores/restores move whole planes; the auto path does not.
-    assert (
-        kernels["per_accept"][0]["model_bytes"] > auto["per_accept"][0]["model_bytes"]
-    )
+        patch.setattr(backend, "BACKEND", backend.BACKEND)
+        patch.setattr(backend, "launch", backend.launch)
+        report = _run(
+            tmp_path,
+            "--contexts",
+            "300",
+            "--skip-ops",
+            "--skip-verify",
+            "--emulate-metal",
+            str(tmp_path / "emu"),
+        )
+    assert [r["mode"] for r in report["cache"]] == ["reference", "kernels"]
+    assert report["meta"]["emulated_metal"]

@@ -22,10 +22,18 @@ MASK = 255
 
 def make_drafter(target, block_size=4, window=8, seed=3, **overrides):
     fields = dict(
-        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=96, rms_norm_eps=1e-5, rope_theta=10000.0,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
         layer_types=("sliding_attention", "full_attention", "sliding_attention"),
-        sliding_window=window, block_size=block_size, mask_token_id=MASK,
+        sliding_window=window,
+        block_size=block_size,
+        mask_token_id=MASK,
         target_layer_ids=(1, 4, 7),
     )
     fields.update(overrides)
@@ -57,8 +65,9 @@ def test_training_forward_equals_inference_drafter_per_anchor(causal):
             drafter.append_context(context, features[row : row + 1, :anchor], 0)
             block = mx.array([[tokens[row, anchor].item()] + [MASK] * 3])
             expected = drafter(block, context)[0]
-            assert mx.allclose(trained[row, j], expected, atol=2e-4, rtol=1e-4).item(), (
-                row, anchor, mx.abs(trained[row, j] - expected).max().item())
+            assert mx.allclose(
+                trained[row, j], expected, atol=2e-4, rtol=1e-4
+            ).item(), (row, anchor, mx.abs(trained[row, j] - expected).max().item())
 
 
 def test_training_forward_sees_no_context_at_or_after_its_anchor():
@@ -72,7 +81,9 @@ def test_training_forward_sees_no_context_at_or_after_its_anchor():
     after = objective.block_logits(drafter, changed, tokens, anchors)
     assert mx.array_equal(before, after).item()
     earlier = features.at[:, 9:10].add(5.0)
-    assert not mx.allclose(objective.block_logits(drafter, earlier, tokens, anchors), before)
+    assert not mx.allclose(
+        objective.block_logits(drafter, earlier, tokens, anchors), before
+    )
 
 
 def test_position_weights_follow_the_dflash_decay():
@@ -100,8 +111,11 @@ def test_dflash_loss_equals_weighted_cross_entropy_by_hand():
 
 
 @given(
-    batch=st.integers(1, 4), count=st.integers(1, 8), low=st.integers(0, 20),
-    span=st.integers(0, 40), seed=st.integers(0, 2**16),
+    batch=st.integers(1, 4),
+    count=st.integers(1, 8),
+    low=st.integers(0, 20),
+    span=st.integers(0, 40),
+    seed=st.integers(0, 2**16),
 )
 def test_anchors_are_distinct_sorted_and_in_range(batch, count, low, span, seed):
     rng = np.random.default_rng(seed)
@@ -171,14 +185,29 @@ def test_learning_rate_warms_up_then_decays_to_the_floor():
 def _tiny_training(folder, total_steps):
     from training.train_target import build_target, next_token_loss, sample_windows
 
-    config = {"model_type": "muse_glimmer", "hidden_size": 32, "num_hidden_layers": 4,
-              "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1,
-              "head_dim": 16, "vocab_size": 64, "sliding_window": 8,
-              "tie_word_embeddings": True}
+    config = {
+        "model_type": "muse_glimmer",
+        "hidden_size": 32,
+        "num_hidden_layers": 4,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "vocab_size": 64,
+        "sliding_window": 8,
+        "tie_word_embeddings": True,
+    }
     mx.random.seed(0)
     model = build_target(config)
-    settings = TrainSettings(batch_size=2, seq_len=12, warmup_steps=2, total_steps=6,
-                             checkpoint_every=100, log_every=3, eval_every=0)
+    settings = TrainSettings(
+        batch_size=2,
+        seq_len=12,
+        warmup_steps=2,
+        total_steps=6,
+        checkpoint_every=100,
+        log_every=3,
+        eval_every=0,
+    )
     tokens = np.random.default_rng(0).integers(0, 64, 500).astype(np.uint16)
 
     def batch_fn(step):
@@ -200,6 +229,7 @@ def test_resumed_training_equals_uninterrupted_training(tmp_path):
     resumed = _tiny_training(tmp_path / "b", 6)
     progress = json.loads((tmp_path / "b" / "progress.json").read_text())
     assert progress["step"] == 6
-    for (name, a), (_, b) in zip(tree_flatten(straight.parameters()),
-                                 tree_flatten(resumed.parameters())):
+    for (name, a), (_, b) in zip(
+        tree_flatten(straight.parameters()), tree_flatten(resumed.parameters())
+    ):
         assert mx.array_equal(a, b).item(), name

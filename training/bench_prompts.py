@@ -62,8 +62,15 @@ def candidates(data: Path, context_tokens: int, min_tokens: int) -> List[dict]:
             prompt = cut_prompt(lines, node, tokenizer, context_tokens)
             count = len(tokenizer.encode(prompt).ids)
             if count >= min_tokens:
-                records.append({"prompt": prompt, "file": path, "function": node.name,
-                                "line": node.lineno, "prompt_tokens": count})
+                records.append(
+                    {
+                        "prompt": prompt,
+                        "file": path,
+                        "function": node.name,
+                        "line": node.lineno,
+                        "prompt_tokens": count,
+                    }
+                )
     return records
 
 
@@ -83,8 +90,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--context-tokens", type=int, default=320)
     parser.add_argument("--min-tokens", type=int, default=128)
     args = parser.parse_args(argv)
-    records = pick_evenly(candidates(args.data, args.context_tokens, args.min_tokens),
-                          args.count)
+    records = pick_evenly(
+        candidates(args.data, args.context_tokens, args.min_tokens), args.count
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as handle:
         for record in records:

@@ -63,7 +63,9 @@ def distill(
     rows: List[np.ndarray] = []
     start = time.perf_counter()
     step = 0
-    while sum(len(r) for r in rows) < max_rows and time.perf_counter() - start < seconds:
+    while (
+        sum(len(r) for r in rows) < max_rows and time.perf_counter() - start < seconds
+    ):
         prompts = sample_windows(tokens, step, batch, prompt_len, seed)
         rows.append(greedy_continue(model, prompts, new_tokens))
         step += 1
@@ -89,18 +91,38 @@ def main(argv: Optional[List[str]] = None) -> None:
     model, _ = load(str(args.target))
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    train = distill(model, np.load(args.data / "train.npy"), args.prompt_len,
-                    args.new_tokens, args.batch, args.max_rows, args.seconds, args.seed)
+    train = distill(
+        model,
+        np.load(args.data / "train.npy"),
+        args.prompt_len,
+        args.new_tokens,
+        args.batch,
+        args.max_rows,
+        args.seconds,
+        args.seed,
+    )
     train_seconds = time.perf_counter() - started
-    heldout = distill(model, np.load(args.data / "heldout.npy"), args.prompt_len,
-                      args.new_tokens, min(args.batch, args.heldout_rows),
-                      args.heldout_rows, float("inf"), args.seed + 1)
+    heldout = distill(
+        model,
+        np.load(args.data / "heldout.npy"),
+        args.prompt_len,
+        args.new_tokens,
+        min(args.batch, args.heldout_rows),
+        args.heldout_rows,
+        float("inf"),
+        args.seed + 1,
+    )
     np.save(args.out / "train.npy", train)
     np.save(args.out / "heldout.npy", heldout)
-    meta = {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-            "train_rows": int(train.shape[0]), "heldout_rows": int(heldout.shape[0]),
-            "seed": args.seed, "train_seconds": round(train_seconds, 1),
-            "target": str(args.target)}
+    meta = {
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "train_rows": int(train.shape[0]),
+        "heldout_rows": int(heldout.shape[0]),
+        "seed": args.seed,
+        "train_seconds": round(train_seconds, 1),
+        "target": str(args.target),
+    }
     write_json(args.out / "meta.json", meta)
     print(meta)
 

@@ -52,7 +52,9 @@ def learning_rate(settings: TrainSettings, step: int, total_steps: int) -> float
     span = max(1, total_steps - settings.warmup_steps)
     progress = min(1.0, (step - settings.warmup_steps) / span)
     floor = settings.min_lr_ratio
-    return settings.peak_lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return settings.peak_lr * (
+        floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    )
 
 
 class Trainer:
@@ -79,7 +81,9 @@ class Trainer:
         self.settings = settings
         self.checkpoint_dir = Path(checkpoint_dir)
         self.optimizer = optim.AdamW(
-            learning_rate=settings.peak_lr, betas=[0.9, 0.95], weight_decay=settings.weight_decay
+            learning_rate=settings.peak_lr,
+            betas=[0.9, 0.95],
+            weight_decay=settings.weight_decay,
         )
         self.optimizer.init(module.trainable_parameters())
         self.step = 0
@@ -113,7 +117,9 @@ class Trainer:
         # Evaluate the whole state at once: saving shard by shard would evaluate only
         # some outputs of the compiled step.
         mx.eval(self.module.parameters(), self.optimizer.state)
-        save_shards(dict(tree_flatten(self.module.trainable_parameters())), folder, "params")
+        save_shards(
+            dict(tree_flatten(self.module.trainable_parameters())), folder, "params"
+        )
         save_shards(dict(tree_flatten(self.optimizer.state)), folder, "optimizer")
         meta = {
             "step": self.step,
@@ -214,10 +220,13 @@ class Trainer:
         mean = mx.stack(losses).mean().item()
         now = time.perf_counter()
         elapsed = self.elapsed + now - segment_start
-        self.history.append({"step": self.step, "loss": round(mean, 4),
-                             "elapsed": round(elapsed, 1)})
-        log(f"step {self.step}/{self.total_steps} loss {mean:.4f} "
-            f"lr {self.optimizer.learning_rate.item():.2e} run {now - run_start:.0f}s")
+        self.history.append(
+            {"step": self.step, "loss": round(mean, 4), "elapsed": round(elapsed, 1)}
+        )
+        log(
+            f"step {self.step}/{self.total_steps} loss {mean:.4f} "
+            f"lr {self.optimizer.learning_rate.item():.2e} run {now - run_start:.0f}s"
+        )
         return []
 
     def _probe(self, probe_start: Optional[float], log: Callable[[str], None]):
@@ -230,10 +239,14 @@ class Trainer:
             mx.eval(self.module.parameters())
             per_step = (time.perf_counter() - probe_start) / s.probe_steps
             self.total_steps = max(self.step + 1, int(s.time_budget / per_step))
-            log(f"probe: {per_step * 1000:.1f} ms/step -> total_steps {self.total_steps}")
+            log(
+                f"probe: {per_step * 1000:.1f} ms/step -> total_steps {self.total_steps}"
+            )
         return probe_start
 
-    def _evaluate(self, evaluate: Callable[[], dict], log: Callable[[str], None]) -> None:
+    def _evaluate(
+        self, evaluate: Callable[[], dict], log: Callable[[str], None]
+    ) -> None:
         metrics = evaluate()
         metrics["step"] = self.step
         self.history.append(metrics)

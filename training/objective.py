@@ -39,7 +39,9 @@ def rope_at(x: mx.array, positions: mx.array, base: float) -> mx.array:
     angles = positions.astype(mx.float32)[:, None, :, None] * inverse
     cos, sin = mx.cos(angles), mx.sin(angles)
     first, second = x[..., :half].astype(mx.float32), x[..., half:].astype(mx.float32)
-    out = mx.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
+    out = mx.concatenate(
+        [first * cos - second * sin, first * sin + second * cos], axis=-1
+    )
     return out.astype(x.dtype)
 
 
@@ -91,8 +93,12 @@ def block_mask(
 
 def _project(attention, x: mx.array, positions: mx.array, base: float):
     batch, rows, _ = x.shape
-    keys = attention.k_proj(x).reshape(batch, rows, attention.n_kv_heads, attention.head_dim)
-    values = attention.v_proj(x).reshape(batch, rows, attention.n_kv_heads, attention.head_dim)
+    keys = attention.k_proj(x).reshape(
+        batch, rows, attention.n_kv_heads, attention.head_dim
+    )
+    values = attention.v_proj(x).reshape(
+        batch, rows, attention.n_kv_heads, attention.head_dim
+    )
     keys = rope_at(attention.k_norm(keys).transpose(0, 2, 1, 3), positions, base)
     return keys, values.transpose(0, 2, 1, 3)
 
@@ -109,8 +115,12 @@ def _layer(
     context_positions, query_positions = positions
     x = layer.input_layernorm(h)
     batch, rows, _ = x.shape
-    queries = attention.q_proj(x).reshape(batch, rows, attention.n_heads, attention.head_dim)
-    queries = rope_at(attention.q_norm(queries).transpose(0, 2, 1, 3), query_positions, base)
+    queries = attention.q_proj(x).reshape(
+        batch, rows, attention.n_heads, attention.head_dim
+    )
+    queries = rope_at(
+        attention.q_norm(queries).transpose(0, 2, 1, 3), query_positions, base
+    )
     block_keys, block_values = _project(attention, x, query_positions, base)
     context_keys, context_values = _project(attention, stream, context_positions, base)
     keys = mx.concatenate([context_keys, block_keys], axis=2)
@@ -157,8 +167,14 @@ def block_logits(
         key = (window, config.block_causal(index))
         if key not in masks:
             masks[key] = block_mask(anchors, length, size, *key)
-        h = _layer(layer, h, stream, (context_positions, positions), masks[key],
-                   config.rope_theta)
+        h = _layer(
+            layer,
+            h,
+            stream,
+            (context_positions, positions),
+            masks[key],
+            config.rope_theta,
+        )
     logits = drafter.logits(drafter.norm(h))
     return logits.reshape(batch, anchors.shape[1], size, -1)
 
@@ -199,6 +215,8 @@ def sample_anchors(
     """
     if high - low + 1 < count:
         raise ValueError(f"cannot draw {count} distinct anchors from [{low}, {high}]")
-    rows = [np.sort(rng.choice(np.arange(low, high + 1), size=count, replace=False))
-            for _ in range(batch)]
+    rows = [
+        np.sort(rng.choice(np.arange(low, high + 1), size=count, replace=False))
+        for _ in range(batch)
+    ]
     return np.stack(rows).astype(np.int32)

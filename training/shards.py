@@ -16,7 +16,10 @@ MAX_SHARD_BYTES = 15 * 1024 * 1024
 
 
 def save_shards(
-    arrays: Dict[str, mx.array], folder: Path, stem: str, max_bytes: int = MAX_SHARD_BYTES
+    arrays: Dict[str, mx.array],
+    folder: Path,
+    stem: str,
+    max_bytes: int = MAX_SHARD_BYTES,
 ) -> List[str]:
     """Write ``arrays`` into as few shards as fit ``max_bytes`` each.
 
@@ -41,7 +44,9 @@ def save_shards(
     for name in sorted(arrays):
         size = arrays[name].nbytes
         if size > max_bytes:
-            raise ValueError(f"array {name} ({size} bytes) exceeds a shard ({max_bytes})")
+            raise ValueError(
+                f"array {name} ({size} bytes) exceeds a shard ({max_bytes})"
+            )
         if used + size > max_bytes and groups[-1]:
             groups.append({})
             used = 0

@@ -58,8 +58,15 @@ class FeatureSource:
         return mx.stop_gradient(self.taps.pop()).astype(mx.float32)
 
 
-def block_tau(drafter, features_fn, rows: np.ndarray, prompt_len: int, batch: int = 16,
-              anchors_per_row: int = 16, seed: int = 99) -> dict:
+def block_tau(
+    drafter,
+    features_fn,
+    rows: np.ndarray,
+    prompt_len: int,
+    batch: int = 16,
+    anchors_per_row: int = 16,
+    seed: int = 99,
+) -> dict:
     """Greedy acceptance of the drafter's blocks on held-out sequences.
 
     For each block the accepted length is the number of leading draft positions whose
@@ -71,13 +78,20 @@ def block_tau(drafter, features_fn, rows: np.ndarray, prompt_len: int, batch: in
     accepted = []
     for start in range(0, rows.shape[0], batch):
         tokens = mx.array(rows[start : start + batch].astype(np.int32))
-        anchors = sample_anchors(rng, tokens.shape[0], anchors_per_row, prompt_len - 1,
-                                 tokens.shape[1] - size)
+        anchors = sample_anchors(
+            rng,
+            tokens.shape[0],
+            anchors_per_row,
+            prompt_len - 1,
+            tokens.shape[1] - size,
+        )
         anchors = mx.array(anchors)
         logits = block_logits(drafter, features_fn(tokens), tokens, anchors)
         drafts = mx.argmax(logits[:, :, 1:], axis=-1)
         positions = anchors[:, :, None] + mx.arange(1, size)
-        labels = mx.take_along_axis(tokens, positions.reshape(tokens.shape[0], -1), axis=1)
+        labels = mx.take_along_axis(
+            tokens, positions.reshape(tokens.shape[0], -1), axis=1
+        )
         hits = (drafts == labels.reshape(drafts.shape)).astype(mx.int32)
         accepted.append(mx.cumprod(hits, axis=-1).sum(axis=-1).reshape(-1))
     accepted = mx.concatenate(accepted)
@@ -91,9 +105,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--data", type=Path, default=Path("data"))
     parser.add_argument("--target", type=Path, required=True)
     parser.add_argument("--distill", type=Path, required=True)
-    parser.add_argument("--config", type=Path, default=Path("configs/demo/drafter.json"))
-    parser.add_argument("--settings", type=Path,
-                        default=Path("configs/demo/train-drafter.json"))
+    parser.add_argument(
+        "--config", type=Path, default=Path("configs/demo/drafter.json")
+    )
+    parser.add_argument(
+        "--settings", type=Path, default=Path("configs/demo/train-drafter.json")
+    )
     parser.add_argument("--source", choices=("greedy", "raw"), default="greedy")
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--export", type=Path, default=None)
@@ -118,20 +135,25 @@ def main(argv: Optional[List[str]] = None) -> None:
     corpus = np.load(args.data / "train.npy") if args.source == "raw" else None
     length = greedy.shape[1]
     features_fn = FeatureSource(target, drafter.config.target_layer_ids)
-    print(f"drafter: {count_parameters(drafter):,} parameters; source {args.source}; "
-          f"{greedy.shape[0]} greedy rows of {length}")
+    print(
+        f"drafter: {count_parameters(drafter):,} parameters; source {args.source}; "
+        f"{greedy.shape[0]} greedy rows of {length}"
+    )
 
     def batch_fn(step: int):
         rng = np.random.default_rng([settings.seed, step])
         if args.source == "greedy":
             rows = greedy[rng.integers(0, greedy.shape[0], settings.batch_size)]
         else:
-            rows = sample_windows(corpus, step, settings.batch_size, length, settings.seed)
+            rows = sample_windows(
+                corpus, step, settings.batch_size, length, settings.seed
+            )
         tokens = mx.array(rows.astype(np.int32))
         # The first round's anchor is the last prompt token (its features are not yet
         # in the context); every later anchor is a generated token.
-        anchors = sample_anchors(rng, settings.batch_size, anchors_per_row, prompt_len - 1,
-                                 length - size)
+        anchors = sample_anchors(
+            rng, settings.batch_size, anchors_per_row, prompt_len - 1, length - size
+        )
         return features_fn(tokens), tokens, mx.array(anchors)
 
     def evaluate() -> dict:
@@ -142,13 +164,19 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"resumed at step {trainer.step}/{trainer.total_steps}")
     started = time.perf_counter()
     done = trainer.fit(batch_fn, args.run_seconds, evaluate)
-    print(f"run: {time.perf_counter() - started:.0f}s, step {trainer.step}, done={done}")
+    print(
+        f"run: {time.perf_counter() - started:.0f}s, step {trainer.step}, done={done}"
+    )
     if done and args.export is not None:
         drafter.set_dtype(mx.bfloat16)
         save_drafter(drafter, args.export, format="assistant")
-        summary = {"steps": trainer.step, "train_seconds": round(trainer.elapsed, 1),
-                   "source": args.source, "history": trainer.history[-3:],
-                   "settings": dataclasses.asdict(settings)}
+        summary = {
+            "steps": trainer.step,
+            "train_seconds": round(trainer.elapsed, 1),
+            "source": args.source,
+            "history": trainer.history[-3:],
+            "settings": dataclasses.asdict(settings),
+        }
         summary.update(block_tau(drafter, features_fn, heldout, prompt_len))
         write_json(args.export / "training.json", summary)
         print(json.dumps(summary))

@@ -62,7 +62,11 @@ def next_token_loss(model: nn.Module, inputs: mx.array, targets: mx.array) -> mx
 
 
 def heldout_loss(
-    model: nn.Module, tokens: np.ndarray, seq_len: int, windows: int = 64, seed: int = 1234
+    model: nn.Module,
+    tokens: np.ndarray,
+    seq_len: int,
+    windows: int = 64,
+    seed: int = 1234,
 ) -> float:
     """Mean next-token loss over fixed held-out windows (same windows every call)."""
     data = sample_windows(tokens, 0, windows, seq_len + 1, seed)
@@ -121,7 +125,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m training.train_target")
     parser.add_argument("--data", type=Path, default=Path("data"))
     parser.add_argument("--config", type=Path, default=Path("configs/demo/target.json"))
-    parser.add_argument("--settings", type=Path, default=Path("configs/demo/train-target.json"))
+    parser.add_argument(
+        "--settings", type=Path, default=Path("configs/demo/train-target.json")
+    )
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--export", type=Path, default=None)
     parser.add_argument("--run-seconds", type=float, default=540.0)
@@ -136,34 +142,48 @@ def main(argv: Optional[List[str]] = None) -> None:
     model = build_target(config)
     train = np.load(args.data / "train.npy")
     heldout = np.load(args.data / "heldout.npy")
-    print(f"target: {count_parameters(model):,} parameters; train tokens {train.size:,}")
+    print(
+        f"target: {count_parameters(model):,} parameters; train tokens {train.size:,}"
+    )
 
     def batch_fn(step: int):
         window = mx.array(
-            sample_windows(train, step, settings.batch_size, settings.seq_len + 1, settings.seed)
+            sample_windows(
+                train, step, settings.batch_size, settings.seq_len + 1, settings.seed
+            )
         )
         return window[:, :-1], window[:, 1:]
 
     def evaluate() -> dict:
-        return {"heldout_loss": round(heldout_loss(model, heldout, settings.seq_len), 4)}
+        return {
+            "heldout_loss": round(heldout_loss(model, heldout, settings.seq_len), 4)
+        }
 
     trainer = Trainer(model, next_token_loss, settings, args.checkpoint)
     if trainer.resume():
         print(f"resumed at step {trainer.step}/{trainer.total_steps}")
     started = time.perf_counter()
     done = trainer.fit(batch_fn, args.run_seconds, evaluate)
-    print(f"run: {time.perf_counter() - started:.0f}s, step {trainer.step}, done={done}")
+    print(
+        f"run: {time.perf_counter() - started:.0f}s, step {trainer.step}, done={done}"
+    )
     if done and args.export is not None:
         export_target(model, args.data / "tokenizer", args.export)
-        summary = {"parameters": count_parameters(model), "steps": trainer.step,
-                   "train_seconds": round(trainer.elapsed, 1),
-                   "heldout_loss_float32": trainer.history[-1].get("heldout_loss"),
-                   "settings": dataclasses.asdict(settings)}
+        summary = {
+            "parameters": count_parameters(model),
+            "steps": trainer.step,
+            "train_seconds": round(trainer.elapsed, 1),
+            "heldout_loss_float32": trainer.history[-1].get("heldout_loss"),
+            "settings": dataclasses.asdict(settings),
+        }
         bf16 = build_target(read_json(args.export / "config.json"))
         from .shards import load_shards
+
         bf16.load_weights(list(load_shards(args.export, "model").items()))
         bf16.set_dtype(mx.bfloat16)
-        summary["heldout_loss_bfloat16"] = round(heldout_loss(bf16, heldout, settings.seq_len), 4)
+        summary["heldout_loss_bfloat16"] = round(
+            heldout_loss(bf16, heldout, settings.seq_len), 4
+        )
         write_json(args.export / "training.json", summary)
         print(json.dumps(summary))
 
