@@ -233,3 +233,17 @@ def test_resumed_training_equals_uninterrupted_training(tmp_path):
         tree_flatten(straight.parameters()), tree_flatten(resumed.parameters())
     ):
         assert mx.array_equal(a, b).item(), name
+
+
+def test_prompt_sources_are_deterministic_and_alternate_when_mixed():
+    from training.distill import prompt_sampler
+
+    tokens = np.arange(1000, dtype=np.uint16)
+    functions = np.full((5, 8), 7, dtype=np.uint16)
+    windows = prompt_sampler("windows", tokens, None, 8, 3, seed=1)
+    assert windows(4).shape == (3, 8) and np.array_equal(windows(4), windows(4))
+    assert all(np.array_equal(row, np.arange(row[0], row[0] + 8)) for row in windows(4))
+    mixed = prompt_sampler("mixed", tokens, functions, 8, 3, seed=1)
+    assert np.array_equal(mixed(0), windows(0)) and (mixed(1) == 7).all()
+    with pytest.raises(ValueError, match="unknown prompt source"):
+        prompt_sampler("poems", tokens, None, 8, 3, seed=1)

@@ -52,11 +52,13 @@ def cut_prompt(lines: List[str], node: ast.AST, tokenizer, context_tokens: int) 
     return "".join(lines[start:stop])
 
 
-def candidates(data: Path, context_tokens: int, min_tokens: int) -> List[dict]:
-    """Every documented function of the held-out files as a prompt record."""
+def candidates(
+    data: Path, context_tokens: int, min_tokens: int, heldout: bool = True
+) -> List[dict]:
+    """Every documented function of one split's files as a prompt record."""
     tokenizer = load_tokenizer(data / "tokenizer")
     records = []
-    for path, text in iter_texts(list_files(), heldout=True):
+    for path, text in iter_texts(list_files(), heldout=heldout):
         lines = text.splitlines(keepends=True)
         for node in documented_functions(text):
             prompt = cut_prompt(lines, node, tokenizer, context_tokens)

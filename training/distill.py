@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -46,19 +46,65 @@ def greedy_continue(model, prompts: np.ndarray, new_tokens: int) -> np.ndarray:
     return np.concatenate([prompts.astype(np.uint16), generated], axis=1)
 
 
+def function_prompts(data: Path, prompt_len: int) -> np.ndarray:
+    """Prompts shaped like the benchmark's, cut from the *training* split.
+
+    Each is the last ``prompt_len`` tokens of a documented function's preceding lines,
+    signature and docstring (``training.bench_prompts``); shorter cuts are dropped.
+
+    Shapes: -> (n, prompt_len) uint16.
+    """
+    from .bench_prompts import candidates
+    from .tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(data) / "tokenizer")
+    rows = []
+    for record in candidates(Path(data), prompt_len + 64, prompt_len, heldout=False):
+        ids = tokenizer.encode(record["prompt"]).ids
+        if len(ids) >= prompt_len:
+            rows.append(np.asarray(ids[-prompt_len:], dtype=np.uint16))
+    if not rows:
+        raise ValueError(f"no documented function gives {prompt_len} prompt tokens")
+    return np.stack(rows)
+
+
+def prompt_sampler(
+    source: str,
+    tokens: np.ndarray,
+    functions: Optional[np.ndarray],
+    prompt_len: int,
+    batch: int,
+    seed: int,
+) -> Callable[[int], np.ndarray]:
+    """``sample(step) -> (batch, prompt_len)`` prompts: corpus windows, functions, or
+    alternating batches of both (``mixed``)."""
+
+    def windows(step: int) -> np.ndarray:
+        return sample_windows(tokens, step, batch, prompt_len, seed)
+
+    def cuts(step: int) -> np.ndarray:
+        rng = np.random.default_rng([seed, step])
+        return functions[rng.integers(0, functions.shape[0], batch)]
+
+    if source == "windows":
+        return windows
+    if source == "functions":
+        return cuts
+    if source == "mixed":
+        return lambda step: cuts(step) if step % 2 else windows(step)
+    raise ValueError(f"unknown prompt source {source!r}")
+
+
 def distill(
     model,
-    tokens: np.ndarray,
-    prompt_len: int,
+    sample: Callable[[int], np.ndarray],
     new_tokens: int,
-    batch: int,
     max_rows: int,
     seconds: float,
-    seed: int,
 ) -> np.ndarray:
-    """Continue random corpus windows until ``max_rows`` rows or ``seconds`` pass.
+    """Continue sampled prompts until ``max_rows`` rows or ``seconds`` pass.
 
-    Shapes: tokens (N,) -> (rows, prompt_len + new_tokens) uint16.
+    Shapes: -> (rows, prompt_len + new_tokens) uint16.
     """
     rows: List[np.ndarray] = []
     start = time.perf_counter()
@@ -66,8 +112,7 @@ def distill(
     while (
         sum(len(r) for r in rows) < max_rows and time.perf_counter() - start < seconds
     ):
-        prompts = sample_windows(tokens, step, batch, prompt_len, seed)
-        rows.append(greedy_continue(model, prompts, new_tokens))
+        rows.append(greedy_continue(model, sample(step), new_tokens))
         step += 1
     return np.concatenate(rows)[:max_rows]
 
@@ -86,32 +131,37 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--heldout-rows", type=int, default=128)
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--prompt-source",
+        choices=("windows", "functions", "mixed"),
+        default="windows",
+        help="training prompts: random corpus windows (the shipped pair), documented "
+        "functions cut like the benchmark's prompts, or both",
+    )
     args = parser.parse_args(argv)
 
     model, _ = load(str(args.target))
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    train = distill(
-        model,
+    functions = None
+    if args.prompt_source != "windows":
+        functions = function_prompts(args.data, args.prompt_len)
+    sample = prompt_sampler(
+        args.prompt_source,
         np.load(args.data / "train.npy"),
+        functions,
         args.prompt_len,
-        args.new_tokens,
         args.batch,
-        args.max_rows,
-        args.seconds,
         args.seed,
     )
+    train = distill(model, sample, args.new_tokens, args.max_rows, args.seconds)
     train_seconds = time.perf_counter() - started
-    heldout = distill(
-        model,
-        np.load(args.data / "heldout.npy"),
-        args.prompt_len,
-        args.new_tokens,
-        min(args.batch, args.heldout_rows),
-        args.heldout_rows,
-        float("inf"),
-        args.seed + 1,
+    heldout_batch = min(args.batch, args.heldout_rows)
+    held = np.load(args.data / "heldout.npy")
+    sample = prompt_sampler(
+        "windows", held, None, args.prompt_len, heldout_batch, args.seed + 1
     )
+    heldout = distill(model, sample, args.new_tokens, args.heldout_rows, float("inf"))
     np.save(args.out / "train.npy", train)
     np.save(args.out / "heldout.npy", heldout)
     meta = {
@@ -120,6 +170,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "train_rows": int(train.shape[0]),
         "heldout_rows": int(heldout.shape[0]),
         "seed": args.seed,
+        "prompt_source": args.prompt_source,
         "train_seconds": round(train_seconds, 1),
         "target": str(args.target),
     }

@@ -12,13 +12,14 @@ mkdir -p "$work" "$out"
 case "$stage" in
   target)
     python -m training.train_target --data "$data" --checkpoint "$work/ckpt-target" \
-      --export "$work/target" --run-seconds "${RUN_SECONDS:-480}" 2>&1 | tee "$out/train-target.log"
+      --export "$work/target" --export-from "${EXPORT_FROM:-last}" \
+      --run-seconds "${RUN_SECONDS:-480}" 2>&1 | tee "$out/train-target.log"
     if [ -f "$work/target/config.json" ]; then cp -r "$work/target" "$out/"; fi
     ;;
   drafter)
     if [ ! -f "$work/distill/meta.json" ]; then
       python -m training.distill --data "$data" --target "$work/target" --out "$work/distill" \
-        --seconds "${DISTILL_SECONDS:-60}" 2>&1 | tee "$out/distill.log"
+        --seconds "${DISTILL_SECONDS:-60}" --prompt-source "${PROMPT_SOURCE:-windows}" 2>&1 | tee "$out/distill.log"
     fi
     python -m training.train_drafter --data "$data" --target "$work/target" \
       --distill "$work/distill" --checkpoint "$work/ckpt-drafter" --export "$work/drafter" \

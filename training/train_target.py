@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import muse_glimmer
 
 from .loop import Trainer, TrainSettings
-from .shards import read_json, save_shards, write_json
+from .shards import load_shards, read_json, save_shards, write_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -132,6 +132,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--export", type=Path, default=None)
     parser.add_argument("--run-seconds", type=float, default=540.0)
     parser.add_argument("--total-steps", type=int, default=None)
+    parser.add_argument(
+        "--export-from",
+        choices=("last", "best"),
+        default="last",
+        help="export the final weights (the shipped pair) or those with the lowest "
+        "held-out loss seen at an evaluation",
+    )
     args = parser.parse_args(argv)
 
     config = read_json(args.config)
@@ -154,10 +161,22 @@ def main(argv: Optional[List[str]] = None) -> None:
         )
         return window[:, :-1], window[:, 1:]
 
+    best_dir = args.checkpoint / "best"
+
     def evaluate() -> dict:
-        return {
-            "heldout_loss": round(heldout_loss(model, heldout, settings.seq_len), 4)
-        }
+        loss = round(heldout_loss(model, heldout, settings.seq_len), 4)
+        best = (
+            read_json(best_dir / "best.json")
+            if (best_dir / "best.json").exists()
+            else {}
+        )
+        if loss < best.get("heldout_loss", float("inf")):
+            # Keep the weights with the lowest held-out loss: the target can overfit.
+            save_shards(dict(tree_flatten(model.parameters())), best_dir, "params")
+            write_json(
+                best_dir / "best.json", {"heldout_loss": loss, "step": trainer.step}
+            )
+        return {"heldout_loss": loss}
 
     trainer = Trainer(model, next_token_loss, settings, args.checkpoint)
     if trainer.resume():
@@ -168,17 +187,24 @@ def main(argv: Optional[List[str]] = None) -> None:
         f"run: {time.perf_counter() - started:.0f}s, step {trainer.step}, done={done}"
     )
     if done and args.export is not None:
+        exported = {
+            "step": trainer.step,
+            "heldout_loss": trainer.history[-1].get("heldout_loss"),
+        }
+        if args.export_from == "best":
+            exported = read_json(best_dir / "best.json")
+            model.load_weights(list(load_shards(best_dir, "params").items()))
         export_target(model, args.data / "tokenizer", args.export)
         summary = {
             "parameters": count_parameters(model),
             "steps": trainer.step,
+            "exported": args.export_from,
+            "exported_step": exported["step"],
             "train_seconds": round(trainer.elapsed, 1),
-            "heldout_loss_float32": trainer.history[-1].get("heldout_loss"),
+            "heldout_loss_float32": exported["heldout_loss"],
             "settings": dataclasses.asdict(settings),
         }
         bf16 = build_target(read_json(args.export / "config.json"))
-        from .shards import load_shards
-
         bf16.load_weights(list(load_shards(args.export, "model").items()))
         bf16.set_dtype(mx.bfloat16)
         summary["heldout_loss_bfloat16"] = round(
