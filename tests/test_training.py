@@ -10,38 +10,20 @@ from conftest import tiny_model
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
+from test_dflash_loop import MASK, random_drafter
 
-from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.taps import TargetTaps
 from training import corpus, objective
 from training.loop import Trainer, TrainSettings, learning_rate
 from training.shards import load_shards, save_shards
 
-MASK = 255
-
 
 def make_drafter(target, block_size=4, window=8, seed=3, **overrides):
-    fields = dict(
-        hidden_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        layer_types=("sliding_attention", "full_attention", "sliding_attention"),
-        sliding_window=window,
-        block_size=block_size,
-        mask_token_id=MASK,
-        target_layer_ids=(1, 4, 7),
-    )
+    """The loop tests' random drafter, with a full layer between two sliding ones."""
+    layers = ("sliding_attention", "full_attention", "sliding_attention")
+    fields = dict(num_hidden_layers=3, layer_types=layers, sliding_window=window)
     fields.update(overrides)
-    mx.random.seed(seed)
-    drafter = DFlashDrafter(DrafterConfig(**fields))
-    mx.eval(drafter.parameters())
-    drafter.bind(target)
-    return drafter
+    return random_drafter(target, seed=seed, block_size=block_size, **fields)
 
 
 def features_of(target, layer_ids, tokens):

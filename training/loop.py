@@ -251,3 +251,19 @@ class Trainer:
         metrics["step"] = self.step
         self.history.append(metrics)
         log("eval " + " ".join(f"{k} {v}" for k, v in metrics.items()))
+
+
+def resume_and_fit(
+    trainer: Trainer,
+    batch_fn: Callable[[int], tuple],
+    run_seconds: float,
+    evaluate: Optional[Callable[[], dict]] = None,
+) -> bool:
+    """Resume ``trainer`` from its checkpoint if any, train one run, report; True if done."""
+    if trainer.resume():
+        print(f"resumed at step {trainer.step}/{trainer.total_steps}")
+    started = time.perf_counter()
+    done = trainer.fit(batch_fn, run_seconds, evaluate)
+    elapsed = time.perf_counter() - started
+    print(f"run: {elapsed:.0f}s, step {trainer.step}, done={done}")
+    return done

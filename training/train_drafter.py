@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -23,7 +22,7 @@ from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.loader import save_drafter
 from dflash.taps import TargetTaps
 
-from .loop import Trainer
+from .loop import Trainer, resume_and_fit
 from .objective import block_logits, dflash_loss, sample_anchors
 from .shards import read_json, write_json
 from .train_target import count_parameters, load_settings, sample_windows
@@ -160,13 +159,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         return block_tau(drafter, features_fn, heldout, prompt_len)
 
     trainer = Trainer(drafter, dflash_loss, settings, args.checkpoint)
-    if trainer.resume():
-        print(f"resumed at step {trainer.step}/{trainer.total_steps}")
-    started = time.perf_counter()
-    done = trainer.fit(batch_fn, args.run_seconds, evaluate)
-    print(
-        f"run: {time.perf_counter() - started:.0f}s, step {trainer.step}, done={done}"
-    )
+    done = resume_and_fit(trainer, batch_fn, args.run_seconds, evaluate)
     if done and args.export is not None:
         drafter.set_dtype(mx.bfloat16)
         save_drafter(drafter, args.export, format="assistant")

@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -21,7 +20,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import muse_glimmer
 
-from .loop import Trainer, TrainSettings
+from .loop import Trainer, TrainSettings, resume_and_fit
 from .shards import load_shards, read_json, save_shards, write_json
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -179,13 +178,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         return {"heldout_loss": loss}
 
     trainer = Trainer(model, next_token_loss, settings, args.checkpoint)
-    if trainer.resume():
-        print(f"resumed at step {trainer.step}/{trainer.total_steps}")
-    started = time.perf_counter()
-    done = trainer.fit(batch_fn, args.run_seconds, evaluate)
-    print(
-        f"run: {time.perf_counter() - started:.0f}s, step {trainer.step}, done={done}"
-    )
+    done = resume_and_fit(trainer, batch_fn, args.run_seconds, evaluate)
     if done and args.export is not None:
         exported = {
             "step": trainer.step,
