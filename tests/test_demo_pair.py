@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from conftest import assert_lossless
 from mlx.utils import tree_flatten
@@ -66,3 +67,38 @@ def test_demo_generation_equals_the_target_greedy_output_past_the_window(demo):
     reference = greedy_reference(model, prompt, 40)
     assert_lossless(model, prompt, reference, output)
     assert stats.rounds < 40  # some drafts were accepted
+
+
+def test_replayed_decode_tau_equals_the_rounds_of_real_decoding(demo):
+    # training.train_drafter's decode_tau replays rounds from one teacher-forced pass
+    # over the target's greedy output; it must see what real decoding sees.
+    from training.train_drafter import FeatureSource, accepted_lengths, chained_rounds
+
+    model, tokenizer, drafter = demo
+    record = json.loads((DEMO_DIR / "bench-prompts.jsonl").read_text().splitlines()[1])
+    prompt = mx.array(tokenizer.encode(record["prompt"]))
+    size, new_tokens = drafter.config.block_size, 96
+    stats = GenerationStats(size)
+    for _ in dflash_generate_step(
+        prompt, model, drafter, max_tokens=new_tokens, stats=stats
+    ):
+        pass
+    row = mx.concatenate(
+        [prompt, mx.array(greedy_reference(model, prompt, new_tokens + size))]
+    )[None]
+    features = FeatureSource(model, drafter.config.target_layer_ids)
+    try:
+        first = prompt.size - 1
+        anchors = mx.arange(first, row.shape[1] - size + 1)[None]
+        accepted = accepted_lengths(drafter, features(row), row, anchors)
+    finally:
+        features.taps.detach()
+    replayed = chained_rounds(np.array(accepted[0]), first)
+    full_rounds, emitted = 0, 0
+    for count in stats.accepted:
+        if new_tokens - emitted < size:
+            break  # real decoding shortens its last blocks to fit max_tokens
+        full_rounds += 1
+        emitted += count + 1
+    assert full_rounds >= 4
+    assert replayed[:full_rounds] == stats.accepted[:full_rounds]

@@ -14,8 +14,10 @@ from test_dflash_loop import MASK, random_drafter
 
 from dflash.taps import TargetTaps
 from training import corpus, objective
+from training.analyze_tau import is_repeat, lookup_accepted
 from training.loop import Trainer, TrainSettings, learning_rate
 from training.shards import load_shards, save_shards
+from training.train_drafter import chained_rounds
 
 
 def make_drafter(target, block_size=4, window=8, seed=3, **overrides):
@@ -111,6 +113,56 @@ def test_anchors_are_distinct_sorted_and_in_range(batch, count, low, span, seed)
     for row in anchors:
         assert list(row) == sorted(set(row.tolist()))
         assert row.min() >= low and row.max() <= high
+
+
+@given(accepted=st.lists(st.integers(0, 15), min_size=1, max_size=60))
+def test_replayed_rounds_anchor_where_the_previous_round_committed(accepted):
+    rounds = chained_rounds(np.array(accepted), first=7)
+    anchor = 0
+    for count in rounds:
+        # Each round reads the acceptance at its own anchor, then moves past its commits.
+        assert count == accepted[anchor]
+        anchor += count + 1
+    assert anchor >= len(accepted)
+    assert anchor - rounds[-1] - 1 < len(accepted)  # the last round started inside
+
+
+def test_replayed_rounds_bound_tau_by_one_and_the_block():
+    assert chained_rounds(np.zeros(10, np.int32), first=0) == [0] * 10
+    assert chained_rounds(np.full(33, 15), first=0) == [15, 15, 15]
+
+
+def test_prompt_lookup_copies_what_followed_the_first_match():
+    tokens = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7, 8]
+    # Suffix [7, 9, 5, 6]'s last 3 tokens [9, 5, 6] never occurred; [5, 6] first did at
+    # 0..1, so the drafts are 7, 8, 5, ... and the sequence continues 7, 8: 2 accepted.
+    assert lookup_accepted(tokens, 9, drafts=15) == 2
+    assert lookup_accepted(tokens, 9, drafts=1) == 1
+    assert lookup_accepted([1, 2, 3, 4], 2, drafts=15) == 0  # nothing to copy
+
+
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=2, max_size=40),
+    data=st.data(),
+)
+def test_prompt_lookup_only_copies_known_tokens_after_a_match(tokens, data):
+    anchor = data.draw(st.integers(0, len(tokens) - 1))
+    accepted = lookup_accepted(tokens, anchor, drafts=15)
+    assert 0 <= accepted <= min(15, anchor, len(tokens) - 1 - anchor)
+    if accepted:
+        proposed = tokens[anchor + 1 : anchor + 1 + accepted]
+        assert any(
+            tokens[end] == tokens[anchor]
+            and end + accepted <= anchor
+            and tokens[end + 1 : end + 1 + accepted] == proposed
+            for end in range(anchor)
+        )
+
+
+def test_repeat_rounds_are_spans_already_seen():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 4]
+    assert is_repeat(tokens, 3, span=3)  # 1, 2, 3 came before
+    assert not is_repeat(tokens, 4, span=3)  # 2, 3, 4 did not
 
 
 def test_heldout_split_is_a_hash_of_the_path_and_about_five_percent():

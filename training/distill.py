@@ -51,12 +51,18 @@ def function_prompts(data: Path, prompt_len: int) -> np.ndarray:
 
     Each is the last ``prompt_len`` tokens of a documented function's preceding lines,
     signature and docstring (``training.bench_prompts``); shorter cuts are dropped.
+    The cut reads the running interpreter's stdlib, so it is cached as
+    ``data/functions-{prompt_len}.npy`` where the corpus was prepared and carried with
+    ``data`` (a GPU host may run another Python).
 
     Shapes: -> (n, prompt_len) uint16.
     """
     from .bench_prompts import candidates
     from .tokenizer import load_tokenizer
 
+    cached = Path(data) / f"functions-{prompt_len}.npy"
+    if cached.exists():
+        return np.load(cached)
     tokenizer = load_tokenizer(Path(data) / "tokenizer")
     rows = []
     for record in candidates(Path(data), prompt_len + 64, prompt_len, heldout=False):
@@ -65,7 +71,8 @@ def function_prompts(data: Path, prompt_len: int) -> np.ndarray:
             rows.append(np.asarray(ids[-prompt_len:], dtype=np.uint16))
     if not rows:
         raise ValueError(f"no documented function gives {prompt_len} prompt tokens")
-    return np.stack(rows)
+    np.save(cached, np.stack(rows))
+    return np.load(cached)
 
 
 def prompt_sampler(
@@ -122,8 +129,8 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m training.distill")
     parser.add_argument("--data", type=Path, default=Path("data"))
-    parser.add_argument("--target", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--target", type=Path)
+    parser.add_argument("--out", type=Path)
     parser.add_argument("--prompt-len", type=int, default=192)
     parser.add_argument("--new-tokens", type=int, default=320)
     parser.add_argument("--batch", type=int, default=256)
@@ -138,7 +145,18 @@ def main(argv: Optional[List[str]] = None) -> None:
         help="training prompts: random corpus windows (the shipped pair), documented "
         "functions cut like the benchmark's prompts, or both",
     )
+    parser.add_argument(
+        "--cut-only",
+        action="store_true",
+        help="only cut and cache the function prompts (run where the corpus was prepared)",
+    )
     args = parser.parse_args(argv)
+    if args.cut_only:
+        functions = function_prompts(args.data, args.prompt_len)
+        print(f"{functions.shape[0]} function prompts of {args.prompt_len} tokens")
+        return
+    if args.target is None or args.out is None:
+        parser.error("--target and --out are required")
 
     model, _ = load(str(args.target))
     args.out.mkdir(parents=True, exist_ok=True)

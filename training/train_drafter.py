@@ -57,6 +57,22 @@ class FeatureSource:
         return mx.stop_gradient(self.taps.pop()).astype(mx.float32)
 
 
+def accepted_lengths(
+    drafter, features: mx.array, tokens: mx.array, anchors: mx.array
+) -> mx.array:
+    """Leading draft positions of each block whose argmax equals the sequence.
+
+    Shapes: features (b, L, k*H), tokens (b, L), anchors (b, A) -> (b, A) int32.
+    """
+    size = drafter.config.block_size
+    logits = block_logits(drafter, features, tokens, anchors)
+    drafts = mx.argmax(logits[:, :, 1:], axis=-1)
+    positions = anchors[:, :, None] + mx.arange(1, size)
+    labels = mx.take_along_axis(tokens, positions.reshape(tokens.shape[0], -1), axis=1)
+    hits = (drafts == labels.reshape(drafts.shape)).astype(mx.int32)
+    return mx.cumprod(hits, axis=-1).sum(axis=-1)
+
+
 def block_tau(
     drafter,
     features_fn,
@@ -84,17 +100,76 @@ def block_tau(
             prompt_len - 1,
             tokens.shape[1] - size,
         )
-        anchors = mx.array(anchors)
-        logits = block_logits(drafter, features_fn(tokens), tokens, anchors)
-        drafts = mx.argmax(logits[:, :, 1:], axis=-1)
-        positions = anchors[:, :, None] + mx.arange(1, size)
-        labels = mx.take_along_axis(
-            tokens, positions.reshape(tokens.shape[0], -1), axis=1
+        accepted.append(
+            accepted_lengths(
+                drafter, features_fn(tokens), tokens, mx.array(anchors)
+            ).reshape(-1)
         )
-        hits = (drafts == labels.reshape(drafts.shape)).astype(mx.int32)
-        accepted.append(mx.cumprod(hits, axis=-1).sum(axis=-1).reshape(-1))
     accepted = mx.concatenate(accepted)
     return {"block_tau": round(1.0 + accepted.astype(mx.float32).mean().item(), 3)}
+
+
+def chained_rounds(accepted: np.ndarray, first: int) -> List[int]:
+    """Replay greedy decoding's rounds over one sequence from per-anchor acceptance.
+
+    Round one anchors at ``first`` (the last prompt token); a round that accepts ``a``
+    drafts commits ``a + 1`` tokens (with the target's bonus), so the next anchor is
+    ``a + 1`` further on. Rounds stop at the first anchor past ``accepted``.
+
+    Args:
+        accepted: Accepted drafts at every anchor ``first, first + 1, ...``.
+        first: Sequence position of ``accepted[0]``.
+
+    Returns:
+        The accepted drafts of each replayed round, in order.
+
+    Shapes: accepted (A,).
+    """
+    rounds: List[int] = []
+    offset = 0
+    while offset < accepted.shape[0]:
+        rounds.append(int(accepted[offset]))
+        offset += rounds[-1] + 1
+    return rounds
+
+
+def decode_tau(
+    drafter,
+    features_fn,
+    rows: np.ndarray,
+    prompt_len: int,
+    batch: int = 8,
+    anchor_chunk: int = 64,
+) -> dict:
+    """Tau as greedy decoding would measure it on sequences of the target's greedy output.
+
+    Every anchor's accepted length is computed in one teacher-forced pass (the target's
+    features of its own greedy tokens are what decoding sees), then the rounds are
+    replayed with :func:`chained_rounds`. Unlike :func:`block_tau`, which averages over
+    uniform anchors, this counts rounds, so hard stretches weigh as they do in decoding.
+    """
+    size = drafter.config.block_size
+    first = prompt_len - 1
+    committed = rounds = 0
+    for start in range(0, rows.shape[0], batch):
+        tokens = mx.array(rows[start : start + batch].astype(np.int32))
+        features = features_fn(tokens)
+        all_anchors = np.arange(first, tokens.shape[1] - size + 1, dtype=np.int32)
+        pieces = []
+        for low in range(0, all_anchors.size, anchor_chunk):
+            chunk = all_anchors[low : low + anchor_chunk]
+            anchors = mx.broadcast_to(
+                mx.array(chunk)[None], (tokens.shape[0], chunk.size)
+            )
+            pieces.append(
+                np.array(accepted_lengths(drafter, features, tokens, anchors))
+            )
+        accepted = np.concatenate(pieces, axis=1)
+        for row in accepted:
+            replayed = chained_rounds(row, first)
+            committed += sum(replayed) + len(replayed)
+            rounds += len(replayed)
+    return {"decode_tau": round(committed / max(rounds, 1), 3)}
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -156,7 +231,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         return features_fn(tokens), tokens, mx.array(anchors)
 
     def evaluate() -> dict:
-        return block_tau(drafter, features_fn, heldout, prompt_len)
+        scores = block_tau(drafter, features_fn, heldout, prompt_len)
+        scores.update(decode_tau(drafter, features_fn, heldout, prompt_len))
+        return scores
 
     trainer = Trainer(drafter, dflash_loss, settings, args.checkpoint)
     done = resume_and_fit(trainer, batch_fn, args.run_seconds, evaluate)
@@ -170,7 +247,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "history": trainer.history[-3:],
             "settings": dataclasses.asdict(settings),
         }
-        summary.update(block_tau(drafter, features_fn, heldout, prompt_len))
+        summary.update(evaluate())
         write_json(args.export / "training.json", summary)
         print(json.dumps(summary))
 
