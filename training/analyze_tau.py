@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -141,9 +142,11 @@ def analyze(
     model, tokenizer, drafter, prompts: List[str], max_tokens: int, head: int = 64
 ) -> dict:
     """The report for ``prompts`` (see the module docstring)."""
+    from tqdm import tqdm
+
     size = drafter.config.block_size
     pooled: Dict[str, list] = {"dflash": [], "prompt_lookup": []}
-    for text in prompts:
+    for text in tqdm(prompts, desc="analyze_tau", unit="prompt", file=sys.stderr):
         prompt = mx.array(tokenizer.encode(text))
         generated = greedy_reference(model, prompt, max_tokens + size)
         row = np.concatenate([np.array(prompt), np.array(generated)]).astype(np.int32)
