@@ -28,7 +28,7 @@ import numpy as np
 
 from dflash.reference import greedy_reference
 
-from .train_drafter import FeatureSource, accepted_lengths, chained_rounds
+from .train_drafter import FeatureSource, accepted_at, chained_rounds
 
 
 def lookup_accepted(
@@ -126,16 +126,9 @@ def drafter_accepted(
     features = FeatureSource(model, drafter.config.target_layer_ids)
     try:
         tokens = mx.array(row)[None]
-        context = features(tokens)
-        pieces = [
-            np.array(
-                accepted_lengths(drafter, context, tokens, mx.array(chunk)[None])[0]
-            )
-            for chunk in np.array_split(anchors, max(1, anchors.size // 64))
-        ]
+        return accepted_at(drafter, features(tokens), tokens, anchors)[0]
     finally:
         features.taps.detach()
-    return np.concatenate(pieces)
 
 
 def analyze(

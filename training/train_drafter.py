@@ -109,6 +109,25 @@ def block_tau(
     return {"block_tau": round(1.0 + accepted.astype(mx.float32).mean().item(), 3)}
 
 
+def accepted_at(
+    drafter,
+    features: mx.array,
+    tokens: mx.array,
+    anchors: np.ndarray,
+    chunk: int = 64,
+) -> np.ndarray:
+    """:func:`accepted_lengths` at the same anchors in every row, ``chunk`` at a time.
+
+    Shapes: features (b, L, k*H), tokens (b, L), anchors (A,) -> (b, A).
+    """
+    pieces = []
+    for low in range(0, anchors.size, chunk):
+        part = mx.array(anchors[low : low + chunk].astype(np.int32))
+        part = mx.broadcast_to(part[None], (tokens.shape[0], part.size))
+        pieces.append(np.array(accepted_lengths(drafter, features, tokens, part)))
+    return np.concatenate(pieces, axis=1)
+
+
 def chained_rounds(accepted: np.ndarray, first: int) -> List[int]:
     """Replay greedy decoding's rounds over one sequence from per-anchor acceptance.
 
@@ -153,18 +172,10 @@ def decode_tau(
     committed = rounds = 0
     for start in range(0, rows.shape[0], batch):
         tokens = mx.array(rows[start : start + batch].astype(np.int32))
-        features = features_fn(tokens)
-        all_anchors = np.arange(first, tokens.shape[1] - size + 1, dtype=np.int32)
-        pieces = []
-        for low in range(0, all_anchors.size, anchor_chunk):
-            chunk = all_anchors[low : low + anchor_chunk]
-            anchors = mx.broadcast_to(
-                mx.array(chunk)[None], (tokens.shape[0], chunk.size)
-            )
-            pieces.append(
-                np.array(accepted_lengths(drafter, features, tokens, anchors))
-            )
-        accepted = np.concatenate(pieces, axis=1)
+        anchors = np.arange(first, tokens.shape[1] - size + 1, dtype=np.int32)
+        accepted = accepted_at(
+            drafter, features_fn(tokens), tokens, anchors, anchor_chunk
+        )
         for row in accepted:
             replayed = chained_rounds(row, first)
             committed += sum(replayed) + len(replayed)
