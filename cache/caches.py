@@ -5,9 +5,11 @@ mlx-lm's model files call ``cache.offset`` (for RoPE, before writing), ``cache.m
 classes here answer those calls from a plane, so mlx-lm's own models run unchanged.
 """
 
+import functools
 from typing import Optional, Tuple
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import create_attention_mask
 
@@ -34,19 +36,34 @@ def _decode(text: str):
     return None if text == "None" else int(text)
 
 
+# Verify blocks are small; prefill chunks (thousands of queries) are not memoised.
+_MEMO_QUERIES = 64
+
+
 def staged_window_mask(query_count: int, old_len: int, window: int) -> mx.array:
     """Mask of a staged chunk over ``[old live rows ‖ chunk rows]``.
 
     Query ``i`` (at logical index ``old_len + i`` of the shadow) may see shadow column ``j``
     iff ``old_len + i - window + 1 <= j <= old_len + i``: keys in ``[p + i - W + 1, p + i]``,
-    mlx-lm's window semantics.
+    mlx-lm's window semantics. Built on the host; for verify-sized chunks it is memoised, so
+    every round of a full ring reuses one uploaded mask instead of launching five ops a forward
+    (an ``mx.array`` is immutable, so sharing it is safe).
 
     Returns:
         A boolean array of shape ``(query_count, old_len + query_count)``.
     """
-    query = mx.arange(old_len, old_len + query_count)[:, None]
-    key = mx.arange(old_len + query_count)[None]
-    return (key <= query) & (key > query - window)
+    if query_count <= _MEMO_QUERIES:
+        return _memo_window_mask(query_count, old_len, window)
+    return _window_mask(query_count, old_len, window)
+
+
+def _window_mask(query_count: int, old_len: int, window: int) -> mx.array:
+    query = np.arange(old_len, old_len + query_count)[:, None]
+    key = np.arange(old_len + query_count)[None]
+    return mx.array((key <= query) & (key > query - window))
+
+
+_memo_window_mask = functools.lru_cache(maxsize=16)(_window_mask)
 
 
 class _PlaneCache(KvPlane):
@@ -156,16 +173,19 @@ class RingKVCache(_PlaneCache):
         self._check_rows(keys, values)
         start = self.offset
         self.check_continuity(start, count)
-        kv = mx.stack([keys, values])
         checkpoint = self.speculation
         if checkpoint is not None:
             checkpoint.admit(start, count)
             if checkpoint.can_defer():
-                shadow = self.shadow(kv)
+                shadow, kv = self.shadow_pair(keys, values)
                 checkpoint.defer(start, kv)
                 return kv_halves(shadow)
+            # Retaining needs the stacked block before the shadow reads the ring.
+            kv = mx.stack([keys, values])
             checkpoint.prepare_store(start, kv)
-        shadow = self.shadow(kv)
+            shadow = self.shadow(kv)
+        else:
+            shadow, kv = self.shadow_pair(keys, values)
         self.store_chunk(start, kv)
         return kv_halves(shadow)
 

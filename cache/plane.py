@@ -345,6 +345,30 @@ class KvPlane:
             )
         return self.stager(self.kv, kv, self.origin_physical, self.len)
 
+    def shadow_pair(
+        self, keys: mx.array, values: mx.array
+    ) -> Tuple[mx.array, mx.array]:
+        """The staging shadow of a chunk given as separate keys and values, and the chunk.
+
+        One launch with the kernels (it also stacks the chunk); the reference stacks, gathers
+        and concatenates.
+
+        Shapes:
+            keys, values: ``(B, H, S, D)``; returns the shadow ``(2, B, H, len + S, D)`` and
+            the stacked chunk ``(2, B, H, S, D)`` (token-major alike).
+
+        Returns:
+            ``(shadow, kv)``.
+        """
+        if self.len == 0:
+            kv = mx.stack([keys, values])
+            return kv, kv
+        if self.stager is None or not self.stager.serves(self.kv):
+            self.stager = ShadowStager.for_buffer(
+                self.kv, head_major=self.head_major, use_kernel=self.use_kernel
+            )
+        return self.stager.pair(self.kv, keys, values, self.origin_physical, self.len)
+
     def logical_rows(self) -> Tuple[mx.array, mx.array]:
         """The live rows in logical (time) order.
 

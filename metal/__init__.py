@@ -7,7 +7,8 @@ same index arithmetic) and a pure-MLX reference. Wrappers dispatch on
 forces the reference, ``use_kernel=True`` the kernel, ``None`` (default) picks
 per operation, and ``DFLASH_KERNELS=0`` makes ``None`` pick the reference (see
 ``docs/metal.md``). ``dflash.cache`` runs them on its hot path: the staging
-shadow (:class:`ShadowStager`), the in-place store (:func:`ring_write`) and,
+shadow (:class:`ShadowStager`, built from the model's separate keys and values by
+:func:`stage_shadow_kv`), the in-place store (:func:`ring_write`) and,
 for non-staged writes under a checkpoint, :func:`retain_rows`.
 """
 
@@ -18,6 +19,7 @@ from .ring import (
     ring_store,
     ring_write,
     stage_shadow,
+    stage_shadow_kv,
     wrapped_index,
     wrapped_rows,
 )
@@ -30,6 +32,7 @@ __all__ = [
     "ring_store",
     "ring_write",
     "stage_shadow",
+    "stage_shadow_kv",
     "wrapped_index",
     "wrapped_rows",
 ]

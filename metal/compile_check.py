@@ -42,6 +42,7 @@ from .sources import (
     METAL,
     RING_STORE,
     STAGE_SHADOW,
+    STAGE_SHADOW_KV,
     KernelSpec,
     restore_spec,
     retain_spec,
@@ -105,7 +106,7 @@ class CompileResult:
 
 def check_specs(planes: Iterable[int] = CHECK_PLANES) -> list[KernelSpec]:
     """Every kernel spec the package launches, P-ary ones at ``planes``."""
-    specs = [RING_STORE, STAGE_SHADOW]
+    specs = [RING_STORE, STAGE_SHADOW, STAGE_SHADOW_KV]
     for count in planes:
         specs += [retain_spec(count), restore_spec(count)]
     return specs

@@ -15,6 +15,7 @@ threads, wider loads, and bit-exact by construction.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -35,33 +36,36 @@ class RowGeometry:
         shape: Full buffer shape.
         head_major: True for ``(..., H, C, D)``, False for ``(..., C, H, D)``.
         dtype: Element dtype.
+
+    The derived sizes are cached on the instance: the cache's hot path launches with one
+    geometry per ring, and recomputing them cost more host time than the launch itself.
     """
 
     shape: tuple[int, ...]
     head_major: bool
     dtype: mx.Dtype
 
-    @property
+    @functools.cached_property
     def row_axis(self) -> int:
         """Axis (non-negative) that indexes rows."""
         return len(self.shape) - (2 if self.head_major else 3)
 
-    @property
+    @functools.cached_property
     def capacity(self) -> int:
         """Number of rows ``C``."""
         return self.shape[self.row_axis]
 
-    @property
+    @functools.cached_property
     def outer(self) -> int:
         """Number of outer slices ``A`` of the canonical ``(A, C, E)`` view."""
         return int(np.prod(self.shape[: self.row_axis], dtype=np.int64))
 
-    @property
+    @functools.cached_property
     def width(self) -> int:
         """Elements ``E`` of one row inside one outer slice."""
         return int(np.prod(self.shape[self.row_axis + 1 :], dtype=np.int64))
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
         """Bytes of one full row (all outer slices)."""
         return self.outer * self.width * self.dtype.size
@@ -244,6 +248,7 @@ WORD_DTYPES: tuple[tuple[int, mx.Dtype], ...] = (
 )
 
 
+@functools.lru_cache(maxsize=256)
 def word_dtype(geom: RowGeometry) -> mx.Dtype:
     """Widest unsigned word that divides one row of one outer slice."""
     slice_bytes = geom.width * geom.dtype.size

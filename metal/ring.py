@@ -6,7 +6,11 @@ reference beside it:
 
 * :func:`ring_store` writes ``S <= C`` rows at physical ``(dest_start + i) % C``;
 * :func:`stage_shadow` un-rotates the live rows into logical order and appends a
-  chunk's rows, giving the contiguous span staged attention reads.
+  chunk's rows, giving the contiguous span staged attention reads;
+* :func:`stage_shadow_kv` does the same for a ring whose K and V are stacked in
+  one ``(2, ...)`` buffer, taking the chunk's keys and values as they come out
+  of the model and also returning them stacked (the block a checkpoint holds
+  back), so a staged layer costs one launch instead of a stack plus a shadow.
 
 Default paths (``use_kernel=None``) on a GPU: the store is one mlx op (a slice
 update, or one scatter over host-built wrapped indices when the rows cross the
@@ -41,11 +45,12 @@ from .layout import (
     word_dtype,
     words_per_row,
 )
-from .sources import RING_STORE, STAGE_SHADOW
+from .sources import RING_STORE, STAGE_SHADOW, STAGE_SHADOW_KV
 
 # Built once at import (None without a GPU backend).
 kernel_for(RING_STORE)
 kernel_for(STAGE_SHADOW)
+kernel_for(STAGE_SHADOW_KV)
 
 
 def wrapped_rows(start: int, count: int, capacity: int) -> np.ndarray:
@@ -196,11 +201,19 @@ def _stage_shadow_ops(
 ) -> mx.array:
     if length == 0:
         return rows
-    index = wrapped_index(origin, length, geom.capacity)
-    live = mx.take(buffer, index, axis=geom.row_axis)
-    if rows.shape[geom.row_axis] == 0:
-        return live
-    return mx.concatenate([live, rows], axis=geom.row_axis)
+    # The live rows are at most two runs of the ring ([origin, C) then [0, ...)): slicing
+    # them into one concatenate with the chunk is a plain copy, where a gather is not.
+    axis, cap = geom.row_axis, geom.capacity
+    lead = (slice(None),) * axis
+    first = min(length, cap - origin)
+    parts = [buffer[lead + (slice(origin, origin + first),)]]
+    if length > first:
+        parts.append(buffer[lead + (slice(0, length - first),)])
+    if rows.shape[axis] > 0:
+        parts.append(rows)
+    if len(parts) == 1:
+        return mx.contiguous(parts[0])
+    return mx.concatenate(parts, axis=axis)
 
 
 def _stage_shadow_kernel(
@@ -221,6 +234,14 @@ def _stage_shadow_kernel(
         total,
     )
     return from_words(out, geom, span)
+
+
+def _check_length(length: int, capacity: int) -> int:
+    if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
+        raise ValueError(f"length must be an int, got {type(length).__name__}")
+    if not 0 <= int(length) <= capacity:
+        raise ValueError(f"length={int(length)} outside [0, {capacity}]")
+    return int(length)
 
 
 def stage_shadow(
@@ -262,16 +283,120 @@ def stage_shadow(
     geom = buffer_geometry(buffer, head_major, "buffer")
     count = block_rows(geom, rows, "rows")
     origin = check_ring_index(origin_physical, geom.capacity, "origin_physical")
-    if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
-        raise ValueError(f"length must be an int, got {type(length).__name__}")
-    if not 0 <= int(length) <= geom.capacity:
-        raise ValueError(f"length={int(length)} outside [0, {geom.capacity}]")
-    length = int(length)
+    length = _check_length(length, geom.capacity)
     if length + count == 0:
         return mx.zeros(geom.with_rows(0), dtype=geom.dtype)
     if use_kernel_path(use_kernel, auto=True):
         return _stage_shadow_kernel(buffer, rows, origin, length, geom)
     return _stage_shadow_ops(buffer, rows, origin, length, geom)
+
+
+def _pair_geometry(kv: mx.array, head_major: bool) -> RowGeometry:
+    geom = buffer_geometry(kv, head_major, "kv")
+    if kv.ndim < 5 or kv.shape[0] != 2:
+        raise ValueError(
+            f"kv must stack K and V on a leading axis of 2, got shape {tuple(kv.shape)}"
+        )
+    return geom
+
+
+@functools.lru_cache(maxsize=256)
+def _half_geometry(geom: RowGeometry) -> RowGeometry:
+    """Geometry of one half (K or V) of a stacked ``(2, ...)`` buffer."""
+    return RowGeometry(geom.shape[1:], geom.head_major, geom.dtype)
+
+
+def _stage_shadow_kv_ops(
+    kv: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    origin: int,
+    length: int,
+    geom: RowGeometry,
+) -> tuple[mx.array, mx.array]:
+    block = mx.stack([keys, values])
+    return _stage_shadow_ops(kv, block, origin, length, geom), block
+
+
+def _stage_shadow_kv_kernel(
+    kv: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    origin: int,
+    length: int,
+    geom: RowGeometry,
+) -> tuple[mx.array, mx.array]:
+    count = keys.shape[geom.row_axis - 1]  # keys lack kv's leading axis of 2
+    word = word_dtype(geom)
+    words = words_per_row(geom, word)
+    span = length + count
+    total = geom.outer * span * words
+    check_launch_size(total, "stage_shadow_kv")
+    half = _half_geometry(geom)
+    scalars = params(total, geom.outer, geom.capacity, words, length, count, origin)
+    shadow, block = backend.launch(
+        STAGE_SHADOW_KV,
+        [
+            as_words(kv, geom, word),
+            as_words(keys, half, word),
+            as_words(values, half, word),
+            scalars,
+        ],
+        [(geom.outer, span, words), (geom.outer, count, words)],
+        word,
+        total,
+    )
+    return from_words(shadow, geom, span), from_words(block, geom, count)
+
+
+def stage_shadow_kv(
+    kv: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    origin_physical: int,
+    length: int,
+    *,
+    head_major: bool = True,
+    use_kernel: Optional[bool] = None,
+) -> tuple[mx.array, mx.array]:
+    """Staging shadow of a stacked K/V ring, from the chunk's separate keys and values.
+
+    Equal to ``stage_shadow(kv, mx.stack([keys, values]), origin_physical,
+    length)`` together with that stacked chunk, in one launch with the kernel
+    (the reference stacks, gathers and concatenates).
+
+    Shapes: kv ``(2, B, H, C, D)`` / ``(2, B, C, H, D)``; keys and values
+    ``(B, H, S, D)`` / ``(B, S, H, D)``; returns the shadow ``(2, B, H, length
+    + S, D)`` / ``(2, B, length + S, H, D)`` and the block ``(2, B, H, S, D)`` /
+    ``(2, B, S, H, D)``.
+
+    Args:
+        kv: The ring's K and V buffers stacked on a leading axis of 2.
+        keys: The chunk's keys (same layout and dtype, any ``S``).
+        values: The chunk's values.
+        origin_physical: Physical row of logical row 0, ``0 <= origin < C``.
+        length: Live rows, ``0 <= length <= C``.
+        head_major: Layout.
+        use_kernel: As for :func:`stage_shadow`.
+
+    Returns:
+        ``(shadow, block)``: the shadow and the chunk stacked as ``(2, ...)``.
+
+    Raises:
+        ValueError: On a shape/dtype mismatch or an origin/length out of range.
+    """
+    geom = _pair_geometry(kv, head_major)
+    half = _half_geometry(geom)
+    count = block_rows(half, keys, "keys")
+    if block_rows(half, values, "values") != count:
+        raise ValueError(
+            f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ"
+        )
+    origin = check_ring_index(origin_physical, geom.capacity, "origin_physical")
+    length = _check_length(length, geom.capacity)
+    if use_kernel_path(use_kernel, auto=True) and length and count:
+        return _stage_shadow_kv_kernel(kv, keys, values, origin, length, geom)
+    return _stage_shadow_kv_ops(kv, keys, values, origin, length, geom)
 
 
 @dataclass(frozen=True)
@@ -333,3 +458,24 @@ class ShadowStager:
                 buffer, rows, origin_physical, length, self.geom
             )
         return _stage_shadow_ops(buffer, rows, origin_physical, length, self.geom)
+
+    def pair(
+        self,
+        kv: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        origin_physical: int,
+        length: int,
+    ) -> tuple[mx.array, mx.array]:
+        """:func:`stage_shadow_kv` for a stacked ``(2, ...)`` ring of this geometry.
+
+        Shapes: kv as ``geom``; keys, values ``(B, H, S, D)`` / ``(B, S, H, D)``;
+        returns the shadow with ``length + S`` rows and the stacked block.
+        """
+        if length and use_kernel_path(self.use_kernel, auto=True):
+            return _stage_shadow_kv_kernel(
+                kv, keys, values, origin_physical, length, self.geom
+            )
+        return _stage_shadow_kv_ops(
+            kv, keys, values, origin_physical, length, self.geom
+        )

@@ -25,9 +25,19 @@ import numpy as np
 
 from .backend import kernel_backend
 from .checkpoint import restore_rows, retain_rows
-from .ring import ring_store, stage_shadow
+from .ring import ring_store, stage_shadow, stage_shadow_kv
 
-OPS: tuple[str, ...] = ("ring_store", "stage_shadow", "retain_rows", "restore_rows")
+OPS: tuple[str, ...] = (
+    "ring_store",
+    "stage_shadow",
+    "stage_shadow_kv",
+    "retain_rows",
+    "restore_rows",
+)
+# Ops whose buffer stacks K and V on a leading axis of 2 (their rows too).
+STACKED_OPS: tuple[str, ...] = ("stage_shadow_kv",)
+# Ops whose chunk may be empty while rows are live.
+SHADOW_OPS: tuple[str, ...] = ("stage_shadow", "stage_shadow_kv")
 DTYPES: dict[str, mx.Dtype] = {
     "float16": mx.float16,
     "bfloat16": mx.bfloat16,
@@ -54,9 +64,9 @@ class Case:
         capacity: ``C``.
         dim: ``D``.
         count: ``S`` (store/shadow) or ``n`` (retain/restore).
-        start: ``dest_start`` (store) or ``origin_physical`` (shadow); first
+        start: ``dest_start`` (store) or ``origin_physical`` (shadows); first
             destination of plane 0 (retain/restore).
-        length: Live rows (shadow only).
+        length: Live rows (shadows only).
         planes: ``P`` (retain/restore only).
         scattered: Retain/restore destinations drawn at random instead of a
             wrapped run.
@@ -139,13 +149,15 @@ def case_inputs(case: Case) -> CaseInputs:
     """Deterministic inputs of ``case``."""
     rng = np.random.default_rng(case.seed)
     planes = case.planes if case.op in ("retain_rows", "restore_rows") else 1
+    lead = (2,) if case.op in STACKED_OPS else ()
     buffers = [
-        random_bits(case.shape(case.capacity), case.dtype, rng) for _ in range(planes)
+        random_bits(lead + case.shape(case.capacity), case.dtype, rng)
+        for _ in range(planes)
     ]
     if case.op == "restore_rows":
         rows = random_bits((planes,) + case.shape(case.count), case.dtype, rng)
     else:
-        rows = random_bits(case.shape(case.count), case.dtype, rng)
+        rows = random_bits(lead + case.shape(case.count), case.dtype, rng)
     return CaseInputs(buffers, rows, case_dests(case))
 
 
@@ -173,6 +185,10 @@ def numpy_expected(case: Case) -> list[np.ndarray]:
         index = (case.start + np.arange(case.length)) % cap
         live = _take(data.buffers[0], index, axis)
         return [np.concatenate([live, data.rows], axis=axis)]
+    if case.op == "stage_shadow_kv":
+        index = (case.start + np.arange(case.length)) % cap
+        live = _take(data.buffers[0], index, axis + 1)
+        return [np.concatenate([live, data.rows], axis=axis + 1), data.rows]
     if case.op == "retain_rows":
         return [np.stack([_take(b, d, axis) for b, d in zip(data.buffers, data.dests)])]
     return [_put(b, d, r, axis) for b, d, r in zip(data.buffers, data.dests, data.rows)]
@@ -189,6 +205,12 @@ def run_case(case: Case, use_kernel: Optional[bool]) -> list[mx.array]:
         return [ring_store(buffers[0], rows, case.start, **flags)]
     if case.op == "stage_shadow":
         return [stage_shadow(buffers[0], rows, case.start, case.length, **flags)]
+    if case.op == "stage_shadow_kv":
+        keys, values = rows[0], rows[1]
+        shadow = stage_shadow_kv(
+            buffers[0], keys, values, case.start, case.length, **flags
+        )
+        return list(shadow)
     if case.op == "retain_rows":
         return [retain_rows(buffers, dests, **flags)]
     return restore_rows(buffers, dests, rows, **flags)
@@ -275,7 +297,7 @@ def random_case(rng: np.random.Generator, op: str, max_capacity: int = 64) -> Ca
     capacity = int(rng.integers(1, max_capacity + 1))
     count = int(rng.integers(1, capacity + 1))
     length = int(rng.integers(0, capacity + 1))
-    if op == "stage_shadow":
+    if op in SHADOW_OPS:
         count = int(rng.integers(0 if length else 1, capacity + 1))
     return Case(
         op=op,
@@ -307,7 +329,7 @@ def case_strategy(op: str, max_capacity: int = 64, max_planes: int = 5):
     def build(draw) -> Case:
         capacity = draw(st.integers(1, max_capacity))
         length = draw(st.integers(0, capacity))
-        low = 0 if (op == "stage_shadow" and length) else 1
+        low = 0 if (op in SHADOW_OPS and length) else 1
         return Case(
             op=op,
             dtype=draw(st.sampled_from(list(DTYPES))),
@@ -334,6 +356,14 @@ def glimmer_cases() -> list[Case]:
         Case("ring_store", head_major=True, count=16, start=2040, **common),
         Case(
             "stage_shadow", head_major=True, count=16, start=1000, length=2048, **common
+        ),
+        Case(
+            "stage_shadow_kv",
+            head_major=True,
+            count=16,
+            start=2040,
+            length=2048,
+            **common,
         ),
         Case("retain_rows", head_major=True, count=16, start=2040, planes=78, **common),
         Case(

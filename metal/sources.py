@@ -88,6 +88,46 @@ STAGE_SHADOW_BODY = """
   }
 """
 
+# stage_shadow_kv: the staging shadow of a stacked (2, ...) K/V ring, built
+# straight from the chunk's separate keys and values, plus the chunk stacked.
+# out[a, k] = ring[a, (origin + k) % C] for k < L, else the chunk row k - L of
+# keys (a < A/2) or values (a >= A/2); block[a, j] = that chunk row j.
+# params: total, A, C, W, L, S, origin. One thread per shadow word.
+STAGE_SHADOW_KV_BODY = """
+  const uint32_t total = uint32_t(params[0]);
+  if (gid >= total) {
+    return;
+  }
+  const uint32_t outer = uint32_t(params[1]);
+  const uint32_t cap = uint32_t(params[2]);
+  const uint32_t words = uint32_t(params[3]);
+  const uint32_t live = uint32_t(params[4]);
+  const uint32_t count = uint32_t(params[5]);
+  const uint32_t origin = uint32_t(params[6]);
+  const uint32_t span = live + count;
+  const uint32_t w = gid % words;
+  const uint32_t t = gid / words;
+  const uint32_t k = t % span;
+  const uint32_t a = t / span;
+  if (k < live) {
+    out[gid] = ring[(a * cap + (origin + k) % cap) * words + w];
+    return;
+  }
+  // Keys fill the first half of the outer slices, values the second.
+  const uint32_t half = outer / 2;
+  const uint32_t j = k - live;
+  const uint32_t dst = (a * count + j) * words + w;
+  if (a < half) {
+    const uint32_t src = (a * count + j) * words + w;
+    out[gid] = keys[src];
+    block[dst] = keys[src];
+  } else {
+    const uint32_t src = ((a - half) * count + j) * words + w;
+    out[gid] = values[src];
+    block[dst] = values[src];
+  }
+"""
+
 # retain_rows: out[p, a, j] = plane_p[a, dests[p, j]].
 # params: total, A, C, W, n. One thread per output word; the switch only
 # selects plane p's pointer (generated per plane count, no arithmetic in it).
@@ -201,6 +241,12 @@ RING_STORE = KernelSpec(
 )
 STAGE_SHADOW = KernelSpec(
     "stage_shadow", ("ring", "rows", "params"), ("out",), STAGE_SHADOW_BODY
+)
+STAGE_SHADOW_KV = KernelSpec(
+    "stage_shadow_kv",
+    ("ring", "keys", "values", "params"),
+    ("out", "block"),
+    STAGE_SHADOW_KV_BODY,
 )
 
 

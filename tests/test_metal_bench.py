@@ -35,11 +35,12 @@ def test_bench_rounds_and_launch_counts(tmp_path: Path) -> None:
     for result in report["cache"]:
         assert result["mode"] == "reference"
         for row in result["per_kept"]:
-            # Per ring: stack K/V + gather + concatenate (the shadow); per growing plane:
-            # stack + store. The commit stores the kept rows: one launch per ring.
-            assert row["fetch_launches"] == 3 * rings + 2 * growing
+            # Per ring: stack K/V + one concatenate of the live rows' runs and the chunk
+            # (the shadow); per growing plane: stack + store. The commit stores the kept
+            # rows: one launch per ring.
+            assert row["fetch_launches"] == 2 * rings + 2 * growing
             assert row["commit_launches"] == (rings if row["kept"] else 0)
-            assert row["plain_launches"] == 3 * rings + 2 * growing + rings
+            assert row["plain_launches"] == 2 * rings + 2 * growing + rings
             assert row["allocated_bytes"] < PLANE_BYTES  # the commit stores in place
         assert [r["kept"] for r in result["per_kept"]] == list(range(block + 1))
 
@@ -73,3 +74,27 @@ def test_bench_kernel_mode_on_emulated_metal(tmp_path: Path) -> None:
         )
     assert [r["mode"] for r in report["cache"]] == ["reference", "kernels"]
     assert report["meta"]["emulated_metal"]
+
+
+def test_bench_forward_pairs_every_route_with_the_cache_free_forward(
+    tmp_path: Path,
+) -> None:
+    from dflash.metal import bench_forward
+
+    out = tmp_path / "forward.json"
+    assert bench_forward.main(["--json", str(out), "--small", "--contexts", "96"]) == 0
+    report = json.loads(out.read_text())
+    assert (
+        (tmp_path / "forward.md").read_text().startswith("# dflash.metal.bench_forward")
+    )
+    (result,) = report["contexts"]
+    routes = result["routes"]
+    assert {"none", "mlx-lm", "reference"} <= set(routes)
+    assert "cache_ms" not in routes["none"]
+    assert all("cache_ms" in routes[r] for r in ("mlx-lm", "reference"))
+    rings, growing = 6, 2  # the --small model: 8 layers, one full in four
+    none, ref = routes["none"]["launches"], routes["reference"]["launches"]
+    # Per ring: stack + concatenate (the shadow); per growing plane: stack + store; the
+    # commit (kept = B) stores once per ring. The mask is memoised.
+    assert ref["forward"] - none["forward"] == 2 * rings + 2 * growing
+    assert ref["commit"] == rings and none["commit"] == 0

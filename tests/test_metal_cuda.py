@@ -22,6 +22,7 @@ from dflash.metal import (
     retain_rows,
     ring_store,
     stage_shadow,
+    stage_shadow_kv,
 )
 from dflash.metal.bench import graph_launches
 from dflash.metal.selfcheck import (
@@ -115,6 +116,10 @@ def test_auto_picks_kernels_for_fresh_outputs_and_scatter_for_stores() -> None:
     dests = mx.array(np.arange(16, dtype=np.int32)[None])
     mx.eval(rows, dests)
     assert graph_launches(stage_shadow(plane, rows, 5, 64))["CustomKernel"] == 1
+    kv = mx.stack([plane, plane])
+    mx.eval(kv)
+    pair = graph_launches(*stage_shadow_kv(kv, rows, rows, 5, 64))
+    assert sum(pair.values()) == 1 and pair["CustomKernel"] == 1
     assert graph_launches(retain_rows([plane], dests))["CustomKernel"] == 1
     store = graph_launches(ring_store(plane, rows, 60))
     assert store["CustomKernel"] == 0 and store["ScatterAxis"] == 1

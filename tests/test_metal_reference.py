@@ -19,6 +19,7 @@ from dflash.metal import (
     retain_rows,
     ring_store,
     stage_shadow,
+    stage_shadow_kv,
     wrapped_rows,
 )
 from dflash.metal.selfcheck import (
@@ -86,6 +87,10 @@ def test_zero_row_blocks() -> None:
     shadow = stage_shadow(buffer, mx.zeros((1, 2, 0, 3)), 2, 3)
     assert shadow.shape == (1, 2, 3, 3)
     assert stage_shadow(buffer, mx.zeros((1, 2, 0, 3)), 0, 0).shape == (1, 2, 0, 3)
+    kv = mx.stack([buffer, buffer])
+    none = mx.zeros((1, 2, 0, 3))
+    shadow, block = stage_shadow_kv(kv, none, none, 2, 3)
+    assert shadow.shape == (2, 1, 2, 3, 3) and block.shape == (2, 1, 2, 0, 3)
     empty = mx.zeros((2, 0), dtype=mx.int32)
     assert retain_rows([buffer, buffer], empty).shape == (2, 1, 2, 0, 3)
     restored = restore_rows([buffer, buffer], empty, mx.zeros((2, 1, 2, 0, 3)))
@@ -110,6 +115,7 @@ BUF = mx.zeros((1, 2, 8, 4), dtype=mx.float16)
 ROWS = mx.zeros((1, 2, 3, 4), dtype=mx.float16)
 DESTS = mx.array(np.array([[1, 2], [3, 4]], dtype=np.int32))
 BLOCK = mx.zeros((2, 1, 2, 2, 4), dtype=mx.float16)
+KV = mx.zeros((2, 1, 2, 8, 4), dtype=mx.float16)
 
 
 @pytest.mark.parametrize(
@@ -128,6 +134,13 @@ BLOCK = mx.zeros((2, 1, 2, 2, 4), dtype=mx.float16)
         (lambda: stage_shadow(BUF, ROWS, 0, 9), r"length=9 outside \[0, 8\]"),
         (lambda: stage_shadow(BUF, ROWS, 8, 2), "origin_physical=8"),
         (lambda: stage_shadow(BUF, ROWS, 0, True), "length must be an int"),
+        (lambda: stage_shadow_kv(BUF, ROWS, ROWS, 0, 2), "leading axis of 2"),
+        (lambda: stage_shadow_kv(BLOCK[:1], ROWS, ROWS, 0, 2), "leading axis of 2"),
+        (lambda: stage_shadow_kv(KV, ROWS, ROWS[:, :, :2], 0, 2), "differ"),
+        (lambda: stage_shadow_kv(KV, ROWS, ROWS.astype(mx.float32), 0, 2), "dtype"),
+        (lambda: stage_shadow_kv(KV, ROWS[:, :1], ROWS[:, :1], 0, 2), "shape"),
+        (lambda: stage_shadow_kv(KV, ROWS, ROWS, 8, 2), "origin_physical=8"),
+        (lambda: stage_shadow_kv(KV, ROWS, ROWS, 0, 9), r"length=9 outside"),
         (lambda: retain_rows([], DESTS), "non-empty sequence"),
         (lambda: retain_rows(BUF, DESTS), "non-empty sequence"),
         (lambda: retain_rows([BUF, BUF[:, :1]], DESTS), r"buffers\[1\]"),
@@ -159,6 +172,9 @@ def test_token_major_shapes() -> None:
     rows = mx.ones((2, 5, 3, 4), dtype=mx.bfloat16)
     assert ring_store(buffer, rows, 6, head_major=False).shape == (2, 8, 3, 4)
     assert stage_shadow(buffer, rows, 6, 8, head_major=False).shape == (2, 13, 3, 4)
+    kv = mx.stack([buffer, buffer])
+    shadow, block = stage_shadow_kv(kv, rows, rows, 6, 8, head_major=False)
+    assert shadow.shape == (2, 2, 13, 3, 4) and block.shape == (2, 2, 5, 3, 4)
     dests = mx.array(np.array([[0, 7], [3, 1], [2, 5]], dtype=np.int32))
     block = retain_rows([buffer] * 3, dests, head_major=False)
     assert block.shape == (3, 2, 2, 3, 4)

@@ -283,10 +283,10 @@ def test_a_staged_round_adds_no_launch_for_the_checkpoint(kept: int) -> None:
     checkpoint = SpeculativeCheckpoint.begin(cache, 8)
     seen = fetch_all(cache, 8)
     with_checkpoint = graph_launches(*seen)
-    # Per ring the staging shadow only: stack K/V, gather the live rows, concatenate.
+    # Per ring the staging shadow only: stack K/V, then one concatenate of the live rows'
+    # two runs and the chunk (no gather).
     assert (
-        with_checkpoint["Gather"] == rings
-        and with_checkpoint["Concatenate"] == 8 + rings
+        with_checkpoint["Gather"] == 0 and with_checkpoint["Concatenate"] == 8 + rings
     )
     mx.eval(seen)
     assert ring_launches(cache) == 0  # the forward never wrote a ring
@@ -445,7 +445,9 @@ def test_cuda_staged_round_launches() -> None:
     checkpoint = SpeculativeCheckpoint.begin(cache, 8)
     seen = fetch_all(cache, 8)
     fetch = graph_launches(*seen)
+    # One launch per ring (shadow and stacked block together); only growing planes stack.
     assert fetch["CustomKernel"] == rings and fetch["Gather"] == 0
+    assert fetch["Concatenate"] == len(cache) - rings
     # Count the commit alone: the block rows it stores must already be evaluated (on the
     # H200 the unevaluated K/V stacking was counted too: 6 Concatenate + 1 Full extra).
     mx.eval(seen)
