@@ -11,7 +11,9 @@ from dflash.verify.reference import ReferenceKVCache, reference_attention
 
 
 def attend(queries, keys, values, mask, scale):
-    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=scale, mask=mask
+    )
 
 
 @settings(max_examples=150)
@@ -34,7 +36,9 @@ def test_staged_chunks_match_the_full_history_oracle(window, chunks, seed):
         got = attend(queries, *ring.update_and_fetch(keys, values), mask, scale)
         full_keys, full_values = oracle.update_and_fetch(keys, values)
         positions = mx.arange(start, start + count)
-        want = reference_attention(queries, full_keys, full_values, positions, window, scale)
+        want = reference_attention(
+            queries, full_keys, full_values, positions, window, scale
+        )
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-5, atol=2e-5)
         assert ring.keys.shape[2] == min(window, ring.capacity)
 
@@ -44,6 +48,22 @@ def test_staged_mask_is_the_documented_band():
     mask = np.array(staged_window_mask(3, 4, 4))
     for i in range(3):
         assert [j for j in range(7) if mask[i, j]] == list(range(i + 1, 4 + i + 1))
+
+
+@settings(max_examples=60)
+@given(
+    queries=st.integers(1, 80),
+    old_len=st.integers(0, 90),
+    window=st.integers(1, 64),
+)
+def test_staged_mask_is_the_band_whether_memoised_or_not(queries, old_len, window):
+    mask = np.array(staged_window_mask(queries, old_len, window))
+    i = np.arange(queries)[:, None] + old_len
+    j = np.arange(old_len + queries)[None]
+    assert np.array_equal(mask, (j <= i) & (j > i - window))
+    # Verify-sized masks are memoised (one upload serves every round); prefill-sized are not.
+    again = staged_window_mask(queries, old_len, window)
+    assert (again is staged_window_mask(queries, old_len, window)) == (queries <= 64)
 
 
 def test_seam_crossing_chunk_is_staged_and_ring_stays_at_capacity():
