@@ -49,6 +49,18 @@ KERNELS_ENABLED: bool = os.environ.get(KERNELS_ENV, "1").strip().lower() not in 
 }
 
 
+# What ``use_kernel=None`` picks for the staging shadow, per backend. On CUDA the pure-MLX
+# form (slices + one concatenate) measured at least as fast as the kernel on an H200, alone
+# and inside the verify forward (docs/metal.md), so it is the default there; on Metal, where
+# nothing could be measured, the kernel is.
+SHADOW_KERNEL_BY_DEFAULT: dict[str, bool] = {METAL: True, CUDA: False}
+
+
+def shadow_kernel_by_default() -> bool:
+    """Whether ``use_kernel=None`` launches the staging-shadow kernel on this backend."""
+    return SHADOW_KERNEL_BY_DEFAULT.get(BACKEND, False)
+
+
 def kernel_backend() -> Optional[str]:
     """The GPU backend custom kernels run on: ``"metal"``, ``"cuda"`` or None."""
     return BACKEND

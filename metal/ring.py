@@ -15,7 +15,8 @@ reference beside it:
 Default paths (``use_kernel=None``) on a GPU: the store is one mlx op (a slice
 update, or one scatter over host-built wrapped indices when the rows cross the
 seam; it runs in place when mlx can donate the buffer, so it moves ``S`` rows,
-not ``C``); the shadow is the custom kernel (its output is a new array anyway).
+not ``C``); the shadow is the custom kernel on Metal (its output is a new array
+anyway) and the reference on CUDA, where that measured at least as fast.
 ``docs/metal.md`` has the byte counts behind that choice.
 
 The KV cache calls two prevalidated entry points on its hot path:
@@ -270,9 +271,9 @@ def stage_shadow(
         origin_physical: Physical row of logical row 0, ``0 <= origin < C``.
         length: Live rows, ``0 <= length <= C``.
         head_major: Layout of ``buffer`` and ``rows``.
-        use_kernel: None (default) picks the custom kernel on a GPU (one
-            launch) and the reference (gather + concatenate) elsewhere; True /
-            False force one form.
+        use_kernel: None (default) picks the custom kernel on Metal (one
+            launch) and the reference (slices + one concatenate) on CUDA, where it
+            measured at least as fast, and on the CPU; True / False force one form.
 
     Returns:
         A new array holding the shadow.
@@ -286,7 +287,7 @@ def stage_shadow(
     length = _check_length(length, geom.capacity)
     if length + count == 0:
         return mx.zeros(geom.with_rows(0), dtype=geom.dtype)
-    if use_kernel_path(use_kernel, auto=True):
+    if use_kernel_path(use_kernel, auto=backend.shadow_kernel_by_default()):
         return _stage_shadow_kernel(buffer, rows, origin, length, geom)
     return _stage_shadow_ops(buffer, rows, origin, length, geom)
 
@@ -394,7 +395,11 @@ def stage_shadow_kv(
         )
     origin = check_ring_index(origin_physical, geom.capacity, "origin_physical")
     length = _check_length(length, geom.capacity)
-    if use_kernel_path(use_kernel, auto=True) and length and count:
+    if (
+        use_kernel_path(use_kernel, auto=backend.shadow_kernel_by_default())
+        and length
+        and count
+    ):
         return _stage_shadow_kv_kernel(kv, keys, values, origin, length, geom)
     return _stage_shadow_kv_ops(kv, keys, values, origin, length, geom)
 
@@ -453,7 +458,7 @@ class ShadowStager:
         Shapes: buffer as ``geom``; rows ``(..., H, S, D)`` / ``(..., S, H, D)``;
         returns the same with ``length + S`` rows.
         """
-        if use_kernel_path(self.use_kernel, auto=True):
+        if use_kernel_path(self.use_kernel, auto=backend.shadow_kernel_by_default()):
             return _stage_shadow_kernel(
                 buffer, rows, origin_physical, length, self.geom
             )
@@ -472,7 +477,9 @@ class ShadowStager:
         Shapes: kv as ``geom``; keys, values ``(B, H, S, D)`` / ``(B, S, H, D)``;
         returns the shadow with ``length + S`` rows and the stacked block.
         """
-        if length and use_kernel_path(self.use_kernel, auto=True):
+        if length and use_kernel_path(
+            self.use_kernel, auto=backend.shadow_kernel_by_default()
+        ):
             return _stage_shadow_kv_kernel(
                 kv, keys, values, origin_physical, length, self.geom
             )
