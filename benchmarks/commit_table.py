@@ -14,31 +14,13 @@ why the cache keeps one buffer per ring).
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import mlx.core as mx
 
 from dflash.metal import ring_write
+from dflash.metal.bench import host_and_total_ms
 
 LAYERS, HEADS, CAPACITY, DIM, BLOCK = 39, 2, 2048, 128, 16
 ROW_AXIS = 3  # of one ring's stacked (2, B, H, C, D) buffer
-
-
-def timed(step, reps: int = 50, warmup: int = 5) -> tuple[float, float]:
-    """Median host ms and total ms of ``step()`` (which returns what to evaluate)."""
-    host, total = [], []
-    for rep in range(warmup + reps):
-        mx.synchronize()
-        start = time.perf_counter()
-        outputs = step()
-        built = time.perf_counter()
-        mx.eval(outputs)
-        mx.synchronize()
-        if rep >= warmup:
-            host.append((built - start) * 1e3)
-            total.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(host), statistics.median(total)
 
 
 def main() -> None:
@@ -75,7 +57,7 @@ def main() -> None:
                 ("39 ring stores", per_ring),
                 ("one table store", one_table),
             ):
-                host, total = timed(step)
+                host, total = host_and_total_ms(step)
                 print(
                     f"dest {dest:4d} kept {kept:2d}  {name:15s}: host {host:6.3f} ms, "
                     f"total {total:6.3f} ms"

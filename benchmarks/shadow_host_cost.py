@@ -15,33 +15,16 @@ This is the measurement behind caching the derived geometry sizes in
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import mlx.core as mx
 
 from dflash.metal import kernel_backend
+from dflash.metal.bench import host_and_total_ms
 from dflash.metal.layout import buffer_geometry
 from dflash.metal.ring import _stage_shadow_kv_kernel, _stage_shadow_kv_ops
 
 LAYERS, HEADS, CAPACITY, DIM, CHUNK = 39, 2, 2048, 128, 16
-
-
-def timed(build, reps: int = 30, warmup: int = 3) -> tuple[float, float]:
-    """Median ms of building ``build()``'s graph, and of building + evaluating it."""
-    host, total = [], []
-    for rep in range(warmup + reps):
-        mx.synchronize()
-        start = time.perf_counter()
-        outputs = build()
-        built = time.perf_counter()
-        mx.eval(outputs)
-        mx.synchronize()
-        if rep >= warmup:
-            host.append((built - start) * 1e3)
-            total.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(host), statistics.median(total)
 
 
 def main() -> int:
@@ -63,11 +46,13 @@ def main() -> int:
     forms = [("reference", _stage_shadow_kv_ops), ("kernel", _stage_shadow_kv_kernel)]
     for chunk_name, chunks in (("transposed", transposed), ("contiguous", contiguous)):
         for form_name, form in forms:
-            host, total = timed(
+            host, total = host_and_total_ms(
                 lambda: [
                     form(ring, keys, values, 1000, CAPACITY, geom)
                     for ring, (keys, values) in zip(rings, chunks)
-                ]
+                ],
+                reps=30,
+                warmup=3,
             )
             print(
                 f"{form_name:9s} {chunk_name:10s} K/V: build {host:6.3f} ms, "
@@ -95,10 +80,11 @@ def main() -> int:
             for _ in range(LAYERS)
         ]
 
-    print(f"39 bare custom kernels: {timed(bare_kernels)[1]:.3f} ms")
-    print(
-        f"39 bare mlx adds:       {timed(lambda: [x + i for i in range(LAYERS)])[1]:.3f} ms"
-    )
+    def bare_adds():
+        return [x + i for i in range(LAYERS)]
+
+    for name, step in (("custom kernels", bare_kernels), ("mlx adds", bare_adds)):
+        print(f"39 bare {name}: {host_and_total_ms(step, reps=30, warmup=3)[1]:.3f} ms")
     return 0
 
 

@@ -9,7 +9,8 @@ per operation, and ``DFLASH_KERNELS=0`` makes ``None`` pick the reference (see
 ``docs/metal.md``). ``dflash.cache`` runs them on its hot path: the staging
 shadow (:class:`ShadowStager`, built from the model's separate keys and values by
 :func:`stage_shadow_kv`), the in-place store (:func:`ring_write`) and,
-for non-staged writes under a checkpoint, :func:`retain_rows`.
+for non-staged writes under a checkpoint, :func:`retain_rows`. On CUDA the
+shadow's default is the reference form, which measured at least as fast there.
 """
 
 from .backend import kernel_backend

@@ -168,6 +168,33 @@ def _sync_time(step: Callable[[], object]) -> tuple[object, float]:
     return out, (time.perf_counter() - start) * 1e3
 
 
+def host_and_total_ms(
+    step: Callable[[], object], reps: int = 50, warmup: int = 5
+) -> tuple[float, float]:
+    """Medians over ``reps`` runs of building ``step()``'s graph, and of building + evaluating it.
+
+    Args:
+        step: Builds (lazily) and returns what to evaluate.
+        reps: Timed runs, after ``warmup`` untimed ones.
+        warmup: Untimed runs first (compilation, allocation).
+
+    Returns:
+        ``(host_ms, total_ms)``: graph building alone, and until the device is done.
+    """
+    host, total = [], []
+    for rep in range(warmup + reps):
+        mx.synchronize()
+        start = time.perf_counter()
+        outputs = step()
+        built = time.perf_counter()
+        mx.eval(outputs)
+        mx.synchronize()
+        if rep >= warmup:
+            host.append((built - start) * 1e3)
+            total.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(host), statistics.median(total)
+
+
 class Allocation:
     """Peak minus resident device memory over a span (bytes)."""
 

@@ -64,9 +64,9 @@ RING_STORE_BODY = """
   }
 """
 
-# stage_shadow: out[k] = ring[(origin + k) % C] for k < L, rows[k - L] after.
-# params: total, A, C, W, L, S, origin. One thread per output word.
-STAGE_SHADOW_BODY = """
+# Index arithmetic shared by both shadows: one thread per shadow word, (a, k, w) =
+# (outer slice, shadow row, word). params: total, A, C, W, L, S, origin.
+SHADOW_INDEX = """
   const uint32_t total = uint32_t(params[0]);
   if (gid >= total) {
     return;
@@ -81,7 +81,10 @@ STAGE_SHADOW_BODY = """
   const uint32_t t = gid / words;
   const uint32_t k = t % span;
   const uint32_t a = t / span;
-  if (k < live) {
+"""
+
+# stage_shadow: out[k] = ring[(origin + k) % C] for k < L, rows[k - L] after.
+STAGE_SHADOW_BODY = SHADOW_INDEX + """  if (k < live) {
     out[gid] = ring[(a * cap + (origin + k) % cap) * words + w];
   } else {
     out[gid] = rows[(a * count + (k - live)) * words + w];
@@ -92,29 +95,12 @@ STAGE_SHADOW_BODY = """
 # straight from the chunk's separate keys and values, plus the chunk stacked.
 # out[a, k] = ring[a, (origin + k) % C] for k < L, else the chunk row k - L of
 # keys (a < A/2) or values (a >= A/2); block[a, j] = that chunk row j.
-# params: total, A, C, W, L, S, origin. One thread per shadow word.
-STAGE_SHADOW_KV_BODY = """
-  const uint32_t total = uint32_t(params[0]);
-  if (gid >= total) {
-    return;
-  }
-  const uint32_t outer = uint32_t(params[1]);
-  const uint32_t cap = uint32_t(params[2]);
-  const uint32_t words = uint32_t(params[3]);
-  const uint32_t live = uint32_t(params[4]);
-  const uint32_t count = uint32_t(params[5]);
-  const uint32_t origin = uint32_t(params[6]);
-  const uint32_t span = live + count;
-  const uint32_t w = gid % words;
-  const uint32_t t = gid / words;
-  const uint32_t k = t % span;
-  const uint32_t a = t / span;
-  if (k < live) {
+STAGE_SHADOW_KV_BODY = SHADOW_INDEX + """  if (k < live) {
     out[gid] = ring[(a * cap + (origin + k) % cap) * words + w];
     return;
   }
   // Keys fill the first half of the outer slices, values the second.
-  const uint32_t half = outer / 2;
+  const uint32_t half = uint32_t(params[1]) / 2;
   const uint32_t j = k - live;
   const uint32_t dst = (a * count + j) * words + w;
   if (a < half) {
