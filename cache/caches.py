@@ -46,7 +46,7 @@ def staged_window_mask(query_count: int, old_len: int, window: int) -> mx.array:
     Query ``i`` (at logical index ``old_len + i`` of the shadow) may see shadow column ``j``
     iff ``old_len + i - window + 1 <= j <= old_len + i``: keys in ``[p + i - W + 1, p + i]``,
     mlx-lm's window semantics. Built on the host; for verify-sized chunks it is memoised, so
-    every round of a full ring reuses one uploaded mask instead of launching five ops a forward
+    every round of a full ring reuses one uploaded mask instead of launching six ops a forward
     (an ``mx.array`` is immutable, so sharing it is safe).
 
     Returns:
