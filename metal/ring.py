@@ -364,7 +364,7 @@ def stage_shadow_kv(
 
     Equal to ``stage_shadow(kv, mx.stack([keys, values]), origin_physical,
     length)`` together with that stacked chunk, in one launch with the kernel
-    (the reference stacks, gathers and concatenates).
+    (the reference stacks, then concatenates the ring's live runs and the block).
 
     Shapes: kv ``(2, B, H, C, D)`` / ``(2, B, C, H, D)``; keys and values
     ``(B, H, S, D)`` / ``(B, S, H, D)``; returns the shadow ``(2, B, H, length
