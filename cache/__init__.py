@@ -10,7 +10,7 @@ from .errors import (
     RollbackError,
 )
 from .plane import KvPlane, PlaneMeta
-from .prompt_cache import check_prompt_cache, make_prompt_cache
+from .prompt_cache import PromptCache, check_prompt_cache, make_prompt_cache
 
 __all__ = [
     "CacheDiscontinuity",
@@ -21,6 +21,7 @@ __all__ = [
     "KvPlane",
     "PlaneCheckpoint",
     "PlaneMeta",
+    "PromptCache",
     "RingKVCache",
     "RollbackError",
     "SpeculativeCheckpoint",

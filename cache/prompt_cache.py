@@ -17,11 +17,28 @@ def _model_template(model: nn.Module) -> List[Any]:
     return [KVCache() for _ in model.layers]
 
 
+class PromptCache(list):
+    """A session's caches: the target's planes (one per layer, as a list) plus, with DFlash,
+    the drafter's context at the same position.
+
+    It is a ``list`` so mlx-lm code that indexes or iterates a prompt cache runs unchanged.
+
+    Attributes:
+        drafter_context: The DFlash drafter's context (``drafter.make_context()``), or
+            ``None`` when the cache serves plain or classic speculative decoding.
+    """
+
+    def __init__(self, planes=(), drafter_context: Optional[Any] = None):
+        super().__init__(planes)
+        self.drafter_context = drafter_context
+
+
 def make_prompt_cache(
     model: nn.Module,
+    drafter: Optional[Any] = None,
     max_context: Optional[int] = None,
     use_kernel: Optional[bool] = None,
-) -> List[KvPlane]:
+) -> PromptCache:
     """Construct the model's cache out of KV planes.
 
     A ring is built wherever the model's own ``make_cache()`` asks for a ``RotatingKVCache``
@@ -30,16 +47,24 @@ def make_prompt_cache(
 
     Args:
         model: An mlx-lm model.
+        drafter: A DFlash drafter bound to ``model``: the cache then also carries its
+            (empty) context, so DFlash generation can continue the session turn after turn.
         max_context: Largest context the cache accepts; ``None`` means unbounded. A ring's
             capacity is ``min(window, max_context)``.
-        use_kernel: The planes' custom-kernel switch: ``None`` runs the ``dflash.metal``
-            kernels on a Metal or CUDA GPU (unless ``DFLASH_KERNELS=0``) and the pure-MLX
-            reference elsewhere; ``False`` / ``True`` force one form.
+        use_kernel: The planes' custom-kernel switch (see ``dflash.metal``); ``False`` /
+            ``True`` force the pure-MLX reference / the kernels.
 
     Returns:
         One cache per layer, drop-in for mlx-lm's.
     """
-    caches: List[KvPlane] = []
+    if drafter is not None and not callable(getattr(drafter, "make_context", None)):
+        raise TypeError(
+            f"drafter must be a DFlash drafter (dflash.load_drafter), got "
+            f"{type(drafter).__name__}; pass max_context by keyword"
+        )
+    caches = PromptCache(
+        drafter_context=drafter.make_context() if drafter is not None else None
+    )
     for layer, template in enumerate(_model_template(model)):
         if isinstance(template, RotatingKVCache):
             if template.keep:
@@ -87,7 +112,7 @@ def check_prompt_cache(
         The common absolute position of every plane.
     """
     name = f"{what} prompt cache" if what else "prompt cache"
-    expected = make_prompt_cache(model)
+    expected = make_prompt_cache(model, max_context=None)
     if len(prompt_cache) != len(expected):
         raise IncompatibleCache(
             f"{name} has {len(prompt_cache)} layers but the model has {len(expected)}"
