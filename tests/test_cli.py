@@ -177,7 +177,7 @@ def project_scripts():
 
 def test_every_script_entry_point_resolves_to_a_main_function():
     scripts = project_scripts()
-    assert {"dflash", "dflash-generate", "dflash-bench"} <= set(scripts)
+    assert {"dflash", "dflash-generate", "dflash-chat", "dflash-bench"} <= set(scripts)
     for name, target in scripts.items():
         module_name, function = target.split(":")
         module = __import__(module_name, fromlist=[function])
