@@ -1,6 +1,7 @@
 """dflash-chat: the session cache carries over between turns (each turn prefills only its new
 tokens, each reply is the target's greedy continuation of the whole conversation), Ctrl-C
-stops a reply and keeps exactly what was shown, and the stdin-driven CLI in a subprocess."""
+stops a reply and keeps exactly what was shown, and the stdin-driven CLI in a subprocess.
+"""
 
 import argparse
 import os
@@ -34,7 +35,10 @@ def model_flags(pair, mode):
 
 @pytest.fixture(scope="module")
 def loaded(saved_pair):  # noqa: F811
-    return {mode: load_models("test", *model_flags(saved_pair, mode)[1::2]) for mode in MODES}
+    return {
+        mode: load_models("test", *model_flags(saved_pair, mode)[1::2])
+        for mode in MODES
+    }
 
 
 def make_chat(models, *flags):
@@ -48,7 +52,9 @@ def assert_replies_are_greedy_continuations(model, session):
     for prompt_size, reply_size in session.turns:
         context = session.tokens[: start + prompt_size]
         reply = session.tokens[start + prompt_size : start + prompt_size + reply_size]
-        reference, _ = greedy_reference_with_margins(model, mx.array(context), reply_size, {EOS})
+        reference, _ = greedy_reference_with_margins(
+            model, mx.array(context), reply_size, {EOS}
+        )
         assert_lossless(model, mx.array(context), reference, reply)
         start += prompt_size + reply_size
     assert start == len(session.tokens)
@@ -71,7 +77,9 @@ def test_each_turn_prefills_only_its_new_tokens(loaded, mode, capsys):
         expected = chat_cli.turn_tokens(models.tokenizer, query, "w9 w9", before == 0)
         assert chat.session.tokens[before : before + prompt_size] == expected
         assert chat.session.position == before + prompt_size + reply_size
-        assert f"prompt {prompt_size} tokens" in capsys.readouterr().out.splitlines()[-1]
+        assert (
+            f"prompt {prompt_size} tokens" in capsys.readouterr().out.splitlines()[-1]
+        )
     assert_replies_are_greedy_continuations(models.model, chat.session)
 
 
@@ -106,7 +114,9 @@ def test_any_sequence_of_turns_keeps_the_session_exact(loaded, mode, turns):
         chat.args.max_tokens = max_tokens
         with pytest.MonkeyPatch.context() as patch:
             if stop_after is not None:
-                patch.setattr(chat_cli, "print", interrupting_print(stop_after), raising=False)
+                patch.setattr(
+                    chat_cli, "print", interrupting_print(stop_after), raising=False
+                )
             chat.reply(" ".join(f"w{w}" for w in words))
         _, reply_size = chat.session.turns[-1]
         if stop_after is not None and stop_after < max_tokens and chat.stop.requested:
@@ -135,7 +145,10 @@ class ChatProcess:
     def __init__(self, *flags):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "dflash", "chat", *flags],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
         )
         self.out = b""
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -168,7 +181,8 @@ class ChatProcess:
 
 def ids(text):
     """Token ids of the tiny tokenizer's text (token ``i`` prints as ``w{i}``; encoding
-    splits words that start with the unknown token ``w1``, so the words are read instead)."""
+    splits words that start with the unknown token ``w1``, so the words are read instead).
+    """
     return [int(word[1:]) for word in text.split()]
 
 
@@ -179,29 +193,39 @@ def replies(out):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_ctrl_c_stops_a_reply_and_the_next_turn_continues_what_was_shown(saved_pair, mode):  # noqa: F811
+def test_ctrl_c_stops_a_reply_and_the_next_turn_continues_what_was_shown(
+    saved_pair, mode
+):  # noqa: F811
     chat = ChatProcess(*model_flags(saved_pair, mode), "--max-tokens", "400")
     chat.send(LONG_PROMPT)
     # A few words of the reply are out: interrupt it mid-reply.
     chat.wait_for(lambda out: len(out.partition(chat_cli.PROMPT_MARK)[2].split()) >= 3)
     chat.process.send_signal(signal.SIGINT)
-    chat.wait_for(lambda out: "[interrupted]" in out and out.endswith(chat_cli.PROMPT_MARK))
+    chat.wait_for(
+        lambda out: "[interrupted]" in out and out.endswith(chat_cli.PROMPT_MARK)
+    )
     chat.send(NEXT_PROMPT)
     chat.wait_for(lambda out: out.count(chat_cli.PROMPT_MARK) == 3)
     chat.send("q")
     code, out, err = chat.finish()
     assert code == 0, err
     (first, first_line), (second, second_line) = replies(out)
-    assert first_line.startswith("[interrupted] ") and "[interrupted]" not in second_line
+    assert (
+        first_line.startswith("[interrupted] ") and "[interrupted]" not in second_line
+    )
     shown = first.split()
     assert 3 <= len(shown) < 400
-    assert f"prompt {len(NEXT_PROMPT.split())} tokens" in second_line  # only the new tokens
+    assert (
+        f"prompt {len(NEXT_PROMPT.split())} tokens" in second_line
+    )  # only the new tokens
     # The session holds the interrupted reply exactly as shown: the second reply is the
     # target's greedy continuation of the conversation with exactly those words in it.
     models = load_models("test", str(saved_pair / "target"))
     context = ids(LONG_PROMPT) + ids(first) + ids(NEXT_PROMPT)
     second_tokens = ids(second)
-    reference, _ = greedy_reference_with_margins(models.model, mx.array(context), 400, {EOS})
+    reference, _ = greedy_reference_with_margins(
+        models.model, mx.array(context), 400, {EOS}
+    )
     if reference[-1] == EOS:
         reference = reference[:-1]  # the EOS ends the reply and is not printed
     assert_lossless(models.model, mx.array(context), reference, second_tokens)

@@ -43,7 +43,9 @@ from .common import (
 )
 
 PROG = "dflash-chat"
-DESCRIPTION = "Chat with an mlx-lm model, DFlash speculative decoding underneath (lossless)."
+DESCRIPTION = (
+    "Chat with an mlx-lm model, DFlash speculative decoding underneath (lossless)."
+)
 DEFAULT_MAX_TOKENS = 256  # mlx_lm.chat's defaults
 DEFAULT_SEED = 0
 PROMPT_MARK = ">> "
@@ -63,10 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="local path or Hugging Face repo of the model (default: the bundled demo pair)",
     )
     add_sampling_flags(parser, full=False)
-    parser.add_argument("--seed", type=integer(0), default=DEFAULT_SEED, help="PRNG seed")
+    parser.add_argument(
+        "--seed", type=integer(0), default=DEFAULT_SEED, help="PRNG seed"
+    )
     add_unsupported_cache_flags(parser)
     parser.add_argument(
-        "--prefill-step-size", type=integer(1), default=2048, help="prompt tokens per forward"
+        "--prefill-step-size",
+        type=integer(1),
+        default=2048,
+        help="prompt tokens per forward",
     )
     parser.add_argument(
         "--max-tokens",
@@ -76,18 +83,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens to generate at most per reply",
     )
     parser.add_argument(
-        "--system-prompt", default=None, help="system prompt, sent once at the session start"
+        "--system-prompt",
+        default=None,
+        help="system prompt, sent once at the session start",
     )
-    parser.add_argument("--drafter", help="path or repo of a DFlash drafter for --model")
+    parser.add_argument(
+        "--drafter", help="path or repo of a DFlash drafter for --model"
+    )
     parser.add_argument(
         "--block-size",
         type=integer(1),
         default=None,
         help="DFlash block size, 1 up to the drafter's (default: the drafter's)",
     )
-    parser.add_argument("--load-session", metavar="FILE", help="continue a saved session")
     parser.add_argument(
-        "--save-session", metavar="FILE", help="save the session here when the chat ends"
+        "--load-session", metavar="FILE", help="continue a saved session"
+    )
+    parser.add_argument(
+        "--save-session",
+        metavar="FILE",
+        help="save the session here when the chat ends",
     )
     return parser
 
@@ -114,7 +129,9 @@ def plain_turn_text(query: str, system_prompt: Optional[str], first: bool) -> st
     return f"{head}{query}\n"
 
 
-def turn_tokens(tokenizer: Any, query: str, system_prompt: Optional[str], first: bool) -> List[int]:
+def turn_tokens(
+    tokenizer: Any, query: str, system_prompt: Optional[str], first: bool
+) -> List[int]:
     """The tokens one turn adds to the session.
 
     Args:
@@ -292,15 +309,23 @@ class Chat:
         self.session = session
         self.sampler = make_cli_sampler(args)
         self.block_size = (
-            check_block_size(args.block_size, models.drafter) if models.drafter else None
+            check_block_size(args.block_size, models.drafter)
+            if models.drafter
+            else None
         )
         self.stop = StopRequest()
         self.consistent = True  # False while a reply is being written into the session
 
     def header(self) -> str:
         """The first line the chat prints."""
-        model = "the bundled demo pair" if self.models.model_name == DEMO_NAME else self.models.model_name
-        mode = f"DFlash, block {self.block_size}" if self.models.drafter else "no drafter"
+        model = (
+            "the bundled demo pair"
+            if self.models.model_name == DEMO_NAME
+            else self.models.model_name
+        )
+        mode = (
+            f"DFlash, block {self.block_size}" if self.models.drafter else "no drafter"
+        )
         text = f"{PROG}: {model} ({mode}), max tokens {self.args.max_tokens:,}"
         if self.session.tokens:
             text += f", session of {len(self.session.tokens)} tokens"
@@ -317,7 +342,9 @@ class Chat:
         stats = None
         if self.models.drafter is not None:
             stats = GenerationStats(self.block_size)
-            kwargs.update(drafter=self.models.drafter, block_size=self.block_size, stats=stats)
+            kwargs.update(
+                drafter=self.models.drafter, block_size=self.block_size, stats=stats
+            )
         return kwargs, stats
 
     def reply(self, query: str) -> None:
@@ -329,13 +356,19 @@ class Chat:
         from .. import stream_generate
 
         first = not self.session.tokens
-        prompt = turn_tokens(self.models.tokenizer, query, self.args.system_prompt, first)
+        prompt = turn_tokens(
+            self.models.tokenizer, query, self.args.system_prompt, first
+        )
         kwargs, stats = self._kwargs()
         self.consistent = False
         tokens: List[int] = []
         response = None
         generator = stream_generate(
-            self.models.model, self.models.tokenizer, prompt, self.args.max_tokens, **kwargs
+            self.models.model,
+            self.models.tokenizer,
+            prompt,
+            self.args.max_tokens,
+            **kwargs,
         )
         with self.stop.armed():
             try:
@@ -346,7 +379,11 @@ class Chat:
                         break
             finally:
                 generator.close()  # the cache keeps the emitted tokens, nothing more
-        if self.stop.requested and response is not None and response.finish_reason is None:
+        if (
+            self.stop.requested
+            and response is not None
+            and response.finish_reason is None
+        ):
             print(self._held_back_text(), end="", flush=True)
         self.session.tokens += prompt + tokens
         self.session.turns.append((len(prompt), len(tokens)))
@@ -408,7 +445,9 @@ def run(args: argparse.Namespace) -> None:
     if args.block_size is not None and models.drafter is None:
         raise ValueError("--block-size needs a DFlash drafter (--drafter)")
     session = (
-        load_session(args.load_session, models) if args.load_session else new_session(models)
+        load_session(args.load_session, models)
+        if args.load_session
+        else new_session(models)
     )
     chat = Chat(models, args, session)
     models.announce()
@@ -425,7 +464,10 @@ def run(args: argparse.Namespace) -> None:
 def _save(args: argparse.Namespace, chat: Chat) -> None:
     """Save the session if asked to, unless a forced quit left a reply half-recorded."""
     if args.save_session and not chat.consistent:
-        print(f"{PROG}: session not saved: a forced quit cut a reply short", file=sys.stderr)
+        print(
+            f"{PROG}: session not saved: a forced quit cut a reply short",
+            file=sys.stderr,
+        )
     elif args.save_session:
         save_session(args.save_session, chat.session, chat.models)
         print(f"{PROG}: session saved to {args.save_session}", file=sys.stderr)

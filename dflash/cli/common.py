@@ -47,7 +47,9 @@ def integer(minimum: int) -> Callable[[str], int]:
                 f"expected an integer >= {minimum}, got {text!r}"
             ) from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text}")
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {minimum}, got {text}"
+            )
         return value
 
     return parse
@@ -68,7 +70,9 @@ def number(minimum: Optional[float] = None) -> Callable[[str], float]:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected {wanted}, got {text!r}"
+            ) from None
         if value != value or value in (float("inf"), float("-inf")):
             raise argparse.ArgumentTypeError(f"expected {wanted}, got {text}")
         if minimum is not None and value < minimum:
@@ -278,7 +282,11 @@ def load_models(
         raise ValueError("use --drafter (DFlash) or --draft-model, not both")
     if model is None:
         return _load_demo_pair(prog, drafter, draft_model)
-    for flag, name in (("--model", model), ("--drafter", drafter), ("--draft-model", draft_model)):
+    for flag, name in (
+        ("--model", model),
+        ("--drafter", drafter),
+        ("--draft-model", draft_model),
+    ):
         if name:
             check_model_name(flag, name)
     target, tokenizer = load_target("--model", model, tokenizer_config)
@@ -299,18 +307,24 @@ def load_models(
     return loaded
 
 
-def _load_demo_pair(prog: str, drafter: Optional[str], draft_model: Optional[str]) -> Models:
+def _load_demo_pair(
+    prog: str, drafter: Optional[str], draft_model: Optional[str]
+) -> Models:
     from .. import demo
 
     for flag, value in (("--draft-model", draft_model), ("--drafter", drafter)):
         if value:
-            raise ValueError(f"{flag} needs --model (without --model the bundled demo pair is used)")
+            raise ValueError(
+                f"{flag} needs --model (without --model the bundled demo pair is used)"
+            )
     model, tokenizer, drafter_model = demo.load_demo()
     notice = (
         f"{prog}: no --model given; using the bundled demo pair "
         f"({demo.DEMO_DESCRIPTION}, {demo.DEMO_DIR})"
     )
-    return Models(model, tokenizer, drafter_model, drafter_name=DEMO_NAME, notice=notice)
+    return Models(
+        model, tokenizer, drafter_model, drafter_name=DEMO_NAME, notice=notice
+    )
 
 
 def check_block_size(block_size: Optional[int], drafter: Any) -> int:
@@ -368,11 +382,17 @@ def add_sampling_flags(parser: argparse.ArgumentParser, full: bool = True) -> No
         parser: The parser to extend.
         full: Also add ``--min-p``, ``--top-k`` and ``--min-tokens-to-keep``.
     """
-    parser.add_argument("--temp", type=number(0.0), default=0.0, help="sampling temperature")
+    parser.add_argument(
+        "--temp", type=number(0.0), default=0.0, help="sampling temperature"
+    )
     parser.add_argument("--top-p", type=number(0.0), default=1.0, help="sampling top-p")
     if full:
-        parser.add_argument("--min-p", type=number(0.0), default=0.0, help="sampling min-p")
-        parser.add_argument("--top-k", type=integer(0), default=0, help="sampling top-k")
+        parser.add_argument(
+            "--min-p", type=number(0.0), default=0.0, help="sampling min-p"
+        )
+        parser.add_argument(
+            "--top-k", type=integer(0), default=0, help="sampling top-k"
+        )
         parser.add_argument(
             "--min-tokens-to-keep",
             type=integer(1),
@@ -391,7 +411,10 @@ def add_unsupported_cache_flags(parser: argparse.ArgumentParser) -> None:
         help="not supported: dflash caches keep the whole context",
     )
     parser.add_argument(
-        "--kv-bits", type=integer(1), default=None, help="not supported: no quantized KV cache"
+        "--kv-bits",
+        type=integer(1),
+        default=None,
+        help="not supported: no quantized KV cache",
     )
 
 

@@ -30,7 +30,9 @@ from .common import (
 )
 
 PROG = "dflash-generate"
-DESCRIPTION = "Generate text with DFlash speculative decoding (lossless) on mlx-lm models."
+DESCRIPTION = (
+    "Generate text with DFlash speculative decoding (lossless) on mlx-lm models."
+)
 DEFAULT_PROMPT = "hello"  # mlx_lm.generate's default
 DEMO_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 RULE = "=" * 10
@@ -70,7 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         "signature and docstring for the demo code model)",
     )
     parser.add_argument(
-        "--max-tokens", "-m", type=integer(1), default=100, help="tokens to generate at most"
+        "--max-tokens",
+        "-m",
+        type=integer(1),
+        default=100,
+        help="tokens to generate at most",
     )
     add_sampling_flags(parser)
     parser.add_argument("--seed", type=integer(0), default=None, help="PRNG seed")
@@ -86,7 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="'True' echoes the prompt and prints statistics, 'False' only the text",
     )
     parser.add_argument(
-        "--prefill-step-size", type=integer(1), default=2048, help="prompt tokens per forward"
+        "--prefill-step-size",
+        type=integer(1),
+        default=2048,
+        help="prompt tokens per forward",
     )
     add_unsupported_cache_flags(parser)
     parser.add_argument("--draft-model", help="a classic draft model (same tokenizer)")
@@ -96,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="draft tokens per round with --draft-model",
     )
-    parser.add_argument("--drafter", help="path or repo of a DFlash drafter for --model")
+    parser.add_argument(
+        "--drafter", help="path or repo of a DFlash drafter for --model"
+    )
     parser.add_argument(
         "--block-size",
         type=integer(1),
@@ -130,7 +141,9 @@ def prompt_tokens(tokenizer, text: str, args: argparse.Namespace) -> List[int]:
     if args.system_prompt is not None:
         messages.append({"role": "system", "content": args.system_prompt})
     messages.append({"role": "user", "content": text})
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     return tokenizer.encode(rendered, add_special_tokens=False)
 
 
@@ -153,13 +166,17 @@ def _generation_kwargs(args: argparse.Namespace, models: Models, sampler):
     if args.block_size is not None:
         raise ValueError("--block-size needs a DFlash drafter (--drafter)")
     if models.draft_model is not None:
-        kwargs.update(draft_model=models.draft_model, num_draft_tokens=args.num_draft_tokens)
+        kwargs.update(
+            draft_model=models.draft_model, num_draft_tokens=args.num_draft_tokens
+        )
     return kwargs, None
 
 
 def _print_statistics(response, stats, rounds: Optional[DraftRounds]) -> None:
     print(RULE)
-    print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+    print(
+        f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec"
+    )
     print(
         f"Generation: {response.generation_tokens} tokens, "
         f"{response.generation_tps:.3f} tokens-per-sec"
@@ -190,7 +207,9 @@ def run(args: argparse.Namespace) -> None:
     kwargs, stats = _generation_kwargs(args, models, sampler)
     text = _prompt_text(args)
     prompt = prompt_tokens(models.tokenizer, text, args)
-    rounds = DraftRounds(args.num_draft_tokens) if models.draft_model is not None else None
+    rounds = (
+        DraftRounds(args.num_draft_tokens) if models.draft_model is not None else None
+    )
     models.announce()
     if args.verbose:
         print(text, end="" if text.endswith("\n") else "\n")
