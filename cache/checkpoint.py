@@ -29,8 +29,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..metal.checkpoint import retain_rows
-from ..metal.ring import ring_write, wrapped_rows
+from ..metal import retain_rows, ring_write, wrapped_rows
 from .errors import CacheError, RollbackError
 from .plane import (
     KvPlane,
