@@ -303,7 +303,7 @@ class SpeculativeCheckpoint:
     def retain(self, ckpts: Sequence[RingPlaneCheckpoint]) -> None:
         """Retain the rows the block overwrites in ``ckpts``' rings (still as at ``begin``).
 
-        Planes of one buffer geometry share one :func:`~dflash.metal.checkpoint.retain_rows`
+        Planes of one buffer geometry share one :func:`~dflash.metal.retain_rows`
         call (its launch count per backend is documented there).
         """
         groups = {}
