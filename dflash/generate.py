@@ -177,13 +177,15 @@ def run(args) -> None:
     if args.drafter and args.draft_model:
         raise ValueError("use --drafter (DFlash) or --draft-model, not both")
     SamplingParams(
-        args.temp, args.top_p, args.min_p, args.top_k
+        temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k
     )  # validates the settings
     if args.seed is not None:
         mx.random.seed(args.seed)
     model, tokenizer, drafter = _load_models(args)
     kwargs = {
-        "sampler": make_sampler(args.temp, args.top_p, args.min_p, args.top_k),
+        "sampler": make_sampler(
+            temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k
+        ),
         "prefill_step_size": args.prefill_step_size,
     }
     stats = None
