@@ -350,14 +350,73 @@ def test_a_bad_flag_value_says_what_was_expected(flag, value, expected, capsys):
 @pytest.mark.parametrize(
     "flag, message",
     [
-        (["--max-kv-size", "64"], "--max-kv-size is not supported"),
-        (["--kv-bits", "4"], "--kv-bits is not supported"),
+        (
+            ["--max-kv-size", "8"],
+            "max_kv_size=8 is smaller than the model's sliding window 16",
+        ),
+        (["--kv-bits", "4"], "kv_bits=4 is not supported"),
     ],
 )
-def test_kv_flags_dflash_cannot_honour_are_refused(flag, message, capsys):
+def test_kv_flags_dflash_cannot_honour_are_refused_in_one_line(
+    saved_pair, flag, message, capsys
+):
     with pytest.raises(SystemExit):
-        generate_main(flag)
+        generate_main([*pair_flags(saved_pair), *flag])
     assert message in one_error_line(capsys.readouterr().err)
+
+
+def test_a_max_kv_size_the_windows_fit_in_runs_as_mlx_lms_no_op(saved_pair, capsys):
+    argv = [*pair_flags(saved_pair), "--prompt", PROMPT, "-m", "6", "--verbose", "F"]
+    generate_main(argv)
+    plain = capsys.readouterr().out
+    generate_main([*argv, "--max-kv-size", "16"])
+    assert capsys.readouterr().out == plain
+
+
+def test_xtc_flags_reach_the_sampler(saved_pair, capsys):
+    with pytest.raises(SystemExit):
+        generate_main(["--xtc-probability", "1.5"])
+    assert "xtc_probability must be in [0, 1], got 1.5" in one_error_line(
+        capsys.readouterr().err
+    )
+    generate_main(
+        [
+            *pair_flags(saved_pair),
+            "--prompt",
+            PROMPT,
+            "-m",
+            "6",
+            "--temp",
+            "0.8",
+            "--xtc-probability",
+            "0.5",
+            "--seed",
+            "3",
+        ]
+    )
+    assert "Generation: 6 tokens" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dflash_run", [False, True])
+def test_a_prompt_token_outside_the_models_vocabulary_is_one_line(
+    tmp_path, dflash_run, capsys
+):
+    # The saved tokenizer knows 256 words; this target only 128 ids.
+    target = tiny_model("muse_glimmer", seed=0, window=16, vocab_size=128)
+    save_target(target, tmp_path / "target")
+    argv = ["--model", str(tmp_path / "target"), "--prompt", "w5 w200", "-m", "4"]
+    if dflash_run:
+        drafter = random_drafter(target, block_size=4, mask_token_id=127)
+        save_drafter(drafter, str(tmp_path / "drafter"))
+        argv += ["--drafter", str(tmp_path / "drafter")]
+    with pytest.raises(SystemExit) as exit_info:
+        generate_main(argv)
+    assert exit_info.value.code == 1
+    captured = capsys.readouterr()
+    assert "prompt token id 200 is outside the vocabulary" in one_error_line(
+        captured.err
+    )
+    assert captured.out == ""  # refused before anything is printed
 
 
 # -- model names: a missing path, an unreachable hub -------------------------------------

@@ -32,13 +32,13 @@ from .common import (
     DEMO_NAME,
     Models,
     OneLineParser,
+    add_cache_flags,
     add_sampling_flags,
-    add_unsupported_cache_flags,
     check_block_size,
+    check_cache_flags,
     integer,
     load_models,
     make_cli_sampler,
-    refuse_unsupported_cache_flags,
     run_cli,
 )
 
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--seed", type=integer(0), default=DEFAULT_SEED, help="PRNG seed"
     )
-    add_unsupported_cache_flags(parser)
+    add_cache_flags(parser)
     parser.add_argument(
         "--prefill-step-size",
         type=integer(1),
@@ -307,7 +307,7 @@ class Chat:
         self.models = models
         self.args = args
         self.session = session
-        self.sampler = make_cli_sampler(args)
+        self.sampler = make_cli_sampler(args, models.tokenizer)
         self.block_size = (
             check_block_size(args.block_size, models.drafter)
             if models.drafter
@@ -438,10 +438,10 @@ def run(args: argparse.Namespace) -> None:
     Args:
         args: Parsed ``dflash-chat`` flags.
     """
-    refuse_unsupported_cache_flags(args)
     make_cli_sampler(args)  # refuses bad settings before any model loads
     mx.random.seed(args.seed)
     models = load_models(PROG, args.model, args.drafter)
+    check_cache_flags(args, models.model)
     if args.block_size is not None and models.drafter is None:
         raise ValueError("--block-size needs a DFlash drafter (--drafter)")
     session = (

@@ -354,24 +354,34 @@ def check_block_size(block_size: Optional[int], drafter: Any) -> int:
     return block_size
 
 
-def make_cli_sampler(args: argparse.Namespace):
-    """``dflash.make_sampler`` from the sampling flags (validated before any model loads).
+def make_cli_sampler(args: argparse.Namespace, tokenizer: Any = None):
+    """``dflash.make_sampler`` from the sampling flags, called as mlx-lm's CLIs call it.
+
+    Called once without a tokenizer before any model loads (so a bad setting fails at once),
+    then with the tokenizer, whose newline and end-of-sequence ids XTC never removes.
 
     Args:
-        args: Flags with ``temp``, ``top_p`` and optionally ``min_p``, ``top_k``,
-            ``min_tokens_to_keep``.
+        args: Flags with ``temp``, ``top_p``, ``xtc_probability``, ``xtc_threshold`` and
+            optionally ``min_p``, ``top_k``, ``min_tokens_to_keep``.
+        tokenizer: mlx-lm's ``TokenizerWrapper``, or ``None``.
 
     Returns:
         The sampler.
     """
     from .. import make_sampler
 
+    special = None
+    if tokenizer is not None:
+        special = tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
     return make_sampler(
-        temp=args.temp,
-        top_p=args.top_p,
-        min_p=getattr(args, "min_p", 0.0),
-        min_tokens_to_keep=getattr(args, "min_tokens_to_keep", 1),
+        args.temp,
+        args.top_p,
+        getattr(args, "min_p", 0.0),
+        getattr(args, "min_tokens_to_keep", 1),
         top_k=getattr(args, "top_k", 0),
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        xtc_special_tokens=special,
     )
 
 
@@ -393,6 +403,20 @@ def add_sampling_flags(parser: argparse.ArgumentParser, full: bool = True) -> No
         parser.add_argument(
             "--top-k", type=integer(0), default=0, help="sampling top-k"
         )
+    parser.add_argument(
+        "--xtc-probability",
+        type=number(0.0),
+        default=0.0,
+        help="probability of XTC sampling at each token (drafts are then checked by the "
+        "sample-match rule, still lossless)",
+    )
+    parser.add_argument(
+        "--xtc-threshold",
+        type=number(0.0),
+        default=0.1,
+        help="XTC's probability threshold",
+    )
+    if full:
         parser.add_argument(
             "--min-tokens-to-keep",
             type=integer(1),
@@ -401,36 +425,34 @@ def add_sampling_flags(parser: argparse.ArgumentParser, full: bool = True) -> No
         )
 
 
-def add_unsupported_cache_flags(parser: argparse.ArgumentParser) -> None:
-    """mlx-lm's KV-cache flags, accepted by name and refused when given (see
-    :func:`refuse_unsupported_cache_flags`)."""
+def add_cache_flags(parser: argparse.ArgumentParser) -> None:
+    """mlx-lm's KV-cache flags, checked by :func:`check_cache_flags`."""
     parser.add_argument(
         "--max-kv-size",
         type=integer(1),
         default=None,
-        help="not supported: dflash caches keep the whole context",
+        help="accepted at or above the model's sliding windows (a no-op, as in mlx-lm for "
+        "such models); dflash caches never evict context",
     )
     parser.add_argument(
         "--kv-bits",
         type=integer(1),
         default=None,
-        help="not supported: no quantized KV cache",
+        help="not supported: dflash caches keep exact rows",
     )
 
 
-def refuse_unsupported_cache_flags(args: argparse.Namespace) -> None:
-    """Refuse ``--max-kv-size`` / ``--kv-bits``: dflash caches can honour neither.
+def check_cache_flags(args: argparse.Namespace, model: Any) -> None:
+    """``--max-kv-size`` / ``--kv-bits`` under the generators' own rule
+    (``dflash.generation.check_cache_options``).
 
     Args:
         args: The parsed flags.
+        model: The target model.
     """
-    if args.max_kv_size is not None:
-        raise ValueError(
-            "--max-kv-size is not supported: dflash caches keep the whole context "
-            "(sliding-window layers keep exactly their window)"
-        )
-    if args.kv_bits is not None:
-        raise ValueError("--kv-bits is not supported: dflash caches are not quantized")
+    from ..generation import check_cache_options
+
+    check_cache_options(model, args.kv_bits, args.max_kv_size)
 
 
 # -- prompts ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ with the acceptance statistics of a speculative run before ``Peak memory``.
 """
 
 import argparse
+import itertools
 import sys
 from typing import List, Optional
 
@@ -18,14 +19,14 @@ from .common import (
     Models,
     OneLineParser,
     acceptance_lines,
+    add_cache_flags,
     add_sampling_flags,
-    add_unsupported_cache_flags,
     check_block_size,
+    check_cache_flags,
     integer,
     load_models,
     make_cli_sampler,
     read_prompt,
-    refuse_unsupported_cache_flags,
     run_cli,
 )
 
@@ -97,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=2048,
         help="prompt tokens per forward",
     )
-    add_unsupported_cache_flags(parser)
+    add_cache_flags(parser)
     parser.add_argument("--draft-model", help="a classic draft model (same tokenizer)")
     parser.add_argument(
         "--num-draft-tokens",
@@ -148,7 +149,6 @@ def prompt_tokens(tokenizer, text: str, args: argparse.Namespace) -> List[int]:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
-    refuse_unsupported_cache_flags(args)
     if args.drafter and args.draft_model:
         raise ValueError("use --drafter (DFlash) or --draft-model, not both")
 
@@ -157,7 +157,11 @@ def _generation_kwargs(args: argparse.Namespace, models: Models, sampler):
     """Keyword arguments of ``stream_generate`` and the statistics to print afterwards."""
     from .. import GenerationStats
 
-    kwargs = {"sampler": sampler, "prefill_step_size": args.prefill_step_size}
+    kwargs = {
+        "sampler": sampler,
+        "prefill_step_size": args.prefill_step_size,
+        "max_kv_size": args.max_kv_size,
+    }
     if models.drafter is not None:
         block_size = check_block_size(args.block_size, models.drafter)
         stats = GenerationStats(block_size)
@@ -198,26 +202,29 @@ def run(args: argparse.Namespace) -> None:
     from .. import stream_generate
 
     _check_flags(args)
-    sampler = make_cli_sampler(args)  # refuses bad settings before any model loads
+    make_cli_sampler(args)  # refuses bad settings before any model loads
     if args.seed is not None:
         mx.random.seed(args.seed)
     models = load_models(PROG, args.model, args.drafter, args.draft_model)
     for token in args.extra_eos_token:
         models.tokenizer.add_eos_token(token)
+    check_cache_flags(args, models.model)
+    sampler = make_cli_sampler(args, models.tokenizer)
     kwargs, stats = _generation_kwargs(args, models, sampler)
     text = _prompt_text(args)
     prompt = prompt_tokens(models.tokenizer, text, args)
-    rounds = (
-        DraftRounds(args.num_draft_tokens) if models.draft_model is not None else None
+    rounds = DraftRounds(args.num_draft_tokens) if models.draft_model else None
+    responses = stream_generate(
+        models.model, models.tokenizer, prompt, max_tokens=args.max_tokens, **kwargs
     )
+    # The prefill and first token: a refused prompt fails here, before any output.
+    first = next(responses, None)
     models.announce()
     if args.verbose:
         print(text, end="" if text.endswith("\n") else "\n")
         print(RULE, flush=True)
     response = None
-    for response in stream_generate(
-        models.model, models.tokenizer, prompt, max_tokens=args.max_tokens, **kwargs
-    ):
+    for response in itertools.chain([first] if first else [], responses):
         print(response.text, end="", flush=True)
         if rounds is not None:
             rounds.add(response.from_draft)
