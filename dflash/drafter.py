@@ -117,8 +117,8 @@ def config_field_problem(name: str, value: Any) -> Optional[str]:
     """Why ``value`` cannot be the :class:`DrafterConfig` field ``name``, if it can't.
 
     Integers are ``int`` values, never ``bool`` nor a float such as ``1.5``; numbers
-    accept integers but not ``bool``, NaN or infinity; lists are lists or tuples
-    (never a string) whose every item has the item type.
+    accept integers but not ``bool``, NaN or infinity; lists are sequences (never a
+    string) whose every item has the item type.
 
     Args:
         name: A :class:`DrafterConfig` field name.
@@ -149,7 +149,8 @@ def config_field_problem(name: str, value: Any) -> Optional[str]:
 def _fits(rule: _Rule, value: Any) -> bool:
     if rule.kind in ("ints", "strs"):
         item = _Rule("int" if rule.kind == "ints" else "str", low=rule.low)
-        return isinstance(value, (list, tuple)) and all(_fits(item, v) for v in value)
+        listed = isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+        return listed and all(_fits(item, v) for v in value)
     if rule.kind == "int":
         ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
     elif rule.kind == "float":
@@ -193,8 +194,10 @@ class DrafterConfig:
     rows).
 
     Every field is type- and range-checked on construction (see
-    :func:`config_field_problem`): a value of the wrong type is refused, never
-    truncated or coerced, so ``block_size=1.5`` or ``is_causal="yes"`` raise.
+    :func:`config_field_problem`): a value of the wrong type is refused rather
+    than truncated, so ``block_size=1.5`` or ``is_causal="yes"`` raise. Accepted
+    values are stored in plain Python form (integers as ``int``, numbers as
+    ``float``, lists as tuples).
     """
 
     hidden_size: int
