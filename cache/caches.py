@@ -105,16 +105,16 @@ class _CacheProtocol:
             A new cache holding the state's buffers and bookkeeping.
         """
         keys, values, meta = gate.parse_state(state, "layer ?")
-        where = gate.where_layer(meta["layer"])
+        obj = cls.__new__(cls)
+        obj.init_runtime()
+        obj._check_state(keys, values, meta)
         if meta_state is not None:
+            where = gate.where_layer(meta["layer"])
             told = gate.decode_meta_state(meta_state, where)
             for name in gate.META_FIELDS:
                 gate.check_same(
                     where, name, told[name], meta[name], "meta_state vs state"
                 )
-        obj = cls.__new__(cls)
-        obj.init_runtime()
-        obj._check_state(keys, values, meta)
         obj._install(keys, values, meta)
         return obj
 

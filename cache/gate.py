@@ -190,6 +190,8 @@ def parse_state(state: Any, where: str) -> Tuple[Any, Any, Meta]:
         raise SnapshotError(
             where, "state", f"must be a tuple, got {type(state).__name__}"
         )
+    if len(state) == len(STATE_FIELDS) and is_int(state[-1]):
+        where = where_layer(state[-1])
     if len(state) >= 3 and isinstance(state[2], str) and state[2] != STATE_ENCODING:
         raise SnapshotError(
             where,
@@ -204,7 +206,7 @@ def parse_state(state: Any, where: str) -> Tuple[Any, Any, Meta]:
             f"has {len(state)} fields; a dflash plane's has {len(STATE_FIELDS)}: "
             f"{', '.join(STATE_FIELDS)}",
         )
-    if state[2] != STATE_ENCODING:
+    if not isinstance(state[2], str) or state[2] != STATE_ENCODING:
         raise SnapshotError(
             where, "encoding", f"must be {STATE_ENCODING!r}, got {state[2]!r}"
         )

@@ -136,6 +136,8 @@ def _tensor_of(array: mx.array) -> _Tensor:
 class _File:
     metadata: Dict[str, str]
     tensors: Dict[str, _Tensor]
+    entries: dict  # the parsed safetensors header
+    header_bytes: bytes  # as stored (JSON and padding)
 
 
 def _read(path) -> _File:
@@ -158,6 +160,7 @@ def _read(path) -> _File:
         raise SnapshotError(where, "header", f"is not JSON ({error})") from None
     if not isinstance(header, dict):
         raise SnapshotError(where, "header", "is not a JSON object")
+    entries = dict(header)
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
@@ -177,7 +180,7 @@ def _read(path) -> _File:
         raise SnapshotError(
             where, "data", f"{len(body)} data bytes, the tensors cover {end}"
         )
-    return _File(metadata, tensors)
+    return _File(metadata, tensors, entries, bytes(data[8 : 8 + size]))
 
 
 def _parse_entry(name: str, entry: Any, body: memoryview) -> _Tensor:
@@ -218,8 +221,7 @@ def _write(path, metadata: Mapping[str, str], tensors: Mapping[str, _Tensor]) ->
             "data_offsets": [offset, end],
         }
         offset = end
-    header = json.dumps(entries, separators=(",", ":")).encode("utf-8")
-    header += b" " * (-len(header) % 8)
+    header = _header_bytes(entries)
     target, handle = Path(path), None
     try:
         handle = tempfile.NamedTemporaryFile(
@@ -237,6 +239,12 @@ def _write(path, metadata: Mapping[str, str], tensors: Mapping[str, _Tensor]) ->
             reason = error.strerror or str(error)
             raise SnapshotError(str(path), "file", reason) from None
         raise
+
+
+def _header_bytes(entries: Mapping[str, Any]) -> bytes:
+    """The safetensors header as this module writes it: canonical JSON, space-padded to 8."""
+    header = _canonical(entries).encode("ascii")
+    return header + b" " * (-len(header) % 8)
 
 
 def _canonical(value: Any) -> str:
@@ -450,14 +458,24 @@ def load_prompt_cache(
         SnapshotError: The file is unreadable, truncated, corrupt (checksum) or was made for
             another model or drafter, or a plane's cut breaks the gate; the message names the
             layer and the field.
+        IncompatibleCache: ``model`` asks for caches dflash cannot build (as
+            :func:`~dflash.cache.make_prompt_cache` refuses them).
 
     A file written by mlx-lm's ``save_prompt_cache`` from dflash caches (it keeps each
-    plane's storage and bookkeeping) loads here too, every plane through the state gate;
-    mlx-lm's own ``load_prompt_cache`` cannot build dflash classes.
+    plane's storage and bookkeeping) loads here too, every plane through the state gate and
+    checked against ``model``, as a plain list; that layout has no checksum. mlx-lm's own
+    ``load_prompt_cache`` cannot build dflash classes (``KeyError: 'RingKVCache'``).
     """
     models = list(model) if isinstance(model, (list, tuple)) else [model]
     if not models:
         raise SnapshotError("model", "type", "needs a model or a list of models")
+    for index, each in enumerate(models):
+        if not (hasattr(each, "make_cache") or hasattr(each, "layers")):
+            raise SnapshotError(
+                f"model {index}",
+                "type",
+                f"is a {type(each).__name__}, not an mlx-lm model",
+            )
     if drafter is not None and not callable(getattr(drafter, "make_context", None)):
         raise SnapshotError(
             "drafter", "type", f"must be a DFlash drafter, got {type(drafter).__name__}"
@@ -507,6 +525,9 @@ def _load_snapshot(stored: _File, models: List[Any], drafter: Optional[Any]):
 
 def _header(stored: _File) -> Tuple[Dict[str, str], dict]:
     """User metadata and the header, after the layout, the identity and the checksum."""
+    if stored.header_bytes != _header_bytes(stored.entries):
+        # Only this module writes these files: any other byte there is damage.
+        raise SnapshotError("header", "bytes", "not as save_prompt_cache writes them")
     user = {}
     for key, value in stored.metadata.items():
         if key.startswith(_USER_PREFIX):
@@ -590,15 +611,15 @@ def _rebuild_group(
         gate.check_same(where, "window", record["window"], plane.window)
         gate.check_same(where, "max_context", record["max_context"], limit)
         gate.check_same(where, "position", record["position"], position, "lockstep")
-        if record["model_type"] is not None:
-            gate.check_same(where, "model_type", record["model_type"], model_type)
-        if record["layer"] is not None:
-            gate.check_same(where, "layer", record["layer"], plane.layer)
+        gate.check_same(where, "model_type", record["model_type"], model_type)
+        gate.check_same(where, "layer", record["layer"], plane.layer)
         rows = plane.meta_after(PlaneMeta(plane.capacity, 0, 0, 0), position).len
         gate.check_same(where, "rows", record["rows"], rows, f"a cut at {position}")
         gate.check_same(where, "first", record["first"], position - rows)
         prefix = f"layers.{first + index}"
         pair = _row_pair(where, prefix, record, rows, record["batch"], tensors)
+        if pair is None and record["batch"] is not None:
+            raise SnapshotError(where, "batch", "must be null: the cut has no rows")
         if heads is not None and pair is not None:
             gate.check_same(where, "kv_heads", record["kv_heads"], heads, "the model's")
         if head_dim is not None and pair is not None:
@@ -663,6 +684,8 @@ def _rebuild_context(
     offset, batch, layers = record["offset"], record["batch"], record["layers"]
     gate.check_int("drafter", "offset", offset)
     gate.check_int("drafter", "batch", batch, low=1, optional=True)
+    if offset == 0 and batch is not None:
+        raise SnapshotError("drafter", "batch", "must be null: the context is empty")
     if not isinstance(layers, list):
         raise SnapshotError("drafter", "layers", "must be a list")
     context = drafter.make_context() if drafter is not None else None
