@@ -27,7 +27,7 @@ import hashlib
 import json
 import math
 import os
-import tempfile
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -222,19 +222,21 @@ def _write(path, metadata: Mapping[str, str], tensors: Mapping[str, _Tensor]) ->
         }
         offset = end
     header = _header_bytes(entries)
-    target, handle = Path(path), None
+    target = Path(path)
+    # A private name beside the target; created 0666 less the umask, like any new file.
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    created = False
     try:
-        handle = tempfile.NamedTemporaryFile(
-            dir=target.parent, prefix=f".{target.name}.", delete=False
-        )
-        with handle:
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        created = True
+        with os.fdopen(descriptor, "wb") as handle:
             handle.write(len(header).to_bytes(8, "little") + header)
             for name in sorted(tensors):
                 handle.write(tensors[name].data)
-        os.replace(handle.name, target)
+        os.replace(temporary, target)
     except BaseException as error:
-        if handle is not None:
-            Path(handle.name).unlink(missing_ok=True)
+        if created:
+            temporary.unlink(missing_ok=True)
         if isinstance(error, OSError):
             reason = error.strerror or str(error)
             raise SnapshotError(str(path), "file", reason) from None
@@ -319,6 +321,14 @@ def save_prompt_cache(
     drafter = None
     if context is not None:
         drafter = _context_cut(context, tensors)
+        if records:
+            gate.check_same(
+                "drafter",
+                "offset",
+                drafter["offset"],
+                records[0]["position"],
+                "a session's drafter context is at its target's position",
+            )
     header = {
         "format": FORMAT,
         "version": VERSION,
@@ -504,14 +514,16 @@ def _load_snapshot(stored: _File, models: List[Any], drafter: Optional[Any]):
     for label, first, model, count in _split(models, len(layers)):
         records = layers[first : first + count]
         planes += _rebuild_group(label, first, model, records, tensors, expected)
-    context = _rebuild_context(header["drafter"], container, drafter, tensors, expected)
+    position = planes[0].offset if planes else 0
+    context = _rebuild_context(
+        header["drafter"], container, drafter, tensors, expected, position
+    )
     for name in sorted(tensors):
         if name not in expected:
             raise SnapshotError(f"tensor {name!r}", "name", "unexpected in a snapshot")
     if container == "list":
         return planes, user
     if context is None and drafter is not None:
-        position = planes[0].offset if planes else 0
         if position:
             raise SnapshotError(
                 "header",
@@ -672,6 +684,7 @@ def _rebuild_context(
     drafter: Optional[Any],
     tensors: Mapping[str, _Tensor],
     expected: set,
+    position: int,
 ):
     """A new drafter context holding the record's rows (``None`` without a drafter)."""
     if record is None:
@@ -683,6 +696,7 @@ def _rebuild_context(
     gate.check_keys("drafter", record, _DRAFTER_FIELDS)
     offset, batch, layers = record["offset"], record["batch"], record["layers"]
     gate.check_int("drafter", "offset", offset)
+    gate.check_same("drafter", "offset", offset, position, "the target's position")
     gate.check_int("drafter", "batch", batch, low=1, optional=True)
     if offset == 0 and batch is not None:
         raise SnapshotError("drafter", "batch", "must be null: the context is empty")

@@ -526,6 +526,10 @@ def test_save_refuses_what_it_cannot_restore(tmp_path):
         save_prompt_cache(tmp_path / "c", [ReferenceKVCache(16)])
     with pytest.raises(SnapshotError, match="metadata"):
         save_prompt_cache(tmp_path / "d", live, metadata={"n": 3})
+    live.drafter_context = drafter_for("muse_glimmer").make_context()
+    with pytest.raises(SnapshotError, match="drafter: offset: is 0, expected 20"):
+        save_prompt_cache(tmp_path / "d", live)  # a session is at one position
+    live.drafter_context = None
     live[3].trim(1)  # one growing plane behind the others
     with pytest.raises(SnapshotError, match="layer 3: position"):
         save_prompt_cache(tmp_path / "e", live)
