@@ -263,8 +263,8 @@ def cut_rows(is_ring: bool, capacity: int, position: int) -> int:
 
 
 def check_same(where: str, field: str, got: Any, want: Any, why: str = "") -> None:
-    """Refuse ``got`` unless it equals ``want``."""
-    if got != want:
+    """Refuse ``got`` unless it equals ``want`` and has its type (``True`` is not ``1``)."""
+    if type(got) is not type(want) or got != want:
         tail = f" ({why})" if why else ""
         raise SnapshotError(where, field, f"is {got!r}, expected {want!r}{tail}")
 

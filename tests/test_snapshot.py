@@ -672,15 +672,13 @@ def mutations(value):
     if isinstance(value, bool):
         return [not value, None, 0]
     if isinstance(value, int):
-        return sorted({value + 1, value - 1, -1, 0} - {value}) + [
-            None,
-            str(value),
-            value + 0.5,
-        ]
+        numbers = sorted({value + 1, value - 1, -1, 0} - {value})
+        # float(value) and a bool compare equal to some ints: the gate compares types too.
+        return numbers + [None, str(value), value + 0.5, float(value), value == 1]
     if isinstance(value, str):
         return [value + "x", "", None, 1]
     if value is None:
-        return [0, 1, "x", []]
+        return [0, 1, "x", [], False]
     if isinstance(value, list):
         return [value[:-1], None, 0]
     return [None, 0]
