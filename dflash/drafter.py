@@ -457,6 +457,19 @@ class _ContextPlane:
             return 0
         return self.keys.nbytes + self.values.nbytes
 
+    def live_rows(self) -> Optional[Tuple[mx.array, mx.array]]:
+        """The live context rows, oldest first (views), or ``None`` while empty.
+
+        Shapes:
+            Returns keys and values ``(b, n_kv, rows, head_dim)``.
+        """
+        if self.keys is None or self.rows == 0:
+            return None
+        return (
+            self.keys[..., self.begin : self.end, :],
+            self.values[..., self.begin : self.end, :],
+        )
+
 
 class DrafterContext:
     """Per-draft-layer context K/V of the committed tokens, append-only.
@@ -479,6 +492,46 @@ class DrafterContext:
     def nbytes(self) -> int:
         """Bytes held by all context buffers (live rows, slack and scratch)."""
         return sum(plane.nbytes for plane in self.planes)
+
+    def live_rows(self) -> List[Optional[Tuple[mx.array, mx.array]]]:
+        """Per draft layer, the live context rows oldest first (``None`` while empty).
+
+        This is what a snapshot saves: the newest ``min(offset, row_limit)`` rows of a
+        sliding layer, every row of a full layer.
+
+        Shapes:
+            Each pair is keys and values ``(b, n_kv, rows, head_dim)``.
+        """
+        return [plane.live_rows() for plane in self.planes]
+
+    def install_rows(
+        self, offset: int, rows: Sequence[Optional[Tuple[mx.array, mx.array]]]
+    ) -> None:
+        """Fill this new, empty context with saved rows (the inverse of :meth:`live_rows`).
+
+        The caller (``dflash.cache.load_prompt_cache``) has checked the row counts against
+        ``offset`` and the planes' row limits; each layer's rows are appended once.
+
+        Args:
+            offset: The absolute position right after the newest context row.
+            rows: Per draft layer, keys and values oldest first, or ``None`` for no rows.
+
+        Shapes:
+            Each pair is keys and values ``(b, n_kv, rows, head_dim)``.
+        """
+        if self.offset != 0 or any(plane.rows for plane in self.planes):
+            raise ValueError("saved rows install only into a new drafter context")
+        if len(rows) != len(self.planes):
+            raise ValueError(
+                f"{len(rows)} layers of rows for a context of {len(self.planes)} layers"
+            )
+        batch = None
+        for plane, pair in zip(self.planes, rows):
+            if pair is not None:
+                plane.append(*pair)
+                batch = pair[0].shape[0]
+        self.offset = offset
+        self.batch = batch
 
 
 def _block_mask(
