@@ -3,23 +3,26 @@ tokens, each reply is the target's greedy continuation of the whole conversation
 stops a reply and keeps exactly what was shown, and the stdin-driven CLI in a subprocess.
 """
 
-import argparse
+import json
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
 from conftest import assert_lossless
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_cli import ROOT, saved_pair  # noqa: F401 (the fixture)
+from test_cli import ROOT, one_error_line, saved_pair  # noqa: F401 (the fixture)
 
+from dflash.cli import cache_prompt as cache_prompt_cli
 from dflash.cli import chat as chat_cli
 from dflash.cli.common import load_models
+from dflash.cli.session import read_metadata
 from dflash.reference import greedy_reference_with_margins
 
 EOS = 0
@@ -229,3 +232,108 @@ def test_ctrl_c_stops_a_reply_and_the_next_turn_continues_what_was_shown(
     if reference[-1] == EOS:
         reference = reference[:-1]  # the EOS ends the reply and is not printed
     assert_lossless(models.model, mx.array(context), reference, second_tokens)
+
+
+# -- sessions on disk --------------------------------------------------------------------
+
+
+def run_chat(flags, lines):
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash", "chat", *flags],
+        input="\n".join([*lines, "q"]) + "\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def saved(path):
+    metadata = read_metadata(str(path))
+    return SimpleNamespace(
+        tokens=json.loads(metadata["tokens"]),
+        turns=[tuple(turn) for turn in json.loads(metadata["turns"])],
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_saved_and_reloaded_session_continues_as_the_unbroken_one(
+    saved_pair, mode, tmp_path  # noqa: F811
+):
+    flags = [*model_flags(saved_pair, mode), "--max-tokens", "10"]
+    turns = ["w5 w6 w7", "w8 w9", "w40 w41 w42"]
+    first, second, whole = (tmp_path / f"{n}.safetensors" for n in "abc")
+    run_chat([*flags, "--save-session", str(first)], turns[:2])
+    resumed = run_chat(
+        [*flags, "--load-session", str(first), "--save-session", str(second)], turns[2:]
+    )
+    unbroken = run_chat([*flags, "--save-session", str(whole)], turns)
+    assert "session of" in resumed.stdout.splitlines()[0]
+    assert saved(second) == saved(whole)
+    assert replies(resumed.stdout)[-1][0] == replies(unbroken.stdout)[-1][0]
+    models = load_models("test", *model_flags(saved_pair, mode)[1::2])
+    assert_replies_are_greedy_continuations(models.model, saved(whole))
+
+
+def test_a_session_of_another_model_is_refused_by_name(
+    saved_pair, tmp_path
+):  # noqa: F811
+    path = tmp_path / "s.safetensors"
+    run_chat(
+        ["--model", str(saved_pair / "target"), "--save-session", str(path)], ["w5"]
+    )
+    (tmp_path / "other").mkdir()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash",
+            "chat",
+            "--model",
+            str(tmp_path / "other"),
+            "--load-session",
+            str(path),
+        ],
+        input="q\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert result.returncode == 1
+    line = one_error_line(result.stderr, "dflash-chat")
+    assert line.endswith(
+        f"{path} was made with model {(saved_pair / 'target').resolve()}, not "
+        f"{tmp_path / 'other'}"
+    )
+
+
+def test_ctrl_c_at_the_prompt_saves_the_session_and_quits(
+    saved_pair, tmp_path
+):  # noqa: F811
+    path = tmp_path / "s.safetensors"
+    chat = ChatProcess(
+        "--model", str(saved_pair / "target"), "-m", "5", "--save-session", str(path)
+    )
+    chat.send("w5 w6")
+    chat.wait_for(lambda out: out.count(chat_cli.PROMPT_MARK) == 2)
+    chat.process.send_signal(signal.SIGINT)
+    code, _, err = chat.finish()
+    assert code == 130 and f"session saved to {path}" in err
+    assert saved(path).turns == [(2, 5)]
+
+
+def test_a_cached_prompt_loads_as_a_session(saved_pair, tmp_path):  # noqa: F811
+    path = tmp_path / "c.safetensors"
+    flags = ["--model", str(saved_pair / "target")]
+    cache_prompt_cli.main(
+        [*flags, "--prompt", "w5 w6 w7", "--prompt-cache-file", str(path)]
+    )
+    run_chat(
+        [*flags, "-m", "6", "--load-session", str(path), "--save-session", str(path)],
+        ["w8"],
+    )
+    session = saved(path)
+    assert session.tokens[:4] == [5, 6, 7, 8] and len(session.tokens) == 4 + 6

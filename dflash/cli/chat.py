@@ -19,12 +19,10 @@ far as it was shown. A second Ctrl-C in the same reply, or Ctrl-C at the prompt,
 """
 
 import argparse
-import json
 import signal
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional
 
 import mlx.core as mx
 
@@ -39,7 +37,16 @@ from .common import (
     integer,
     load_models,
     make_cli_sampler,
+    names_of,
     run_cli,
+)
+from .session import (
+    Session,
+    check_names,
+    load_session,
+    new_session,
+    read_metadata,
+    save_session,
 )
 
 PROG = "dflash-chat"
@@ -50,7 +57,6 @@ DEFAULT_MAX_TOKENS = 256  # mlx_lm.chat's defaults
 DEFAULT_SEED = 0
 PROMPT_MARK = ">> "
 HELP = "commands: q quit, r reset, h help (Ctrl-C stops a reply)"
-SESSION_FORMAT = "dflash-session-1"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -177,123 +183,6 @@ class StopRequest:
             signal.signal(signal.SIGINT, previous)
 
 
-@dataclass
-class Session:
-    """A chat session: the prompt cache and the tokens it holds.
-
-    Attributes:
-        cache: The prompt cache (``dflash.make_prompt_cache(model, drafter)``).
-        tokens: Every token in the cache, in order.
-        turns: ``(prompt tokens, reply tokens)`` of each turn.
-    """
-
-    cache: Any
-    tokens: List[int] = field(default_factory=list)
-    turns: List[Tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def position(self) -> int:
-        """Tokens the cache holds (its first layer's offset)."""
-        return int(self.cache[0].offset)
-
-    def check(self) -> None:
-        """Refuse a cache that does not hold exactly the recorded tokens.
-
-        Raises:
-            RuntimeError: the two disagree.
-        """
-        if self.position != len(self.tokens):
-            raise RuntimeError(
-                f"session cache holds {self.position} tokens but the session recorded "
-                f"{len(self.tokens)}"
-            )
-
-
-def new_session(models: Models) -> Session:
-    """An empty session for ``models`` (with the drafter's context when there is a drafter).
-
-    Args:
-        models: The loaded models.
-
-    Returns:
-        The session.
-    """
-    from .. import make_prompt_cache
-
-    return Session(make_prompt_cache(models.model, drafter=models.drafter))
-
-
-def session_metadata(session: Session, models: Models) -> dict:
-    """The metadata a session file carries beside the cache (all values are strings).
-
-    Args:
-        session: The session.
-        models: Its models.
-
-    Returns:
-        ``format``, ``model``, ``drafter``, ``tokens`` and ``turns``.
-    """
-    return {
-        "format": SESSION_FORMAT,
-        "model": models.model_name,
-        "drafter": models.drafter_name or "",
-        "tokens": json.dumps(session.tokens),
-        "turns": json.dumps(session.turns),
-    }
-
-
-def save_session(path: str, session: Session, models: Models) -> None:
-    """Write the session to ``path`` (the cache snapshot plus :func:`session_metadata`).
-
-    Args:
-        path: The file to write.
-        session: The session.
-        models: Its models.
-    """
-    from ..cache import save_prompt_cache
-
-    session.check()
-    save_prompt_cache(path, session.cache, metadata=session_metadata(session, models))
-
-
-def _check_names(path: str, metadata: dict, models: Models) -> None:
-    if metadata.get("format") != SESSION_FORMAT:
-        raise ValueError(f"{path} is not a dflash session or prompt-cache file")
-    for what, recorded, ours in (
-        ("model", metadata.get("model"), models.model_name),
-        ("drafter", metadata.get("drafter") or None, models.drafter_name),
-    ):
-        if recorded != ours:
-            shown = {None: "none", DEMO_NAME: "the bundled demo pair"}
-            raise ValueError(
-                f"{path} was made with {what} {shown.get(recorded, recorded)}, not "
-                f"{shown.get(ours, ours)}"
-            )
-
-
-def load_session(path: str, models: Models) -> Session:
-    """A session continued from a file written by :func:`save_session` (or by
-    ``dflash-cache-prompt``), refused if made for another model or drafter.
-
-    Args:
-        path: The file.
-        models: The loaded models.
-
-    Returns:
-        The session, its cache freshly built from the file.
-    """
-    from ..cache import load_prompt_cache
-
-    cache, metadata = load_prompt_cache(
-        path, models.model, return_metadata=True, drafter=models.drafter
-    )
-    _check_names(path, metadata, models)
-    turns = [tuple(turn) for turn in json.loads(metadata.get("turns", "[]"))]
-    session = Session(cache, json.loads(metadata["tokens"]), turns)
-    session.check()
-    return session
-
-
 class Chat:
     """The REPL: reads messages, streams replies, keeps the session.
 
@@ -385,9 +274,7 @@ class Chat:
             and response.finish_reason is None
         ):
             print(self._held_back_text(), end="", flush=True)
-        self.session.tokens += prompt + tokens
-        self.session.turns.append((len(prompt), len(tokens)))
-        self.session.check()
+        self.session.record(prompt, tokens)
         self.consistent = True
         print()
         print(self._turn_line(response, stats, len(prompt)), flush=True)
@@ -440,6 +327,9 @@ def run(args: argparse.Namespace) -> None:
     """
     make_cli_sampler(args)  # refuses bad settings before any model loads
     mx.random.seed(args.seed)
+    if args.load_session:  # a file for other models is refused before they load
+        metadata = read_metadata(args.load_session)
+        check_names(args.load_session, metadata, *names_of(args.model, args.drafter))
     models = load_models(PROG, args.model, args.drafter)
     check_cache_flags(args, models.model)
     if args.block_size is not None and models.drafter is None:

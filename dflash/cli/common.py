@@ -11,7 +11,7 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 # The name a session or prompt-cache file records for the bundled demo pair (a resolved
 # local path always starts with "/" and a hub repo id always holds one "/": no clash).
@@ -227,6 +227,21 @@ def load_target(flag: str, name: str, tokenizer_config: Optional[dict] = None):
         return load(name, tokenizer_config=tokenizer_config)
 
 
+def names_of(model: Optional[str], drafter: Optional[str]) -> Tuple[str, Optional[str]]:
+    """The names saved files record for ``--model`` / ``--drafter`` (before loading them).
+
+    Args:
+        model: ``--model``, or ``None`` for the bundled demo pair.
+        drafter: ``--drafter``, or ``None``.
+
+    Returns:
+        ``(model name, drafter name or None)``; the demo pair is ``(DEMO_NAME, DEMO_NAME)``.
+    """
+    if model is None:
+        return DEMO_NAME, DEMO_NAME
+    return model_identity(model), model_identity(drafter) if drafter else None
+
+
 @dataclass
 class Models:
     """What a CLI run generates with.
@@ -290,13 +305,13 @@ def load_models(
         if name:
             check_model_name(flag, name)
     target, tokenizer = load_target("--model", model, tokenizer_config)
-    loaded = Models(target, tokenizer, model_name=model_identity(model))
+    model_name, drafter_name = names_of(model, drafter)
+    loaded = Models(target, tokenizer, model_name=model_name, drafter_name=drafter_name)
     if drafter:
         from .. import load_drafter
 
         with hub_errors("--drafter", drafter):
             loaded.drafter = load_drafter(drafter, target)
-        loaded.drafter_name = model_identity(drafter)
     if draft_model:
         loaded.draft_model, draft_tokenizer = load_target("--draft-model", draft_model)
         if draft_tokenizer.vocab_size != tokenizer.vocab_size:

@@ -15,6 +15,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from .common import (
+    DEMO_NAME,
     DraftRounds,
     Models,
     OneLineParser,
@@ -26,9 +27,11 @@ from .common import (
     integer,
     load_models,
     make_cli_sampler,
+    names_of,
     read_prompt,
     run_cli,
 )
+from .session import check_names, load_session, read_metadata
 
 PROG = "dflash-generate"
 DESCRIPTION = (
@@ -98,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=2048,
         help="prompt tokens per forward",
     )
+    parser.add_argument(
+        "--prompt-cache-file",
+        default=None,
+        help="continue from a file of dflash-cache-prompt (or a dflash-chat session); "
+        "without --model, its model and drafter are used",
+    )
     add_cache_flags(parser)
     parser.add_argument("--draft-model", help="a classic draft model (same tokenizer)")
     parser.add_argument(
@@ -124,20 +133,27 @@ def _prompt_text(args: argparse.Namespace) -> str:
     return read_prompt(args.prompt)
 
 
-def prompt_tokens(tokenizer, text: str, args: argparse.Namespace) -> List[int]:
+def prompt_tokens(
+    tokenizer, text: str, args: argparse.Namespace, continuing: bool = False
+) -> List[int]:
     """The prompt's token ids: the chat template over the system prompt and ``text`` when the
     tokenizer has one (and it is not ignored), else ``text`` encoded raw.
+
+    Continuing a cached prompt (``dflash-cache-prompt`` left the user message open), the
+    template's text from the message on completes it, as in mlx-lm; a raw prompt then gets
+    no special tokens (they are at the start of the cache already).
 
     Args:
         tokenizer: mlx-lm's ``TokenizerWrapper``.
         text: The user's prompt.
         args: Flags with ``ignore_chat_template`` and ``system_prompt``.
+        continuing: Whether the prompt continues a prompt cache.
 
     Returns:
         The token ids.
     """
     if args.ignore_chat_template or not tokenizer.has_chat_template:
-        return tokenizer.encode(text)
+        return tokenizer.encode(text, add_special_tokens=not continuing)
     messages = []
     if args.system_prompt is not None:
         messages.append({"role": "system", "content": args.system_prompt})
@@ -145,7 +161,29 @@ def prompt_tokens(tokenizer, text: str, args: argparse.Namespace) -> List[int]:
     rendered = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
+    if continuing:
+        messages[-1]["content"] = "<query>"
+        probe = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        rendered = rendered[probe.index("<query>") :]
     return tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def _names_from_cache_file(args: argparse.Namespace) -> None:
+    """Take the model (and drafter) of ``--prompt-cache-file`` when ``--model`` is absent, and
+    refuse other names before anything loads."""
+    path = args.prompt_cache_file
+    metadata = read_metadata(path)
+    if args.draft_model:
+        raise ValueError(
+            "--prompt-cache-file continues a plain or DFlash cache; it takes no --draft-model"
+        )
+    if args.model is None and metadata.get("model") != DEMO_NAME:
+        args.model = metadata.get("model")
+        args.drafter = args.drafter or metadata.get("drafter") or None
+    # (A --drafter without --model is refused when the models load.)
+    check_names(path, metadata, *names_of(args.model, args.drafter))
 
 
 def _check_flags(args: argparse.Namespace) -> None:
@@ -205,6 +243,8 @@ def run(args: argparse.Namespace) -> None:
     make_cli_sampler(args)  # refuses bad settings before any model loads
     if args.seed is not None:
         mx.random.seed(args.seed)
+    if args.prompt_cache_file:
+        _names_from_cache_file(args)
     models = load_models(PROG, args.model, args.drafter, args.draft_model)
     for token in args.extra_eos_token:
         models.tokenizer.add_eos_token(token)
@@ -212,7 +252,13 @@ def run(args: argparse.Namespace) -> None:
     sampler = make_cli_sampler(args, models.tokenizer)
     kwargs, stats = _generation_kwargs(args, models, sampler)
     text = _prompt_text(args)
-    prompt = prompt_tokens(models.tokenizer, text, args)
+    prompt = prompt_tokens(
+        models.tokenizer, text, args, args.prompt_cache_file is not None
+    )
+    if args.prompt_cache_file:
+        session = load_session(args.prompt_cache_file, models)
+        prompt = session.pending + prompt
+        kwargs["prompt_cache"] = session.cache
     rounds = DraftRounds(args.num_draft_tokens) if models.draft_model else None
     responses = stream_generate(
         models.model, models.tokenizer, prompt, max_tokens=args.max_tokens, **kwargs
