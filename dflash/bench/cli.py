@@ -283,6 +283,40 @@ def _load_scale(args: argparse.Namespace) -> Dict[str, Any]:
     }
 
 
+def save_public_drafter(drafter: Any, model: Any, path: Path) -> Path:
+    """Save ``drafter`` in the public DFlash layout, target-derived fields filled in.
+
+    The public loader needs ``vocab_size`` and ``num_target_layers`` and applies the logit
+    multiplier and soft-cap only when the config names them; fields the drafter leaves to
+    its target are set from ``model.args`` (the same values the bound drafter uses).
+
+    Args:
+        drafter: The bound drafter.
+        model: Its target.
+        path: Output folder.
+
+    Returns:
+        The folder.
+    """
+    from dataclasses import replace
+
+    from ..loader import save_drafter
+    from ..taps import target_layers
+
+    cfg, args = drafter.config, getattr(model, "args", None)
+    filled = {
+        "vocab_size": cfg.vocab_size or getattr(args, "vocab_size", None),
+        "num_target_layers": cfg.num_target_layers or len(target_layers(model)),
+        "output_multiplier": drafter.logit_multiplier,
+        "final_logit_softcapping": drafter.logit_softcap,
+    }
+    drafter.config = replace(cfg, **{k: v for k, v in filled.items() if v is not None})
+    try:
+        return save_drafter(drafter, path, format="dflash")
+    finally:
+        drafter.config = cfg
+
+
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     """Load, bench, print and optionally save the report, plots and drafter.
 
@@ -301,9 +335,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if max_tokens is None:
         max_tokens = SCALE_MAX_TOKENS[args.scale] if args.scale else DEFAULT_MAX_TOKENS
     if args.save_drafter is not None:
-        from ..loader import save_drafter
-
-        save_drafter(pair["drafter"], args.save_drafter, format="dflash")
+        save_public_drafter(pair["drafter"], pair["model"], args.save_drafter)
     report = run_bench(
         pair["model"],
         pair["tokenizer"],
@@ -320,6 +352,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         split_reps=args.split_reps,
         bandwidth_tbs=args.bandwidth_tbs,
         overhead_reps=args.overhead_reps,
+        record_prompts=args.scale is None,
     )
     from .scale import geometry_summary
 

@@ -199,6 +199,7 @@ def run_bench(
     split_reps: int = DEFAULT_SPLIT_REPS,
     bandwidth_tbs: float = measure.DEFAULT_BANDWIDTH_TBS,
     overhead_reps: int = 0,
+    record_prompts: bool = True,
 ) -> Dict[str, Any]:
     """Benchmark the modes against each other and against the target's greedy output.
 
@@ -220,6 +221,8 @@ def run_bench(
         bandwidth_tbs: Memory bandwidth for the plain step's bound, TB/s.
         overhead_reps: Pairs of bare vs bench-drained runs for the A/B overhead check
             (0: skip it).
+        record_prompts: Put the prompts' token ids in the report (``prompt_token_ids``),
+            so another process can run the very same prompts.
 
     Returns:
         A JSON-serialisable report (see ``docs/benchmarks/README.md``).
@@ -254,7 +257,10 @@ def run_bench(
                 state.one_pass(index)
     finally:
         bar.close()
-    report = _report(state, block_size, max_tokens, passes, num_draft_tokens)
+    report = summarize_runs(state, block_size, max_tokens, passes, num_draft_tokens)
+    report["stop_tokens"] = sorted(stop)
+    if record_prompts:
+        report["prompt_token_ids"] = [p.tolist() for p in encoded]
     _measure(report, state, model, drafter, block_size, split_reps, bandwidth_tbs)
     if overhead_reps > 0:
         report["overhead"]["ab"] = _ab(state, overhead_reps)
@@ -287,6 +293,10 @@ class _Runner:
             self.refs.append(tokens)
             self.margins.append(margins)
             self.bar.step("reference")
+
+    @property
+    def prompt_sizes(self) -> List[int]:
+        return [int(p.size) for p in self.prompts]
 
     def sequence(self, index: int) -> List[int]:
         return self.prompts[index].tolist() + self.refs[index]
@@ -344,8 +354,11 @@ def _spread(values: Sequence[Optional[float]]) -> Dict[str, Any]:
 
 
 def _acceptance(mode: Mode, records: Sequence[RunRecord]) -> Dict[str, Any]:
-    accepted = [n for r in records for n in r.accepted]
-    tokens = sum(len(r.tokens) for r in records)
+    accepted = [n for r in records for n in r.accepted[r.prefill_rounds :]]
+    tokens = sum(
+        len(r.tokens) - sum(n + 1 for n in r.accepted[: r.prefill_rounds])
+        for r in records
+    )
     rounds = len(accepted)
     width = mode.drafts_per_round
     histogram = [0] * (width + 1)
@@ -374,7 +387,7 @@ def _round_ms(records: Sequence[RunRecord]) -> Dict[str, Optional[float]]:
     return {"median": med(every), "first_20": med(early), "last_20": med(late)}
 
 
-def _mode_report(state: _Runner, mode: Mode, plain_tps: List[Optional[float]]):
+def _mode_report(state: Any, mode: Mode, plain_tps: List[Optional[float]]):
     passes = state.records[mode.name]
     tps = [_tokens_per_s(records) for records in passes]
     out: Dict[str, Any] = {"label": mode.label, "error": state.errors.get(mode.name)}
@@ -411,13 +424,29 @@ def _mode_report(state: _Runner, mode: Mode, plain_tps: List[Optional[float]]):
     return out
 
 
-def _report(state: _Runner, block_size, max_tokens, passes, num_draft) -> Dict[str, Any]:
+def summarize_runs(
+    state: Any, block_size: int, max_tokens: int, passes: int, num_draft: int
+) -> Dict[str, Any]:
+    """The report of a set of runs (also used for runs recorded in another process).
+
+    Args:
+        state: Has ``modes`` (:class:`Mode`), ``records`` (mode name -> per-pass lists of
+            :class:`RunRecord`), ``errors``, ``refs`` and ``margins`` (per prompt),
+            ``prompt_sizes`` and ``reference_seconds``.
+        block_size: DFlash block size.
+        max_tokens: Token budget per run.
+        passes: Counted passes.
+        num_draft: Drafts per classic round.
+
+    Returns:
+        The report without the measurements of :func:`run_bench`'s last steps.
+    """
     plain = state.records.get(PLAIN)
     plain_tps = [_tokens_per_s(r) for r in plain] if plain else []
     modes = {m.name: _mode_report(state, m, plain_tps) for m in state.modes}
     report: Dict[str, Any] = {
-        "prompts": len(state.prompts),
-        "mean_prompt_tokens": sum(p.size for p in state.prompts) / len(state.prompts),
+        "prompts": len(state.prompt_sizes),
+        "mean_prompt_tokens": sum(state.prompt_sizes) / len(state.prompt_sizes),
         "reference_tokens": sum(len(r) for r in state.refs),
         "reference_seconds": state.reference_seconds,
         "block_size": block_size,

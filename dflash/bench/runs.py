@@ -149,6 +149,8 @@ class RunRecord:
         start: Clock before the generator was first resumed.
         end: Clock after the last token.
         peak_memory: ``mx.get_peak_memory()`` after the run (reset before it).
+        prefill_rounds: Leading rounds that drafted nothing by design (a loop whose first
+            response is the prefill's own token); left out of τ and acceptance.
     """
 
     tokens: List[int]
@@ -157,6 +159,7 @@ class RunRecord:
     start: float
     end: float
     peak_memory: int = 0
+    prefill_rounds: int = 0
     accepted: List[int] = field(init=False)
 
     def __post_init__(self) -> None:
