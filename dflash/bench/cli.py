@@ -198,7 +198,7 @@ def _check_local_path(flag: str, name: Optional[str]) -> None:
     """A name that can only be a local path must exist (else: not a hub repo id)."""
     if name is None or Path(name).expanduser().exists():
         return
-    hub_like = name.count("/") == 1 and not name.startswith(("/", ".", "~"))
+    hub_like = name.count("/") <= 1 and not name.startswith(("/", ".", "~"))
     if not hub_like:
         raise FileNotFoundError(f"--{flag.replace('_', '-')} path does not exist: {name}")
 

@@ -23,7 +23,7 @@ from mlx_lm.generate import generation_stream
 
 from .. import SpeculativeCheckpoint, TargetTaps, make_prompt_cache
 from .replay import ReplayDrafter
-from .runs import consume
+from .runs import close, consume
 from .scale_target import parameter_bytes, step_read_bytes
 
 DEFAULT_BANDWIDTH_TBS = 4.8  # H200 HBM3e
@@ -224,7 +224,7 @@ def ab_overhead(
         start = time.perf_counter()
         generator = steps()
         consume(generator, max_tokens, stop)
-        generator.close()
+        close(generator)
         mx.synchronize()
         bench.append(time.perf_counter() - start)
     bare_s, bench_s = statistics.median(bare), statistics.median(bench)

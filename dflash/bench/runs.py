@@ -238,6 +238,13 @@ def consume(steps: Iterator, max_tokens: int, stop: Collection[int]):
     return tokens, drafted, round_ends, start, end
 
 
+def close(steps: Iterator) -> None:
+    """Close a generator left mid-way (its ``finally`` blocks run now, untimed)."""
+    closer = getattr(steps, "close", None)
+    if closer is not None:
+        closer()
+
+
 def timed_run(
     mode: Mode,
     prompt: mx.array,
@@ -269,7 +276,7 @@ def timed_run(
     try:
         tokens, drafted, ends, start, end = consume(steps, max_tokens, stop)
     finally:
-        steps.close()
+        close(steps)
     mx.synchronize()
     record = RunRecord([int(t) for t in tokens], drafted, ends, start, end)
     record.peak_memory = mx.get_peak_memory()
