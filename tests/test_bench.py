@@ -236,7 +236,8 @@ def test_classic_modes_report_mlx_lm_and_our_draft_loops(pair):
     assert spec["error"] is None and spec["generated_tokens"] > 0
     for record in spec["divergences"]:
         assert record["expected"] == reference[record["position"]] != record["got"]
-        assert record["margin"] is not None    assert "tau" not in report  # no dflash mode ran
+        assert record["margin"] is not None
+    assert "tau" not in report  # no dflash mode ran
 
 
 def test_run_bench_refuses_a_file_name_and_bad_settings(pair):
