@@ -175,7 +175,8 @@ def run(job, peer, st):
         )
 
     modes = [("plain", "plain decoding (mlx-lm generate_step), in the peer's process", 0, None)]
-    modes.append(("dflash", f"public DFlash MLX loop, block {block}", block - 1, draft))
+    if job.get("dflash", True):
+        modes.append(("dflash", f"public DFlash MLX loop, block {block}", block - 1, draft))
     for tau in job.get("replay_taus") or []:
         label = f"REPLAY tau={tau} through the public loop, block {block}"
         modes.append((f"replay-tau{tau}", label, block - 1, PeerReplay(draft, tau, st)))

@@ -55,6 +55,7 @@ def peer_job(ours: Dict[str, Any], drafter_dir: Path) -> Dict[str, Any]:
         "block_size": ours["block_size"],
         "passes": ours["passes"],
         "replay_taus": replay,
+        "dflash": "dflash" in ours["mode_order"],
         "eos": ours.get("stop_tokens", []),
     }
     if ours["kind"] == "scale":

@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--modes",
         type=_modes,
         help="comma-separated among plain,dflash,classic,mlx-spec (default plain,dflash; "
-        "with --draft-model also classic,mlx-spec)",
+        "with --draft-model also classic,mlx-spec; scale mode: plain)",
     )
     run.add_argument(
         "--replay-tau",
@@ -206,6 +206,10 @@ def _check_local_path(flag: str, name: Optional[str]) -> None:
 def _mode_names(args: argparse.Namespace) -> List[str]:
     if args.modes is not None:
         return args.modes
+    if args.scale is not None:
+        # A random drafter's own proposals are all but never accepted (tau ~ 1): at scale
+        # the REPLAY modes run its forward; add dflash with --modes plain,dflash.
+        return [PLAIN]
     names = [PLAIN, DFLASH]
     return names + list(NEEDS_DRAFT_MODEL) if args.draft_model is not None else names
 
