@@ -120,7 +120,9 @@ def reference(model, prompt, max_tokens, eos):
 
     tokens, margins = [], []
     cache = make_prompt_cache(model)
-    for token, logprobs in generate_step(prompt, model, max_tokens=max_tokens, prompt_cache=cache):
+    for token, logprobs in generate_step(
+        prompt, model, max_tokens=max_tokens, prompt_cache=cache
+    ):
         tokens.append(int(token))
         margins.append(_margin(logprobs))
         if tokens[-1] in eos:
@@ -174,9 +176,18 @@ def run(job, peer, st):
             model, drafter, tokenizer, prompt, block_size=block, max_tokens=max_tokens
         )
 
-    modes = [("plain", "plain decoding (mlx-lm generate_step), in the peer's process", 0, None)]
+    modes = [
+        (
+            "plain",
+            "plain decoding (mlx-lm generate_step), in the peer's process",
+            0,
+            None,
+        )
+    ]
     if job.get("dflash", True):
-        modes.append(("dflash", f"public DFlash MLX loop, block {block}", block - 1, draft))
+        modes.append(
+            ("dflash", f"public DFlash MLX loop, block {block}", block - 1, draft)
+        )
     for tau in job.get("replay_taus") or []:
         label = f"REPLAY tau={tau} through the public loop, block {block}"
         modes.append((f"replay-tau{tau}", label, block - 1, PeerReplay(draft, tau, st)))
@@ -197,7 +208,12 @@ def run(job, peer, st):
         mx.clear_cache()
         mx.reset_peak_memory()
         if drafter is None:
-            steps = generate_step(prompt, model, max_tokens=max_tokens, prompt_cache=make_prompt_cache(model))
+            steps = generate_step(
+                prompt,
+                model,
+                max_tokens=max_tokens,
+                prompt_cache=make_prompt_cache(model),
+            )
             out = _drain_plain(steps, max_tokens, eos)
         else:
             steps = peer_steps(drafter)(prompt)
@@ -206,7 +222,11 @@ def run(job, peer, st):
         mx.synchronize()
         tokens, drafted, ends, start, end = out
         return dict(
-            tokens=tokens, drafted=drafted, round_ends=ends, start=start, end=end,
+            tokens=tokens,
+            drafted=drafted,
+            round_ends=ends,
+            start=start,
+            end=end,
             peak_memory=mx.get_peak_memory(),
             # The public loop's first response is the prefill's token, not a round.
             prefill_rounds=0 if drafter is None else 1,
@@ -264,7 +284,8 @@ def _prompts(job, model, st):
         return [mx.array(tokens, mx.uint32) for tokens in spec]
     vocab = model.args.vocab_size
     return [
-        st.random_prompt(vocab, spec["context"], spec["seed"], i) for i in range(spec["count"])
+        st.random_prompt(vocab, spec["context"], spec["seed"], i)
+        for i in range(spec["count"])
     ]
 
 
@@ -285,7 +306,9 @@ def main(argv=None):
         name: statistics.median(len(r["tokens"]) for runs in passes for r in runs)
         for name, passes in result["records"].items()
     }
-    print(f"peer runner: done in {result['wall_s']:.1f} s; median tokens per run {medians}")
+    print(
+        f"peer runner: done in {result['wall_s']:.1f} s; median tokens per run {medians}"
+    )
 
 
 if __name__ == "__main__":

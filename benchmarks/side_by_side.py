@@ -59,8 +59,16 @@ def peer_job(ours: Dict[str, Any], drafter_dir: Path) -> Dict[str, Any]:
         "eos": ours.get("stop_tokens", []),
     }
     if ours["kind"] == "scale":
-        job["target"] = {"scale": ours["scale"], "quant": ours["quant"], "seed": ours["seed"]}
-        job["prompts"] = {"context": ours["context"], "count": ours["prompts"], "seed": ours["seed"]}
+        job["target"] = {
+            "scale": ours["scale"],
+            "quant": ours["quant"],
+            "seed": ours["seed"],
+        }
+        job["prompts"] = {
+            "context": ours["context"],
+            "count": ours["prompts"],
+            "seed": ours["seed"],
+        }
     else:
         job["target"] = {"path": str(Path(ours["model"]).resolve())}
         job["prompts"] = ours["prompt_token_ids"]
@@ -81,7 +89,9 @@ def summarize_peer(raw: Dict[str, Any]) -> Dict[str, Any]:
     from dflash.bench.passes import summarize_runs
     from dflash.bench.runs import Mode, RunRecord
 
-    modes = [Mode(m["name"], m["label"], None, m["drafts_per_round"]) for m in raw["modes"]]
+    modes = [
+        Mode(m["name"], m["label"], None, m["drafts_per_round"]) for m in raw["modes"]
+    ]
     records = {
         name: [[RunRecord(**run) for run in runs] for runs in passes]
         for name, passes in raw["records"].items()
@@ -95,7 +105,9 @@ def summarize_peer(raw: Dict[str, Any]) -> Dict[str, Any]:
         prompt_sizes=raw["prompt_sizes"],
         reference_seconds=raw["reference_seconds"],
     )
-    report = summarize_runs(state, raw["block_size"], raw["max_tokens"], raw["passes"], 0)
+    report = summarize_runs(
+        state, raw["block_size"], raw["max_tokens"], raw["passes"], 0
+    )
     report["peer"] = raw["peer"]
     return report
 
@@ -131,7 +143,9 @@ def comparison(ours: Dict[str, Any], peer: Dict[str, Any]) -> List[Dict[str, Any
                 "mode": name,
                 "ours_tokens_per_s": tps_ours,
                 "peer_tokens_per_s": tps_peer,
-                "ours_over_peer": tps_ours / tps_peer if tps_ours and tps_peer else None,
+                "ours_over_peer": (
+                    tps_ours / tps_peer if tps_ours and tps_peer else None
+                ),
                 "ours_speedup": _get(mine, "speedup", "ratio_of_medians"),
                 "ours_speedup_min": _get(mine, "speedup", "min"),
                 "ours_speedup_max": _get(mine, "speedup", "max"),
@@ -153,7 +167,9 @@ def _f(value: Optional[float], fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def markdown(rows: Sequence[Dict[str, Any]], ours: Dict[str, Any], peer_version: str) -> str:
+def markdown(
+    rows: Sequence[Dict[str, Any]], ours: Dict[str, Any], peer_version: str
+) -> str:
     """The side-by-side table as Markdown.
 
     Args:
@@ -225,7 +241,9 @@ def side_by_side(
     """
     for flag in ("--json", "--save-drafter"):
         if flag in bench_flags:
-            raise ValueError(f"{flag} is set by {PROG}; leave it out of the bench flags")
+            raise ValueError(
+                f"{flag} is set by {PROG}; leave it out of the bench flags"
+            )
     if not (peer_src / "dflash" / "model_mlx.py").is_file():
         raise FileNotFoundError(f"no public dflash package under {peer_src}")
     out.mkdir(parents=True, exist_ok=True)
@@ -270,7 +288,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         side_by_side(argv[split + 1 :], args.out, args.peer_src, args.python)
     except Exception as error:  # one line, no traceback
         text = str(error).strip().splitlines()
-        print(f"{PROG}: error: {text[0] if text else type(error).__name__}", file=sys.stderr)
+        print(
+            f"{PROG}: error: {text[0] if text else type(error).__name__}",
+            file=sys.stderr,
+        )
         sys.exit(1)
 
 

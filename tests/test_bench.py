@@ -9,13 +9,19 @@ from types import SimpleNamespace
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from conftest import greedy_reference, save_target, tiny_model, tiny_tokenizer, top2_margin
+from conftest import (
+    greedy_reference,
+    save_target,
+    tiny_model,
+    tiny_tokenizer,
+    top2_margin,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from test_dflash_loop import OracleDrafter, random_drafter
 
 from dflash import bench, demo
-from dflash.bench import passes, plots, runs, scale, scale_target
+from dflash.bench import plots, runs, scale, scale_target
 from dflash.bench.replay import ReplayDrafter
 from dflash.loader import save_drafter
 
@@ -181,7 +187,9 @@ def test_replay_tokens_accept_exactly_tau_minus_one(tau, block, position, sequen
 
 
 @given(st.integers(0, 2**31 - 1), st.integers(1, 5), st.integers(0, 1))
-def test_replay_logits_pick_the_replayed_tokens_whatever_the_drafter_says(seed, rows, first):
+def test_replay_logits_pick_the_replayed_tokens_whatever_the_drafter_says(
+    seed, rows, first
+):
     key = mx.random.key(seed)
     # Soft-capped logits: |x| <= 30, well under the boost.
     real = mx.clip(mx.random.normal((1, rows + first, 50), key=key) * 20, -30, 30)
@@ -199,7 +207,9 @@ def test_block_size_rule_is_one_to_the_drafters(block):
     if 1 <= block <= 8:
         assert bench.check_block_size(block, drafter) == block
     else:
-        with pytest.raises(ValueError, match=r"outside what the drafter serves \(1\.\.8\)"):
+        with pytest.raises(
+            ValueError, match=r"outside what the drafter serves \(1\.\.8\)"
+        ):
             bench.check_block_size(block, drafter)
 
 
@@ -252,7 +262,11 @@ def test_run_bench_refuses_a_file_name_and_bad_settings(pair):
         ({}, ["w5", ""], "prompt 1 encodes to no tokens"),
         (dict(modes=("plain", "classic")), PROMPTS, "mode classic needs a draft model"),
         (dict(modes=("fast",)), PROMPTS, "modes must be distinct names"),
-        (dict(replay_taus=(9,)), PROMPTS, "replay taus must be distinct values in 1..6"),
+        (
+            dict(replay_taus=(9,)),
+            PROMPTS,
+            "replay taus must be distinct values in 1..6",
+        ),
     ]
     for kwargs, prompts, message in cases:
         kwargs = {"max_tokens": 4, **kwargs}
@@ -312,7 +326,10 @@ def test_cli_writes_the_json_report(saved, tmp_path, capsys):
     assert "--json" in env["command"] and env["backend"] == "cpu"
     for key in ("mlx", "mlx_lm", "date", "machine", "device"):
         assert env[key], key
-    assert report["geometry"]["layer_types"] == {"full_attention": 2, "sliding_attention": 6}
+    assert report["geometry"]["layer_types"] == {
+        "full_attention": 2,
+        "sliding_attention": 6,
+    }
     assert len(report["modes"]["dflash"]["tokens_per_s"]["per_pass"]) == 2
     assert report["split"]["verify_ms"] > 0 and report["bandwidth"]["bound_ms"] > 0
 
@@ -370,14 +387,20 @@ def test_scale_targets_are_seeded_and_quantized_by_mlx_lm():
     def params(model):
         return dict(tree_flatten(model.parameters()))
 
-    a, b = scale_target.build_target("tiny", seed=3), scale_target.build_target("tiny", seed=3)
+    a, b = scale_target.build_target("tiny", seed=3), scale_target.build_target(
+        "tiny", seed=3
+    )
     c = scale_target.build_target("tiny", seed=4)
     pa, pb, pc = params(a), params(b), params(c)
     assert all(mx.array_equal(pa[k], pb[k]) for k in pa)
-    assert not mx.array_equal(pa["model.layers.0.mlp.up_proj.weight"], pc["model.layers.0.mlp.up_proj.weight"])
+    assert not mx.array_equal(
+        pa["model.layers.0.mlp.up_proj.weight"], pc["model.layers.0.mlp.up_proj.weight"]
+    )
     assert all(v.dtype == mx.bfloat16 for v in pa.values())
     quantized = scale_target.build_target("tiny", "4bit", seed=3)
-    layers = [m for _, m in quantized.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    layers = [
+        m for _, m in quantized.named_modules() if isinstance(m, nn.QuantizedLinear)
+    ]
     assert layers and all((m.bits, m.group_size) == (4, 64) for m in layers)
     assert scale_target.parameter_bytes(quantized) < scale_target.parameter_bytes(a) / 2
 
@@ -404,18 +427,28 @@ def test_the_full_geometry_is_muse_glimmer_as_designed():
 def test_the_packaged_assistant_config_is_the_shared_fixture():
     shared = [
         p / "fixtures" / "muse-glimmer-drafters" / "assistant-config.json"
-        for p in (REPO.parent / "shared", REPO.parents[1] / "shared", Path("/work/shared"))
+        for p in (
+            REPO.parent / "shared",
+            REPO.parents[1] / "shared",
+            Path("/work/shared"),
+        )
     ]
     found = [p for p in shared if p.is_file()]
     if not found:
         pytest.skip("no shared/ fixtures beside this checkout")
-    assert json.loads(found[0].read_text()) == json.loads(scale.ASSISTANT_CONFIG.read_text())
+    assert json.loads(found[0].read_text()) == json.loads(
+        scale.ASSISTANT_CONFIG.read_text()
+    )
 
 
 def test_step_read_bytes_count_one_embedding_row():
     model = scale_target.build_target("tiny", seed=0)
     table = model.model.embed_tokens.weight
-    want = scale_target.parameter_bytes(model) - table.nbytes + table.nbytes // table.shape[0]
+    want = (
+        scale_target.parameter_bytes(model)
+        - table.nbytes
+        + table.nbytes // table.shape[0]
+    )
     assert scale_target.step_read_bytes(model, kv_bytes=100) == want + 100
 
 
@@ -508,7 +541,11 @@ def test_the_public_loop_runs_side_by_side_on_the_tiny_scale_pair(tmp_path):
         flags.split() + ["--quiet"], tmp_path, PEER_SRC, sys.executable
     )
     peer = merged["peer"]["modes"]
-    assert set(peer) == set(merged["ours"]["modes"]) == {"plain", "replay-tau2", "replay-tau8"}
+    assert (
+        set(peer)
+        == set(merged["ours"]["modes"])
+        == {"plain", "replay-tau2", "replay-tau8"}
+    )
     # The public loop's budget includes its prefill token: 15 tokens in rounds.
     assert peer["replay-tau2"]["histogram"][1] == 7
     assert peer["replay-tau8"]["histogram"][7] == 1

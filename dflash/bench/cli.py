@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     pair = parser.add_argument_group("pair mode (default: the bundled demo pair)")
     pair.add_argument("--model", help="target model path or repo")
     pair.add_argument("--drafter", help="DFlash drafter for --model (required with it)")
-    pair.add_argument("--draft-model", help="classic draft model (modes classic, mlx-spec)")
+    pair.add_argument(
+        "--draft-model", help="classic draft model (modes classic, mlx-spec)"
+    )
     pair.add_argument(
         "--prompts",
         type=Path,
@@ -116,8 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument(
         "--context", type=_integer(2), help="prompt tokens (default 4096; tiny 64)"
     )
-    scale.add_argument("--num-prompts", type=_integer(1), help="random prompts (default 1)")
-    scale.add_argument("--seed", type=_integer(0), help="weight and prompt seed (default 0)")
+    scale.add_argument(
+        "--num-prompts", type=_integer(1), help="random prompts (default 1)"
+    )
+    scale.add_argument(
+        "--seed", type=_integer(0), help="weight and prompt seed (default 0)"
+    )
     run = parser.add_argument_group("what to run")
     run.add_argument(
         "--modes",
@@ -130,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_integers,
         help="REPLAY profiles, e.g. 2,4,6,8 (default in scale mode: 2,4,6,8)",
     )
-    run.add_argument("--max-tokens", type=_integer(1), help="default 256; tiny scale 32")
+    run.add_argument(
+        "--max-tokens", type=_integer(1), help="default 256; tiny scale 32"
+    )
     run.add_argument("--block-size", type=_integer(1), help="default: the drafter's")
     run.add_argument("--num-draft-tokens", type=_integer(1), default=3)
     run.add_argument("--passes", type=_integer(1), default=DEFAULT_PASSES)
@@ -154,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     out = parser.add_argument_group("output")
     out.add_argument("--json", type=Path, help="write the report to this file")
-    out.add_argument("--plot", type=Path, help="write PNGs into this folder (matplotlib)")
+    out.add_argument(
+        "--plot", type=Path, help="write PNGs into this folder (matplotlib)"
+    )
     out.add_argument(
         "--save-drafter",
         type=Path,
@@ -169,13 +179,17 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.scale is not None:
         given = [n for n in PAIR_ONLY if getattr(args, n) is not None]
         if given:
-            raise ValueError(f"--{given[0].replace('_', '-')} does not apply to --scale")
+            raise ValueError(
+                f"--{given[0].replace('_', '-')} does not apply to --scale"
+            )
     else:
         given = [n for n in SCALE_ONLY if getattr(args, n) is not None]
         if given:
             raise ValueError(f"--{given[0].replace('_', '-')} needs --scale")
         if args.model is None and args.drafter is not None:
-            raise ValueError("--drafter needs --model (without --model the demo pair is used)")
+            raise ValueError(
+                "--drafter needs --model (without --model the demo pair is used)"
+            )
         if args.model is not None and args.drafter is None:
             raise ValueError("--drafter is required with --model")
     modes = args.modes or []
@@ -200,7 +214,9 @@ def _check_local_path(flag: str, name: Optional[str]) -> None:
         return
     hub_like = name.count("/") <= 1 and not name.startswith(("/", ".", "~"))
     if not hub_like:
-        raise FileNotFoundError(f"--{flag.replace('_', '-')} path does not exist: {name}")
+        raise FileNotFoundError(
+            f"--{flag.replace('_', '-')} path does not exist: {name}"
+        )
 
 
 def _mode_names(args: argparse.Namespace) -> List[str]:
@@ -249,7 +265,11 @@ def _load_pair(args: argparse.Namespace) -> Dict[str, Any]:
         "drafter": drafter,
         "prompts": prompts,
         "describe": f"{names[0]} + drafter {names[1]}",
-        "info": {"model": names[0], "drafter": names[1], "prompts_file": str(prompts_path)},
+        "info": {
+            "model": names[0],
+            "drafter": names[1],
+            "prompts_file": str(prompts_path),
+        },
     }
     if args.draft_model is not None:
         from mlx_lm import load
@@ -260,7 +280,12 @@ def _load_pair(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def _load_scale(args: argparse.Namespace) -> Dict[str, Any]:
-    from .scale import DEFAULT_CONTEXT, build_scale_pair, drafter_block_size, scale_prompts
+    from .scale import (
+        DEFAULT_CONTEXT,
+        build_scale_pair,
+        drafter_block_size,
+        scale_prompts,
+    )
 
     if args.block_size is not None:
         most = drafter_block_size(args.scale)

@@ -138,7 +138,6 @@ def _split(model, drafter, prompt, continuation, block_size, reps, replay_tau):
                 checkpoint.rollback()
 
         out["verify_ms"] = median_ms(verify, reps)
-    del cache, context
     plain_cache = _prefill_mlx_lm(model, context_tokens)
     out["kv_bytes"] = int(sum(c.nbytes for c in plain_cache))
     step_input = mx.array([[last]], mx.uint32)

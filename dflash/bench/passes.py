@@ -170,7 +170,9 @@ class _Progress:
 
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc="dflash-bench", unit="run", file=sys.stderr)
+            self.bar = tqdm(
+                total=total, desc="dflash-bench", unit="run", file=sys.stderr
+            )
 
     def step(self, text: str) -> None:
         if self.bar is not None:
@@ -241,7 +243,12 @@ def run_bench(
         drafter.config.block_size if block_size is None else block_size, drafter
     )
     mode_list = build_modes(
-        model, drafter, block_size, list(modes), list(replay_taus), draft_model,
+        model,
+        drafter,
+        block_size,
+        list(modes),
+        list(replay_taus),
+        draft_model,
         num_draft_tokens,
     )
     encoded = [encode_prompt(tokenizer, p, i) for i, p in enumerate(prompts)]
@@ -306,7 +313,11 @@ class _Runner:
             return None
         try:
             record = timed_run(
-                mode, self.prompts[index], self.max_tokens, self.stop, self.sequence(index)
+                mode,
+                self.prompts[index],
+                self.max_tokens,
+                self.stop,
+                self.sequence(index),
             )
         except Exception as error:  # noqa: BLE001 (reported as the mode's result)
             if not mode.tolerate_errors:
@@ -473,7 +484,12 @@ def _measure(report, state, model, drafter, block_size, split_reps, bandwidth_tb
     split = None
     if split_reps > 0:
         split = measure.round_split(
-            model, drafter, state.prompts[0], state.refs[0], block_size, split_reps,
+            model,
+            drafter,
+            state.prompts[0],
+            state.refs[0],
+            block_size,
+            split_reps,
             replay_tau=taus[0] if taus else None,
         )
         rounds = {}
@@ -482,9 +498,11 @@ def _measure(report, state, model, drafter, block_size, split_reps, bandwidth_tb
             if mode.name in (DFLASH,) or mode.replay is not None:
                 rounds[mode.name] = {
                     "round_ms": loop,
-                    "rest_ms": None
-                    if loop is None
-                    else loop - split["drafter_ms"] - split["verify_ms"],
+                    "rest_ms": (
+                        None
+                        if loop is None
+                        else loop - split["drafter_ms"] - split["verify_ms"]
+                    ),
                 }
         split["rounds"] = rounds
         report["bandwidth"] = measure.bandwidth_bound(
@@ -512,7 +530,8 @@ def _overhead(report, split) -> Dict[str, Any]:
     if split is not None and split.get("drafter_replay_ms") is not None:
         extra = max(0.0, split["drafter_replay_ms"] - split["drafter_ms"])
         rounds = [
-            r["round_ms"] for name, r in split["rounds"].items()
+            r["round_ms"]
+            for name, r in split["rounds"].items()
             if name.startswith("replay") and r["round_ms"]
         ]
         out["replay_ms_per_round"] = extra

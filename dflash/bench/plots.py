@@ -102,7 +102,9 @@ def _speed(plt, modes: Dict[str, Any], path: Path) -> None:
         if median is not None:
             axis.bar(slot, median, color="tab:blue", alpha=0.6)
     axis.set_xticks(range(len(names)), names, rotation=30, ha="right")
-    axis.set(ylabel="decode tokens/s", title="Tokens/s per mode (bar: median; dots: passes)")
+    axis.set(
+        ylabel="decode tokens/s", title="Tokens/s per mode (bar: median; dots: passes)"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

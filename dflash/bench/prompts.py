@@ -127,7 +127,9 @@ def encode_prompt(tokenizer: Any, prompt: Prompt, index: int) -> mx.array:
         if tokenizer is None:
             raise ValueError(f"prompt {index} is text but no tokenizer was given")
         prompt = tokenizer.encode(prompt)
-    tokens = prompt if isinstance(prompt, mx.array) else mx.array(list(prompt), mx.uint32)
+    tokens = (
+        prompt if isinstance(prompt, mx.array) else mx.array(list(prompt), mx.uint32)
+    )
     if tokens.size == 0:
         raise ValueError(f"prompt {index} encodes to no tokens")
     return tokens.reshape(-1).astype(mx.uint32)

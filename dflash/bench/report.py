@@ -32,10 +32,14 @@ def backend() -> str:
 
 def _device_info() -> Dict[str, Any]:
     try:
-        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        info = (
+            mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        )
     except Exception:  # noqa: BLE001 (informational only; the CPU backend has none)
         return {}
-    return {k: v if isinstance(v, (int, float, str)) else str(v) for k, v in info.items()}
+    return {
+        k: v if isinstance(v, (int, float, str)) else str(v) for k, v in info.items()
+    }
 
 
 def environment(command: str) -> Dict[str, Any]:
@@ -48,7 +52,9 @@ def environment(command: str) -> Dict[str, Any]:
         A JSON-serialisable dict.
     """
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        ),
         "command": command,
         "mlx": mx.__version__,
         "mlx_lm": _version("mlx-lm"),

@@ -117,7 +117,9 @@ def classic_mode(model: nn.Module, draft_model: nn.Module, num_draft: int) -> Mo
             max_tokens=max_tokens,
         )
 
-    label = f"classic draft model, {num_draft} drafts (dflash speculative_generate_step)"
+    label = (
+        f"classic draft model, {num_draft} drafts (dflash speculative_generate_step)"
+    )
     return Mode(CLASSIC, label, steps, num_draft)
 
 

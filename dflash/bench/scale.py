@@ -96,7 +96,9 @@ def build_scale_pair(
     return target, drafter
 
 
-def scale_prompts(target: nn.Module, context: int, count: int, seed: int) -> List[mx.array]:
+def scale_prompts(
+    target: nn.Module, context: int, count: int, seed: int
+) -> List[mx.array]:
     """``count`` seeded random prompts of ``context`` tokens.
 
     Args:
@@ -136,7 +138,9 @@ def geometry_summary(model: nn.Module) -> Dict[str, Any]:
         out[name] = getattr(args, name, None)
     types = getattr(args, "layer_types", None) or []
     out["layer_types"] = {t: list(types).count(t) for t in sorted(set(types))}
-    quantized = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    quantized = [
+        m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)
+    ]
     out["quantization"] = (
         {"bits": quantized[0].bits, "group_size": quantized[0].group_size}
         if quantized

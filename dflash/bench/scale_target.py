@@ -61,7 +61,9 @@ def target_args(geometry: str) -> muse_glimmer.ModelArgs:
         The model arguments.
     """
     if geometry not in GEOMETRIES:
-        raise ValueError(f"geometry must be one of {sorted(GEOMETRIES)}, got {geometry!r}")
+        raise ValueError(
+            f"geometry must be one of {sorted(GEOMETRIES)}, got {geometry!r}"
+        )
     return muse_glimmer.ModelArgs(**GEOMETRIES[geometry])
 
 
@@ -95,7 +97,9 @@ def randomize(
         update = []
         for index in range(start, min(start + chunk, len(params))):
             name, value = params[index]
-            noise = mx.random.normal(value.shape, dtype=dtype, key=keys[index]) * INIT_STD
+            noise = (
+                mx.random.normal(value.shape, dtype=dtype, key=keys[index]) * INIT_STD
+            )
             if value.ndim >= 2:
                 update.append((name, noise))
             elif branch_scale is not None and name.endswith(_DAMPED_NORMS):
@@ -119,7 +123,9 @@ def _decisive_head(model: nn.Module, seed: int) -> None:
     mx.eval(model.lm_head.weight)
 
 
-def build_target(geometry: str = "full", quant: str = "bf16", seed: int = 0) -> nn.Module:
+def build_target(
+    geometry: str = "full", quant: str = "bf16", seed: int = 0
+) -> nn.Module:
     """A random-weight mlx-lm Muse Glimmer model (see the module docstring).
 
     Args:
