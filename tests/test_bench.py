@@ -1,6 +1,7 @@
 """dflash-bench: modes side by side, τ and losslessness, the scale mode, the peer; failures."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,8 @@ PROMPTS = [
 ]
 FAST = dict(passes=1, split_reps=0)
 REPO = Path(__file__).resolve().parents[1]
-PEER_SRC = Path("/work/peer/src")
+# The public dflash 0.1.0 (e.g. pip install --no-deps --target DIR dflash==0.1.0).
+PEER_SRC = Path(os.environ.get("DFLASH_PEER_SRC", "/work/peer/src"))
 
 
 @pytest.fixture(scope="module")
@@ -528,7 +530,7 @@ def test_python_m_dflash_bench_fails_in_one_line(tmp_path):
 
 @pytest.mark.skipif(
     not (PEER_SRC / "dflash" / "model_mlx.py").is_file(),
-    reason="the public dflash 0.1.0 package is not unpacked at /work/peer/src",
+    reason=f"the public dflash 0.1.0 package is not at {PEER_SRC} (set DFLASH_PEER_SRC)",
 )
 def test_the_public_loop_runs_side_by_side_on_the_tiny_scale_pair(tmp_path):
     sys.path.insert(0, str(REPO / "benchmarks"))
