@@ -23,7 +23,7 @@ from dflash.cli import cache_prompt as cache_prompt_cli
 from dflash.cli import chat as chat_cli
 from dflash.cli.common import load_models
 from dflash.cli.session import read_metadata
-from dflash.reference import greedy_reference_with_margins
+from dflash.greedy import greedy_reference_with_margins
 
 EOS = 0
 # Greedy continuations of these prompts on the saved pair run 400 tokens without the EOS.
