@@ -18,7 +18,7 @@ from datetime import date
 
 import mlx.core as mx
 
-from dflash.cache import KvPlane, SpeculativeCheckpoint
+from dflash.cache import GrowingPlane, KvPlane, RingPlane, SpeculativeCheckpoint
 from dflash.cache.plane import PlaneMeta
 
 RING_LAYERS, FULL_LAYERS, WINDOW, HEADS, HEAD_DIM = 39, 13, 2048, 2, 128
@@ -26,7 +26,7 @@ RING_LAYERS, FULL_LAYERS, WINDOW, HEADS, HEAD_DIM = 39, 13, 2048, 2, 128
 
 def plane_at(context: int, window, block: int) -> KvPlane:
     """A plane in exactly the state sequential appends of ``context`` rows leave it in."""
-    plane = KvPlane(window=window)
+    plane = RingPlane(window) if window else GrowingPlane()
     rows = min(context, window) if window else context
     capacity = window if window else -(-(context + block) // 256) * 256
     shape = (1, HEADS, capacity, HEAD_DIM)

@@ -139,7 +139,7 @@ def check_round(case, use_kernel: Optional[bool]) -> None:
     )
     seen = fetch_block(speculative, block, cuts)
     checkpoint.commit(accepted)
-    assert all(plane.speculation is None for plane in speculative)
+    assert not any(plane.checkpointed for plane in speculative)
 
     # Attention saw exactly what it sees with no checkpoint open (and the reference ops).
     plain = make_cache(False)
@@ -180,11 +180,11 @@ def test_a_reader_mid_round_sees_the_block_and_rollback_stays_exact() -> None:
     checkpoint = SpeculativeCheckpoint.begin(cache, 4)
     block = random_rows(rng, 4, "float16")
     cache[0].update_and_fetch(block, block)
-    assert cache[0].speculation.mode == "deferred"
+    assert cache[0].guard.mode == "deferred"
     # Reading the buffers writes the held-back block first (and retains what it overwrites).
     keys, _ = cache[0].logical_rows()  # window 5: one old row, then the 4-row block
     np.testing.assert_array_equal(bits(keys)[:, :, 1:], bits(block))
-    assert cache[0].speculation.mode == "retained"
+    assert cache[0].guard.mode == "retained"
     checkpoint.rollback()
     for plane, (meta, rows) in zip(cache, before):
         got_meta, got_rows = live_bits(plane)
