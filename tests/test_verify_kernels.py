@@ -347,3 +347,218 @@ def test_cuda_glimmer_shapes(ring: bool) -> None:
     out = built.attend(None)
     assert close_to_oracle(built, out)
     assert_batch_invariant(dataclasses.replace(case, queries=4, block=4), None)
+
+
+# ============================================================ small-row matmul
+
+from dflash.metal import qmm  # noqa: E402
+from dflash.metal.qmm import small_row_matmul  # noqa: E402
+
+_UNIT_ROUNDOFF = {mx.float32: 2.0**-24, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
+
+
+@st.composite
+def matmul_cases(draw, max_rows: int = 32, max_groups: int = 12, max_columns: int = 80):
+    """(x, weight, scales, biases, bits, group_size) in mlx's affine format, or dense."""
+    bits = draw(st.sampled_from([4, 8, None]))
+    group = draw(st.sampled_from([32, 64, 128])) if bits else None
+    depth = (group or 8) * draw(st.integers(1, max_groups))
+    rows = draw(st.integers(1, max_rows))
+    columns = draw(st.integers(1, max_columns))
+    dtype = draw(st.sampled_from(DTYPES_))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    x = mx.array(rng.standard_normal((rows, depth)).astype(np.float32)).astype(dtype)
+    dense = mx.array(rng.standard_normal((columns, depth)).astype(np.float32)).astype(dtype)
+    if bits is None:
+        return x, dense, None, None, None, None
+    weight, scales, biases = mx.quantize(dense, group_size=group, bits=bits)
+    return x, weight, scales, biases, bits, group
+
+
+DTYPES_ = (mx.float32, mx.bfloat16, mx.float16)
+
+
+def _matmul_oracle(x, weight, scales, biases, bits, group) -> np.ndarray:
+    """Float64 ``x @ W.T`` with ``W`` dequantized exactly (``scale * q + bias``)."""
+    xs = np.asarray(x.astype(mx.float32)).astype(np.float64)
+    if bits is None:
+        w = np.asarray(weight.astype(mx.float32)).astype(np.float64)
+    else:
+        packed = np.asarray(weight).astype(np.uint64)
+        per_word = 32 // bits
+        k = np.arange(x.shape[1])
+        q = (packed[:, k // per_word] >> ((k % per_word) * bits).astype(np.uint64)) & (
+            (1 << bits) - 1
+        )
+        s = np.asarray(scales.astype(mx.float32)).astype(np.float64)
+        b = np.asarray(biases.astype(mx.float32)).astype(np.float64)
+        w = q * np.repeat(s, group, axis=1) + np.repeat(b, group, axis=1)
+    return xs @ w.T, np.abs(xs) @ np.abs(w.T)
+
+
+def _close_to_matmul_oracle(case, out, slack: float = 1.0) -> bool:
+    want, magnitude = _matmul_oracle(*case)
+    got = np.asarray(out.astype(mx.float32)).astype(np.float64)
+    # Output rounding (half an ulp, doubled) plus float32 sums over K terms.
+    tol = 2 * _UNIT_ROUNDOFF[case[0].dtype] * np.abs(want) + 1e-6 * magnitude * slack
+    return bool(np.all(np.abs(got - want) <= tol + 1e-30))
+
+
+def _matmul(case, use_kernel, rows=slice(None)):
+    x, weight, scales, biases, bits, group = case
+    out = small_row_matmul(
+        x[rows], weight, scales, biases, bits=bits, group_size=group, use_kernel=use_kernel
+    )
+    mx.eval(out)
+    return out
+
+
+def assert_matmul_batch_invariant(case, use_kernel) -> None:
+    together = _matmul(case, use_kernel)
+    rows = case[0].shape[0]
+    for row in range(rows):
+        alone = _matmul(case, use_kernel, slice(row, row + 1))
+        assert np.array_equal(bits(alone), bits(together[row : row + 1])), row
+    if rows > 2:
+        middle = _matmul(case, use_kernel, slice(1, rows - 1))
+        assert np.array_equal(bits(middle), bits(together[1 : rows - 1]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(matmul_cases())
+def test_matmul_reference_matches_float_oracle(case) -> None:
+    assert _close_to_matmul_oracle(case, _matmul(case, False))
+
+
+@settings(max_examples=40, deadline=None)
+@given(matmul_cases())
+def test_matmul_reference_is_close_to_mlx(case) -> None:
+    """mlx's own ``quantized_matmul`` / matmul: the same product (its sums differ)."""
+    x, weight, scales, biases, bits, group = case
+    if bits is None:
+        want = x @ weight.T
+    else:
+        want = mx.quantized_matmul(
+            x, weight, scales, biases, transpose=True, group_size=group, bits=bits
+        )
+    got = np.asarray(_matmul(case, False).astype(mx.float32))
+    want = np.asarray(want.astype(mx.float32))
+    scale = np.abs(want).max() + 1.0
+    # mlx's CPU kernels lose a few ulps in half precision; this bounds them loosely.
+    assert np.abs(got - want).max() <= 16 * _UNIT_ROUNDOFF[x.dtype] * scale
+
+
+@settings(max_examples=30, deadline=None)
+@given(matmul_cases(max_rows=20))
+def test_matmul_reference_is_batch_invariant(case) -> None:
+    assert_matmul_batch_invariant(case, False)
+
+
+@pytest.fixture(scope="module")
+def matmul_emulator(tmp_path_factory):
+    if GXX is None:
+        pytest.skip("g++ not installed")
+    emu = GroupEmulator(tmp_path_factory.mktemp("qmm_emulator"), qmm.SPECS, GXX)
+    assert emu.build.ok, emu.build.log
+    return emu
+
+
+@pytest.fixture
+def matmul_on_cpu(matmul_emulator, monkeypatch):
+    monkeypatch.setattr(backend, "BACKEND", "metal")
+    monkeypatch.setattr(groups, "launch_groups", matmul_emulator.launch)
+    return matmul_emulator
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=_SHARED)
+@given(case=matmul_cases(max_groups=10, max_columns=70))
+def test_metal_matmul_matches_oracle(matmul_on_cpu, case) -> None:
+    before = matmul_on_cpu.launches
+    out = _matmul(case, True)
+    assert matmul_on_cpu.launches == before + 1
+    assert _close_to_matmul_oracle(case, out)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=_SHARED)
+@given(case=matmul_cases(max_rows=20, max_groups=9, max_columns=40))
+def test_metal_matmul_is_batch_invariant(matmul_on_cpu, case) -> None:
+    assert_matmul_batch_invariant(case, True)
+
+
+@needs_gxx
+def test_matmul_metal_bodies_compile(tmp_path: Path) -> None:
+    result = check_metal(qmm.SPECS, tmp_path, GXX)
+    assert result.ok, f"{result.command}\n{result.log}"
+
+
+@needs_nvcc
+def test_matmul_cuda_bodies_compile(tmp_path: Path) -> None:
+    result = check_cuda(qmm.SPECS, tmp_path, NVCC)
+    assert result.ok, f"{result.command}\n{result.log}"
+
+
+def test_matmul_backends_share_one_body() -> None:
+    for spec in qmm.SPECS:
+        for name in ("metal", "cuda"):
+            assert spec.source(name) == groups.PROLOGUES[name] + spec.body
+
+
+_X = mx.zeros((2, 64))
+_W, _S, _B = mx.quantize(mx.zeros((8, 64)), group_size=32, bits=4)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: small_row_matmul(_X[0], _W, _S, _B, bits=4, group_size=32), "x must be"),
+        (lambda: small_row_matmul(_X, _W, _S, _B, bits=3, group_size=32), "bits"),
+        (lambda: small_row_matmul(_X, _W, _S, _B, bits=4, group_size=16), "group_size"),
+        (lambda: small_row_matmul(_X, _W, _S, None, bits=4, group_size=32), "biases"),
+        (lambda: small_row_matmul(_X, _W, _S, _B, bits=8, group_size=32), "elements"),
+        (lambda: small_row_matmul(_X, _W, _S[:, :1], _B, bits=4, group_size=32), "scales"),
+        (lambda: small_row_matmul(_X, _W, _S, _B.astype(mx.float16), bits=4, group_size=32),
+         "biases"),
+        (lambda: small_row_matmul(_X, _W.astype(mx.int32), _S, _B, bits=4, group_size=32),
+         "uint32"),
+        (lambda: small_row_matmul(_X, mx.zeros((8, 32)), None, None), "does not fit"),
+        (lambda: small_row_matmul(_X, mx.zeros((8, 64)), _S, None), "no scales"),
+        (lambda: small_row_matmul(_X.astype(mx.int32), mx.zeros((8, 64))), "dtype"),
+    ],
+)  # fmt: skip
+def test_matmul_bad_arguments_raise(call, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=150, deadline=None)
+@given(case=matmul_cases())
+def test_cuda_matmul_matches_oracle(case) -> None:
+    assert _close_to_matmul_oracle(case, _matmul(case, True))
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=60, deadline=None)
+@given(case=matmul_cases())
+def test_cuda_matmul_is_batch_invariant(case) -> None:
+    assert_matmul_batch_invariant(case, True)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("width", [4, 8, None])
+def test_cuda_matmul_glimmer_shapes(width) -> None:
+    """Hidden 6,656 -> 6,656 (o_proj) at 1 and 16 rows, bf16, group 64."""
+    rng = np.random.default_rng(0)
+    dense = mx.array(rng.standard_normal((6656, 6656)).astype(np.float32)).astype(mx.bfloat16)
+    x = mx.array(rng.standard_normal((16, 6656)).astype(np.float32)).astype(mx.bfloat16)
+    if width is None:
+        case = (x, dense, None, None, None, None)
+    else:
+        case = (x, *mx.quantize(dense, group_size=64, bits=width), width, 64)
+    assert _close_to_matmul_oracle(case, _matmul(case, True), slack=4.0)
+    together = _matmul(case, True)
+    alone = _matmul(case, True, slice(5, 6))
+    assert np.array_equal(bits(alone), bits(together[5:6]))
