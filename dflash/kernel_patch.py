@@ -1,29 +1,34 @@
 """Install the verify kernels into a target (and drafter) without editing mlx-lm.
 
 :class:`KernelPatch` routes a model's attention to
-:func:`dflash.metal.attention.small_query_attention`, reversibly:
+:func:`dflash.metal.attention.small_query_attention` and its ``nn.Linear`` /
+``nn.QuantizedLinear`` layers to :func:`dflash.metal.qmm.small_row_matmul`, reversibly:
 
 * **Target attention.** Each decoder layer's attention module has its class swapped
   for a subclass of its own class (as :mod:`dflash.taps` does) that marks the call
   as routed; the model module's ``scaled_dot_product_attention`` (the one mlx-lm's
   attention code calls) is replaced, while any patched model of that architecture is
   installed, by a dispatcher that takes the kernel route only inside a routed call,
-  with a dflash KV plane as ``cache``, no attention sinks and at most
-  ``max_queries`` queries, and otherwise calls mlx-lm's function unchanged. The route
-  reads the plane where it lies: a verify block held back by a
-  :class:`~dflash.cache.SpeculativeCheckpoint` is read from the checkpoint beside
-  the ring (the staging shadow ``update_and_fetch`` returned is left unevaluated), a
-  written chunk from the plane; a staging shadow is read only when the ring was
+  with a dflash KV plane as ``cache``, no attention sinks, a causal (or window) mask
+  and at most ``max_queries`` queries, and otherwise calls mlx-lm's function
+  unchanged. The route reads the plane where it lies: a verify block held back by
+  a :class:`~dflash.cache.SpeculativeCheckpoint` is read from the checkpoint beside
+  the ring (the staging shadow ``update_and_fetch`` returned is left unevaluated; on
+  Metal the fused shadow kernel still runs, as it also builds the held-back block),
+  a written chunk from the plane; a staging shadow is read only when the ring was
   overwritten already (a staged chunk outside a checkpoint).
 * **Drafter attention.** Each :class:`~dflash.drafter.DraftAttention` gets a
   subclass whose forward attends the context plane and the block's own keys in
   place (the block is not copied into the plane's scratch rows).
+* **Matmuls.** Every ``nn.Linear`` and affine ``nn.QuantizedLinear`` (4 / 8 bits,
+  groups 32 / 64 / 128) of the target and the drafter gets a subclass that sends
+  calls of at most ``max_queries`` rows to the small-row matmul (prefill chunks
+  keep mlx's). Tied embeddings used as the LM head (``as_linear``) are not routed.
 
-Batch invariance makes the plain and speculative routes agree bit for bit: a
-one-token decode step and a 16-token verify give the same row the same bits, as
-long as every other op of the forward is batch-invariant too (mlx's matmuls are on
-the CPU; on a GPU the small-row matmul of :mod:`dflash.metal.qmm` is, see
-``matmul=``).
+Both routes are batch-invariant, so our plain decoding (one query a step) and
+DFlash decoding (verify blocks) give every token the same logits bit for bit, as
+long as the forward's other ops are batch-invariant too (norms, RoPE and
+elementwise ops are row-wise).
 
 ``uninstall()`` (or leaving the ``with`` block) restores every class and module
 function; nothing else about the model changes (same objects, same parameters).
@@ -41,7 +46,9 @@ import mlx.nn as nn
 
 from .cache.checkpoint import DEFERRED, RingPlaneCheckpoint
 from .cache.plane import KvPlane, RingPlane
+from .metal import qmm
 from .metal.attention import KeyPlane, small_query_attention, visible_bounds
+from .metal.qmm import small_row_matmul
 from .taps import target_layers
 
 # mlx-lm architectures whose attention calls base.scaled_dot_product_attention with the
@@ -270,6 +277,70 @@ def _draft_attention(self, x: mx.array, plane, rope: nn.Module, start: int) -> m
     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, block, -1))
 
 
+def _matmul_class(base: type) -> type:
+    """A subclass of ``nn.Linear`` / ``nn.QuantizedLinear`` using the small-row matmul."""
+    key = ("matmul", base)
+    if key not in _SUBCLASSES:
+        _SUBCLASSES[key] = type(
+            f"Kernel{base.__name__}",
+            (base,),
+            {"__call__": _linear_call, _ORIGINAL_CLASS: base},
+        )
+    return _SUBCLASSES[key]
+
+
+def _linear_call(self, x: mx.array) -> mx.array:
+    """``Linear`` / ``QuantizedLinear`` forward through :func:`small_row_matmul`.
+
+    Calls with more rows than the route's ``max_queries``, other quantization modes,
+    widths or dtypes than the kernel serves keep the layer's own forward.
+
+    Shapes: x ``(..., K)``; returns ``(..., N)``.
+    """
+    route: AttentionRoute = self._dflash_route
+    depth = x.shape[-1]
+    rows = x.size // depth if depth else 0
+    args = _matmul_args(self, x.dtype) if 0 < rows <= route.max_queries else None
+    if args is None or depth % 8:
+        return getattr(type(self), _ORIGINAL_CLASS).__call__(self, x)
+    weight, scales, biases, bits, group_size = args
+    y = small_row_matmul(
+        x.reshape(rows, depth),
+        weight,
+        scales,
+        biases,
+        bits=bits,
+        group_size=group_size,
+        use_kernel=route.use_kernel,
+    )
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    if "bias" in self:
+        y = y + self["bias"]
+    return y
+
+
+def _matmul_args(layer: nn.Module, dtype: mx.Dtype):
+    """``(weight, scales, biases, bits, group_size)`` of ``layer``, or None if unserved."""
+    if dtype not in qmm.DTYPES:
+        return None
+    weight = layer["weight"]
+    if isinstance(layer, nn.QuantizedLinear):
+        biases = layer.get("biases")
+        if (
+            getattr(layer, "mode", "affine") != "affine"
+            or layer.bits not in qmm.BITS
+            or layer.group_size not in qmm.GROUP_SIZES
+            or biases is None
+            or layer["scales"].dtype != dtype
+            or biases.dtype != dtype
+        ):
+            return None
+        return weight, layer["scales"], biases, layer.bits, layer.group_size
+    if weight.dtype != dtype:
+        return None
+    return weight, None, None, None, None
+
+
 def _swap(module: nn.Module, cls: type, route: AttentionRoute) -> None:
     if hasattr(type(module), _ORIGINAL_CLASS):
         raise RuntimeError(f"{type(module).__name__} already has kernels installed")
@@ -309,8 +380,12 @@ class KernelPatch:
         use_kernel: None: the custom kernel on a GPU backend (unless
             ``DFLASH_KERNELS=0``), the pure-MLX reference on the CPU; True / False
             force one form. Both forms are batch-invariant.
-        max_queries: Attention calls with more queries keep mlx's attention.
+        max_queries: Attention calls with more queries, and matmuls with more rows,
+            keep mlx's ops.
         chunk: Keys per chunk of the fixed reduction order.
+        attention: Route attention (target and drafter).
+        matmul: Route ``nn.Linear`` / ``nn.QuantizedLinear`` (target and drafter)
+            through :func:`dflash.metal.qmm.small_row_matmul`.
 
     Raises:
         ValueError: ``model``'s architecture is not one whose attention can be routed.
@@ -324,8 +399,10 @@ class KernelPatch:
         use_kernel: Optional[bool] = None,
         max_queries: int = 32,
         chunk: int = 256,
+        attention: bool = True,
+        matmul: bool = True,
     ) -> None:
-        if not supports(model):
+        if attention and not supports(model):
             raise ValueError(
                 f"kernel attention supports {', '.join(SUPPORTED_ARCHITECTURES)}; "
                 f"{architecture(model)} is not one of them"
@@ -335,6 +412,8 @@ class KernelPatch:
         self.model = model
         self.drafter = drafter
         self.route = AttentionRoute(use_kernel, max_queries, chunk)
+        self.attention = attention
+        self.matmul = matmul
         self._patched: List[nn.Module] = []
         self._modules: List[str] = []
 
@@ -352,6 +431,17 @@ class KernelPatch:
             found += [m for m in self.drafter.modules() if isinstance(m, DraftAttention)]
         return found
 
+    def matmul_modules(self) -> List[nn.Module]:
+        """Every ``nn.Linear`` / ``nn.QuantizedLinear`` of the target and the drafter."""
+        owners = [self.model] + ([self.drafter] if self.drafter is not None else [])
+        found, seen = [], set()
+        for owner in owners:
+            for module in owner.modules():
+                if isinstance(module, (nn.Linear, nn.QuantizedLinear)) and id(module) not in seen:
+                    seen.add(id(module))
+                    found.append(module)
+        return found
+
     def install(self) -> "KernelPatch":
         """Swap the classes and hook the model module (all or nothing).
 
@@ -362,11 +452,12 @@ class KernelPatch:
             return self
         from .drafter import DraftAttention
 
-        modules = self.attention_modules()
-        busy = [m for m in modules if hasattr(type(m), _ORIGINAL_CLASS)]
+        attention = self.attention_modules() if self.attention else []
+        matmul = self.matmul_modules() if self.matmul else []
+        busy = [m for m in attention + matmul if hasattr(type(m), _ORIGINAL_CLASS)]
         if busy:
-            raise RuntimeError(f"{len(busy)} attention modules already have kernels installed")
-        for module in modules:
+            raise RuntimeError(f"{len(busy)} modules already have kernels installed")
+        for module in attention:
             base = type(module)
             cls = _draft_class(base) if isinstance(module, DraftAttention) else _routed_class(base)
             _swap(module, cls, self.route)
@@ -374,6 +465,9 @@ class KernelPatch:
             if not isinstance(module, DraftAttention) and base.__module__ not in self._modules:
                 _hook_module(base.__module__)
                 self._modules.append(base.__module__)
+        for module in matmul:
+            _swap(module, _matmul_class(type(module)), self.route)
+            self._patched.append(module)
         return self
 
     def uninstall(self) -> None:

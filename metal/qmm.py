@@ -149,17 +149,20 @@ _LOAD_AFFINE = """
         const float s = float(scales[n * groups_k + g]);
         const float b = float(biases[n * groups_k + g]);
         const int first = (k0 + kk) * bits / 32;
+        const size_t row = size_t(n) * size_t(words);
         for (int i = 0; i < 8; ++i) {
           const int bit = i * bits;
-          const uint32_t word = weight[n * words + first + bit / 32];
+          const uint32_t word = weight[row + size_t(first + bit / 32)];
           const uint32_t q = (word >> uint32_t(bit % 32)) & uint32_t((1 << bits) - 1);
           wv[c][i] = DFL_FMA(s, float(q), b);
         }
 """
 
 _LOAD_DENSE = """
+        // 64-bit row offset: N * K passes 2^31 for large vocabularies.
+        const size_t row = size_t(n) * size_t(depth);
         for (int i = 0; i < 8; ++i) {
-          wv[c][i] = float(weight[n * depth + k0 + kk + i]);
+          wv[c][i] = float(weight[row + size_t(k0 + kk + i)]);
         }
 """
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import tiny_model
@@ -38,17 +39,20 @@ def _plain_and_speculative(target, drafter, prompt, tokens: int):
 
 
 @pytest.mark.parametrize(
-    "arch, dtype, block",
+    "arch, dtype, block, bits",
     [
-        ("muse_glimmer", mx.float32, 8),
-        ("muse_glimmer", mx.bfloat16, 16),
-        ("gemma3_text", mx.float32, 5),
-        ("qwen3", mx.float16, 8),
+        ("muse_glimmer", mx.float32, 8, None),
+        ("muse_glimmer", mx.bfloat16, 16, None),
+        ("muse_glimmer", mx.bfloat16, 8, 4),
+        ("gemma3_text", mx.float32, 5, 8),
+        ("qwen3", mx.float16, 8, None),
     ],
 )
-def test_plain_and_speculative_logits_agree_bitwise(arch, dtype, block) -> None:
+def test_plain_and_speculative_logits_agree_bitwise(arch, dtype, block, bits) -> None:
     target = tiny_model(arch, seed=1, window=16)
     target.set_dtype(dtype)
+    if bits:
+        nn.quantize(target, group_size=32, bits=bits)
     drafter = random_drafter(target, seed=11, block_size=block)
     drafter.set_dtype(dtype)
     prompt = mx.random.randint(0, 250, (19,))
@@ -161,7 +165,8 @@ def test_uninstall_restores_classes_and_module() -> None:
     drafter = random_drafter(target, seed=14)
     module = sys.modules[type(target).__module__]
     function = module.scaled_dot_product_attention
-    classes = [type(m) for m in KernelPatch(target, drafter).attention_modules()]
+    probe = KernelPatch(target, drafter)
+    classes = [type(m) for m in probe.attention_modules() + probe.matmul_modules()]
     prompt = mx.random.randint(0, 250, (1, 20))
     before = _f32(target(prompt))
     other = tiny_model("muse_glimmer", seed=5, window=16)
@@ -175,8 +180,9 @@ def test_uninstall_restores_classes_and_module() -> None:
         with pytest.raises(RuntimeError, match="already"):
             KernelPatch(target).install()
     assert module.scaled_dot_product_attention is function
-    assert [type(m) for m in patch.attention_modules()] == classes
-    assert not any("_dflash_route" in vars(m) for m in patch.attention_modules())
+    modules = patch.attention_modules() + patch.matmul_modules()
+    assert [type(m) for m in modules] == classes
+    assert not any("_dflash_route" in vars(m) for m in modules)
     assert np.array_equal(_f32(target(prompt)), before)
 
 
@@ -231,6 +237,43 @@ def test_kernel_route_uses_the_kernel_form(monkeypatch) -> None:
     monkeypatch.setattr(attention, "kernel_attention", kernel)
     monkeypatch.setattr(attention.backend, "BACKEND", "metal")
     target = tiny_model("muse_glimmer", seed=9, window=16)
-    with KernelPatch(target, use_kernel=True):
+    with KernelPatch(target, use_kernel=True, matmul=False):
         target(mx.random.randint(0, 250, (1, 4)), cache=make_prompt_cache(target))
     assert len(taken) == len(target.layers)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_matmuls_take_the_small_row_route(monkeypatch, bits) -> None:
+    """Every Linear / QuantizedLinear of a decode step or verify block; not a prefill."""
+    calls = []
+    original = kernel_patch.small_row_matmul
+
+    def spy(x, weight, *args, **kwargs):
+        calls.append((x.shape[0], kwargs["bits"]))
+        return original(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_patch, "small_row_matmul", spy)
+    target = tiny_model("muse_glimmer", seed=12, window=16)
+    if bits:
+        nn.quantize(target, group_size=32, bits=bits)
+    linears = len(KernelPatch(target).matmul_modules())
+    cache = make_prompt_cache(target)
+    with KernelPatch(target, max_queries=16):
+        target(mx.random.randint(0, 250, (1, 20)), cache=cache)
+        assert calls == []
+        target(mx.random.randint(0, 250, (1, 16)), cache=cache)
+        target(mx.random.randint(0, 250, (1, 1)), cache=cache)
+    assert calls == [(16, bits)] * linears + [(1, bits)] * linears
+
+
+def test_matmul_only_patch_keeps_attention(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(
+        kernel_patch, "small_query_attention", lambda *a, **k: calls.append(a)
+    )
+    target = tiny_model("gpt_oss", seed=0, window=16)
+    with KernelPatch(target, attention=False) as patch:
+        out = target(mx.random.randint(0, 250, (1, 3)), cache=make_prompt_cache(target))
+        assert patch.installed
+    mx.eval(out)
+    assert calls == []

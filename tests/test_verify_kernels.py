@@ -562,3 +562,22 @@ def test_cuda_matmul_glimmer_shapes(width) -> None:
     together = _matmul(case, True)
     alone = _matmul(case, True, slice(5, 6))
     assert np.array_equal(bits(alone), bits(together[5:6]))
+
+
+# ================================================================== benchmark
+
+
+def test_benchmark_runs_on_the_cpu_with_tiny_shapes(tmp_path: Path) -> None:
+    """The CI smoke test of benchmarks/verify_kernels.py (every code path, tiny shapes)."""
+    import json
+
+    from benchmarks import verify_kernels
+
+    path = tmp_path / "verify.json"
+    assert verify_kernels.main(["--small", "--json", str(path), "--reps", "1"]) == 0
+    data = json.loads(path.read_text())
+    assert len(data["attention"]) == 16 and len(data["matmul"]) == 24
+    for row in data["attention"] + data["matmul"]:
+        assert row["sync_us"] > 0 and row["pipelined_us"] > 0
+        assert row["max_abs_diff_vs_mlx"] < 1e-3
+    assert {r["impl"] for r in data["matmul"]} == {"reference", "mlx"}
