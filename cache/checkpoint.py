@@ -29,8 +29,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..metal.checkpoint import retain_rows
-from ..metal.ring import ring_write, wrapped_rows
+from ..metal import retain_rows, ring_write, wrapped_rows
 from .errors import CacheError, RollbackError
 from .plane import (
     KvPlane,
@@ -304,7 +303,7 @@ class SpeculativeCheckpoint:
     def retain(self, ckpts: Sequence[RingPlaneCheckpoint]) -> None:
         """Retain the rows the block overwrites in ``ckpts``' rings (still as at ``begin``).
 
-        Planes of one buffer geometry share one :func:`~dflash.metal.checkpoint.retain_rows`
+        Planes of one buffer geometry share one :func:`~dflash.metal.retain_rows`
         call (its launch count per backend is documented there).
         """
         groups = {}

@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.compile_check import check_specs, find_compiler
+from support.kernel_cases import DTYPES, bits, random_bits, to_mx
+from support.launches import graph_launches
+from support.metal_emulator import MetalEmulator
 
 from dflash.cache import GrowingKVCache, KvPlane, RingKVCache, SpeculativeCheckpoint
 from dflash.cache.plane import ring_indices, take_rows
-from dflash.metal import backend
-from dflash.metal.bench import graph_launches
-from dflash.metal.compile_check import MetalEmulator, check_specs, find_compiler
-from dflash.metal.ring import ring_write
-from dflash.metal.selfcheck import DTYPES, bits, random_bits, to_mx
+from dflash.metal import backend, ring_write
 
 WINDOWS = (5, 11)  # two ring geometries in one cache
 HEADS, DIM = 2, 4
