@@ -1,5 +1,8 @@
 """Compile checks and a CPU run of the threadgroup kernels (``dflash.metal.groups``).
 
+The companion of :mod:`.compile_check` and :mod:`.metal_emulator` (which serve the
+flat copy kernels of ``dflash.metal.sources``) for the verify kernels.
+
 The verify kernels cooperate inside a threadgroup (threadgroup memory, barriers),
 so the thread-by-thread driver of :mod:`.metal_emulator` cannot run them. This
 module does the same three jobs for them:
@@ -11,7 +14,8 @@ module does the same three jobs for them:
   with g++ against :data:`METAL_SHIM` (``-Wall -Wextra -Werror``);
 * :func:`cuda_unit` writes the source ``mx.fast.cuda_kernel`` generates (mlx's
   default header, ``namespace mlx::core::cu``, ``__global__``, ``using T = ...``),
-  and :func:`check_cuda` compiles it to PTX with nvcc (sm_90);
+  and :func:`check_cuda` compiles it to PTX with nvcc (sm_90), against the same
+  stand-in for mlx's device header as :mod:`.compile_check`;
 * :class:`GroupEmulator` compiles the Metal units with a driver that runs every
   threadgroup's threads as coroutines (``ucontext``) on one CPU thread: each runs
   until it reaches a barrier or returns, and the group moves on when all of them
@@ -26,7 +30,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -35,6 +38,8 @@ import numpy as np
 
 from dflash.metal.groups import GroupKernelSpec
 from dflash.metal.sources import CUDA, METAL
+
+from .compile_check import CUDA_SHIM, CompileResult, find_compiler, run_compiler
 
 # Element type names mlx writes into generated signatures.
 METAL_TYPES = {
@@ -123,15 +128,6 @@ inline float fmax(float a, float b) { return __builtin_fmaxf(a, b); }
 using namespace metal;
 """
 
-# Stand-in for mlx/backend/cuda/device/utils.cuh (not shipped with the CPU wheel):
-# only the includes the generated source relies on.
-CUDA_SHIM = """
-#pragma once
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cstdint>
-"""
-
 # mlx's CUDA default header (mlx/backend/cuda/custom_kernel.cpp, 0.32.4).
 CUDA_DEFAULT_HEADER = """
 #include "mlx/backend/cuda/device/utils.cuh"
@@ -144,34 +140,6 @@ CUDA_DEFAULT_HEADER = """
 
 CANARY_BYTES = 4096
 CANARY = 0xA5
-
-
-@dataclass(frozen=True)
-class CompileResult:
-    """Outcome of one compiler run.
-
-    Attributes:
-        ok: Whether the compiler exited 0.
-        command: The command line.
-        log: Compiler output.
-    """
-
-    ok: bool
-    command: str
-    log: str
-
-
-def find_compiler(name: str) -> Optional[str]:
-    """Path of compiler ``name`` (nvcc is also looked for under /usr/local/cuda)."""
-    found = shutil.which(name)
-    if found is None and name == "nvcc" and Path("/usr/local/cuda/bin/nvcc").exists():
-        found = "/usr/local/cuda/bin/nvcc"
-    return found
-
-
-def _run(command: list[str], cwd: Path) -> CompileResult:
-    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
-    return CompileResult(done.returncode == 0, " ".join(command), done.stdout + done.stderr)
 
 
 def element_dtype(kind: str, dtype: mx.Dtype) -> mx.Dtype:
@@ -269,25 +237,28 @@ def cuda_unit(spec: GroupKernelSpec, dtype: mx.Dtype, default_header: bool = Tru
     )
 
 
-def _metal_file(specs: Sequence[GroupKernelSpec]) -> str:
-    """One C++ file of every Metal unit (each in its own namespace: the headers'
-    helper functions repeat)."""
+def _metal_file(specs: Sequence[GroupKernelSpec], every_space: bool = False) -> str:
+    """One C++ file of every Metal unit, each in its own namespace (the headers'
+    helper functions repeat). With ``every_space``, each spec also appears with every
+    input in ``constant`` (what mlx binds for inputs of fewer than 8 elements)."""
     parts = [METAL_SHIM]
     for i, spec in enumerate(specs):
-        for dtype in TEMPLATE_TYPES:
-            parts.append(f"namespace unit{i}_{type_suffix(dtype)} {{\n")
-            parts.append(metal_unit(spec, dtype))
-            parts.append("}\n")
+        variants = [("", None)] + ([("_tiny", spec.input_names)] if every_space else [])
+        for suffix, small in variants:
+            for dtype in TEMPLATE_TYPES:
+                parts.append(f"namespace unit{i}{suffix}_{type_suffix(dtype)} {{\n")
+                parts.append(metal_unit(spec, dtype, small))
+                parts.append("}\n")
     return "\n".join(parts)
 
 
 def check_metal(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str = "g++"):
     """Syntax-check every Metal unit as C++ (g++ ``-fsyntax-only -Werror``)."""
     source = Path(workdir) / "group_bodies.cpp"
-    source.write_text(_metal_file(specs))
+    source.write_text(_metal_file(specs, every_space=True))
     command = [compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror"]
     command += ["-Wno-attributes", "-Wno-unused-parameter", str(source)]
-    return _run(command, Path(workdir))
+    return run_compiler(command, Path(workdir))
 
 
 def check_cuda(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str = "nvcc"):
@@ -299,7 +270,7 @@ def check_cuda(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str = 
     workdir = Path(workdir)
     header = workdir / "include/mlx/backend/cuda/device/utils.cuh"
     header.parent.mkdir(parents=True, exist_ok=True)
-    header.write_text(CUDA_SHIM)
+    shutil.copyfile(CUDA_SHIM, header)
     parts = [CUDA_DEFAULT_HEADER]
     for i, spec in enumerate(specs):
         for dtype in TEMPLATE_TYPES:
@@ -310,7 +281,7 @@ def check_cuda(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str = 
     source.write_text("\n".join(parts))
     command = [compiler, "-std=c++17", "-arch=sm_90", "-ptx", "-Werror=all-warnings"]
     command += ["-I", str(workdir / "include"), "-o", str(workdir / "group_bodies.ptx")]
-    return _run(command + [str(source)], workdir)
+    return run_compiler(command + [str(source)], workdir)
 
 
 # ----------------------------------------------------------------- emulator
@@ -492,7 +463,7 @@ class GroupEmulator:
         source = self.workdir / "group_emulator.cpp"
         source.write_text(_DRIVER_INCLUDES + _metal_file(self.specs) + driver)
         command = [compiler, "-std=c++17", "-O1", "-Wno-attributes", "-o", str(self.binary)]
-        self.build = _run(command + [str(source)], self.workdir)
+        self.build = run_compiler(command + [str(source)], self.workdir)
 
     def launch(
         self,
