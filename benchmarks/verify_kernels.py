@@ -164,7 +164,9 @@ def _attention_inputs(setup: Setup, context: int, count: int, ring: bool):
     return queries, plane, block_k, block_v
 
 
-def _mlx_attention(setup: Setup, queries, plane: KeyPlane, block_k, block_v, ring: bool):
+def _mlx_attention(
+    setup: Setup, queries, plane: KeyPlane, block_k, block_v, ring: bool
+):
     """mlx's route: contiguous keys + causal (growing), or shadow + window mask (ring)."""
     count = queries.shape[2]
     scale = setup.dim**-0.5
@@ -202,7 +204,9 @@ def bench_attention(setup: Setup, report: Report, args) -> None:
     for context in setup.contexts:
         for ring in (False, True):
             for count in setup.queries:
-                queries, plane, block_k, block_v = _attention_inputs(setup, context, count, ring)
+                queries, plane, block_k, block_v = _attention_inputs(
+                    setup, context, count, ring
+                )
                 kwargs = dict(
                     scale=setup.dim**-0.5,
                     window=setup.window if ring else None,
@@ -212,15 +216,23 @@ def bench_attention(setup: Setup, report: Report, args) -> None:
                     queries, plane, block_k, block_v, **kwargs
                 )
                 mine = ours()
-                theirs_fn = _mlx_attention(setup, queries, plane, block_k, block_v, ring)
-                diff = mx.abs(mine.astype(mx.float32) - theirs_fn().astype(mx.float32)).max()
+                theirs_fn = _mlx_attention(
+                    setup, queries, plane, block_k, block_v, ring
+                )
+                diff = mx.abs(
+                    mine.astype(mx.float32) - theirs_fn().astype(mx.float32)
+                ).max()
                 keys = min(context, setup.window) if ring else context
                 base = {
                     "context": context,
                     "plane": "ring" if ring else "growing",
                     "queries": count,
                     "keys_read": keys + count,
-                    "kv_bytes": 2 * setup.kv_heads * (keys + count) * setup.dim * setup.dtype.size,
+                    "kv_bytes": 2
+                    * setup.kv_heads
+                    * (keys + count)
+                    * setup.dim
+                    * setup.dtype.size,
                     "max_abs_diff_vs_mlx": float(diff),
                 }
                 report.add("attention", {**base, "impl": _form(args.use_kernel),
@@ -264,15 +276,25 @@ def bench_matmul(setup: Setup, report: Report, args) -> None:
                     theirs = lambda: x @ weight.T  # noqa: E731
                 else:
                     theirs = lambda: mx.quantized_matmul(  # noqa: E731
-                        x, weight, scales, biases, transpose=True, group_size=64, bits=bits
+                        x,
+                        weight,
+                        scales,
+                        biases,
+                        transpose=True,
+                        group_size=64,
+                        bits=bits,
                     )
-                diff = mx.abs(ours().astype(mx.float32) - theirs().astype(mx.float32)).max()
+                diff = mx.abs(
+                    ours().astype(mx.float32) - theirs().astype(mx.float32)
+                ).max()
                 base = {
                     "projection": name,
                     "K": depth,
                     "N": columns,
                     "rows": rows,
-                    "weights": _dtype_name(setup.dtype) if bits is None else f"{bits}-bit g64",
+                    "weights": (
+                        _dtype_name(setup.dtype) if bits is None else f"{bits}-bit g64"
+                    ),
                     "weight_bytes": nbytes,
                     "bound_us": 1e6 * nbytes / args.bandwidth,
                     "max_abs_diff_vs_mlx": float(diff),
@@ -282,7 +304,6 @@ def bench_matmul(setup: Setup, report: Report, args) -> None:
                     ratio = timing["pipelined_us"] / base["bound_us"]
                     report.add("matmul", {**base, "impl": impl, **timing,
                                           "pipelined_over_bound": ratio})  # fmt: skip
-            del weight, scales, biases
 
 
 # ---------------------------------------------------------------------- main
@@ -291,11 +312,19 @@ def bench_matmul(setup: Setup, report: Report, args) -> None:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.verify_kernels")
     parser.add_argument("--json", help="write results here (after every row)")
-    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke test)")
+    parser.add_argument(
+        "--small", action="store_true", help="tiny shapes (CPU smoke test)"
+    )
     parser.add_argument("--reps", type=int, default=30, help="timed calls per op")
-    parser.add_argument("--batch", type=int, default=20, help="calls per pipelined wait")
-    parser.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s")
-    parser.add_argument("--skip-lm-head", action="store_true", help="skip the 202k-column head")
+    parser.add_argument(
+        "--batch", type=int, default=20, help="calls per pipelined wait"
+    )
+    parser.add_argument(
+        "--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s"
+    )
+    parser.add_argument(
+        "--skip-lm-head", action="store_true", help="skip the 202k-column head"
+    )
     parser.add_argument("--only", choices=("attention", "matmul"), help="one section")
     parser.add_argument(
         "--use-kernel",
@@ -304,7 +333,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="form of our ops (auto: the kernel on a GPU, the reference on the CPU)",
     )
     args = parser.parse_args(argv)
-    args.use_kernel = {"auto": None, "kernel": True, "reference": False}[args.use_kernel]
+    args.use_kernel = {"auto": None, "kernel": True, "reference": False}[
+        args.use_kernel
+    ]
     if args.reps < 1 or args.batch < 1:
         parser.error("--reps and --batch must be >= 1")
     return args

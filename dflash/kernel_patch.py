@@ -36,17 +36,19 @@ function; nothing else about the model changes (same objects, same parameters).
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .cache.checkpoint import DEFERRED, RingPlaneCheckpoint
 from .cache.plane import KvPlane, RingPlane
-from .metal import qmm
+from .metal import backend, qmm
 from .metal.attention import KeyPlane, small_query_attention, visible_bounds
 from .metal.qmm import small_row_matmul
 from .taps import target_layers
@@ -104,7 +106,9 @@ class AttentionRoute:
         ):
             return None
         window = cache.window if isinstance(cache, RingPlane) else None
-        plane, block_keys, block_values = _key_source(cache, keys, values, count, window)
+        plane, block_keys, block_values = _key_source(
+            cache, keys, values, count, window
+        )
         return small_query_attention(
             queries,
             plane,
@@ -152,7 +156,9 @@ def _key_source(cache: KvPlane, keys: mx.array, values: mx.array, count: int, wi
     ):
         # A verify block held back: the ring as it was before the block, then the block.
         meta = guard.meta
-        plane = KeyPlane.from_kv(cache.kv, meta.len, meta.origin_logical, meta.origin_physical)
+        plane = KeyPlane.from_kv(
+            cache.kv, meta.len, meta.origin_logical, meta.origin_physical
+        )
         pending = guard.pending
         return plane, mx.squeeze(pending[0:1], 0), mx.squeeze(pending[1:2], 0)
     first, _ = visible_bounds(start, window or 0, True, cache.offset)
@@ -227,7 +233,9 @@ def _routed_class(base: type) -> type:
                 _ACTIVE.reset(token)
 
         _SUBCLASSES[key] = type(
-            f"Kernel{base.__name__}", (base,), {"__call__": __call__, _ORIGINAL_CLASS: base}
+            f"Kernel{base.__name__}",
+            (base,),
+            {"__call__": __call__, _ORIGINAL_CLASS: base},
         )
     return _SUBCLASSES[key]
 
@@ -255,7 +263,9 @@ def _draft_attention(self, x: mx.array, plane, rope: nn.Module, start: int) -> m
     block_keys, block_values = self.project_kv(x, rope, start)
     route: AttentionRoute = self._dflash_route
     if block > route.max_queries:
-        return getattr(type(self), _ORIGINAL_CLASS).__call__(self, x, plane, rope, start)
+        return getattr(type(self), _ORIGINAL_CLASS).__call__(
+            self, x, plane, rope, start
+        )
     if plane.keys is None:
         context = KeyPlane(block_keys[:, :, :0], block_values[:, :, :0], 0, start, 0)
     else:
@@ -428,7 +438,9 @@ class KernelPatch:
         if self.drafter is not None:
             from .drafter import DraftAttention
 
-            found += [m for m in self.drafter.modules() if isinstance(m, DraftAttention)]
+            found += [
+                m for m in self.drafter.modules() if isinstance(m, DraftAttention)
+            ]
         return found
 
     def matmul_modules(self) -> List[nn.Module]:
@@ -437,7 +449,10 @@ class KernelPatch:
         found, seen = [], set()
         for owner in owners:
             for module in owner.modules():
-                if isinstance(module, (nn.Linear, nn.QuantizedLinear)) and id(module) not in seen:
+                if (
+                    isinstance(module, (nn.Linear, nn.QuantizedLinear))
+                    and id(module) not in seen
+                ):
                     seen.add(id(module))
                     found.append(module)
         return found
@@ -459,10 +474,17 @@ class KernelPatch:
             raise RuntimeError(f"{len(busy)} modules already have kernels installed")
         for module in attention:
             base = type(module)
-            cls = _draft_class(base) if isinstance(module, DraftAttention) else _routed_class(base)
+            cls = (
+                _draft_class(base)
+                if isinstance(module, DraftAttention)
+                else _routed_class(base)
+            )
             _swap(module, cls, self.route)
             self._patched.append(module)
-            if not isinstance(module, DraftAttention) and base.__module__ not in self._modules:
+            if (
+                not isinstance(module, DraftAttention)
+                and base.__module__ not in self._modules
+            ):
                 _hook_module(base.__module__)
                 self._modules.append(base.__module__)
         for module in matmul:
@@ -484,3 +506,83 @@ class KernelPatch:
 
     def __exit__(self, *exc: Any) -> None:
         self.uninstall()
+
+
+# Whether the generators install the verify kernels when nobody says (``use_kernel=None``),
+# per backend. Off until a GPU run of ``benchmarks/verify_kernels.py`` (and the speed
+# benchmark's verify forward) shows them faster there; the CPU never installs them by
+# default (its reference forms only serve tests).
+VERIFY_KERNELS_BY_DEFAULT: Dict[str, bool] = {"metal": False, "cuda": False}
+VERIFY_KERNELS_ENV = "DFLASH_VERIFY_KERNELS"
+
+
+def _env_switch() -> Optional[bool]:
+    """``DFLASH_VERIFY_KERNELS``: ``1`` forces the install, ``0`` forbids it, unset: None."""
+    value = os.environ.get(VERIFY_KERNELS_ENV, "").strip().lower()
+    if value in {"1", "true", "on", "yes"}:
+        return True
+    if value in {"0", "false", "off", "no"}:
+        return False
+    return None
+
+
+def wanted(model: nn.Module, use_kernel: Optional[bool] = None) -> bool:
+    """Whether :func:`verify_kernels` installs the kernels for ``model``.
+
+    Args:
+        model: The target.
+        use_kernel: True / False decide; None asks ``DFLASH_VERIFY_KERNELS`` (``1`` / ``0``),
+            then ``DFLASH_KERNELS=0`` (off), then :data:`VERIFY_KERNELS_BY_DEFAULT` for this
+            backend (with the GPU as the default device).
+
+    Returns:
+        The decision (always False for an architecture :func:`supports` refuses).
+    """
+    if not supports(model):
+        return False
+    if use_kernel is not None:
+        return use_kernel
+    switch = _env_switch()
+    if switch is not None:
+        return switch
+    return (
+        backend.KERNELS_ENABLED
+        and backend.BACKEND is not None
+        and backend.gpu_is_default()
+        and VERIFY_KERNELS_BY_DEFAULT.get(backend.BACKEND, False)
+    )
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether some :class:`KernelPatch` is installed on ``model``'s attention."""
+    return any(
+        hasattr(type(layer.self_attn), _ORIGINAL_CLASS)
+        for layer in target_layers(model)
+    )
+
+
+@contextlib.contextmanager
+def verify_kernels(
+    model: nn.Module,
+    drafter: Optional[nn.Module] = None,
+    use_kernel: Optional[bool] = None,
+) -> Iterator[Optional[KernelPatch]]:
+    """Install :class:`KernelPatch` for the ``with`` block when :func:`wanted` says so.
+
+    What the generators use, so our plain decoding and DFlash decoding run the same
+    kernels. A model already patched (by the caller) is left as it is.
+
+    Args:
+        model: The target.
+        drafter: The drafter to patch with it (optional).
+        use_kernel: As for :func:`wanted`; when installing, True runs the kernel forms,
+            None the backend's default form.
+
+    Yields:
+        The installed patch, or None when nothing was installed.
+    """
+    if is_patched(model) or not wanted(model, use_kernel):
+        yield None
+        return
+    with KernelPatch(model, drafter, use_kernel=use_kernel or None) as patch:
+        yield patch

@@ -87,7 +87,11 @@ class KeyPlane:
 
     @classmethod
     def from_kv(
-        cls, kv: mx.array, length: int, origin_logical: int = 0, origin_physical: int = 0
+        cls,
+        kv: mx.array,
+        length: int,
+        origin_logical: int = 0,
+        origin_physical: int = 0,
     ) -> "KeyPlane":
         """A plane from a stacked K/V buffer (its halves are views, not copies).
 
@@ -152,7 +156,9 @@ class Plan:
         return visible_bounds(position, self.window, self.causal, self.key_end)
 
 
-def visible_bounds(position: int, window: int, causal: bool, key_end: int) -> tuple[int, int]:
+def visible_bounds(
+    position: int, window: int, causal: bool, key_end: int
+) -> tuple[int, int]:
     """Keys ``[first, last]`` a query at ``position`` sees (``window`` 0: none).
 
     mlx-lm's window: ``[q - W + 1, q]``; without a window ``[0, q]``. Not causal:
@@ -178,7 +184,9 @@ def _check_arrays(queries: mx.array, plane: KeyPlane, block_keys, block_values) 
     if queries.ndim != 4:
         raise ValueError(f"queries must be (B, Hq, S, D), got shape {queries.shape}")
     if queries.dtype not in DTYPES:
-        raise ValueError(f"queries dtype {queries.dtype} is not bfloat16, float16 or float32")
+        raise ValueError(
+            f"queries dtype {queries.dtype} is not bfloat16, float16 or float32"
+        )
     keys, values = plane.keys, plane.values
     if keys.ndim != 4 or keys.shape != values.shape:
         raise ValueError(
@@ -190,14 +198,21 @@ def _check_arrays(queries: mx.array, plane: KeyPlane, block_keys, block_values) 
     if count < 1:
         raise ValueError("queries hold no query (S = 0)")
     if keys.shape[1] < 1 or heads % keys.shape[1]:
-        raise ValueError(f"{heads} query heads are not a multiple of {keys.shape[1]} KV heads")
+        raise ValueError(
+            f"{heads} query heads are not a multiple of {keys.shape[1]} KV heads"
+        )
     for name, array in (("keys", keys), ("values", values)):
         if array.dtype != queries.dtype:
             raise ValueError(f"plane {name} are {array.dtype}, queries {queries.dtype}")
     if (block_keys is None) != (block_values is None):
         raise ValueError("block_keys and block_values must be given together")
     if block_keys is not None:
-        want = (batch, keys.shape[1], block_keys.shape[2] if block_keys.ndim == 4 else -1, dim)
+        want = (
+            batch,
+            keys.shape[1],
+            block_keys.shape[2] if block_keys.ndim == 4 else -1,
+            dim,
+        )
         for name, array in (("block_keys", block_keys), ("block_values", block_values)):
             if array.ndim != 4 or tuple(array.shape) != want:
                 raise ValueError(f"{name} must have shape {want}, got {array.shape}")
@@ -238,7 +253,11 @@ def make_plan(
     chunk = _check_int(chunk, "chunk", 1)
     block = 0 if block_keys is None else block_keys.shape[2]
     key_end = origin_logical + length + block
-    start = key_end - count if query_start is None else _check_int(query_start, "query_start", 0)
+    start = (
+        key_end - count
+        if query_start is None
+        else _check_int(query_start, "query_start", 0)
+    )
     if start < 0 or start + count > key_end:
         raise ValueError(
             f"queries at positions {start}..{start + count - 1} need keys up to "
@@ -250,7 +269,9 @@ def make_plan(
             f"the query at position {start} sees keys from {first} on, but the plane's "
             f"oldest live row is at {origin_logical} (evicted or never written)"
         )
-    last = max(visible_bounds(start + i, width, causal, key_end)[1] for i in range(count))
+    last = max(
+        visible_bounds(start + i, width, causal, key_end)[1] for i in range(count)
+    )
     chunk_first = first // chunk
     return Plan(
         batch, heads, plane.keys.shape[1], count, dim, capacity, block, start,
@@ -348,7 +369,9 @@ def reference_attention(
     """
     batch, heads, count, dim = queries.shape
     group = heads // plan.kv_heads
-    queries32 = queries.astype(mx.float32).reshape(batch, plan.kv_heads, group, count, 1, 1, dim)
+    queries32 = queries.astype(mx.float32).reshape(
+        batch, plan.kv_heads, group, count, 1, 1, dim
+    )
     bounds = np.array([plan.bounds(plan.query_start + i) for i in range(count)])
     state_shape = (batch, plan.kv_heads, group, count)
     peak = mx.full(state_shape, -mx.inf)
@@ -364,7 +387,9 @@ def reference_attention(
         keys = all_keys[:, :, rows].astype(mx.float32)
         values = all_values[:, :, rows].astype(mx.float32)
         grid = positions.reshape(1, used, plan.chunk)
-        visible = (grid >= bounds[:, 0, None, None]) & (grid <= bounds[:, 1, None, None])
+        visible = (grid >= bounds[:, 0, None, None]) & (
+            grid <= bounds[:, 1, None, None]
+        )
         peaks, totals, weighted, sees = _chunk_partials(
             plan, queries32, keys, values, visible, scale, softcap
         )

@@ -61,8 +61,7 @@ PROLOGUES: dict[str, str] = {
         "  const uint32_t group = threadgroup_position_in_grid.x;\n"
     ),
     CUDA: (
-        "  const uint32_t lid = threadIdx.x;\n"
-        "  const uint32_t group = blockIdx.x;\n"
+        "  const uint32_t lid = threadIdx.x;\n" "  const uint32_t group = blockIdx.x;\n"
     ),
 }
 

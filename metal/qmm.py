@@ -350,10 +350,14 @@ def small_row_matmul(
     # Each lane reads 8 consecutive elements of a row (affine K is a multiple of 32).
     serves = depth % 8 == 0
     if use_kernel is None:
-        use_kernel = serves and rows <= MAX_ROWS and backend.use_kernel_path(None, auto=True)
+        use_kernel = (
+            serves and rows <= MAX_ROWS and backend.use_kernel_path(None, auto=True)
+        )
     elif use_kernel:
         backend.use_kernel_path(True, auto=True)
         if not serves:
-            raise ValueError(f"the small-row kernel needs K to be a multiple of 8, got {depth}")
+            raise ValueError(
+                f"the small-row kernel needs K to be a multiple of 8, got {depth}"
+            )
     form = kernel_matmul if use_kernel else reference_matmul
     return form(x, weight, scales, biases, bits, group_size)

@@ -86,7 +86,9 @@ def test_divergences_from_mlx_lm_are_near_ties(dtype, seed) -> None:
         return
     # A near-tie: mlx-lm's top two log-probabilities within two ulps of the dtype there.
     limit = 1e-4 if dtype == mx.float32 else 2 * 2.0**-8 * 8
-    print(f"{dtype} seed {seed}: parted from mlx-lm at token {index}, margin {margin:.3g}")
+    print(
+        f"{dtype} seed {seed}: parted from mlx-lm at token {index}, margin {margin:.3g}"
+    )
     assert margin <= limit, (index, margin)
 
 
@@ -101,7 +103,10 @@ def test_patched_forward_matches_mlx_attention(arch) -> None:
         cache = make_prompt_cache(target)
         patch = KernelPatch(target).install() if patched else None
         try:
-            logits = [target(prompt[:, :30], cache=cache), target(prompt[:, 30:], cache=cache)]
+            logits = [
+                target(prompt[:, :30], cache=cache),
+                target(prompt[:, 30:], cache=cache),
+            ]
             with SpeculativeCheckpoint.begin(cache, 7) as checkpoint:
                 logits.append(target(block, cache=cache))
                 checkpoint.commit(3)
@@ -139,7 +144,11 @@ def test_verify_block_is_read_beside_the_ring(monkeypatch) -> None:
         assert kwargs["query_start"] == 29
         if kind == "sliding_attention":
             # The full 16-row ring, untouched, then the 6 held-back rows.
-            assert (plane.length, plane.origin_logical, block_keys.shape[2]) == (16, 13, 6)
+            assert (plane.length, plane.origin_logical, block_keys.shape[2]) == (
+                16,
+                13,
+                6,
+            )
             assert plane.origin_physical == 13 % 16
             assert kwargs["window"] == 16
         else:
@@ -215,7 +224,10 @@ def test_drafter_attention_matches_its_own() -> None:
         patch = KernelPatch(target, drafter).install() if patched else None
         try:
             runs[patched] = [
-                _f32(lp) for _, lp, _ in dflash_generate_step(prompt, target, drafter, max_tokens=20)
+                _f32(lp)
+                for _, lp, _ in dflash_generate_step(
+                    prompt, target, drafter, max_tokens=20
+                )
             ]
         finally:
             if patch is not None:
@@ -277,3 +289,66 @@ def test_matmul_only_patch_keeps_attention(monkeypatch) -> None:
         assert patch.installed
     mx.eval(out)
     assert calls == []
+
+
+def test_generators_install_the_kernels_on_the_env_switch(monkeypatch) -> None:
+    """``DFLASH_VERIFY_KERNELS=1``: both generators patch the model while they run."""
+    monkeypatch.setenv(kernel_patch.VERIFY_KERNELS_ENV, "1")
+    target = tiny_model("muse_glimmer", seed=21, window=16)
+    drafter = random_drafter(target, seed=22, block_size=6)
+    prompt = mx.random.randint(0, 250, (17,))
+    seen = []
+    steps = generate_step(prompt, target, max_tokens=20)
+    for _ in steps:
+        seen.append(kernel_patch.is_patched(target))
+    plain_run = list(generate_step(prompt, target, max_tokens=20))
+    spec_run = list(dflash_generate_step(prompt, target, drafter, max_tokens=20))
+    assert all(seen) and not kernel_patch.is_patched(target)
+    for (_, want), (_, got, _) in zip(plain_run, spec_run):
+        assert np.array_equal(_f32(want), _f32(got))
+
+
+@pytest.mark.parametrize(
+    "env, use_kernel, kernels_env, expected",
+    [
+        (None, None, True, False),  # CPU: never by default
+        ("1", None, True, True),
+        ("0", True, True, True),  # an explicit argument wins
+        ("0", None, True, False),
+        (None, False, True, False),
+        ("yes", None, False, True),
+    ],
+)
+def test_wanted_follows_argument_then_env(
+    monkeypatch, env, use_kernel, kernels_env, expected
+):
+    if env is None:
+        monkeypatch.delenv(kernel_patch.VERIFY_KERNELS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(kernel_patch.VERIFY_KERNELS_ENV, env)
+    monkeypatch.setattr(kernel_patch.backend, "KERNELS_ENABLED", kernels_env)
+    monkeypatch.setattr(kernel_patch.backend, "BACKEND", None)
+    target = tiny_model("muse_glimmer", seed=23, window=16)
+    assert kernel_patch.wanted(target, use_kernel) is expected
+    assert not kernel_patch.wanted(tiny_model("gpt_oss", seed=0), True)
+
+
+def test_default_table_and_dflash_kernels_switch(monkeypatch) -> None:
+    """On a GPU backend the table decides; ``DFLASH_KERNELS=0`` turns the default off."""
+    monkeypatch.delenv(kernel_patch.VERIFY_KERNELS_ENV, raising=False)
+    monkeypatch.setattr(kernel_patch.backend, "BACKEND", "cuda")
+    monkeypatch.setattr(kernel_patch.backend, "gpu_is_default", lambda: True)
+    monkeypatch.setitem(kernel_patch.VERIFY_KERNELS_BY_DEFAULT, "cuda", True)
+    target = tiny_model("muse_glimmer", seed=24, window=16)
+    assert kernel_patch.wanted(target)
+    monkeypatch.setattr(kernel_patch.backend, "KERNELS_ENABLED", False)
+    assert not kernel_patch.wanted(target)
+
+
+def test_verify_kernels_leaves_a_patched_model_alone() -> None:
+    target = tiny_model("muse_glimmer", seed=25, window=16)
+    with KernelPatch(target) as outer:
+        with kernel_patch.verify_kernels(target, use_kernel=True) as inner:
+            assert inner is None and outer.installed
+        assert kernel_patch.is_patched(target)
+    assert not kernel_patch.is_patched(target)

@@ -49,7 +49,9 @@ cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA b
 
 def _verify_cases(**kwargs):
     """Verify-shaped cases (the block holds every query), causal."""
-    return cases(allow_non_causal=False, **kwargs).filter(lambda c: c.block == c.queries)
+    return cases(allow_non_causal=False, **kwargs).filter(
+        lambda c: c.block == c.queries
+    )
 
 
 def assert_batch_invariant(case: Case, use_kernel) -> None:
@@ -85,7 +87,9 @@ def test_reference_does_not_see_the_seam(case: Case, turn: int) -> None:
     """The same logical rows at another rotation give the same bits."""
     built = build(case)
     rotated = build(
-        dataclasses.replace(case, origin_physical=(case.origin_physical + turn) % case.capacity)
+        dataclasses.replace(
+            case, origin_physical=(case.origin_physical + turn) % case.capacity
+        )
     )
     assert np.array_equal(bits(built.attend(False)), bits(rotated.attend(False)))
 
@@ -107,7 +111,9 @@ def test_window_off_by_one_fails_the_oracle(shift: int, seed: int) -> None:
 
 def test_chunk_changes_bits_not_values() -> None:
     """Different chunk sizes are different (fixed) orders: close, each invariant."""
-    case = Case(1, 2, 4, 64, mx.float32, True, 64, 300, 16, 16, 7, 64, True, None, 16, 3)
+    case = Case(
+        1, 2, 4, 64, mx.float32, True, 64, 300, 16, 16, 7, 64, True, None, 16, 3
+    )
     built = build(case)
     small = built.attend(False, chunk=4)
     large = built.attend(False, chunk=256)
@@ -115,7 +121,9 @@ def test_chunk_changes_bits_not_values() -> None:
 
 
 def _plane(c=8, d=16, dtype=mx.float32):
-    return KeyPlane(mx.zeros((1, 2, c, d), dtype), mx.zeros((1, 2, c, d), dtype), 4, 10, 3)
+    return KeyPlane(
+        mx.zeros((1, 2, c, d), dtype), mx.zeros((1, 2, c, d), dtype), 4, 10, 3
+    )
 
 
 _Q = mx.zeros((1, 4, 2, 16))
@@ -127,13 +135,28 @@ _BK = mx.zeros((1, 2, 2, 16))
     [
         (lambda: small_query_attention(_Q[0], _plane(), scale=1.0), "queries must be"),
         (lambda: small_query_attention(_Q, _plane(d=8), scale=1.0), "does not fit"),
-        (lambda: small_query_attention(_Q.astype(mx.int32), _plane(), scale=1.0), "dtype"),
-        (lambda: small_query_attention(_Q, _plane(dtype=mx.float16), scale=1.0), "float16"),
-        (lambda: small_query_attention(mx.zeros((1, 3, 2, 16)), _plane(), scale=1.0), "multiple"),
+        (
+            lambda: small_query_attention(_Q.astype(mx.int32), _plane(), scale=1.0),
+            "dtype",
+        ),
+        (
+            lambda: small_query_attention(_Q, _plane(dtype=mx.float16), scale=1.0),
+            "float16",
+        ),
+        (
+            lambda: small_query_attention(mx.zeros((1, 3, 2, 16)), _plane(), scale=1.0),
+            "multiple",
+        ),
         (lambda: small_query_attention(_Q, _plane(), _BK, scale=1.0), "together"),
-        (lambda: small_query_attention(_Q, _plane(), _BK, _BK[:, :1], scale=1.0), "shape"),
+        (
+            lambda: small_query_attention(_Q, _plane(), _BK, _BK[:, :1], scale=1.0),
+            "shape",
+        ),
         (lambda: small_query_attention(_Q, _plane(), scale=float("nan")), "scale"),
-        (lambda: small_query_attention(_Q, _plane(), scale=1.0, softcap=-1.0), "softcap"),
+        (
+            lambda: small_query_attention(_Q, _plane(), scale=1.0, softcap=-1.0),
+            "softcap",
+        ),
         (lambda: small_query_attention(_Q, _plane(), scale=1.0, window=0), "window"),
         (lambda: small_query_attention(_Q, _plane(), scale=1.0, chunk=0), "chunk"),
         (
@@ -197,7 +220,9 @@ def test_cuda_bodies_compile(tmp_path: Path) -> None:
 
 
 def _broken():
-    body = attention.ATTEND_CHUNKS.body.replace("scores[r][k] = w;", "scores[r][k] = ww;")
+    body = attention.ATTEND_CHUNKS.body.replace(
+        "scores[r][k] = w;", "scores[r][k] = ww;"
+    )
     assert body != attention.ATTEND_CHUNKS.body
     return dataclasses.replace(attention.ATTEND_CHUNKS, body=body)
 
@@ -256,7 +281,9 @@ def test_metal_body_matches_reference(metal_on_cpu, case: Case) -> None:
     reference = built.attend(False)
     got = np.asarray(kernel.astype(mx.float32))
     want = np.asarray(reference.astype(mx.float32))
-    assert np.all(np.abs(got - want) <= TOLERANCE[case.dtype] * (1 + np.abs(want))), case
+    assert np.all(
+        np.abs(got - want) <= TOLERANCE[case.dtype] * (1 + np.abs(want))
+    ), case
     assert close_to_oracle(built, kernel), case
 
 
@@ -281,7 +308,9 @@ def test_reference_batch_invariant_across_chunk_edges(case: Case) -> None:
 
 
 @pytest.mark.parametrize("case", _CROSSING)
-def test_metal_body_batch_invariant_across_chunk_edges(metal_on_cpu, case: Case) -> None:
+def test_metal_body_batch_invariant_across_chunk_edges(
+    metal_on_cpu, case: Case
+) -> None:
     assert_batch_invariant(case, True)
 
 
@@ -309,7 +338,9 @@ def test_cuda_matches_oracle_and_reference(case: Case) -> None:
         reference = built.attend(False)
     got = np.asarray(kernel.astype(mx.float32))
     want = np.asarray(reference.astype(mx.float32))
-    assert np.all(np.abs(got - want) <= TOLERANCE[case.dtype] * (1 + np.abs(want))), case
+    assert np.all(
+        np.abs(got - want) <= TOLERANCE[case.dtype] * (1 + np.abs(want))
+    ), case
 
 
 @pytest.mark.cuda
@@ -327,7 +358,9 @@ def test_cuda_is_batch_invariant(case: Case) -> None:
 def test_cuda_does_not_see_the_seam(case: Case, turn: int) -> None:
     built = build(case)
     rotated = build(
-        dataclasses.replace(case, origin_physical=(case.origin_physical + turn) % case.capacity)
+        dataclasses.replace(
+            case, origin_physical=(case.origin_physical + turn) % case.capacity
+        )
     )
     assert np.array_equal(bits(built.attend(True)), bits(rotated.attend(True)))
 
@@ -368,7 +401,9 @@ def matmul_cases(draw, max_rows: int = 32, max_groups: int = 12, max_columns: in
     dtype = draw(st.sampled_from(DTYPES_))
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     x = mx.array(rng.standard_normal((rows, depth)).astype(np.float32)).astype(dtype)
-    dense = mx.array(rng.standard_normal((columns, depth)).astype(np.float32)).astype(dtype)
+    dense = mx.array(rng.standard_normal((columns, depth)).astype(np.float32)).astype(
+        dtype
+    )
     if bits is None:
         return x, dense, None, None, None, None
     weight, scales, biases = mx.quantize(dense, group_size=group, bits=bits)
@@ -407,7 +442,13 @@ def _close_to_matmul_oracle(case, out, slack: float = 1.0) -> bool:
 def _matmul(case, use_kernel, rows=slice(None)):
     x, weight, scales, biases, bits, group = case
     out = small_row_matmul(
-        x[rows], weight, scales, biases, bits=bits, group_size=group, use_kernel=use_kernel
+        x[rows],
+        weight,
+        scales,
+        biases,
+        bits=bits,
+        group_size=group,
+        use_kernel=use_kernel,
     )
     mx.eval(out)
     return out
@@ -552,7 +593,9 @@ def test_cuda_matmul_is_batch_invariant(case) -> None:
 def test_cuda_matmul_glimmer_shapes(width) -> None:
     """Hidden 6,656 -> 6,656 (o_proj) at 1 and 16 rows, bf16, group 64."""
     rng = np.random.default_rng(0)
-    dense = mx.array(rng.standard_normal((6656, 6656)).astype(np.float32)).astype(mx.bfloat16)
+    dense = mx.array(rng.standard_normal((6656, 6656)).astype(np.float32)).astype(
+        mx.bfloat16
+    )
     x = mx.array(rng.standard_normal((16, 6656)).astype(np.float32)).astype(mx.bfloat16)
     if width is None:
         case = (x, dense, None, None, None, None)

@@ -187,7 +187,12 @@ def _rounded(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
 
 
 def lay_out(
-    case: Case, keys: mx.array, values: mx.array, queries: mx.array, history: int, block: int
+    case: Case,
+    keys: mx.array,
+    values: mx.array,
+    queries: mx.array,
+    history: int,
+    block: int,
 ) -> Built:
     """Place positions ``[0, history)`` in the case's plane and ``[history, +block)`` in a block.
 
@@ -196,7 +201,9 @@ def lay_out(
     """
     c = dataclasses.replace(case, history=history, block=block)
     length, start = c.length, c.origin_logical
-    garbage = mx.full((c.batch, c.kv_heads, c.capacity, c.dim), float("nan"), dtype=c.dtype)
+    garbage = mx.full(
+        (c.batch, c.kv_heads, c.capacity, c.dim), float("nan"), dtype=c.dtype
+    )
     phys = (c.origin_physical + np.arange(length)) % c.capacity
     order = np.full(c.capacity, -1)
     order[phys] = start + np.arange(length)
@@ -218,7 +225,9 @@ def build(case: Case) -> Built:
     direction = case.skew * rng.standard_normal(case.dim)
     keys = _rounded(rng.standard_normal(shape) + direction, case.dtype)
     values = _rounded(rng.standard_normal(shape), case.dtype)
-    queries = 2.0 * rng.standard_normal((case.batch, case.heads, case.queries, case.dim))
+    queries = 2.0 * rng.standard_normal(
+        (case.batch, case.heads, case.queries, case.dim)
+    )
     queries = _rounded(queries - direction, case.dtype)
     return lay_out(case, keys, values, queries, case.history, case.block)
 

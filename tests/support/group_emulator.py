@@ -39,7 +39,12 @@ import numpy as np
 from dflash.metal.groups import GroupKernelSpec
 from dflash.metal.sources import CUDA, METAL
 
-from .compile_check import CUDA_SHIM, CompileResult, find_compiler, run_compiler
+from .compile_check import (  # noqa: F401 (CompileResult, find_compiler re-exported)
+    CUDA_SHIM,
+    CompileResult,
+    find_compiler,
+    run_compiler,
+)
 
 # Element type names mlx writes into generated signatures.
 METAL_TYPES = {
@@ -207,7 +212,9 @@ def metal_unit(
     )
 
 
-def cuda_unit(spec: GroupKernelSpec, dtype: mx.Dtype, default_header: bool = True) -> str:
+def cuda_unit(
+    spec: GroupKernelSpec, dtype: mx.Dtype, default_header: bool = True
+) -> str:
     """The CUDA source mlx generates for ``spec`` at template type ``dtype``.
 
     Args:
@@ -462,7 +469,14 @@ class GroupEmulator:
         driver = driver.replace("CANARY", str(CANARY))
         source = self.workdir / "group_emulator.cpp"
         source.write_text(_DRIVER_INCLUDES + _metal_file(self.specs) + driver)
-        command = [compiler, "-std=c++17", "-O1", "-Wno-attributes", "-o", str(self.binary)]
+        command = [
+            compiler,
+            "-std=c++17",
+            "-O1",
+            "-Wno-attributes",
+            "-o",
+            str(self.binary),
+        ]
         self.build = run_compiler(command + [str(source)], self.workdir)
 
     def launch(
@@ -486,7 +500,9 @@ class GroupEmulator:
             for i, (kind, array) in enumerate(zip(spec.input_types, inputs)):
                 want = element_dtype(kind, dtype)
                 if array.dtype != want:
-                    raise TypeError(f"input {spec.input_names[i]} is {array.dtype}, kernel expects {want}")
+                    raise TypeError(
+                        f"input {spec.input_names[i]} is {array.dtype}, kernel expects {want}"
+                    )
                 path = Path(tmp) / f"in{i}.bin"
                 _host(array).tofile(path)
                 argv.append(str(path))
