@@ -39,12 +39,22 @@ import numpy as np
 from dflash.metal.groups import GroupKernelSpec
 from dflash.metal.sources import CUDA, METAL
 
-from .compile_check import (  # noqa: F401 (CompileResult, find_compiler re-exported)
+from .compile_check import (
     CUDA_SHIM,
     CompileResult,
     find_compiler,
     run_compiler,
 )
+
+__all__ = [
+    "CompileResult",
+    "GroupEmulator",
+    "check_cuda",
+    "check_metal",
+    "cuda_unit",
+    "find_compiler",
+    "metal_unit",
+]
 
 # Element type names mlx writes into generated signatures.
 METAL_TYPES = {
