@@ -628,9 +628,19 @@ ATTEND_CHUNKS_BODY = (
       pair_last[i] = dfl_last_key(ppos, window, causal, key_end);
     }
   }
-  for (int k = 0; k < chunk; ++k) {
+  // Keys some pair of this thread sees (no address is formed for any other).
+  int span_first = key_end;
+  int span_last = -1;
+  for (int i = 0; i < PAIRS; ++i) {
+    if (pair_first[i] <= pair_last[i]) {
+      span_first = pair_first[i] < span_first ? pair_first[i] : span_first;
+      span_last = pair_last[i] > span_last ? pair_last[i] : span_last;
+    }
+  }
+  const int k_first = span_first > chunk_start ? span_first - chunk_start : 0;
+  for (int k = k_first; k < chunk; ++k) {
     const int pos = chunk_start + k;
-    if (pos >= key_end) {
+    if (pos > span_last) {
       break;
     }
     const int off = dfl_row_offset(pos, bh, dim, cap, n_block, origin_logical,

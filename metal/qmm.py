@@ -198,10 +198,11 @@ _BODY = """
     const int len = depth - k0 < {chunk} ? depth - k0 : {chunk};
     // The block's rows, elements k0 .. k0 + len, as float32.
     DFL_BARRIER();
-    for (int idx = int(lid); idx < {rows} * {chunk}; idx += {threads}) {
+    // Only the block's rows: the products below never read past them.
+    for (int idx = int(lid); idx < block_rows * {chunk}; idx += {threads}) {
       const int m = idx / {chunk};
       const int k = idx % {chunk};
-      smem[idx] = (m < block_rows && k < len) ? float(x[(row0 + m) * depth + k0 + k]) : 0.0f;
+      smem[idx] = k < len ? float(x[(row0 + m) * depth + k0 + k]) : 0.0f;
     }
     DFL_BARRIER();
     const int kk = 8 * lane;
