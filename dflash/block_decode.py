@@ -24,6 +24,7 @@ from .generation import (
     as_prompt_array,
     check_cache_options,
 )
+from .kernel_patch import verify_kernels
 from .taps import TargetTaps
 from .verify.acceptance import (
     ParamSampler,
@@ -174,7 +175,11 @@ def dflash_generate_step(
     progress = prompt_progress_callback or (lambda *_: None)
     sampling = _Sampling(sampler, logits_processors, prompt[:-1])
     context = drafter.make_context()
-    with TargetTaps(model, drafter.config.target_layer_ids) as taps, mx.stream(stream):
+    with (
+        TargetTaps(model, drafter.config.target_layer_ids) as taps,
+        mx.stream(stream),
+        verify_kernels(model, drafter),
+    ):
         progress(0, prompt.size)
         _prefill(
             model,

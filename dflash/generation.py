@@ -21,6 +21,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache import SpeculativeCheckpoint, check_prompt_cache, make_prompt_cache
 from .cache.errors import IncompatibleCache
+from .kernel_patch import verify_kernels
 from .verify.acceptance import acceptance_histogram, greedy_accept
 
 Sampler = Callable[[mx.array], mx.array]
@@ -247,10 +248,12 @@ def generate_step(
         prompt_progress_callback=prompt_progress_callback,
         input_embeddings=input_embeddings,
     )
-    for token, logprobs in steps:
-        if stats is not None:
-            stats.record(0)
-        yield token, logprobs
+    # The verify kernels, where installed, serve our plain decoding too (bitwise agreement).
+    with verify_kernels(model):
+        for token, logprobs in steps:
+            if stats is not None:
+                stats.record(0)
+            yield token, logprobs
 
 
 def prefill(
