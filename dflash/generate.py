@@ -170,9 +170,9 @@ def run(args) -> None:
     """Load the models, stream the text, print the statistics."""
     from mlx_lm import load
 
-    from .block_decode import GenerationStats
     from .generation import stream_generate
-    from .verify.acceptance import SamplingParams, make_sampler
+    from .sampling import SamplingParams, make_sampler
+    from .stats import GenerationStats
 
     if args.drafter and args.draft_model:
         raise ValueError("use --drafter (DFlash) or --draft-model, not both")
