@@ -13,7 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generation_stream
 
-from .cache import check_prompt_cache, make_prompt_cache
+from .cache import PromptCache, check_prompt_cache, make_prompt_cache
+from .cache.errors import IncompatibleCache
 from .inputs import ProgressCallback, Stream, as_prompt_array, check_cache_options
 from .rounds import VerifyRound, emit_rounds, prefill
 from .sampling import LogitsProcessor, Sampler, Sampling, log_normalize
@@ -101,6 +102,44 @@ class DFlashSpeculator:
         self.drafter.append_context(self.context, features, round_.position)
         self.sampling.extend(round_.block[:rows])
 
+    def close(self) -> None:
+        """Nothing to do: :meth:`settle` keeps the context at the cache's position."""
+
+
+def session_context(drafter, prompt_cache) -> Any:
+    """The drafter context that continues ``prompt_cache``'s session (made if it is new).
+
+    A cache at position 0 without a context gets a fresh one, attached to it when it is a
+    :class:`~dflash.cache.PromptCache` so the next turn continues it. A cache that already
+    holds tokens must carry the context built alongside them.
+
+    Args:
+        drafter: The DFlash drafter.
+        prompt_cache: The target's checked caches.
+
+    Returns:
+        The drafter context at the cache's position.
+    """
+    position = prompt_cache[0].offset if len(prompt_cache) else 0
+    context = getattr(prompt_cache, "drafter_context", None)
+    if context is None:
+        if position != 0:
+            raise ValueError(
+                f"the prompt cache holds {position} tokens but no drafter context, so the "
+                "drafter cannot see them: build it with "
+                "dflash.make_prompt_cache(model, drafter=drafter) and use it for every turn"
+            )
+        context = drafter.make_context()
+        if isinstance(prompt_cache, PromptCache):
+            prompt_cache.drafter_context = context
+    elif context.offset != position:
+        raise IncompatibleCache(
+            f"the prompt cache's drafter context is at position {context.offset} but its "
+            f"target caches are at {position}: a turn ran without the drafter; rebuild the "
+            "session with dflash.make_prompt_cache(model, drafter=drafter)"
+        )
+    return context
+
 
 def dflash_generate_step(
     prompt: mx.array,
@@ -137,7 +176,10 @@ def dflash_generate_step(
         sampler: ``None`` (greedy), ``dflash.make_sampler(...)`` (lossless rejection
             sampling at temperature > 0), or any mlx-lm sampler (lossless sample-match rule).
         logits_processors: Functions ``(tokens, logits) -> logits`` applied to the target.
-        prompt_cache: The target's dflash caches (updated in place); built if ``None``.
+        prompt_cache: The session to continue (``dflash.make_prompt_cache(model,
+            drafter)``: the target's caches and the drafter's context, updated in place);
+            built if ``None``. After the generation it holds the prompt and every yielded
+            token, as mlx-lm's cache does, so the next turn passes only its new tokens.
         prefill_step_size: Prompt tokens per prefill forward.
         kv_bits: Must be ``None``: dflash caches are not quantized.
         kv_group_size: Unused (only with ``kv_bits``).
@@ -159,17 +201,13 @@ def dflash_generate_step(
     check_cache_options(model, kv_bits, max_kv_size)
     prompt = as_prompt_array(prompt, model)
     if prompt_cache is None:
-        prompt_cache = make_prompt_cache(model, max_context=max_context)
-    elif check_prompt_cache(model, prompt_cache) != 0:
-        raise ValueError(
-            "dflash_generate_step needs an empty prompt cache (the drafter "
-            "must see the target features of every prompt token)"
-        )
+        prompt_cache = make_prompt_cache(model, drafter, max_context=max_context)
+    check_prompt_cache(model, prompt_cache)
+    context = session_context(drafter, prompt_cache)
     stats = stats if stats is not None else GenerationStats(block_size)
     stats.block_size = block_size
     progress = prompt_progress_callback or (lambda *_: None)
     sampling = Sampling(sampler, logits_processors, prompt[:-1])
-    context = drafter.make_context()
     with TargetTaps(model, drafter.config.target_layer_ids) as taps, mx.stream(stream):
         speculator = DFlashSpeculator(
             model, drafter, prompt_cache, context, taps, sampling

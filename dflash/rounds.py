@@ -113,7 +113,22 @@ class Speculator(Protocol):
         """``(accepted, tokens to emit, target log-probabilities)`` of a launched round."""
 
     def settle(self, round_: Any, rows: int) -> None:
-        """Keep the round's first ``rows`` block rows in every cache."""
+        """Keep the round's first ``rows`` block rows in every cache; close the round."""
+
+    def close(self) -> None:
+        """Bring every cache beside the target's to the target's position."""
+
+
+def round_size(block_size: int, max_tokens: int, emitted: int) -> int:
+    """Block rows of the next round: ``block_size``, or fewer near ``max_tokens``.
+
+    With ``n`` tokens left to emit a round drafts at most ``n`` tokens: if all are accepted
+    the generation ends on the last draft (the target's token after it is never emitted);
+    with none left (``n = 0``) the round only writes ``last``, the final emitted token.
+    """
+    if max_tokens < 0:
+        return block_size
+    return max(1, min(block_size, max_tokens - emitted + 1))
 
 
 def emit_rounds(
@@ -126,32 +141,47 @@ def emit_rounds(
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Run rounds until ``max_tokens`` tokens are emitted (``-1``: forever).
 
-    A round never drafts past ``max_tokens``: with ``n`` tokens left it verifies at most
-    ``n`` block rows.
+    The caches follow mlx-lm's ``generate_step``: when a token is yielded it is already in
+    the caches, and whenever the generation ends (``max_tokens``, or the consumer closing it
+    after any token, e.g. at an end-of-sequence token) they hold exactly the prompt and every
+    yielded token, nothing more. So a round's checkpoint stays open while its accepted drafts
+    are yielded (closing after ``k`` of them keeps ``1 + k`` rows), and the next round, whose
+    block starts with the target's own token, is launched before that token is yielded
+    (closing then keeps that one row).
 
     Args:
         speculator: The drafting side.
         last: The last prompt token (the first round's block starts with it).
         max_tokens: Tokens to emit.
         block_size: Most rows a round verifies.
-        stats: Filled with each round's accepted count.
+        stats: Filled with each judged round's accepted count.
         on_first_token: Called once the first token is known.
 
     Yields:
         ``(token, logprobs, from_draft)``.
     """
     emitted = 0
-    while max_tokens < 0 or emitted < max_tokens:
-        left = max_tokens - emitted if max_tokens >= 0 else block_size
-        round_ = speculator.launch(last, max(1, min(block_size, left)))
-        accepted, tokens, logprobs = speculator.judge(round_)
-        speculator.settle(round_, accepted + 1)
-        stats.record(accepted)
-        if emitted == 0:
-            on_first_token()
-        last = tokens[-1]
-        for index, token in enumerate(tokens):
-            yield token, logprobs[index], index < accepted
-            emitted += 1
+    live, kept = None, 0  # the round whose checkpoint is open; its rows already yielded
+    try:
+        live, kept = speculator.launch(last, round_size(block_size, max_tokens, 0)), 1
+        while True:
+            accepted, tokens, logprobs = speculator.judge(live)
+            stats.record(accepted)
+            if emitted == 0:
+                on_first_token()
+            for index in range(accepted):
+                kept, emitted = kept + 1, emitted + 1
+                yield tokens[index], logprobs[index], True
+                if emitted == max_tokens:
+                    return
+            speculator.settle(live, kept)
+            live, emitted = None, emitted + 1
+            size = round_size(block_size, max_tokens, emitted)
+            live, kept = speculator.launch(tokens[accepted], size), 1
+            yield tokens[accepted], logprobs[accepted], False
             if emitted == max_tokens:
                 return
+    finally:
+        if live is not None:
+            speculator.settle(live, kept)
+        speculator.close()

@@ -121,6 +121,13 @@ class DraftModelSpeculator:
             self.pending = round_.drafts[-1:] if kept == count else []
         self.sampling.extend(round_.block[:rows])
 
+    def close(self) -> None:
+        """Write the pending tokens to the draft caches: both caches end at one position."""
+        if self.pending:
+            tokens = mx.array(self.pending, mx.uint32)[None]
+            self.draft_model(tokens, cache=self.draft_cache)
+            self.pending = []
+
 
 def speculative_generate_step(
     prompt: mx.array,
@@ -164,7 +171,8 @@ def speculative_generate_step(
         sampler: Picks a token from log-probabilities (default greedy).
         logits_processors: Functions ``(tokens, logits) -> logits``.
         prompt_cache: The target's dflash caches followed by the draft model's, updated in
-            place; built if ``None``.
+            place; built if ``None``. After the generation both hold the prompt and every
+            yielded token (mlx-lm's plain ``generate_step`` semantics), at one position.
         prefill_step_size: Prompt tokens per prefill forward.
         kv_bits: Must be ``None``: dflash caches are not quantized.
         kv_group_size: Unused (only with ``kv_bits``).
