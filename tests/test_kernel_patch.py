@@ -19,8 +19,7 @@ from conftest import tiny_model
 from mlx_lm.generate import generate_step as mlx_generate_step
 from test_dflash_loop import random_drafter
 
-from dflash import kernel_patch
-from dflash.block_decode import dflash_generate_step
+from dflash import dflash_generate_step, kernel_patch
 from dflash.cache import SpeculativeCheckpoint, make_prompt_cache
 from dflash.drafter import DraftAttention
 from dflash.generation import generate_step

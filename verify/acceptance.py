@@ -1,167 +1,15 @@
-"""Acceptance rules for a verified draft block: greedy and lossless rejection sampling.
+"""Acceptance rules for a verified draft block: sample-match (greedy) and lossless rejection
+sampling.
 
 Vocabulary (speculative decoding literature): the target verifies drafts ``d1 .. dk``; the
 accepted prefix is kept, then one more token comes from the target itself (the *bonus*): its
-correction at the first rejected position, or its own next token after the last draft.
+correction at the first rejected position, or its own next token after the last draft. Which
+rule a generation uses is decided by its sampler (:mod:`dflash.sampling`).
 """
 
-from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
-from mlx_lm.sample_utils import make_sampler as _mlx_make_sampler
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """mlx-lm's sampler settings, kept as data so a distribution can be rebuilt from them.
-
-    The fields, their order and their meaning are those of ``mlx_lm.sample_utils.make_sampler``:
-    a filter is off at its neutral value (``top_p`` outside ``(0, 1)``, ``min_p == 0``,
-    ``top_k <= 0``, ``xtc_probability == 0``), and a setting is validated only when it is in
-    effect, as mlx-lm does (it refuses the same values, but only once it samples).
-    """
-
-    temp: float = 0.0
-    top_p: float = 0.0
-    min_p: float = 0.0
-    min_tokens_to_keep: int = 1
-    top_k: int = 0
-    xtc_probability: float = 0.0
-    xtc_threshold: float = 0.1
-    xtc_special_tokens: Tuple[int, ...] = ()
-
-    def __post_init__(self):
-        object.__setattr__(
-            self, "xtc_special_tokens", tuple(self.xtc_special_tokens or ())
-        )
-        if self.temp < 0:
-            raise ValueError(f"temp must be >= 0, got {self.temp}")
-        if not 0 <= self.top_p <= 1:
-            raise ValueError(f"top_p must be in [0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not isinstance(self.top_k, int):
-            raise ValueError(f"top_k must be an integer, got {self.top_k!r}")
-        if self.min_p != 0 and (
-            not isinstance(self.min_tokens_to_keep, int) or self.min_tokens_to_keep < 1
-        ):
-            raise ValueError(
-                f"min_tokens_to_keep must be a positive integer, got {self.min_tokens_to_keep!r}"
-            )
-        if not 0 <= self.xtc_probability <= 1:
-            raise ValueError(
-                f"xtc_probability must be in [0, 1], got {self.xtc_probability}"
-            )
-        if self.xtc_probability > 0 and not 0 <= self.xtc_threshold <= 0.5:
-            raise ValueError(
-                f"xtc_threshold must be in [0, 0.5], got {self.xtc_threshold}"
-            )
-
-    @property
-    def greedy(self) -> bool:
-        """Whether the sampler is an argmax (temperature 0)."""
-        return self.temp == 0
-
-    @property
-    def expressible(self) -> bool:
-        """Whether :func:`sampling_logprobs` is the distribution the sampler draws from.
-
-        XTC draws one coin per call and then masks the top tokens, so a batch of rows sampled
-        together is not a product of per-row distributions: it has no distribution to run
-        rejection sampling against.
-        """
-        return self.xtc_probability == 0
-
-
-def sampling_logprobs(logprobs: mx.array, params: SamplingParams) -> mx.array:
-    """The log-distribution mlx-lm's ``make_sampler`` draws from (filters, then temperature).
-
-    The filters run in mlx-lm's order (top-p, min-p, top-k) on the log-probabilities, then the
-    temperature scales what is left. Only meaningful when ``params.expressible``.
-
-    Shapes:
-        logprobs: ``(N, V)``; returns ``(N, V)`` normalised log-probabilities.
-    """
-    if 0 < params.top_p < 1.0:
-        logprobs = apply_top_p(logprobs, params.top_p)
-    if params.min_p != 0.0:
-        logprobs = apply_min_p(logprobs, params.min_p, params.min_tokens_to_keep)
-    if params.top_k > 0:
-        logprobs = apply_top_k(logprobs, params.top_k)
-    scaled = logprobs * (1.0 / params.temp)
-    return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
-
-
-class ParamSampler:
-    """mlx-lm's sampler for ``params`` that also exposes the settings it was made from.
-
-    Calling it runs mlx-lm's own sampler (same filters, same random draws), so it picks the
-    same tokens as ``mlx_lm.sample_utils.make_sampler`` under the same seed. The DFlash loop
-    reads ``params`` to rebuild the distributions that lossless rejection sampling needs; an
-    opaque sampler only allows the sample-match rule.
-    """
-
-    def __init__(self, params: SamplingParams):
-        self.params = params
-        self._sample = _mlx_make_sampler(
-            params.temp,
-            params.top_p,
-            params.min_p,
-            params.min_tokens_to_keep,
-            top_k=params.top_k,
-            xtc_probability=params.xtc_probability,
-            xtc_threshold=params.xtc_threshold,
-            xtc_special_tokens=list(params.xtc_special_tokens),
-        )
-
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        return self._sample(logprobs)
-
-
-def make_sampler(
-    temp: float = 0.0,
-    top_p: float = 0.0,
-    min_p: float = 0.0,
-    min_tokens_to_keep: int = 1,
-    top_k: int = 0,
-    xtc_probability: float = 0.0,
-    xtc_threshold: float = 0.1,
-    xtc_special_tokens: Optional[List[int]] = None,
-) -> ParamSampler:
-    """mlx-lm's ``make_sampler`` (same arguments, order and samples), readable by the loops.
-
-    With these settings the DFlash and classic loops run lossless rejection sampling at
-    temperature > 0. With XTC on (``xtc_probability > 0``) the sampler has no per-row
-    distribution, so the loops fall back to the sample-match rule (a draft is kept only where
-    the target's own sample equals it), which is lossless too but accepts fewer drafts.
-
-    Args:
-        temp: Temperature; 0 picks the argmax.
-        top_p: Nucleus filter, on when in ``(0, 1)``.
-        min_p: Min-p filter (relative to the top token's probability), on when non-zero.
-        min_tokens_to_keep: Tokens the min-p filter always keeps.
-        top_k: Keep the ``top_k`` most likely tokens, on when positive.
-        xtc_probability: Probability of applying XTC to a sampling call.
-        xtc_threshold: XTC's probability threshold.
-        xtc_special_tokens: Token ids XTC never removes.
-
-    Returns:
-        A sampler ``(N, V) log-probabilities -> (N,) tokens`` with a ``params`` attribute.
-    """
-    return ParamSampler(
-        SamplingParams(
-            temp,
-            top_p,
-            min_p,
-            min_tokens_to_keep,
-            top_k,
-            xtc_probability,
-            xtc_threshold,
-            tuple(xtc_special_tokens or ()),
-        )
-    )
 
 
 def greedy_accept(drafts: Sequence[int], targets: Sequence[int]) -> int:
@@ -241,7 +89,15 @@ def rejection_sample(
 
 
 def acceptance_histogram(accepted_counts: Sequence[int], block_size: int) -> List[int]:
-    """``hist[n]``: rounds that accepted exactly ``n`` drafts (``0 .. block_size - 1``)."""
+    """``hist[n]``: rounds that accepted exactly ``n`` drafts (``0 .. block_size - 1``).
+
+    Args:
+        accepted_counts: Drafts accepted in each round.
+        block_size: The block size ``B``.
+
+    Returns:
+        The ``B`` counts.
+    """
     hist = [0] * block_size
     for n in accepted_counts:
         hist[n] += 1
