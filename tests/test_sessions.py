@@ -41,7 +41,7 @@ class TranscriptDrafter:
             has_candidate_selector=False,
         )
 
-    def make_context(self):
+    def make_context(self, bucket_keys=None):
         return SimpleNamespace(offset=0)
 
     def append_context(self, context, target_hidden, start_position):
