@@ -30,9 +30,13 @@ class DFlashRound(VerifyRound):
         features: ``(1, k + 1, len(target_layer_ids) * H)``.
     """
 
-    def __init__(self, model, cache, taps: TargetTaps, last, drafts, q):
-        super().__init__(model, cache, last, drafts, q)
-        self.features = taps.pop()
+    def __init__(self, model, cache, taps: TargetTaps, block, q, sampling):
+        self.taps = taps
+        super().__init__(model, cache, block, q, sampling)
+
+    def after_forward(self) -> None:
+        """Take the tapped target features of the block (lazy, like the logits)."""
+        self.features = self.taps.pop()
 
 
 class DFlashSpeculator:
@@ -68,11 +72,16 @@ class DFlashSpeculator:
 
         prefill(self.model, self.cache, tokens, step, progress, total, feed_drafter)
 
-    def draft(self, last: int, size: int) -> Tuple[List[int], Optional[mx.array]]:
+    def draft(self, last: int, size: int) -> Tuple[mx.array, Optional[mx.array]]:
         """``size - 1`` drafts after ``last`` and, under rejection sampling, their ``q``.
 
+        Without a candidate selector the greedy drafts are the argmax of
+        ``drafter(block, context)[0, 1:]`` with ``block = [[last] + [mask] * (size - 1)]``
+        (benchmarks replay chosen proposals by overriding ``__call__``).
+
         Returns:
-            ``(drafts, q)`` with ``q`` of shape ``(size - 1, V)`` or ``None``.
+            ``(drafts, q)``: ``(size - 1,)`` ``uint32`` device tokens and ``(size - 1, V)``
+            log-distributions or ``None``; nothing is read back.
         """
         config = self.drafter.config
         block = mx.array([[last] + [config.mask_token_id] * (size - 1)], mx.uint32)
@@ -82,19 +91,19 @@ class DFlashSpeculator:
                 block, self.context, temperature=self.sampling.temperature
             )
             q = mx.log(proposal.probs[0]) if self.sampling.rejection else None
-            return proposal.tokens[0].tolist(), q
+            return proposal.tokens[0].astype(mx.uint32), q
         logprobs = log_normalize(self.drafter(block, self.context)[0, 1:])
-        tokens, q = self.sampling.propose(logprobs)
-        return tokens.tolist(), q
+        return self.sampling.propose(logprobs)
 
     def launch(self, last: int, size: int) -> DFlashRound:
-        """Draft ``size - 1`` tokens and verify ``[last, drafts]``."""
-        drafts, q = self.draft(last, size) if size > 1 else ([], None)
-        return DFlashRound(self.model, self.cache, self.taps, last, drafts, q)
-
-    def judge(self, round_: DFlashRound):
-        """See :meth:`dflash.rounds.VerifyRound.judge`."""
-        return round_.judge(self.sampling)
+        """Draft ``size - 1`` tokens and verify ``[last, drafts]``; nothing waits."""
+        block, q = mx.array([last], mx.uint32), None
+        if size > 1:
+            drafts, q = self.draft(last, size)
+            # The drafter runs while the host builds the verify graph on its output.
+            mx.async_eval(drafts if q is None else [drafts, q])
+            block = mx.concatenate([block, drafts])
+        return DFlashRound(self.model, self.cache, self.taps, block, q, self.sampling)
 
     def settle(self, round_: DFlashRound, rows: int) -> None:
         """Commit ``rows`` block rows and feed their target features to the drafter."""

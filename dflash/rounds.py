@@ -8,6 +8,7 @@ whatever it keeps beside the target's caches (the drafter's context, the draft m
 caches); :func:`emit_rounds` drives it and yields the tokens.
 """
 
+import time
 from typing import Any, Callable, Generator, List, Optional, Protocol, Sequence, Tuple
 
 import mlx.core as mx
@@ -56,47 +57,57 @@ def prefill(
 class VerifyRound:
     """One verify forward of the target over ``[last, d1 .. dk]`` inside a checkpoint.
 
-    The forward runs in the constructor; if it raises, the checkpoint is rolled back.
+    The constructor builds the forward and the acceptance rule as one graph and starts it
+    (``mx.async_eval``) without waiting: the drafts arrive as device arrays, and the host is
+    free to build more while the device runs. :meth:`judge` is the round's one host sync.
+    If building the graph raises, the checkpoint is rolled back.
 
     Args:
         model: The target model.
         cache: The target's caches.
-        last: The last committed token (not in the cache yet).
-        drafts: ``d1 .. dk``.
+        block: ``[last, d1 .. dk]`` (``last`` is not in the cache yet).
         q: The drafts' log-distributions under rejection sampling, else ``None``.
+        sampling: The generation's sampling state.
 
     Shapes:
-        q: ``(k, V)``.
+        block: ``(k + 1,)``; q: ``(k, V)``.
 
     Attributes:
         position: Absolute position of ``last``.
-        block: ``[last, d1 .. dk]``.
-        logits: The target's ``(k + 1, V)`` logits.
+        logprobs: The target's processed ``(k + 1, V)`` log-probabilities.
+        tokens: After :meth:`judge`, the emitted tokens (kept drafts, then the target's).
     """
 
     def __init__(
         self,
         model: nn.Module,
         cache: Sequence[Any],
-        last: int,
-        drafts: List[int],
-        q: Optional[mx.array] = None,
+        block: mx.array,
+        q: Optional[mx.array],
+        sampling: Sampling,
     ):
         self.position = cache[0].offset
-        self.block = [last] + list(drafts)
-        self.drafts = list(drafts)
-        self.q = q
-        self.checkpoint = SpeculativeCheckpoint.begin(cache, len(self.block))
+        self.block = block
+        self.tokens: Optional[List[int]] = None
+        self.checkpoint = SpeculativeCheckpoint.begin(cache, block.shape[0])
         try:
-            block = mx.array(self.block, mx.uint32)[None]
-            self.logits = model(block, cache=cache)[0]
+            logits = model(block[None], cache=cache)[0]
+            self.after_forward()
+            self.packed, self.logprobs = sampling.accept(logits, block, q)
         except BaseException:
             self.checkpoint.rollback()
             raise
+        mx.async_eval(self.packed, self.logprobs)
 
-    def judge(self, sampling: Sampling) -> Tuple[int, List[int], mx.array]:
-        """Accepted drafts, the tokens to emit and the target's log-probabilities."""
-        return sampling.accept(self.logits, self.block, self.drafts, self.q)
+    def after_forward(self) -> None:
+        """Collect what the forward produced besides logits (nothing here)."""
+
+    def judge(self) -> Tuple[int, List[int], mx.array]:
+        """Wait for the round: ``(accepted, tokens to emit, target log-probabilities)``."""
+        values = self.packed.tolist()  # the round's one host sync
+        accepted = values[0]
+        self.tokens = values[1 : accepted + 2]
+        return accepted, self.tokens, self.logprobs
 
     def keep(self, rows: int) -> None:
         """Commit the block's first ``rows`` rows (``rows >= 1``: ``last`` and kept drafts)."""
@@ -108,9 +119,6 @@ class Speculator(Protocol):
 
     def launch(self, last: int, size: int) -> Any:
         """Draft ``size - 1`` tokens after ``last`` and verify ``[last, drafts]``."""
-
-    def judge(self, round_: Any) -> Tuple[int, List[int], mx.array]:
-        """``(accepted, tokens to emit, target log-probabilities)`` of a launched round."""
 
     def settle(self, round_: Any, rows: int) -> None:
         """Keep the round's first ``rows`` block rows in every cache; close the round."""
@@ -125,6 +133,14 @@ def round_size(block_size: int, max_tokens: int, emitted: int) -> int:
     With ``n`` tokens left to emit a round drafts at most ``n`` tokens: if all are accepted
     the generation ends on the last draft (the target's token after it is never emitted);
     with none left (``n = 0``) the round only writes ``last``, the final emitted token.
+
+    Args:
+        block_size: The largest block.
+        max_tokens: Tokens the generation emits (``-1``: no limit).
+        emitted: Tokens emitted so far, ``last`` included.
+
+    Returns:
+        The next round's block size, at least 1.
     """
     if max_tokens < 0:
         return block_size
@@ -154,7 +170,7 @@ def emit_rounds(
         last: The last prompt token (the first round's block starts with it).
         max_tokens: Tokens to emit.
         block_size: Most rows a round verifies.
-        stats: Filled with each judged round's accepted count.
+        stats: Filled with each judged round's accepted count and sync timing.
         on_first_token: Called once the first token is known.
 
     Yields:
@@ -165,8 +181,9 @@ def emit_rounds(
     try:
         live, kept = speculator.launch(last, round_size(block_size, max_tokens, 0)), 1
         while True:
-            accepted, tokens, logprobs = speculator.judge(live)
-            stats.record(accepted)
+            started = time.perf_counter()
+            accepted, tokens, logprobs = live.judge()
+            stats.record(accepted, started)
             if emitted == 0:
                 on_first_token()
             for index in range(accepted):

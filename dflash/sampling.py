@@ -9,13 +9,13 @@ known (``dflash.make_sampler`` at temperature > 0, XTC off), the sample-match ru
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, greedy_sampler
 from mlx_lm.sample_utils import make_sampler as _mlx_make_sampler
 
-from .verify.acceptance import greedy_accept, rejection_sample
+from .verify.acceptance import match_accept, rejection_accept
 
 Sampler = Callable[[mx.array], mx.array]
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
@@ -189,7 +189,10 @@ def log_normalize(logits: mx.array) -> mx.array:
 
 
 class Sampling:
-    """One generation's sampler, logits processors and token history.
+    """One generation's sampler, logits processors and token history, all on the device.
+
+    Nothing here reads a value back to the host: the loops sync once per round, on the
+    packed result of :meth:`accept`.
 
     Args:
         sampler: Picks tokens from log-probabilities (``None``: greedy).
@@ -220,7 +223,7 @@ class Sampling:
             else None
         )
         self.processors = processors or []
-        self.history = list(history.tolist()) if self.processors else []
+        self.history = history.astype(mx.uint32) if self.processors else None
 
     @property
     def rejection(self) -> bool:
@@ -233,20 +236,23 @@ class Sampling:
         return self.params.temp if self.params is not None else 0.0
 
     def processed_logprobs(
-        self, logits: mx.array, inputs: Sequence[int] = ()
+        self, logits: mx.array, inputs: Optional[mx.array] = None
     ) -> mx.array:
         """Log-probabilities of ``logits`` after the logits processors.
 
         Row ``i`` of ``N`` follows the history plus ``inputs[: len(inputs) - N + i + 1]``.
 
         Shapes:
-            logits: ``(N, V)``; returns ``(N, V)``.
+            logits: ``(N, V)``; inputs: ``(M,)`` with ``M >= N``; returns ``(N, V)``.
         """
         if self.processors:
+            count = 0 if inputs is None else inputs.shape[0]
             rows = []
             for i in range(logits.shape[0]):
-                upto = len(inputs) - logits.shape[0] + i + 1
-                seen = mx.array(self.history + list(inputs[:upto]), mx.uint32)
+                upto = count - logits.shape[0] + i + 1
+                seen = self.history
+                if upto > 0:
+                    seen = mx.concatenate([seen, inputs[:upto].astype(mx.uint32)])
                 row = logits[i : i + 1]
                 for processor in self.processors:
                     row = processor(seen, row)
@@ -261,64 +267,68 @@ class Sampling:
         does), so rows sampled together would not be independent samples.
 
         Shapes:
-            logprobs: ``(N, V)``; returns ``(N,)``.
+            logprobs: ``(N, V)``; returns ``(N,)`` ``uint32``.
         """
         if self.greedy or logprobs.shape[0] == 1:
-            return self.sampler(logprobs)
+            return self.sampler(logprobs).astype(mx.uint32)
         rows = [self.sampler(logprobs[i : i + 1]) for i in range(logprobs.shape[0])]
-        return mx.concatenate(rows)
+        return mx.concatenate(rows).astype(mx.uint32)
 
     def propose(self, logprobs: mx.array) -> Tuple[mx.array, Optional[mx.array]]:
         """Draft tokens from a drafter's log-probabilities, one per row.
 
         Returns:
-            ``(tokens, q)``: the drafts and, under rejection sampling, the log-distribution
-            each was drawn from (``None`` otherwise: any proposal is lossless under
-            sample-match).
+            ``(tokens, q)``: the ``uint32`` drafts and, under rejection sampling, the
+            log-distribution each was drawn from (``None`` otherwise: any proposal is
+            lossless under sample-match).
 
         Shapes:
             logprobs: ``(N, V)``; returns ``(N,)`` and ``(N, V)``.
         """
         if self.rejection:
             q = sampling_logprobs(logprobs, self.params)
-            return mx.random.categorical(q), q
+            return mx.random.categorical(q).astype(mx.uint32), q
         if self.greedy:
-            return mx.argmax(logprobs, axis=-1), None
+            return mx.argmax(logprobs, axis=-1).astype(mx.uint32), None
         return self.sample_rows(logprobs), None
 
     def accept(
-        self,
-        logits: mx.array,
-        block: Sequence[int],
-        drafts: Sequence[int],
-        q: Optional[mx.array],
-    ) -> Tuple[int, List[int], mx.array]:
-        """Judge the drafts of a verified block.
+        self, logits: mx.array, block: mx.array, q: Optional[mx.array]
+    ) -> Tuple[mx.array, mx.array]:
+        """Judge the drafts of a verified block, on the device.
 
         Args:
             logits: The target's logits at each block position.
             block: ``[last committed token, d1 .. dk]``.
-            drafts: ``d1 .. dk``.
             q: The drafts' log-distributions under rejection sampling, else ``None``.
 
         Shapes:
-            logits: ``(k + 1, V)``; q: ``(k, V)``.
+            logits: ``(k + 1, V)``; block: ``(k + 1,)``; q: ``(k, V)``; returns
+            ``(k + 2,)`` and ``(k + 1, V)``.
 
         Returns:
-            ``(accepted, tokens, logprobs)``: drafts kept, the tokens to emit (the kept drafts
-            then the target's own token) and the target's processed log-probabilities.
+            ``(packed, logprobs)``: ``packed`` is ``[accepted, tokens...]`` (the kept drafts,
+            then the target's own token at index ``accepted``; see
+            :func:`dflash.verify.acceptance.match_accept`), read back with one sync;
+            ``logprobs`` are the target's processed log-probabilities.
         """
         logprobs = self.processed_logprobs(logits, block)
-        if q is not None and drafts:
+        drafts = block[1:]
+        if q is not None and drafts.shape[0]:
             target = sampling_logprobs(logprobs, self.params)
-            accepted, bonus = rejection_sample(target, q, drafts)
+            accepted, tokens = rejection_accept(target, q, drafts)
         else:
-            targets = self.sample_rows(logprobs).tolist()
-            accepted = greedy_accept(drafts, targets)
-            bonus = targets[accepted]
-        return accepted, list(drafts[:accepted]) + [bonus], logprobs
+            accepted, tokens = match_accept(drafts, self.sample_rows(logprobs))
+        packed = mx.concatenate(
+            [accepted.astype(mx.uint32)[None], tokens.astype(mx.uint32)]
+        )
+        return packed, logprobs
 
-    def extend(self, tokens: Sequence[int]) -> None:
-        """Add committed tokens to the history the processors see."""
+    def extend(self, tokens: mx.array) -> None:
+        """Add committed tokens to the history the processors see.
+
+        Shapes:
+            tokens: ``(n,)``.
+        """
         if self.processors:
-            self.history.extend(tokens)
+            self.history = mx.concatenate([self.history, tokens.astype(mx.uint32)])

@@ -27,11 +27,11 @@ class DraftRound(VerifyRound):
         draft_checkpoint: The draft caches' checkpoint (``None`` when nothing was drafted).
     """
 
-    def __init__(self, model, cache, last, drafts, q, feed, draft_checkpoint):
+    def __init__(self, model, cache, block, q, sampling, feed, draft_checkpoint):
         self.feed = feed
         self.draft_checkpoint = draft_checkpoint
         try:
-            super().__init__(model, cache, last, drafts, q)
+            super().__init__(model, cache, block, q, sampling)
         except BaseException:
             if draft_checkpoint is not None:
                 draft_checkpoint.rollback()
@@ -60,38 +60,41 @@ class DraftModelSpeculator:
         self.sampling = sampling
         self.pending: List[int] = []
 
-    def draft(
-        self, feed: List[int], count: int
-    ) -> Tuple[List[int], Optional[mx.array]]:
+    def draft(self, feed: List[int], count: int) -> Tuple[mx.array, Optional[mx.array]]:
         """Draft ``count`` tokens after ``feed`` (written to the draft caches first).
 
+        Each draft token feeds the next step as a device array; nothing is read back.
+
         Returns:
-            ``(drafts, q)`` with ``q`` of shape ``(count, V)`` under rejection sampling.
+            ``(drafts, q)``: ``(count,)`` ``uint32`` tokens and, under rejection sampling,
+            their ``(count, V)`` log-distributions.
         """
-        drafts: List[mx.array] = []
-        qs: List[mx.array] = []
         inputs = mx.array(feed, mx.uint32)
+        seen = inputs[-1:]
+        tokens, qs = [], []
         for _ in range(count):
             logits = self.draft_model(inputs[None], cache=self.draft_cache)[0, -1:]
-            seen = feed[-1:]
-            if self.sampling.processors and drafts:
-                seen = seen + mx.concatenate(drafts).tolist()
-            token, q = self.sampling.propose(
-                self.sampling.processed_logprobs(logits, seen)
-            )
+            logprobs = self.sampling.processed_logprobs(logits, seen)
+            token, q = self.sampling.propose(logprobs)
+            # The device runs this step while the host builds the next one.
             mx.async_eval(token)
-            drafts.append(token)
-            if q is not None:
-                qs.append(q)
+            tokens.append(token)
+            qs.extend([] if q is None else [q])
             inputs = token
-        q = mx.concatenate(qs, axis=0) if qs else None
-        return mx.concatenate(drafts).tolist(), q
+            seen = mx.concatenate([seen, token]) if self.sampling.processors else seen
+        return mx.concatenate(tokens), mx.concatenate(qs) if qs else None
 
     def launch(self, last: int, size: int) -> DraftRound:
-        """Draft ``size - 1`` tokens and verify ``[last, drafts]``."""
-        feed, count = self.pending + [last], size - 1
+        """Draft ``size - 1`` tokens and verify ``[last, drafts]``; nothing waits."""
+        feed, count, block = (
+            self.pending + [last],
+            size - 1,
+            mx.array([last], mx.uint32),
+        )
         if count == 0:
-            return DraftRound(self.model, self.target_cache, last, [], None, feed, None)
+            return DraftRound(
+                self.model, self.target_cache, block, None, self.sampling, feed, None
+            )
         # The draft writes its pending tokens, then count - 1 of its own drafts.
         checkpoint = SpeculativeCheckpoint.begin(
             self.draft_cache, len(feed) + count - 1
@@ -101,24 +104,22 @@ class DraftModelSpeculator:
         except BaseException:
             checkpoint.rollback()
             raise
+        block = mx.concatenate([block, drafts])
         return DraftRound(
-            self.model, self.target_cache, last, drafts, q, feed, checkpoint
+            self.model, self.target_cache, block, q, self.sampling, feed, checkpoint
         )
-
-    def judge(self, round_: DraftRound):
-        """See :meth:`dflash.rounds.VerifyRound.judge`."""
-        return round_.judge(self.sampling)
 
     def settle(self, round_: DraftRound, rows: int) -> None:
         """Keep ``rows`` block rows in the target and the matching rows in the draft."""
         round_.keep(rows)
-        kept, count = rows - 1, len(round_.drafts)
+        kept, count = rows - 1, round_.block.shape[0] - 1
         if round_.draft_checkpoint is None:
             self.pending = round_.feed
         else:
             round_.draft_checkpoint.commit(len(round_.feed) + min(kept, count - 1))
-            # The last draft is never written by the draft model: keep it pending.
-            self.pending = round_.drafts[-1:] if kept == count else []
+            # The last draft is never written by the draft model: keep it pending. All
+            # drafts were kept, so the round was judged and its tokens are on the host.
+            self.pending = round_.tokens[count - 1 : count] if kept == count else []
         self.sampling.extend(round_.block[:rows])
 
     def close(self) -> None:

@@ -1,7 +1,8 @@
 """What a generation reports about its rounds: τ, the acceptance histogram and curve."""
 
+import time
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 from .verify.acceptance import acceptance_histogram
 
@@ -16,11 +17,17 @@ class GenerationStats:
         block_size: Block size ``B`` (``B - 1`` drafts per round).
         rounds: Verify forwards of the target after prefill.
         accepted: Drafts accepted in each round.
+        synced_at: ``time.perf_counter()`` when each round's result reached the host; the
+            differences are the wall time of a round inside the real loop.
+        waited: Seconds the host waited for each round's result: the device time the host
+            did not cover with work of its own (0 while the host is the bottleneck).
     """
 
     block_size: int
     rounds: int = 0
     accepted: List[int] = field(default_factory=list)
+    synced_at: List[float] = field(default_factory=list)
+    waited: List[float] = field(default_factory=list)
 
     @property
     def committed(self) -> int:
@@ -47,7 +54,17 @@ class GenerationStats:
             for i in range(1, self.block_size)
         ]
 
-    def record(self, accepted: int) -> None:
-        """Count one round that kept ``accepted`` drafts."""
+    def record(self, accepted: int, waited_since: Optional[float] = None) -> None:
+        """Count one round that kept ``accepted`` drafts.
+
+        Args:
+            accepted: Drafts the round kept.
+            waited_since: ``time.perf_counter()`` when the host started waiting for the
+                round (``None``: no timing).
+        """
         self.rounds += 1
         self.accepted.append(accepted)
+        if waited_since is not None:
+            now = time.perf_counter()
+            self.synced_at.append(now)
+            self.waited.append(now - waited_since)

@@ -12,80 +12,83 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 
-def greedy_accept(drafts: Sequence[int], targets: Sequence[int]) -> int:
-    """Accepted drafts: the longest prefix where each draft equals the target's token there.
+def match_accept(drafts: mx.array, targets: mx.array) -> Tuple[mx.array, mx.array]:
+    """The sample-match rule: keep the longest prefix of drafts equal to the target's tokens.
 
-    This is the greedy rule at temperature 0 and the sample-match rule when ``targets`` are the
-    target's own samples.
+    At temperature 0 ``targets`` are the target's argmax (the greedy rule); otherwise its own
+    samples, one per block position, which makes the rule lossless for any proposal. Runs on
+    the device: nothing is read back.
 
     Args:
         drafts: ``d1 .. dk``.
-        targets: The target's own token after each block position (``k + 1`` of them).
+        targets: The target's own token after each block position.
+
+    Shapes:
+        drafts: ``(k,)``; targets: ``(k + 1,)``.
 
     Returns:
-        How many drafts are kept.
+        ``(accepted, tokens)``: a scalar count of kept drafts and the ``(k + 1,)`` tokens to
+        emit, valid up to ``tokens[accepted]`` (the kept drafts equal the targets there, and
+        ``tokens[accepted]`` is the target's own token).
     """
-    accepted = 0
-    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
-        accepted += 1
-    return accepted
+    k = drafts.shape[0]
+    if k == 0:
+        return mx.array(0, mx.uint32), targets
+    matches = (drafts.astype(mx.uint32) == targets[:k].astype(mx.uint32)).astype(
+        mx.uint32
+    )
+    return mx.cumprod(matches).sum(), targets
 
 
-def rejection_sample(
+def rejection_accept(
     target_logprobs: mx.array,
-    draft_logprobs: Optional[mx.array],
-    drafts: Sequence[int],
+    draft_logprobs: mx.array,
+    drafts: mx.array,
     key: Optional[mx.array] = None,
-) -> Tuple[int, int]:
-    """Lossless speculative sampling (Leviathan et al. / Chen et al.).
+) -> Tuple[mx.array, mx.array]:
+    """Lossless speculative sampling (Leviathan et al. / Chen et al.), on the device.
 
     Draft ``d_i`` (drawn from ``q_i``) is kept with probability ``min(1, p_i(d_i) / q_i(d_i))``;
     at the first rejection the token is redrawn from ``max(p_i - q_i, 0)`` renormalised; if
     every draft is kept the bonus token is drawn from ``p_k``. The emitted tokens are then
-    distributed exactly as the target's own samples. With no drafts (``k = 0``) the bonus is
-    simply a sample of ``p_0``.
+    distributed exactly as the target's own samples. A bonus candidate is drawn at every
+    position, independently of the acceptance coins, and the one at the first rejection is
+    taken, so nothing is read back to the host.
 
     Args:
         target_logprobs: The target's sampling log-distribution at each block position.
-        draft_logprobs: The drafter's sampling log-distribution for each draft (``None`` or
-            empty when there are no drafts).
-        drafts: The drafted tokens.
+        draft_logprobs: The drafter's sampling log-distribution for each draft.
+        drafts: The drafted tokens (``k >= 1``).
         key: Optional PRNG key.
 
     Shapes:
-        target_logprobs: ``(k + 1, V)``; draft_logprobs: ``(k, V)``.
+        target_logprobs: ``(k + 1, V)``; draft_logprobs: ``(k, V)``; drafts: ``(k,)``.
 
     Returns:
-        ``(accepted, bonus)``: drafts kept and the target's own next token.
+        ``(accepted, tokens)`` as :func:`match_accept`.
     """
-    k = len(drafts)
-    keys = mx.random.split(key, 2) if key is not None else (None, None)
-    if k == 0:
-        return 0, mx.random.categorical(target_logprobs[0], key=keys[1]).item()
-    if draft_logprobs is None or draft_logprobs.shape[0] != k:
+    k = drafts.shape[0]
+    if draft_logprobs is None or draft_logprobs.shape[0] != k or k == 0:
         raise ValueError(f"rejection sampling {k} drafts needs {k} draft distributions")
+    coin_key, bonus_key = mx.random.split(key, 2) if key is not None else (None, None)
     p = mx.exp(target_logprobs.astype(mx.float32))
     q = mx.exp(draft_logprobs.astype(mx.float32))
-    index = mx.array(drafts)[:, None]
+    index = drafts.astype(mx.uint32)[:, None]
     p_draft = mx.take_along_axis(p[:k], index, axis=-1)[:, 0]
     q_draft = mx.take_along_axis(q, index, axis=-1)[:, 0]
-    uniform = mx.random.uniform(shape=(k,), key=keys[0])
+    uniform = mx.random.uniform(shape=(k,), key=coin_key)
     # A token the target cannot emit (p = 0) is never kept, even where q underflowed to 0.
-    kept = ((uniform * q_draft <= p_draft) & (p_draft > 0)).tolist()
-    accepted = 0
-    while accepted < k and kept[accepted]:
-        accepted += 1
-    if accepted == k:
-        row = target_logprobs[k]
-    else:
-        residual = mx.maximum(p[accepted] - q[accepted], 0.0)
-        # If p == q exactly the residual is empty; the target's own row is then exact.
-        total = residual.sum()
-        row = mx.where(
-            total > 0, mx.log(residual), target_logprobs[accepted].astype(mx.float32)
-        )
-    bonus = mx.random.categorical(row, key=keys[1]).item()
-    return accepted, bonus
+    kept = (uniform * q_draft <= p_draft) & (p_draft > 0)
+    accepted = mx.cumprod(kept.astype(mx.uint32)).sum()
+    residual = mx.maximum(p[:k] - q, 0.0)
+    # Where p == q exactly the residual is empty; the target's own row is then exact.
+    own = target_logprobs.astype(mx.float32)
+    rows = mx.where(residual.sum(axis=-1, keepdims=True) > 0, mx.log(residual), own[:k])
+    candidates = mx.random.categorical(mx.concatenate([rows, own[k:]]), key=bonus_key)
+    bonus = mx.take(candidates.astype(mx.uint32), accepted)
+    padded = mx.concatenate([drafts.astype(mx.uint32), mx.zeros((1,), mx.uint32)])
+    tokens = mx.where(mx.arange(k + 1) < accepted, padded, bonus)
+    return accepted, tokens
 
 
 def acceptance_histogram(accepted_counts: Sequence[int], block_size: int) -> List[int]:
