@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .prompts import Prepared, Prompter
 from .protocol import (
     CHAT,
     TEXT,
@@ -35,7 +36,6 @@ from .protocol import (
     parse_json,
     parse_request,
 )
-from .prompts import Prepared, Prompter
 from .worker import Delta, Failed, Finished, Job, Started, Worker
 
 # How often a waiting handler checks whether its client is still there (seconds).
@@ -86,7 +86,9 @@ class Channel:
         """Thread-safe; raises ``RuntimeError`` once the loop is closed."""
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
-    async def get(self, request: Optional[Request] = None, job: Optional[Job] = None) -> Any:
+    async def get(
+        self, request: Optional[Request] = None, job: Optional[Job] = None
+    ) -> Any:
         """The next event; with ``request``, cancels ``job`` if the client disconnects."""
         if self._getter is None:
             self._getter = asyncio.ensure_future(self.queue.get())
@@ -115,7 +117,9 @@ def error_response(error: APIError) -> JSONResponse:
 
 
 def _check_models(state: ServerState, request: GenerationRequest) -> None:
-    if request.model is not None and request.model not in state.model_names + ["default_model"]:
+    if request.model is not None and request.model not in state.model_names + [
+        "default_model"
+    ]:
         raise APIError(
             404,
             f"the model {request.model!r} does not exist; this server serves {state.model_id!r}",
@@ -167,8 +171,11 @@ async def _complete(http: Request, kind: str) -> Response:
     headers = _context_headers(prepared, first)
     if request.stream:
         stream = _events(channel, job, request, envelope)
-        return StreamingResponse(stream, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", **headers})
+        return StreamingResponse(
+            stream,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", **headers},
+        )
     return await _collect(http, channel, job, request, envelope, headers)
 
 
@@ -213,8 +220,16 @@ async def _events(channel, job, request, envelope) -> AsyncIterator[bytes]:
             event = await channel.get()
             if isinstance(event, Delta):
                 chunk = envelope.base(stream=True)
-                chunk["choices"] = [choice(request.kind, True, event.text, None,
-                                           event.logprobs or None, offset=offset)]
+                chunk["choices"] = [
+                    choice(
+                        request.kind,
+                        True,
+                        event.text,
+                        None,
+                        event.logprobs or None,
+                        offset=offset,
+                    )
+                ]
                 offset += len(event.text)
                 yield _sse(chunk)
             elif isinstance(event, Failed):
@@ -254,14 +269,22 @@ async def model_detail(http: Request) -> Response:
     state: ServerState = http.app.state.server
     name = http.path_params["model_id"]
     if name not in state.model_names + ["default_model"]:
-        raise APIError(404, f"the model {name!r} does not exist", param="model",
-                       code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist",
+            param="model",
+            code="model_not_found",
+        )
     return JSONResponse(_model_card(state))
 
 
 def _model_card(state: ServerState) -> Dict[str, Any]:
-    return {"id": state.model_id, "object": "model", "created": state.created,
-            "owned_by": "dflash"}
+    return {
+        "id": state.model_id,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "dflash",
+    }
 
 
 async def health(http: Request) -> Response:
@@ -281,15 +304,22 @@ async def _api_error(http: Request, error: APIError) -> Response:
 
 async def _http_error(http: Request, error: HTTPException) -> Response:
     kind = "invalid_request_error" if error.status_code < 500 else "server_error"
-    message = {404: f"no route {http.url.path}", 405: f"method {http.method} is not allowed "
-               f"on {http.url.path}"}.get(error.status_code, str(error.detail))
-    return JSONResponse(error_body(message, kind), status_code=error.status_code,
-                        headers=getattr(error, "headers", None))
+    message = {
+        404: f"no route {http.url.path}",
+        405: f"method {http.method} is not allowed " f"on {http.url.path}",
+    }.get(error.status_code, str(error.detail))
+    return JSONResponse(
+        error_body(message, kind),
+        status_code=error.status_code,
+        headers=getattr(error, "headers", None),
+    )
 
 
 async def _unexpected(http: Request, error: Exception) -> Response:
-    return JSONResponse(error_body(f"internal error: {type(error).__name__}", "server_error"),
-                        status_code=500)
+    return JSONResponse(
+        error_body(f"internal error: {type(error).__name__}", "server_error"),
+        status_code=500,
+    )
 
 
 def create_app(state: ServerState, start_worker: bool = True) -> Starlette:
@@ -324,16 +354,29 @@ def create_app(state: ServerState, start_worker: bool = True) -> Starlette:
                 await run_in_threadpool(state.worker.stop)
 
     middleware = [
-        Middleware(CORSMiddleware, allow_origins=state.allowed_origins, allow_methods=["*"],
-                   allow_headers=["*"], expose_headers=["X-Context-Epoch", "X-Cached-Tokens",
-                   "X-Context-Dropped-Turns", "X-Context-Dropped-Tokens", "Retry-After"])
+        Middleware(
+            CORSMiddleware,
+            allow_origins=state.allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=[
+                "X-Context-Epoch",
+                "X-Cached-Tokens",
+                "X-Context-Dropped-Turns",
+                "X-Context-Dropped-Tokens",
+                "Retry-After",
+            ],
+        )
     ]
     app = Starlette(
         routes=routes,
         middleware=middleware,
         lifespan=lifespan,
-        exception_handlers={APIError: _api_error, HTTPException: _http_error,
-                            Exception: _unexpected},
+        exception_handlers={
+            APIError: _api_error,
+            HTTPException: _http_error,
+            Exception: _unexpected,
+        },
     )
     app.state.server = state
     return app

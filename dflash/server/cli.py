@@ -60,54 +60,131 @@ def _json_object(text: str) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line flags."""
-    parser = _Parser(prog=PROG, description="An OpenAI-compatible server with lossless DFlash "
-                     "speculative decoding, prompt-cache reuse and a context policy.")
+    parser = _Parser(
+        prog=PROG,
+        description="An OpenAI-compatible server with lossless DFlash "
+        "speculative decoding, prompt-cache reuse and a context policy.",
+    )
     add = parser.add_argument
-    add("--model", help="path or Hugging Face repo of the target model (default: the bundled "
-        "demo pair, target and DFlash drafter)")
+    add(
+        "--model",
+        help="path or Hugging Face repo of the target model (default: the bundled "
+        "demo pair, target and DFlash drafter)",
+    )
     add("--adapter-path", help="LoRA adapter weights for --model")
     add("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    add("--port", type=_bounded(int, 0), default=8080,
-        help="port to listen on (default: 8080; 0 picks a free one)")
-    add("--allowed-origins", type=lambda text: text.split(","), default=["*"],
-        help="comma-separated CORS origins (default: *)")
+    add(
+        "--port",
+        type=_bounded(int, 0),
+        default=8080,
+        help="port to listen on (default: 8080; 0 picks a free one)",
+    )
+    add(
+        "--allowed-origins",
+        type=lambda text: text.split(","),
+        default=["*"],
+        help="comma-separated CORS origins (default: *)",
+    )
     add("--drafter", help="path or repo of a DFlash drafter for --model")
-    add("--no-drafter", action="store_true",
-        help="serve without DFlash even when a drafter is available (the demo pair's)")
-    add("--block-size", type=_bounded(int, 1), default=None,
-        help="DFlash block size (default: the drafter's)")
+    add(
+        "--no-drafter",
+        action="store_true",
+        help="serve without DFlash even when a drafter is available (the demo pair's)",
+    )
+    add(
+        "--block-size",
+        type=_bounded(int, 1),
+        default=None,
+        help="DFlash block size (default: the drafter's)",
+    )
     add("--draft-model", help="a classic draft model for speculative decoding")
-    add("--num-draft-tokens", type=_bounded(int, 0), default=3,
-        help="draft tokens per round with --draft-model (default: 3)")
-    add("--trust-remote-code", action="store_true", help="trust remote code of the tokenizer")
-    add("--log-level", default="INFO",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
-    add("--chat-template", default="", help="a chat template (Jinja text) for the tokenizer")
-    add("--use-default-chat-template", action="store_true",
-        help="use the tokenizer's default chat template when it has none")
-    add("--chat-template-args", type=_json_object, default={},
-        help="JSON object of extra chat template arguments, e.g. '{\"enable_thinking\":false}'")
-    add("--temp", type=_bounded(float, 0), default=0.0, help="default temperature (0.0)")
+    add(
+        "--num-draft-tokens",
+        type=_bounded(int, 0),
+        default=3,
+        help="draft tokens per round with --draft-model (default: 3)",
+    )
+    add(
+        "--trust-remote-code",
+        action="store_true",
+        help="trust remote code of the tokenizer",
+    )
+    add(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+    )
+    add(
+        "--chat-template",
+        default="",
+        help="a chat template (Jinja text) for the tokenizer",
+    )
+    add(
+        "--use-default-chat-template",
+        action="store_true",
+        help="use the tokenizer's default chat template when it has none",
+    )
+    add(
+        "--chat-template-args",
+        type=_json_object,
+        default={},
+        help="JSON object of extra chat template arguments, e.g. '{\"enable_thinking\":false}'",
+    )
+    add(
+        "--temp", type=_bounded(float, 0), default=0.0, help="default temperature (0.0)"
+    )
     add("--top-p", type=float, default=1.0, help="default top-p (1.0)")
     add("--top-k", type=_bounded(int, 0), default=0, help="default top-k (0: off)")
     add("--min-p", type=float, default=0.0, help="default min-p (0.0: off)")
-    add("--max-tokens", type=_bounded(int, 1), default=512,
-        help="default maximum tokens to generate (512)")
-    add("--prefill-step-size", type=_bounded(int, 1), default=2048,
-        help="prompt tokens per prefill forward (2048)")
-    add("--prompt-cache-size", type=_bounded(int, 1), default=10,
-        help="conversations (sessions) whose caches are kept for reuse (10)")
-    add("--prompt-cache-bytes", type=parse_size, default=None,
-        help="most bytes of session caches kept (e.g. 8GB; default: no limit)")
-    add("--max-context", type=_bounded(int, 2), default=None,
-        help="context limit in tokens (default: the model's max_position_embeddings)")
-    add("--context-policy", choices=POLICIES, default=SHIFT,
+    add(
+        "--max-tokens",
+        type=_bounded(int, 1),
+        default=512,
+        help="default maximum tokens to generate (512)",
+    )
+    add(
+        "--prefill-step-size",
+        type=_bounded(int, 1),
+        default=2048,
+        help="prompt tokens per prefill forward (2048)",
+    )
+    add(
+        "--prompt-cache-size",
+        type=_bounded(int, 1),
+        default=10,
+        help="conversations (sessions) whose caches are kept for reuse (10)",
+    )
+    add(
+        "--prompt-cache-bytes",
+        type=parse_size,
+        default=None,
+        help="most bytes of session caches kept (e.g. 8GB; default: no limit)",
+    )
+    add(
+        "--max-context",
+        type=_bounded(int, 2),
+        default=None,
+        help="context limit in tokens (default: the model's max_position_embeddings)",
+    )
+    add(
+        "--context-policy",
+        choices=POLICIES,
+        default=SHIFT,
         help="shift: drop the oldest whole turns (chat) or the middle of the prompt (raw) "
-        "until the request fits; error: refuse a request that does not fit (default: shift)")
-    add("--raw-keep-tokens", type=_bounded(int, 0), default=0,
-        help="leading tokens a shifted raw prompt always keeps (0)")
-    add("--queue-size", type=_bounded(int, 1), default=64,
-        help="requests that may wait for the worker before new ones get HTTP 429 (64)")
+        "until the request fits; error: refuse a request that does not fit (default: shift)",
+    )
+    add(
+        "--raw-keep-tokens",
+        type=_bounded(int, 0),
+        default=0,
+        help="leading tokens a shifted raw prompt always keeps (0)",
+    )
+    add(
+        "--queue-size",
+        type=_bounded(int, 1),
+        default=64,
+        help="requests that may wait for the worker before new ones get HTTP 429 (64)",
+    )
     return parser
 
 
@@ -126,10 +203,16 @@ def model_max_context(model, model_path: Optional[str] = None) -> Optional[int]:
 
 def _set_chat_template(tokenizer, args) -> None:
     template = args.chat_template
-    if not template and args.use_default_chat_template and tokenizer.chat_template is None:
+    if (
+        not template
+        and args.use_default_chat_template
+        and tokenizer.chat_template is None
+    ):
         template = getattr(tokenizer, "default_chat_template", None)
         if not template:
-            raise ValueError("--use-default-chat-template: the tokenizer has no default template")
+            raise ValueError(
+                "--use-default-chat-template: the tokenizer has no default template"
+            )
     if template:
         tokenizer._tokenizer.chat_template = template
         tokenizer.has_chat_template = True
@@ -149,19 +232,28 @@ def load_engine(args):
     from .worker import Engine
 
     if args.model is None:
-        for flag, value in (("--draft-model", args.draft_model), ("--drafter", args.drafter),
-                            ("--adapter-path", args.adapter_path)):
+        for flag, value in (
+            ("--draft-model", args.draft_model),
+            ("--drafter", args.drafter),
+            ("--adapter-path", args.adapter_path),
+        ):
             if value:
-                raise ValueError(f"{flag} needs --model (without --model the bundled demo "
-                                 "pair is used)")
+                raise ValueError(
+                    f"{flag} needs --model (without --model the bundled demo "
+                    "pair is used)"
+                )
         model, tokenizer, drafter = demo.load_demo()
         names = [DEMO_ID, str(demo.DEMO_DIR / "target")]
     else:
-        model, tokenizer = load(args.model, adapter_path=args.adapter_path,
-                                tokenizer_config={"trust_remote_code": args.trust_remote_code})
+        model, tokenizer = load(
+            args.model,
+            adapter_path=args.adapter_path,
+            tokenizer_config={"trust_remote_code": args.trust_remote_code},
+        )
         drafter = load_drafter(args.drafter, model) if args.drafter else None
-        names = [args.model] + ([str(Path(args.model).resolve())]
-                                if Path(args.model).exists() else [])
+        names = [args.model] + (
+            [str(Path(args.model).resolve())] if Path(args.model).exists() else []
+        )
     if args.no_drafter:
         drafter = None
     if drafter is not None and args.draft_model:
@@ -174,9 +266,17 @@ def load_engine(args):
     max_context = args.max_context or model_max_context(model, args.model)
     # Parameters loaded lazily on this thread must be materialized before the worker uses them.
     mx.eval([m.parameters() for m in (model, drafter, draft_model) if m is not None])
-    engine = Engine(model, tokenizer, drafter, draft_model, names[0],
-                    draft_names[0] if draft_names else None, max_context, args.block_size,
-                    args.prefill_step_size)
+    engine = Engine(
+        model,
+        tokenizer,
+        drafter,
+        draft_model,
+        names[0],
+        draft_names[0] if draft_names else None,
+        max_context,
+        args.block_size,
+        args.prefill_step_size,
+    )
     return engine, names, draft_names
 
 
@@ -188,13 +288,31 @@ def build_state(args):
     from .worker import Worker
 
     engine, names, draft_names = load_engine(args)
-    vocab = getattr(getattr(engine.model, "args", None), "vocab_size", None) or (1 << 31)
-    defaults = Defaults(args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p,
-                        args.num_draft_tokens, vocab)
-    prompter = Prompter(engine.tokenizer, engine.max_context, args.context_policy,
-                        args.raw_keep_tokens, args.chat_template_args)
-    worker = Worker(engine, args.queue_size, args.prompt_cache_size, args.prompt_cache_bytes)
-    return ServerState(worker, prompter, defaults, names, draft_names, args.allowed_origins)
+    vocab = getattr(getattr(engine.model, "args", None), "vocab_size", None) or (
+        1 << 31
+    )
+    defaults = Defaults(
+        args.max_tokens,
+        args.temp,
+        args.top_p,
+        args.top_k,
+        args.min_p,
+        args.num_draft_tokens,
+        vocab,
+    )
+    prompter = Prompter(
+        engine.tokenizer,
+        engine.max_context,
+        args.context_policy,
+        args.raw_keep_tokens,
+        args.chat_template_args,
+    )
+    worker = Worker(
+        engine, args.queue_size, args.prompt_cache_size, args.prompt_cache_bytes
+    )
+    return ServerState(
+        worker, prompter, defaults, names, draft_names, args.allowed_origins
+    )
 
 
 def _check_sampling(args) -> None:
@@ -210,21 +328,32 @@ def serve(args) -> None:
     from .app import create_app
 
     _check_sampling(args)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(message)s"
+    )
     state = build_state(args)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(create_app(state), log_level=args.log_level.lower(),
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        create_app(state), log_level=args.log_level.lower(), timeout_graceful_shutdown=5
+    )
     server = uvicorn.Server(config)
-    policy = f"max context {state.worker.engine.max_context}, policy {args.context_policy}"
-    mode = ("DFlash" if state.worker.engine.drafter is not None else
-            "draft model" if state.worker.engine.draft_model is not None else "plain")
-    print(f"{PROG}: serving {state.model_id} ({mode}; {policy}) at http://{host}:{port}",
-          file=sys.stderr, flush=True)
+    policy = (
+        f"max context {state.worker.engine.max_context}, policy {args.context_policy}"
+    )
+    mode = (
+        "DFlash"
+        if state.worker.engine.drafter is not None
+        else "draft model" if state.worker.engine.draft_model is not None else "plain"
+    )
+    print(
+        f"{PROG}: serving {state.model_id} ({mode}; {policy}) at http://{host}:{port}",
+        file=sys.stderr,
+        flush=True,
+    )
     server.run(sockets=[sock])
 
 

@@ -66,10 +66,16 @@ class Prompter:
                     return self._chat(request)
                 return self._raw(request)
             except ContextTooLong as error:
-                raise APIError(400, str(error), param="messages" if request.kind == CHAT
-                               else "prompt", code="context_length_exceeded")
+                raise APIError(
+                    400,
+                    str(error),
+                    param="messages" if request.kind == CHAT else "prompt",
+                    code="context_length_exceeded",
+                )
 
-    def render(self, messages: List[Dict[str, Any]], request: GenerationRequest) -> List[int]:
+    def render(
+        self, messages: List[Dict[str, Any]], request: GenerationRequest
+    ) -> List[int]:
         """Prompt tokens of a message list: the chat template, or mlx-lm's plain chat format.
 
         Args:
@@ -88,10 +94,16 @@ class Prompter:
         kwargs.update(request.chat_template_kwargs or {})
         try:
             tokens = tokenizer.apply_chat_template(
-                messages, tools=request.tools, add_generation_prompt=True, tokenize=True, **kwargs
+                messages,
+                tools=request.tools,
+                add_generation_prompt=True,
+                tokenize=True,
+                **kwargs,
             )
         except Exception as error:  # jinja raises for conversations a template refuses
-            raise invalid(f"the chat template could not render the messages: {error}", "messages")
+            raise invalid(
+                f"the chat template could not render the messages: {error}", "messages"
+            )
         if isinstance(tokens, dict):  # some tokenizers return a BatchEncoding
             tokens = tokens["input_ids"]
         return [int(token) for token in tokens]
@@ -109,17 +121,27 @@ class Prompter:
         )
         tokens = rendered[len(shift.messages)]
         _check_not_empty(tokens)
-        return Prepared(tokens, shift.dropped_turns > 0, dropped_turns=shift.dropped_turns,
-                        messages=shift.messages)
+        return Prepared(
+            tokens,
+            shift.dropped_turns > 0,
+            dropped_turns=shift.dropped_turns,
+            messages=shift.messages,
+        )
 
     def _raw(self, request: GenerationRequest) -> Prepared:
         prompt = request.prompt
-        tokens = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        tokens = (
+            list(self.tokenizer.encode(prompt))
+            if isinstance(prompt, str)
+            else list(prompt)
+        )
         _check_not_empty(tokens)
-        shift = shift_raw(tokens, self.max_context, request.max_tokens, self.raw_keep,
-                          self.policy)
-        return Prepared(shift.tokens, shift.dropped_tokens > 0,
-                        dropped_tokens=shift.dropped_tokens)
+        shift = shift_raw(
+            tokens, self.max_context, request.max_tokens, self.raw_keep, self.policy
+        )
+        return Prepared(
+            shift.tokens, shift.dropped_tokens > 0, dropped_tokens=shift.dropped_tokens
+        )
 
 
 def _check_not_empty(tokens: List[int]) -> None:

@@ -89,7 +89,9 @@ def parse_json(raw: bytes) -> Dict[str, Any]:
     except ValueError as err:
         raise invalid(f"invalid JSON in the request body: {err}")
     if not isinstance(body, dict):
-        raise invalid(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise invalid(
+            f"the request body must be a JSON object, got {type(body).__name__}"
+        )
     return body
 
 
@@ -176,11 +178,17 @@ def _logit_bias(body, vocab_size: int) -> Optional[Dict[int, float]]:
         try:
             token = int(key)
         except ValueError:
-            raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            raise invalid(
+                f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
+            )
         if not 0 <= token < vocab_size:
-            raise invalid(f"logit_bias token {token} is outside the vocabulary", "logit_bias")
+            raise invalid(
+                f"logit_bias token {token} is outside the vocabulary", "logit_bias"
+            )
         if not _is_number(amount):
-            raise invalid(f"logit_bias values must be numbers, got {amount!r}", "logit_bias")
+            raise invalid(
+                f"logit_bias values must be numbers, got {amount!r}", "logit_bias"
+            )
         bias[token] = float(amount)
     return bias
 
@@ -260,7 +268,9 @@ class GenerationRequest:
     prompt: Union[str, List[int], None] = None
 
 
-def parse_request(body: Dict[str, Any], kind: str, defaults: Defaults) -> GenerationRequest:
+def parse_request(
+    body: Dict[str, Any], kind: str, defaults: Defaults
+) -> GenerationRequest:
     """Validate a decoded chat or completions body.
 
     Args:
@@ -344,7 +354,8 @@ def _refuse_unsupported(body) -> None:
     response_format = get_object(body, "response_format")
     if response_format and response_format.get("type", "text") != "text":
         raise invalid(
-            "response_format other than {'type': 'text'} is not supported", "response_format"
+            "response_format other than {'type': 'text'} is not supported",
+            "response_format",
         )
 
 
@@ -353,8 +364,12 @@ def _parse_chat(body, request: GenerationRequest) -> None:
     if messages is None:
         raise invalid("messages is required", "messages")
     if not isinstance(messages, list) or not messages:
-        raise invalid("messages must be a non-empty list of message objects", "messages")
-    request.messages = [normalize_message(message, i) for i, message in enumerate(messages)]
+        raise invalid(
+            "messages must be a non-empty list of message objects", "messages"
+        )
+    request.messages = [
+        normalize_message(message, i) for i, message in enumerate(messages)
+    ]
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise invalid(f"tools must be a list, got {_type_name(tools)}", "tools")
@@ -378,7 +393,9 @@ def normalize_message(message: Any, index: int) -> Dict[str, Any]:
     """
     where = f"messages[{index}]"
     if not isinstance(message, dict):
-        raise invalid(f"{where} must be an object, got {_type_name(message)}", "messages")
+        raise invalid(
+            f"{where} must be an object, got {_type_name(message)}", "messages"
+        )
     role = message.get("role")
     if not isinstance(role, str) or not role:
         raise invalid(f"{where}.role must be a non-empty string", "messages")
@@ -387,7 +404,11 @@ def normalize_message(message: Any, index: int) -> Dict[str, Any]:
     if message.get("tool_calls") is not None:
         normalized["tool_calls"] = _tool_calls(message["tool_calls"], where)
     for name in ("name", "tool_call_id"):
-        if name in message and message[name] is not None and not isinstance(message[name], str):
+        if (
+            name in message
+            and message[name] is not None
+            and not isinstance(message[name], str)
+        ):
             raise invalid(f"{where}.{name} must be a string", "messages")
     return normalized
 
@@ -401,9 +422,13 @@ def _content_text(content: Any, where: str) -> str:
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise invalid(f"{where}.content: only text parts are supported", "messages")
+                raise invalid(
+                    f"{where}.content: only text parts are supported", "messages"
+                )
             if not isinstance(part.get("text"), str):
-                raise invalid(f"{where}.content: a text part needs a string 'text'", "messages")
+                raise invalid(
+                    f"{where}.content: a text part needs a string 'text'", "messages"
+                )
             texts.append(part["text"])
         return "".join(texts)
     raise invalid(
@@ -423,7 +448,9 @@ def _tool_calls(calls: Any, where: str) -> List[Dict[str, Any]]:
         function = call.get("function")
         if function is not None:
             if not isinstance(function, dict):
-                raise invalid(f"{where}.tool_calls[].function must be an object", "messages")
+                raise invalid(
+                    f"{where}.tool_calls[].function must be an object", "messages"
+                )
             function = dict(function)
             arguments = function.get("arguments")
             if isinstance(arguments, str):
@@ -431,7 +458,8 @@ def _tool_calls(calls: Any, where: str) -> List[Dict[str, Any]]:
                     function["arguments"] = json.loads(arguments)
                 except ValueError:
                     raise invalid(
-                        f"{where}.tool_calls[].function.arguments is not valid JSON", "messages"
+                        f"{where}.tool_calls[].function.arguments is not valid JSON",
+                        "messages",
                     )
             call["function"] = function
         normalized.append(call)
@@ -521,7 +549,9 @@ class Envelope:
         }
 
 
-def chat_logprobs(entries: List[Tuple[str, float, List[Tuple[str, float]]]]) -> Dict[str, Any]:
+def chat_logprobs(
+    entries: List[Tuple[str, float, List[Tuple[str, float]]]],
+) -> Dict[str, Any]:
     """The chat ``logprobs`` object from ``(token text, logprob, [(alt text, logprob)])``."""
     return {
         "content": [
@@ -565,7 +595,11 @@ def choice(
     offset: int = 0,
 ) -> Dict[str, Any]:
     """One ``choices[0]`` entry of a chat or completions body or chunk."""
-    entry: Dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+    entry: Dict[str, Any] = {
+        "index": 0,
+        "finish_reason": finish_reason,
+        "logprobs": None,
+    }
     if kind == CHAT:
         if stream:
             delta: Dict[str, Any] = {"role": "assistant"} if first else {}

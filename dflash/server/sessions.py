@@ -111,10 +111,15 @@ class SessionPool:
     """
 
     def __init__(
-        self, new_cache: Callable[[], Any], capacity: int, max_bytes: Optional[int] = None
+        self,
+        new_cache: Callable[[], Any],
+        capacity: int,
+        max_bytes: Optional[int] = None,
     ):
         if capacity < 1:
-            raise ValueError(f"the prompt cache must hold at least 1 session, got {capacity}")
+            raise ValueError(
+                f"the prompt cache must hold at least 1 session, got {capacity}"
+            )
         self.new_cache = new_cache
         self.capacity = capacity
         self.max_bytes = max_bytes

@@ -56,12 +56,18 @@ class Engine:
         """An empty session cache: target planes (+ draft planes) (+ the drafter's context)."""
         from ..cache import make_prompt_cache
 
-        cache = make_prompt_cache(self.model, drafter=self.drafter, max_context=self.max_context)
+        cache = make_prompt_cache(
+            self.model, drafter=self.drafter, max_context=self.max_context
+        )
         if self.draft_model is not None:
-            cache.extend(make_prompt_cache(self.draft_model, max_context=self.max_context))
+            cache.extend(
+                make_prompt_cache(self.draft_model, max_context=self.max_context)
+            )
         return cache
 
-    def generate(self, prompt: Sequence[int], cache, request: GenerationRequest) -> Iterator:
+    def generate(
+        self, prompt: Sequence[int], cache, request: GenerationRequest
+    ) -> Iterator:
         """Stream ``GenerationResponse`` objects for ``prompt`` continuing ``cache`` in place.
 
         Args:
@@ -89,7 +95,9 @@ class Engine:
         if self.drafter is not None:
             kwargs.update(drafter=self.drafter, block_size=self.block_size)
         elif self.draft_model is not None:
-            kwargs.update(draft_model=self.draft_model, num_draft_tokens=request.num_draft_tokens)
+            kwargs.update(
+                draft_model=self.draft_model, num_draft_tokens=request.num_draft_tokens
+            )
         return stream_generate(self.model, self.tokenizer, list(prompt), **kwargs)
 
 
@@ -211,14 +219,18 @@ class Worker:
         cache_bytes: Optional[int] = None,
     ):
         if queue_size < 1:
-            raise ValueError(f"the queue must hold at least 1 request, got {queue_size}")
+            raise ValueError(
+                f"the queue must hold at least 1 request, got {queue_size}"
+            )
         self.engine = engine
         self.pool = SessionPool(engine.new_cache, cache_size, cache_bytes)
         self.queue: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=queue_size)
         self.failure: Optional[BaseException] = None
         self._job_seconds = 1.0
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dflash-generation", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="dflash-generation", daemon=True
+        )
 
     def start(self) -> None:
         """Start the generation thread."""
@@ -234,12 +246,21 @@ class Worker:
             except queue.Empty:
                 break
             if job is not None:
-                _emit(job, Failed(APIError(503, "the server is shutting down", "server_error")))
+                _emit(
+                    job,
+                    Failed(
+                        APIError(503, "the server is shutting down", "server_error")
+                    ),
+                )
 
     @property
     def healthy(self) -> bool:
         """Whether the generation thread is alive and accepting work."""
-        return self._thread.is_alive() and self.failure is None and not self._stopping.is_set()
+        return (
+            self._thread.is_alive()
+            and self.failure is None
+            and not self._stopping.is_set()
+        )
 
     def retry_after(self) -> int:
         """Seconds a refused client should wait: about one job's time, 1 to 60."""
@@ -254,8 +275,13 @@ class Worker:
         """
         retry = {"Retry-After": str(self.retry_after())}
         if not self.healthy:
-            raise APIError(503, "the generation worker is not available", "server_error",
-                           code="unavailable", headers=retry)
+            raise APIError(
+                503,
+                "the generation worker is not available",
+                "server_error",
+                code="unavailable",
+                headers=retry,
+            )
         try:
             self.queue.put_nowait(job)
         except queue.Full:
@@ -279,8 +305,12 @@ class Worker:
                 started = time.perf_counter()
                 self.run_job(job)
                 # A smoothed job time for Retry-After.
-                self._job_seconds += 0.2 * (time.perf_counter() - started - self._job_seconds)
-        except BaseException as error:  # noqa: B902 - the health check must see any death
+                self._job_seconds += 0.2 * (
+                    time.perf_counter() - started - self._job_seconds
+                )
+        except (
+            BaseException
+        ) as error:  # noqa: B902 - the health check must see any death
             self.failure = error
             log.exception("the generation worker died")
 
@@ -294,8 +324,14 @@ class Worker:
             _emit(job, Failed(error))
         except Exception as error:  # a generation failure must not kill the worker
             log.exception("generation failed")
-            _emit(job, Failed(APIError(500, f"generation failed: {_first_line(error)}",
-                                       "server_error")))
+            _emit(
+                job,
+                Failed(
+                    APIError(
+                        500, f"generation failed: {_first_line(error)}", "server_error"
+                    )
+                ),
+            )
 
     def _serve(self, job: Job) -> None:
         request = job.request
@@ -305,7 +341,9 @@ class Worker:
             mx.random.seed(request.seed)
         sequence = list(job.tokens)
         stop = StopText(request.stop)
-        responses = self.engine.generate(job.tokens[plan.reuse :], plan.session.cache, request)
+        responses = self.engine.generate(
+            job.tokens[plan.reuse :], plan.session.cache, request
+        )
         started = False
         try:
             for response in responses:
@@ -314,7 +352,12 @@ class Worker:
                         return  # a rebuild is not swapped in for a client that went away
                     self._publish(plan)
                     started = True
-                    _emit(job, Started(len(job.tokens), plan.reuse, plan.session.epoch, plan.kind))
+                    _emit(
+                        job,
+                        Started(
+                            len(job.tokens), plan.reuse, plan.session.epoch, plan.kind
+                        ),
+                    )
                 sequence.append(response.token)
                 if self._stream_token(job, response, sequence, plan, stop):
                     return
@@ -339,7 +382,11 @@ class Worker:
         finish = "stop" if stopped else response.finish_reason
         if finish is not None and not stopped:
             text += stop.flush()
-        entries = [self._logprob_entry(response, request.top_logprobs)] if request.logprobs else []
+        entries = (
+            [self._logprob_entry(response, request.top_logprobs)]
+            if request.logprobs
+            else []
+        )
         if text or entries:
             _emit(job, Delta(text, entries))
         if finish is not None:
