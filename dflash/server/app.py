@@ -292,8 +292,10 @@ async def health(http: Request) -> Response:
     worker = state.worker
     body = {
         "status": "ok" if worker.healthy else "unavailable",
+        "busy": worker.busy,
         "queued": worker.queue.qsize(),
         "sessions": len(worker.pool),
+        **worker.stats,
     }
     return JSONResponse(body, status_code=200 if worker.healthy else 503)
 

@@ -227,6 +227,15 @@ class Worker:
         self.queue: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=queue_size)
         self.failure: Optional[BaseException] = None
         self._job_seconds = 1.0
+        self.busy = False
+        self.stats = {
+            "requests": 0,
+            "generated_tokens": 0,
+            "cancelled": 0,
+            "rebuilds": 0,
+            "shifts": 0,
+            "failed": 0,
+        }
         self._stopping = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name="dflash-generation", daemon=True
@@ -303,7 +312,11 @@ class Worker:
                 if job is None:
                     continue
                 started = time.perf_counter()
-                self.run_job(job)
+                self.busy = True
+                try:
+                    self.run_job(job)
+                finally:
+                    self.busy = False
                 # A smoothed job time for Retry-After.
                 self._job_seconds += 0.2 * (
                     time.perf_counter() - started - self._job_seconds
@@ -316,13 +329,17 @@ class Worker:
 
     def run_job(self, job: Job) -> None:
         """Serve one job in the calling thread (the worker's); never raises for a job failure."""
+        self.stats["requests"] += 1
         if job.cancelled.is_set():
+            self.stats["cancelled"] += 1
             return
         try:
             self._serve(job)
         except APIError as error:
+            self.stats["failed"] += 1
             _emit(job, Failed(error))
         except Exception as error:  # a generation failure must not kill the worker
+            self.stats["failed"] += 1
             log.exception("generation failed")
             _emit(
                 job,
@@ -347,9 +364,13 @@ class Worker:
         started = False
         try:
             for response in responses:
+                # The cache already holds every yielded token, even one nobody reads.
+                sequence.append(response.token)
                 if not started:
                     if job.cancelled.is_set():
-                        return  # a rebuild is not swapped in for a client that went away
+                        # A rebuild is not swapped in for a client that went away.
+                        self.stats["cancelled"] += 1
+                        return
                     self._publish(plan)
                     started = True
                     _emit(
@@ -358,9 +379,13 @@ class Worker:
                             len(job.tokens), plan.reuse, plan.session.epoch, plan.kind
                         ),
                     )
-                sequence.append(response.token)
+                self.stats["generated_tokens"] += 1
                 if self._stream_token(job, response, sequence, plan, stop):
                     return
+                if job.cancelled.is_set():
+                    self.stats["cancelled"] += 1
+                    return
+            raise RuntimeError("generation ended without a finish reason")
         finally:
             responses.close()
             if started or plan.kind != REBUILD:
@@ -370,13 +395,15 @@ class Worker:
         """The prefill succeeded: swap a staging session in, or mark the live one used."""
         if plan.kind == REBUILD:
             self.pool.install(plan)
+            self.stats["rebuilds"] += 1
+            self.stats["shifts"] += int(plan.shifted)
         else:
             self.pool.touch(plan.session)
 
     def _stream_token(
         self, job: Job, response, sequence: List[int], plan: Plan, stop: StopText
     ) -> bool:
-        """Emit one token's text; returns whether generation is over."""
+        """Emit one token's text; returns whether the completion finished."""
         request = job.request
         text, stopped = stop.feed(response.text)
         finish = "stop" if stopped else response.finish_reason
@@ -394,7 +421,7 @@ class Worker:
             usage = Usage(len(job.tokens), completion, plan.reuse)
             _emit(job, Finished(finish, usage))
             return True
-        return job.cancelled.is_set()
+        return False
 
     def _logprob_entry(self, response, top: int) -> LogprobEntry:
         logprobs = response.logprobs
