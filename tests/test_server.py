@@ -23,6 +23,8 @@ from dflash import demo
 pytestmark = pytest.mark.skipif(not demo.demo_available(), reason="demo pair not installed")
 
 TOKENS = 10
+# Small DFlash blocks keep the CPU runs short; the reference uses the same.
+BLOCK = 4
 CHATS = [
     [{"role": "user", "content": "def fibonacci(n):"}],
     [
@@ -40,7 +42,7 @@ def pair():
 
 @pytest.fixture(scope="module")
 def server():
-    process = ServerProcess("--chat-template", CHAT_TEMPLATE)
+    process = ServerProcess("--chat-template", CHAT_TEMPLATE, "--block-size", str(BLOCK))
     yield process
     process.close()
 
@@ -53,7 +55,9 @@ def client(server):
 def expected_chat(pair, messages, max_tokens=TOKENS, **kwargs):
     model, tokenizer, drafter = pair
     tokens = chat_tokens(tokenizer, messages)
-    return reference(model, tokenizer, tokens, max_tokens, drafter=drafter, **kwargs)
+    return reference(
+        model, tokenizer, tokens, max_tokens, drafter=drafter, block_size=BLOCK, **kwargs
+    )
 
 
 def sse_events(response):
@@ -114,7 +118,9 @@ def test_completions_streamed_equals_non_streamed_equals_generate(pair, client, 
         )
     )
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
-    want = reference(model, tokenizer, tokenizer.encode(text), TOKENS, drafter=drafter)
+    want = reference(
+        model, tokenizer, tokenizer.encode(text), TOKENS, drafter=drafter, block_size=BLOCK
+    )
     assert whole.choices[0].text == streamed == want
     assert whole.usage.prompt_tokens == len(tokenizer.encode(text))
 
@@ -157,16 +163,16 @@ def test_logprobs_are_the_greedy_choices(client):
 
 def test_stop_strings_cut_the_text_streamed_or_not(pair, client):
     messages = CHATS[1]
-    full = expected_chat(pair, messages, max_tokens=24)
+    full = expected_chat(pair, messages, max_tokens=12)
     assert "\n" in full, "the reference needs a newline for this test"
     cut = full.split("\n")[0]
     whole = client.chat.completions.create(
-        model="dflash-demo", messages=messages, max_tokens=24, temperature=0, stop=["\n"]
+        model="dflash-demo", messages=messages, max_tokens=12, temperature=0, stop=["\n"]
     )
     chunks = client.chat.completions.create(
         model="dflash-demo",
         messages=messages,
-        max_tokens=24,
+        max_tokens=12,
         temperature=0,
         stop="\n",
         stream=True,
@@ -253,7 +259,7 @@ def test_eight_concurrent_clients_each_get_their_own_answer(pair, server):
         response = client.chat.completions.create(
             model="dflash-demo",
             messages=conversations[index],
-            max_tokens=8,
+            max_tokens=6,
             temperature=0,
             stream=stream,
         )
@@ -267,7 +273,7 @@ def test_eight_concurrent_clients_each_get_their_own_answer(pair, server):
         thread.start()
     for thread in threads:
         thread.join(300)
-    assert answers == [expected_chat(pair, m, max_tokens=8) for m in conversations]
+    assert answers == [expected_chat(pair, m, max_tokens=6) for m in conversations]
 
 
 def test_disconnect_mid_stream_stops_generation_and_next_request_is_right(pair, server):

@@ -4,22 +4,27 @@ A session is a prompt cache (the target's planes, a classic draft model's planes
 and with DFlash the drafter's context) plus the tokens it holds. A request reuses the session
 with the longest usable prefix of its prompt and prefills only the rest:
 
-* **extend**: the session's tokens are a proper prefix of the prompt;
-* **trim**: the session can be trimmed back to the common prefix (only while no sliding window
-  has advanced, and never for a shifted request);
-* **rebuild**: anything else. The prompt is prefilled into a new *staging* session that replaces
-  its predecessor with one assignment, only once its prefill succeeded (see
-  :meth:`SessionPool.install`); a failure or a disconnect before that leaves every live session
-  as it was. A rebuild caused by a context shift advances the context epoch.
+* **extend**: the session's tokens are a proper prefix of the prompt; it continues in place.
+* **fork**: a session shares a prefix with the prompt and can be trimmed back to it (no sliding
+  window has advanced): a copy of it, trimmed, becomes the staging session. The original stays
+  as it was, so another conversation that shares only a system prompt does not evict it.
+* **rebuild**: anything else: an empty staging session.
+
+A staging session (fork or rebuild) replaces its predecessor, or joins the pool, with one
+assignment, and only once its prefill succeeded (see :meth:`SessionPool.install`); a failure or a
+disconnect before that leaves every live session bit-identical. A staging session built for a
+shifted request advances the context epoch.
 """
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional, Sequence
 
 EXTEND = "extend"
-TRIM = "trim"
+FORK = "fork"
 REBUILD = "rebuild"
+STAGED = (FORK, REBUILD)
 
 
 @dataclass
@@ -44,10 +49,10 @@ class Plan:
     """How one request uses the sessions.
 
     Attributes:
-        kind: ``"extend"``, ``"trim"`` or ``"rebuild"``.
-        session: The session generation runs in (the staging one for a rebuild).
+        kind: ``"extend"``, ``"fork"`` or ``"rebuild"``.
+        session: The session generation runs in (the staging one for a fork or rebuild).
         reuse: Prompt tokens already in the cache (not prefilled again).
-        replaces: For a rebuild, the live session the staging one replaces on success
+        replaces: For a staging session, the live session it replaces on success
             (``None``: it is added as a new conversation).
         shifted: Whether the request's retained context was shifted by the policy.
     """
@@ -96,6 +101,21 @@ def trim_to(cache, position: int) -> None:
             part.trim(part.offset - position)
 
 
+def fork(cache):
+    """An independent copy of a cache (planes rebuilt from their state, as mlx-lm copies)."""
+    planes = []
+    for plane in cache:
+        clone = type(plane).from_state(plane.state, plane.meta_state)
+        clone.use_kernel = getattr(plane, "use_kernel", None)
+        planes.append(clone)
+    clone = copy.copy(cache)
+    clone[:] = planes
+    context = getattr(cache, "drafter_context", None)
+    if context is not None:
+        clone.drafter_context = copy.deepcopy(context)
+    return clone
+
+
 def nbytes(cache) -> int:
     """Bytes held by a cache (planes and drafter context)."""
     return sum(int(getattr(part, "nbytes", 0) or 0) for part in _parts(cache))
@@ -128,37 +148,38 @@ class SessionPool:
     def __len__(self) -> int:
         return len(self.sessions)
 
-    def _usable(self, session: Session, tokens: Sequence[int], shifted: bool) -> int:
-        """Prompt tokens ``session`` can provide without a rebuild (0: none)."""
-        held = len(session.tokens)
-        shared = common_prefix(session.tokens, tokens)
-        if shared == held and held < len(tokens):
-            return held
-        if shifted or not trimmable(session.cache):
-            return 0
-        # At least one prompt token must be fed to generate.
-        return min(shared, len(tokens) - 1)
-
     def plan(self, tokens: Sequence[int], shifted: bool = False) -> Plan:
-        """Pick how a prompt uses the sessions (nothing is modified).
+        """Pick how a prompt uses the sessions (no live session is modified).
 
         Args:
             tokens: The retained prompt.
             shifted: Whether the policy dropped part of the request to get ``tokens``.
 
         Returns:
-            The plan; for a rebuild its session is a new, empty staging session.
+            The plan; for a fork or a rebuild its session is a new staging session.
         """
-        best, reuse = None, 0
+        extend, extend_reuse = None, 0
+        source, fork_reuse = None, 0
         for session in reversed(self.sessions):  # most recent first wins ties
-            usable = self._usable(session, tokens, shifted)
-            if usable > reuse:
-                best, reuse = session, usable
-        if best is not None:
-            kind = EXTEND if reuse == len(best.tokens) else TRIM
-            return Plan(kind, best, reuse, shifted=shifted)
+            held = len(session.tokens)
+            shared = common_prefix(session.tokens, tokens)
+            if shared == held and extend_reuse < held < len(tokens):
+                extend, extend_reuse = session, held
+            # At least one prompt token must be left to feed.
+            usable = min(shared, len(tokens) - 1)
+            if usable > fork_reuse and trimmable(session.cache):
+                source, fork_reuse = session, usable
+        if extend is not None and extend_reuse >= fork_reuse:
+            return Plan(EXTEND, extend, extend_reuse, shifted=shifted)
         replaces = self._predecessor(tokens) if shifted else None
-        epoch = (replaces.epoch if replaces is not None else 0) + 1 if shifted else 0
+        if source is not None:
+            cache = fork(source.cache)
+            trim_to(cache, fork_reuse)
+            staging = Session(
+                cache, list(tokens[:fork_reuse]), source.epoch + int(shifted)
+            )
+            return Plan(FORK, staging, fork_reuse, replaces=replaces, shifted=shifted)
+        epoch = (replaces.epoch if replaces is not None else 0) + int(shifted)
         staging = Session(self.new_cache(), [], epoch)
         return Plan(REBUILD, staging, 0, replaces=replaces, shifted=shifted)
 
@@ -170,12 +191,6 @@ class SessionPool:
             if length > shared:
                 best, shared = session, length
         return best
-
-    def prepare(self, plan: Plan) -> None:
-        """Bring a reused session to the plan's prefix (trims in place for a trim plan)."""
-        if plan.kind == TRIM:
-            trim_to(plan.session.cache, plan.reuse)
-            del plan.session.tokens[plan.reuse :]
 
     def install(self, plan: Plan) -> None:
         """Publish a rebuilt session: one assignment replaces its predecessor.
@@ -245,4 +260,16 @@ class SessionPool:
             self.drop(session)
             return False
         session.tokens = list(sequence[:position])
+        self._drop_implied(session)
         return True
+
+    def _drop_implied(self, session: Session) -> None:
+        """Drop sessions whose tokens a trimmable ``session`` also holds (a fork recreates them)."""
+        if session not in self.sessions or not trimmable(session.cache):
+            return
+        held = session.tokens
+        for other in list(self.sessions):
+            if other is not session and common_prefix(other.tokens, held) == len(
+                other.tokens
+            ):
+                self.sessions.remove(other)

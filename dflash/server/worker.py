@@ -1,7 +1,7 @@
 """The generation worker: one thread owns the models and the sessions; requests queue to it.
 
 The HTTP side validates a request, applies the context policy and submits a :class:`Job`; the
-worker plans how the job uses the sessions (extend, trim or a staging rebuild), generates, and
+worker plans how the job uses the sessions (extend, or a staging fork or rebuild), generates, and
 reports back through the job's ``emit`` callback with :class:`Started`, :class:`Delta`,
 :class:`Finished` or :class:`Failed` events. A job whose client went away is stopped at the next
 token; the session then holds exactly the prompt and the tokens emitted so far.
@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .protocol import APIError, GenerationRequest, Usage
-from .sessions import REBUILD, Plan, SessionPool
+from .sessions import STAGED, Plan, SessionPool
 
 log = logging.getLogger("dflash.server")
 
@@ -110,7 +110,7 @@ class Started:
         prompt_tokens: Tokens of the retained prompt.
         cached_tokens: Of those, the ones reused from the session.
         epoch: The session's context epoch.
-        plan: ``"extend"``, ``"trim"`` or ``"rebuild"``.
+        plan: ``"extend"``, ``"fork"`` or ``"rebuild"``.
     """
 
     prompt_tokens: int
@@ -353,7 +353,6 @@ class Worker:
     def _serve(self, job: Job) -> None:
         request = job.request
         plan = self.pool.plan(job.tokens, job.shifted)
-        self.pool.prepare(plan)
         if request.seed is not None:
             mx.random.seed(request.seed)
         sequence = list(job.tokens)
@@ -368,7 +367,7 @@ class Worker:
                 sequence.append(response.token)
                 if not started:
                     if job.cancelled.is_set():
-                        # A rebuild is not swapped in for a client that went away.
+                        # A staging session is not swapped in for a client that went away.
                         self.stats["cancelled"] += 1
                         return
                     self._publish(plan)
@@ -388,12 +387,12 @@ class Worker:
             raise RuntimeError("generation ended without a finish reason")
         finally:
             responses.close()
-            if started or plan.kind != REBUILD:
+            if started or plan.kind not in STAGED:
                 self.pool.settle(plan.session, sequence)
 
     def _publish(self, plan: Plan) -> None:
         """The prefill succeeded: swap a staging session in, or mark the live one used."""
-        if plan.kind == REBUILD:
+        if plan.kind in STAGED:
             self.pool.install(plan)
             self.stats["rebuilds"] += 1
             self.stats["shifts"] += int(plan.shifted)
