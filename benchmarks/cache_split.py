@@ -12,8 +12,8 @@ A round at Muse Glimmer geometry (39 ring + 13 growing layers, 2 KV heads x 128,
 The same split is printed for mlx-lm's ``RotatingKVCache`` / ``KVCache`` taking the same
 block (no commit: they cannot roll back a wrapped ring). Medians of ``--reps`` rounds.
 
-    python benchmarks/cache_split.py            # full geometry (GPU host)
-    python benchmarks/cache_split.py --small    # 6 ring + 2 growing layers of 256 rows (CPU)
+    python -m benchmarks.cache_split            # full geometry (GPU host)
+    python -m benchmarks.cache_split --small    # 6 ring + 2 growing layers of 256 rows (CPU)
 
 The kernels route runs only with mlx's Metal or CUDA backend.
 """
@@ -30,14 +30,8 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from dflash.cache import SpeculativeCheckpoint
 from dflash.metal import kernel_backend
-from dflash.metal.bench import (
-    Geometry,
-    block_rows,
-    cache_fetch,
-    fill_cache,
-    make_cache,
-    rewind,
-)
+
+from .common import Geometry, block_kv, cache_fetch, fill_cache, make_cache, rewind
 
 
 def split(begin_fetch: Callable, finish: Callable, reps: int, warmup: int = 5) -> str:
@@ -72,7 +66,7 @@ def ours(geom: Geometry, context: int, use_kernel: bool, kept: int, reps: int) -
     cache = make_cache(geom, use_kernel)
     fill_cache(cache, geom, context)
     metas = [plane.meta for plane in cache]
-    rows = block_rows(geom, geom.layers)
+    rows = block_kv(geom, geom.layers)
 
     def begin_fetch():
         checkpoint = SpeculativeCheckpoint.begin(cache, geom.block)
@@ -103,7 +97,7 @@ def mlx_lm(geom: Geometry, context: int, reps: int) -> str:
         mx.eval(layer.keys, layer.values)
         layers.append(layer)
     saved = [dict(vars(layer)) for layer in layers]
-    rows = block_rows(geom, geom.layers)
+    rows = block_kv(geom, geom.layers)
 
     def begin_fetch():
         pairs = zip(layers, rows)

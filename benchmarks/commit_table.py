@@ -6,7 +6,7 @@ in-place op per ring (39 at Muse Glimmer geometry). If all rings lived in one
 in-place store. This times both, host (graph building) and total (until the device is done),
 for a store inside one run of the ring and one across the seam, at kept = 5 and 16.
 
-    python benchmarks/commit_table.py      # GPU host; on the CPU it runs, slowly
+    python -m benchmarks.commit_table      # GPU host; on the CPU it runs, slowly
 
 It measures the commit alone; it does not build the shared-table cache (see docs/metal.md for
 why the cache keeps one buffer per ring).
@@ -17,7 +17,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from dflash.metal import ring_write
-from dflash.metal.bench import host_and_total_ms
+
+from .common import host_and_total_ms
 
 LAYERS, HEADS, CAPACITY, DIM, BLOCK = 39, 2, 2048, 128, 16
 ROW_AXIS = 3  # of one ring's stacked (2, B, H, C, D) buffer

@@ -5,7 +5,7 @@ prompts, one after the other, in passes that alternate the two generators; the f
 pays mlx's kernel compilation, so compare later passes. Speed only means something on a GPU
 (on mlx's CPU backend a 16-token forward costs 10-14x a 1-token one).
 
-Run: ``python benchmarks/demo_speed.py --limit 16 --json speed.json``
+Run: ``python -m benchmarks.demo_speed --limit 16 --json speed.json``
 """
 
 import argparse
@@ -35,7 +35,7 @@ def dflash_tokens(model, drafter, prompt: mx.array, max_tokens: int) -> int:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python benchmarks/demo_speed.py")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.demo_speed")
     parser.add_argument("--limit", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--passes", type=int, default=2)
@@ -70,7 +70,7 @@ def main(argv=None) -> None:
             print(json.dumps(passes[-1]))
     report = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python benchmarks/demo_speed.py"] + sys.argv[1:]),
+        "command": " ".join(["python -m benchmarks.demo_speed"] + sys.argv[1:]),
         "machine": f"{platform.platform()}, mlx {mx.__version__}, {mx.default_device()}",
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,

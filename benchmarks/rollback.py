@@ -5,7 +5,7 @@ lengths. Per 16-token verify round it measures what ``SpeculativeCheckpoint`` re
 long ``begin`` + ``commit`` take, against the two alternatives: copying the whole cache, and
 re-ordering every window into time order (what mlx-lm's multi-token ring update does).
 
-Run: ``python benchmarks/rollback.py --json docs/rollback.json --markdown docs/rollback.md``
+Run: ``python -m benchmarks.rollback --json docs/rollback.json --markdown docs/rollback.md``
 """
 
 import argparse
@@ -18,7 +18,7 @@ from datetime import date
 
 import mlx.core as mx
 
-from dflash.cache import KvPlane, SpeculativeCheckpoint
+from dflash.cache import GrowingPlane, KvPlane, RingPlane, SpeculativeCheckpoint
 from dflash.cache.plane import PlaneMeta
 
 RING_LAYERS, FULL_LAYERS, WINDOW, HEADS, HEAD_DIM = 39, 13, 2048, 2, 128
@@ -26,7 +26,7 @@ RING_LAYERS, FULL_LAYERS, WINDOW, HEADS, HEAD_DIM = 39, 13, 2048, 2, 128
 
 def plane_at(context: int, window, block: int) -> KvPlane:
     """A plane in exactly the state sequential appends of ``context`` rows leave it in."""
-    plane = KvPlane(window=window)
+    plane = RingPlane(window) if window else GrowingPlane()
     rows = min(context, window) if window else context
     capacity = window if window else -(-(context + block) // 256) * 256
     shape = (1, HEADS, capacity, HEAD_DIM)
@@ -64,7 +64,7 @@ def checkpoint_round(cache, block: int, accepted: int):
     The block is written with ``KvPlane.write`` (not staged), so the checkpoint retains the
     rows it overwrites; that retention, which the first write triggers, is timed with
     ``begin``. (A staged verify block written by ``update_and_fetch`` retains nothing: see
-    ``python -m dflash.metal.bench``.)
+    ``python -m benchmarks.cache_round``.)
     """
     rows = mx.random.normal((1, HEADS, block, HEAD_DIM)).astype(mx.float16)
     mx.eval(rows)
@@ -148,7 +148,7 @@ def main(argv=None) -> None:
     parser.add_argument("--markdown", help="write the table as Markdown here")
     args = parser.parse_args(argv)
     results = [measure(context, args.block, args.repeats) for context in args.contexts]
-    command = "python benchmarks/rollback.py " + " ".join(argv or sys.argv[1:])
+    command = "python -m benchmarks.rollback " + " ".join(argv or sys.argv[1:])
     table = markdown(results, command)
     print(table)
     if args.json:

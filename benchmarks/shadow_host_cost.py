@@ -1,12 +1,13 @@
 """Host and device cost of 39 staging shadows (one verify round's sliding layers), per form.
 
 Builds the fused K/V shadow of 39 Muse Glimmer rings (2 KV heads x 128 x 2,048 rows,
-bfloat16, 16-token chunk at origin 1,000) with the custom kernel and with the pure-MLX
-reference, for K/V handed over as mlx-lm's transposed views and as contiguous arrays, and
-prints the median host time of building the graph and of build + evaluate. Then the bare
-launch cost: 39 trivial custom kernels against 39 trivial mlx adds.
+bfloat16, 16-token chunk at origin 1,000) through ``ShadowStager.pair``, as the cache does,
+with the custom kernel and with the pure-MLX reference, for K/V handed over as mlx-lm's
+transposed views and as contiguous arrays, and prints the median host time of building the
+graph and of build + evaluate. Then the bare launch cost: 39 trivial custom kernels against
+39 trivial mlx adds.
 
-    python benchmarks/shadow_host_cost.py        # needs mlx's Metal or CUDA backend
+    python -m benchmarks.shadow_host_cost        # needs mlx's Metal or CUDA backend
 
 This is the measurement behind caching the derived geometry sizes in
 ``dflash.metal.layout.RowGeometry`` (the kernel path spent ~50 us of host time per launch in
@@ -19,10 +20,9 @@ import sys
 
 import mlx.core as mx
 
-from dflash.metal import kernel_backend
-from dflash.metal.bench import host_and_total_ms
-from dflash.metal.layout import buffer_geometry
-from dflash.metal.ring import _stage_shadow_kv_kernel, _stage_shadow_kv_ops
+from dflash.metal import ShadowStager, kernel_backend
+
+from .common import host_and_total_ms
 
 LAYERS, HEADS, CAPACITY, DIM, CHUNK = 39, 2, 2048, 128, 16
 
@@ -42,13 +42,15 @@ def main() -> int:
         transposed.append(tuple(pair[i].transpose(0, 2, 1, 3) for i in (0, 1)))
     contiguous = [tuple(mx.contiguous(x) for x in kv) for kv in transposed]
     mx.eval(rings, contiguous)
-    geom = buffer_geometry(rings[0], True, "kv")
-    forms = [("reference", _stage_shadow_kv_ops), ("kernel", _stage_shadow_kv_kernel)]
+    forms = [
+        (name, ShadowStager.for_buffer(rings[0], use_kernel=use_kernel).pair)
+        for name, use_kernel in (("reference", False), ("kernel", True))
+    ]
     for chunk_name, chunks in (("transposed", transposed), ("contiguous", contiguous)):
         for form_name, form in forms:
             host, total = host_and_total_ms(
                 lambda: [
-                    form(ring, keys, values, 1000, CAPACITY, geom)
+                    form(ring, keys, values, 1000, CAPACITY)
                     for ring, (keys, values) in zip(rings, chunks)
                 ],
                 reps=30,

@@ -9,7 +9,7 @@ from .errors import (
     IncompatibleCache,
     RollbackError,
 )
-from .plane import KvPlane, PlaneMeta
+from .plane import GrowingPlane, KvPlane, PlaneMeta, RingPlane, WriteGuard
 from .prompt_cache import PromptCache, check_prompt_cache, make_prompt_cache
 
 __all__ = [
@@ -17,14 +17,17 @@ __all__ = [
     "CacheError",
     "ContextOverflow",
     "GrowingKVCache",
+    "GrowingPlane",
     "IncompatibleCache",
     "KvPlane",
     "PlaneCheckpoint",
     "PlaneMeta",
     "PromptCache",
     "RingKVCache",
+    "RingPlane",
     "RollbackError",
     "SpeculativeCheckpoint",
+    "WriteGuard",
     "check_prompt_cache",
     "make_prompt_cache",
     "staged_window_mask",

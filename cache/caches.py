@@ -14,7 +14,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import create_attention_mask
 
 from .errors import CacheError, RollbackError
-from .plane import KvPlane, kv_halves
+from .plane import GrowingPlane, RingPlane, kv_halves
 
 _META_FIELDS = (
     "window",
@@ -66,8 +66,8 @@ def _window_mask(query_count: int, old_len: int, window: int) -> mx.array:
 _memo_window_mask = functools.lru_cache(maxsize=16)(_window_mask)
 
 
-class _PlaneCache(KvPlane):
-    """The parts of mlx-lm's cache protocol that rings and growing planes share."""
+class _CacheProtocol:
+    """The parts of mlx-lm's cache protocol that rings and growing planes share (a mixin)."""
 
     def size(self) -> int:
         return self.len
@@ -114,7 +114,7 @@ class _PlaneCache(KvPlane):
 
     def is_trimmable(self) -> bool:
         # Trimming is exact only while no row has been evicted from the window.
-        return self.origin_logical == 0 and self.speculation is None
+        return self.origin_logical == 0 and not self.checkpointed
 
     def trim(self, n: int) -> int:
         """Drop the newest ``n`` rows; refuses (raises) where that cannot be exact."""
@@ -128,7 +128,7 @@ class _PlaneCache(KvPlane):
         return n
 
 
-class RingKVCache(_PlaneCache):
+class RingKVCache(RingPlane, _CacheProtocol):
     """Sliding-window layer cache: a ring of ``min(window, max_context)`` rows.
 
     Multi-token chunks that would overwrite live rows are *staged*: attention runs over
@@ -139,9 +139,8 @@ class RingKVCache(_PlaneCache):
         window: The layer's sliding window (mlx-lm's ``max_size``).
         max_context: Largest context the cache accepts (``None``: unbounded).
         layer: Layer index, used in error messages.
-        use_kernel: Custom-kernel switch of the staging shadow (``None``: the kernel on a
-            Metal GPU unless ``DFLASH_KERNELS=0``; the pure-MLX form on CUDA, where it
-            measured at least as fast, and on the CPU).
+        use_kernel: Custom-kernel switch of the staging shadow (``None``: the backend's
+            default, see :mod:`dflash.metal.backend`).
     """
 
     def __init__(
@@ -151,44 +150,21 @@ class RingKVCache(_PlaneCache):
         layer: Optional[int] = None,
         use_kernel: Optional[bool] = None,
     ):
-        super().__init__(
-            window=window, max_context=max_context, layer=layer, use_kernel=use_kernel
-        )
-
-    def _is_staged(self, count: int) -> bool:
-        return count > 1 and self.len + count > self.capacity
+        super().__init__(window, max_context, layer=layer, use_kernel=use_kernel)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store a chunk and return the keys/values its queries attend to.
 
-        A staged chunk returns its staging shadow (one launch with the kernels); inside a
-        :class:`SpeculativeCheckpoint` the chunk is then held back from the ring until commit.
+        A staged chunk returns its staging shadow (the guard decides whether the ring is
+        written now or, under a checkpoint, at commit).
 
         Shapes:
             keys, values: ``(B, H, S, D)``.
         """
-        count = keys.shape[2]
-        if not self._is_staged(count):
-            self.write(self.offset, keys, values)
-            return self.attention_rows()
-        self._check_rows(keys, values)
-        start = self.offset
-        self.check_continuity(start, count)
-        checkpoint = self.speculation
-        if checkpoint is not None:
-            checkpoint.admit(start, count)
-            if checkpoint.can_defer():
-                shadow, kv = self.shadow_pair(keys, values)
-                checkpoint.defer(start, kv)
-                return kv_halves(shadow)
-            # Retaining needs the stacked block before the shadow reads the ring.
-            kv = mx.stack([keys, values])
-            checkpoint.prepare_store(start, kv)
-            shadow = self.shadow(kv)
-        else:
-            shadow, kv = self.shadow_pair(keys, values)
-        self.store_chunk(start, kv)
-        return kv_halves(shadow)
+        if self.is_staged(keys.shape[2]):
+            return kv_halves(self.stage(keys, values))
+        self.write(self.offset, keys, values)
+        return self.attention_rows()
 
     def make_mask(
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
@@ -202,14 +178,14 @@ class RingKVCache(_PlaneCache):
         if N == 1:
             # One query sees every row the ring returns: they are exactly its window.
             return None
-        if self._is_staged(N):
+        if self.is_staged(N):
             return staged_window_mask(N, self.len, self.window)
         if return_array:
             return create_causal_mask(N, self.len)
         return "causal"
 
 
-class GrowingKVCache(_PlaneCache):
+class GrowingKVCache(GrowingPlane, _CacheProtocol):
     """Full-attention layer cache: rows from position 0, storage grown in chunks.
 
     Args:
@@ -225,9 +201,7 @@ class GrowingKVCache(_PlaneCache):
         layer: Optional[int] = None,
         use_kernel: Optional[bool] = None,
     ):
-        super().__init__(
-            window=None, max_context=max_context, layer=layer, use_kernel=use_kernel
-        )
+        super().__init__(max_context, layer=layer, use_kernel=use_kernel)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append a chunk and return every row so far.

@@ -6,7 +6,9 @@ leaves every plane exactly as sequential appends of those rows would have left i
 ``rollback()`` is ``commit(0)``. ``begin`` only records bookkeeping (Python ints): it launches
 nothing and never waits for the device.
 
-How each plane is undone:
+While the checkpoint is open, each plane's :class:`~dflash.cache.plane.WriteGuard` is its
+:class:`PlaneCheckpoint`, so every write the forward makes passes through it. How each plane is
+undone:
 
 - **Growing plane**: the block lands in unused rows past ``len``; rewinding is three integers.
 - **Ring plane, staged block** (the verify block of a speculative round: a multi-token chunk
@@ -21,23 +23,30 @@ How each plane is undone:
   the in-place stores after it can reuse their buffers; ``commit`` puts back the rows still live.
 """
 
+from abc import ABC, abstractmethod
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
-from ..metal.checkpoint import retain_rows
-from ..metal.ring import ring_write, wrapped_rows
+from ..metal import retain_rows, ring_write, wrapped_rows
 from .errors import CacheError, RollbackError
-from .plane import KvPlane, PlaneMeta, kv_half, meta_after, take_kv_rows
+from .plane import (
+    KvPlane,
+    PlaneMeta,
+    RingPlane,
+    WriteGuard,
+    kv_half,
+    take_kv_rows,
+)
 
 UNTOUCHED = "untouched"  # nothing written under the checkpoint yet
 DEFERRED = "deferred"  # one staged block held back from the ring
 RETAINED = "retained"  # overwritten rows retained; writes go to the ring
 
 
-class PlaneCheckpoint:
-    """What one plane needs to undo a block.
+class PlaneCheckpoint(WriteGuard, ABC):
+    """What one plane needs to undo a block; while open it is the plane's write guard.
 
     Args:
         plane: The plane.
@@ -47,11 +56,6 @@ class PlaneCheckpoint:
     Attributes:
         start: Absolute position of the block's first row.
         meta: The plane's bookkeeping before the block.
-        mode: ``"untouched"``, ``"deferred"`` (a staged block held back) or ``"retained"``.
-        pending: The held-back block, K and V stacked (``deferred`` only).
-        retained_count: Live rows retained before being overwritten (oldest first).
-        journal: The chunks written to the ring under this checkpoint, for blocks wider than
-            the ring.
     """
 
     def __init__(
@@ -62,6 +66,51 @@ class PlaneCheckpoint:
         self.start = plane.offset
         self.token_count = token_count
         self.meta = plane.meta
+
+    @property
+    def written(self) -> int:
+        """Rows written so far under the checkpoint."""
+        return self.plane.offset - self.start
+
+    def admit(self, plane: KvPlane, start: int, count: int) -> None:
+        """Refuse (before any change) a write that exceeds the checkpointed block."""
+        if start - self.start + count > self.token_count:
+            raise RollbackError(
+                f"layer {plane.layer}: writing {count} rows at position {start} exceeds "
+                f"the checkpointed block of {self.token_count} rows from {self.start}"
+            )
+
+    @abstractmethod
+    def commit(self, accepted: int) -> None:
+        """Leave the plane as sequential appends of the block's first ``accepted`` rows."""
+
+
+class GrowingPlaneCheckpoint(PlaneCheckpoint):
+    """A growing plane's undo: the block lands in unused rows past ``len`` (stored at once)."""
+
+    def commit(self, accepted: int) -> None:
+        plane = self.plane
+        plane.release_guard()
+        final = plane.meta_after(self.meta, accepted)
+        # Storage may have grown during the block; the grown rows are simply unused.
+        plane.set_meta(PlaneMeta(plane.capacity, final.len, 0, 0))
+
+
+class RingPlaneCheckpoint(PlaneCheckpoint):
+    """A ring's undo: hold a staged block back, or retain the rows a write overwrites.
+
+    Attributes:
+        mode: ``"untouched"``, ``"deferred"`` (a staged block held back) or ``"retained"``.
+        pending: The held-back block, K and V stacked (``deferred`` only).
+        retained_count: Live rows retained before being overwritten (oldest first).
+        journal: The chunks written to the ring under this checkpoint, for blocks wider than
+            the ring.
+    """
+
+    def __init__(
+        self, plane: RingPlane, owner: "SpeculativeCheckpoint", token_count: int
+    ):
+        super().__init__(plane, owner, token_count)
         self.mode = UNTOUCHED
         self.pending: Optional[mx.array] = None
         self.retained_block: Optional[mx.array] = None
@@ -70,14 +119,9 @@ class PlaneCheckpoint:
         self.journal: List[Tuple[int, mx.array]] = []
 
     @property
-    def written(self) -> int:
-        """Rows written so far under the checkpoint."""
-        return self.plane.offset - self.start
-
-    @property
     def overwritten(self) -> int:
-        """Live rows of the ring the whole block overwrites (0 for growing planes)."""
-        if not self.plane.is_ring or self.plane.kv is None:
+        """Live rows of the ring the whole block overwrites."""
+        if self.plane.kv is None:
             return 0
         meta = self.meta
         return min(meta.len, max(0, meta.len + self.token_count - meta.capacity))
@@ -88,19 +132,32 @@ class PlaneCheckpoint:
         return self.retained_count * self.plane.row_bytes
 
     # ----------------------------------------------------------------- writes
-    def admit(self, start: int, count: int) -> None:
-        """Refuse (before any change) a write that exceeds the checkpointed block."""
-        if start - self.start + count > self.token_count:
-            raise RollbackError(
-                f"layer {self.plane.layer}: writing {count} rows at position {start} exceeds "
-                f"the checkpointed block of {self.token_count} rows from {self.start}"
-            )
+    def stage(
+        self, plane: RingPlane, start: int, keys: mx.array, values: mx.array
+    ) -> mx.array:
+        """The first write is held back (attention reads the shadow); later ones retain."""
+        if self.mode == UNTOUCHED:
+            shadow, kv = plane.shadow_pair(keys, values)
+            self._hold_back(start, kv)
+            return shadow
+        # Retaining needs the stacked block before the shadow reads the ring.
+        kv = mx.stack([keys, values])
+        self._make_undoable(start, kv)
+        shadow = plane.shadow(kv)
+        plane._store(start, kv)
+        return shadow
 
-    def can_defer(self) -> bool:
-        """Whether a staged chunk written now can be held back from the ring."""
-        return self.mode == UNTOUCHED and self.plane.is_ring
+    def store(self, plane: RingPlane, start: int, kv: mx.array) -> None:
+        """Retain what the chunk overwrites (or flush a held-back block), then store it."""
+        self._make_undoable(start, kv)
+        plane._store(start, kv)
 
-    def defer(self, start: int, kv: mx.array) -> None:
+    def settle(self, plane: RingPlane) -> None:
+        """Write a held-back block to the ring (a reader needs the buffers to be current)."""
+        if self.mode == DEFERRED:
+            self._flush()
+
+    def _hold_back(self, start: int, kv: mx.array) -> None:
         """Hold a staged chunk back: bookkeeping advances, the ring is not written.
 
         Shapes:
@@ -110,46 +167,34 @@ class PlaneCheckpoint:
         self.pending = kv
         self.mode = DEFERRED
 
-    def prepare_store(self, start: int, kv: mx.array) -> None:
-        """Make a write to the ring undoable: retain (or flush) first, then journal it."""
-        if not self.plane.is_ring:
-            return
+    def _make_undoable(self, start: int, kv: mx.array) -> None:
+        """Before a store to the ring: retain (or flush) first, then journal the chunk."""
         if self.mode == UNTOUCHED:
             self.owner.retain_untouched()
         elif self.mode == DEFERRED:
-            self.flush()
+            self._flush()
         self.journal.append((start, kv))
 
-    def settle(self) -> None:
-        """Write a held-back block to the ring (a reader needs the buffers to be current)."""
-        if self.mode == DEFERRED:
-            self.flush()
-
-    def flush(self) -> None:
+    def _flush(self) -> None:
         """Retain what the held-back block overwrites, then store it in the ring."""
         kv, self.pending = self.pending, None
         self.owner.retain([self])
         self.plane.set_meta(self.meta)
-        self.plane.store_chunk(self.start, kv)
+        self.plane._store(self.start, kv)
         self.journal.append((self.start, kv))
 
     # ----------------------------------------------------------------- commit
     def commit(self, accepted: int) -> None:
-        """Leave the plane as sequential appends of the block's first ``accepted`` rows."""
         plane = self.plane
         written = self.written
-        final = meta_after(self.meta, plane.is_ring, accepted)
-        plane.speculation = None
-        if not plane.is_ring:
-            # Storage may have grown during the block; the grown rows are simply unused.
-            plane.set_meta(PlaneMeta(plane.capacity, final.len, 0, 0))
-            return
+        final = plane.meta_after(self.meta, accepted)
+        plane.release_guard()
         if self.mode == DEFERRED:
             kv, self.pending = self.pending, None
             plane.set_meta(self.meta)
             if accepted:
                 kept = take_kv_rows(kv, slice(0, accepted), plane.head_major)
-                plane.store_chunk(self.start, kept)
+                plane._store(self.start, kept)
             return
         if self.mode == RETAINED and written:
             self._restore(accepted, final, written)
@@ -193,6 +238,7 @@ class SpeculativeCheckpoint:
 
     def __init__(self, token_count: int, use_kernel: Optional[bool] = None):
         self._planes: List[PlaneCheckpoint] = []
+        self._rings: List[RingPlaneCheckpoint] = []
         self.token_count = token_count
         self.use_kernel = use_kernel
         self.closed = False
@@ -224,16 +270,21 @@ class SpeculativeCheckpoint:
                     f"cache {index} is a {type(plane).__name__}, not a dflash KV plane; "
                     "build the cache with dflash.cache.make_prompt_cache"
                 )
-            if plane.speculation is not None:
+            if plane.checkpointed:
                 raise RollbackError(
                     f"layer {plane.layer} already has an open checkpoint"
                 )
         checkpoint = cls(token_count, use_kernel)
-        checkpoint._planes = [
-            PlaneCheckpoint(p, checkpoint, token_count) for p in planes
-        ]
+        for plane in planes:
+            # The plane's kind is decided once, here; its guard does the rest.
+            if isinstance(plane, RingPlane):
+                ckpt = RingPlaneCheckpoint(plane, checkpoint, token_count)
+                checkpoint._rings.append(ckpt)
+            else:
+                ckpt = GrowingPlaneCheckpoint(plane, checkpoint, token_count)
+            checkpoint._planes.append(ckpt)
         for ckpt in checkpoint._planes:
-            ckpt.plane.speculation = ckpt
+            ckpt.plane.attach_guard(ckpt)
         return checkpoint
 
     @property
@@ -243,23 +294,17 @@ class SpeculativeCheckpoint:
         Zero for a staged block (held back, nothing retained); at most ``token_count`` rows
         per ring plane otherwise.
         """
-        return sum(ckpt.retained_bytes for ckpt in self._planes)
-
-    @property
-    def planes(self) -> List[PlaneCheckpoint]:
-        return list(self._planes)
+        return sum(ckpt.retained_bytes for ckpt in self._rings)
 
     def retain_untouched(self) -> None:
         """Retain the overwritten rows of every ring plane nothing was written to yet."""
-        self.retain(
-            [c for c in self._planes if c.plane.is_ring and c.mode == UNTOUCHED]
-        )
+        self.retain([c for c in self._rings if c.mode == UNTOUCHED])
 
-    def retain(self, ckpts: Sequence[PlaneCheckpoint]) -> None:
+    def retain(self, ckpts: Sequence[RingPlaneCheckpoint]) -> None:
         """Retain the rows the block overwrites in ``ckpts``' rings (still as at ``begin``).
 
-        Planes of one buffer geometry share one ``retain_rows`` launch (one on CUDA, one per
-        28 planes on Metal, a gather per plane plus a stack for the reference).
+        Planes of one buffer geometry share one :func:`~dflash.metal.retain_rows`
+        call (its launch count per backend is documented there).
         """
         groups = {}
         for ckpt in ckpts:

@@ -1,9 +1,14 @@
 """KV planes: one layer's K/V buffer plus explicit ring bookkeeping.
 
-A plane is either a **ring** (sliding-window layers: fixed capacity ``min(window, max_context)``,
-rotation kept as state in ``origin_physical``) or **growing** (full / NoPE layers: storage grows in
-chunks, ``origin_logical`` and ``origin_physical`` stay 0 and the ring arithmetic switches itself
-off). Physical placement is never derived from an absolute position.
+A plane is either a :class:`RingPlane` (sliding-window layers: fixed capacity
+``min(window, max_context)``, rotation kept as state in ``origin_physical``) or a
+:class:`GrowingPlane` (full / NoPE layers: storage grows in chunks, ``origin_logical`` and
+``origin_physical`` stay 0 and the ring arithmetic switches itself off). Physical placement is
+never derived from an absolute position.
+
+Every store goes through the plane's :class:`WriteGuard` (``plane.guard``): the one door between a
+plane and a speculative checkpoint. Outside a checkpoint it is :data:`OPEN_GUARD`, which stores at
+once; ``SpeculativeCheckpoint.begin`` installs a guard that makes the writes undoable.
 
 Layouts: head-major keys/values are ``(B, H, capacity, D)`` (mlx-lm's layout); token-major are
 ``(B, capacity, H, D)``. One *row* is one token position across all heads. The plane keeps K and V
@@ -11,13 +16,14 @@ stacked in one buffer ``kv`` of shape ``(2, ...)``, so storing a chunk is one la
 one staging-shadow launch builds both K and V; ``keys`` / ``values`` are views of its halves.
 """
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import mlx.core as mx
 
 from ..metal.ring import ShadowStager, ring_write
-from .errors import CacheDiscontinuity, CacheError, ContextOverflow
+from .errors import CacheDiscontinuity, CacheError, ContextOverflow, RollbackError
 
 GROWTH_STEP = 256
 
@@ -71,55 +77,78 @@ class PlaneMeta:
     origin_physical: int
 
 
-def meta_after(meta: PlaneMeta, is_ring: bool, count: int) -> PlaneMeta:
-    """Bookkeeping after appending ``count`` rows to a plane with bookkeeping ``meta``."""
-    total = meta.len + count
-    if not is_ring or total <= meta.capacity:
-        return PlaneMeta(
-            meta.capacity, total, meta.origin_logical, meta.origin_physical
-        )
-    overflow = total - meta.capacity
-    return PlaneMeta(
-        meta.capacity,
-        meta.capacity,
-        meta.origin_logical + overflow,
-        (meta.origin_physical + overflow) % meta.capacity,
-    )
+class WriteGuard:
+    """The one door between a plane and a speculative checkpoint.
+
+    A plane validates a write (row shapes, continuity), then hands it to its guard at defined
+    points: :meth:`admit` (may refuse, before any change), then :meth:`store` for a chunk stored
+    in place or :meth:`stage` for a ring chunk that must be attended before it overwrites live
+    rows; :meth:`settle` runs before anything reads the buffers directly. This base class is
+    the open guard (:data:`OPEN_GUARD`): it stores at once. A checkpoint's guard decides, per
+    write, whether to hold the rows back, retain what they overwrite, or just store them.
+    """
+
+    def admit(self, plane: "KvPlane", start: int, count: int) -> None:
+        """Refuse (raise) a write of ``count`` rows at ``start`` before anything changes."""
+
+    def store(self, plane: "KvPlane", start: int, kv: mx.array) -> None:
+        """Store a validated, stacked chunk in ``plane``.
+
+        Shapes:
+            kv: ``(2, B, H, S, D)`` head-major or ``(2, B, S, H, D)`` token-major.
+        """
+        plane._store(start, kv)
+
+    def stage(
+        self, plane: "RingPlane", start: int, keys: mx.array, values: mx.array
+    ) -> mx.array:
+        """Store a validated chunk that must be staged; return its staging shadow.
+
+        Shapes:
+            keys, values: ``(B, H, S, D)``; returns ``(2, B, H, len + S, D)`` (the live rows in
+            logical order, then the chunk).
+        """
+        shadow, kv = plane.shadow_pair(keys, values)
+        self.store(plane, start, kv)
+        return shadow
+
+    def settle(self, plane: "KvPlane") -> None:
+        """Make ``plane``'s buffers hold every row its bookkeeping counts."""
 
 
-class KvPlane:
-    """One layer's K/V storage with explicit origins.
+# The guard of every plane outside a checkpoint (stateless, so one serves all planes).
+OPEN_GUARD = WriteGuard()
+
+
+class KvPlane(ABC):
+    """One layer's K/V storage with explicit origins (base of :class:`RingPlane` and
+    :class:`GrowingPlane`).
 
     Args:
-        window: Sliding window of the layer (``None`` for a growing plane).
         max_context: Largest absolute position + 1 the plane accepts (``None``: unbounded).
         head_major: ``True`` for ``(B, H, T, D)`` buffers, ``False`` for ``(B, T, H, D)``.
         layer: Layer index, used in error messages.
-        use_kernel: Custom-kernel switch of the staging shadow (``None``: the kernel on a
-            Metal GPU unless ``DFLASH_KERNELS=0``, else the pure-MLX reference, which
-            measured at least as fast on CUDA).
+        use_kernel: Custom-kernel switch of the staging shadow (``None``: the backend's
+            default, see :mod:`dflash.metal.backend`).
     """
+
+    # Whether rows are evicted once the window is full (informative; no code path tests it).
+    is_ring: bool = False
+    window: Optional[int] = None
 
     def __init__(
         self,
-        window: Optional[int] = None,
         max_context: Optional[int] = None,
         head_major: bool = True,
         layer: Optional[int] = None,
         use_kernel: Optional[bool] = None,
     ):
-        if window is not None and window < 1:
-            raise CacheError(f"sliding window must be >= 1, got {window}")
         if max_context is not None and max_context < 1:
             raise CacheError(f"max_context must be >= 1, got {max_context}")
-        self.window = window
         self.max_context = max_context
         self.head_major = head_major
         self.layer = layer
-        if window is not None:
-            self.capacity = window if max_context is None else min(window, max_context)
-        else:
-            self.capacity = 0
+        self.capacity = 0
         self.len = 0
         self.origin_logical = 0
         self.origin_physical = 0
@@ -131,14 +160,25 @@ class KvPlane:
         self.kv: Optional[mx.array] = None
         self.use_kernel = use_kernel
         self.stager: Optional[ShadowStager] = None
-        # Set by a SpeculativeCheckpoint while a verify block is in flight.
-        self.speculation = None
+        self.guard: WriteGuard = OPEN_GUARD
+
+    # ----------------------------------------------------------------- the guard
+    @property
+    def checkpointed(self) -> bool:
+        """Whether a speculative checkpoint guards this plane's writes."""
+        return self.guard is not OPEN_GUARD
+
+    def attach_guard(self, guard: WriteGuard) -> None:
+        """Route every later write through ``guard`` (a checkpoint's, until released)."""
+        if self.checkpointed:
+            raise RollbackError(f"layer {self.layer} already has an open checkpoint")
+        self.guard = guard
+
+    def release_guard(self) -> None:
+        """Store at once again (the checkpoint is closed)."""
+        self.guard = OPEN_GUARD
 
     # ----------------------------------------------------------------- bookkeeping
-    @property
-    def is_ring(self) -> bool:
-        return self.window is not None
-
     @property
     def offset(self) -> int:
         """Absolute position of the next row (``origin_logical + len``)."""
@@ -155,6 +195,10 @@ class KvPlane:
         self.len = meta.len
         self.origin_logical = meta.origin_logical
         self.origin_physical = meta.origin_physical
+
+    @abstractmethod
+    def meta_after(self, meta: PlaneMeta, count: int) -> PlaneMeta:
+        """Bookkeeping after appending ``count`` rows to this kind of plane at ``meta``."""
 
     @property
     def kv_axis(self) -> int:
@@ -173,6 +217,9 @@ class KvPlane:
                 f"{start} exceeds max_context {self.max_context}"
             )
 
+    def check_room(self, count: int) -> None:
+        """Raise if the storage cannot take ``count`` more rows (a ring always can)."""
+
     def append_batch(self, start: int, count: int) -> Tuple[int, int]:
         """Reserve ``count`` rows starting at logical position ``start``.
 
@@ -189,12 +236,8 @@ class KvPlane:
             window (all of them unless the chunk is wider than the ring).
         """
         self.check_continuity(start, count)
-        if not self.is_ring and self.len + count > self.capacity:
-            raise CacheError(
-                f"growing plane of layer {self.layer} holds {self.capacity} rows; "
-                f"reserve storage before appending {count} rows"
-            )
-        self.set_meta(meta_after(self.meta, self.is_ring, count))
+        self.check_room(count)
+        self.set_meta(self.meta_after(self.meta, count))
         source_first = max(0, self.origin_logical - start)
         return source_first, count - source_first
 
@@ -240,8 +283,7 @@ class KvPlane:
         A checkpoint may hold a staged block back from the ring until it knows how many rows
         to keep; anything that reads the buffers directly first has it written here.
         """
-        if self.speculation is not None:
-            self.speculation.settle()
+        self.guard.settle(self)
 
     # ----------------------------------------------------------------- storage
     def _check_rows(self, keys: mx.array, values: mx.array) -> int:
@@ -269,36 +311,20 @@ class KvPlane:
                 )
         return count
 
+    def _empty_rows(self, like: mx.array, rows: int) -> mx.array:
+        """Zeros shaped like the stacked chunk ``like`` with ``rows`` rows."""
+        shape = list(like.shape)
+        shape[self.kv_axis] = rows
+        return mx.zeros(shape, like.dtype)
+
+    @abstractmethod
     def _allocate(self, kv: mx.array, rows: int) -> None:
-        """Make ``kv`` hold at least ``rows`` rows (growing) or ``capacity`` (ring)."""
-        axis = self.kv_axis
+        """Make the storage (shaped like the chunk ``kv``) able to hold ``rows`` rows."""
 
-        def shaped(n: int) -> mx.array:
-            shape = list(kv.shape)
-            shape[axis] = n
-            return mx.zeros(shape, kv.dtype)
+    def _store(self, start: int, kv: mx.array) -> None:
+        """The unchecked store: bookkeeping, then one in-place store (no checks, no guard).
 
-        if self.is_ring:
-            if self.kv is None:
-                self.kv = shaped(self.capacity)
-            return
-        if self.kv is not None and rows <= self.capacity:
-            return
-        steps = -(-rows // GROWTH_STEP)
-        new_capacity = steps * GROWTH_STEP
-        if self.max_context is not None:
-            new_capacity = min(new_capacity, self.max_context)
-        extra = new_capacity - self.capacity
-        if self.kv is None:
-            self.kv = shaped(extra)
-        else:
-            self.kv = mx.concatenate([self.kv, shaped(extra)], axis=axis)
-        self.capacity = new_capacity
-
-    def store_chunk(self, start: int, kv: mx.array) -> None:
-        """Append a stacked chunk: bookkeeping, then one in-place store (no checks, no hooks).
-
-        The caller has validated the chunk (``check_continuity`` and the row shapes).
+        Only the plane's guards call it, after the plane validated the chunk.
 
         Shapes:
             kv: ``(2, B, H, S, D)`` head-major or ``(2, B, S, H, D)`` token-major.
@@ -314,7 +340,7 @@ class KvPlane:
         self.kv = ring_write(self.kv, kv, first, self.kv_axis)
 
     def write(self, start: int, keys: mx.array, values: mx.array) -> None:
-        """Store a chunk of rows at logical position ``start`` (fail-closed, then write).
+        """Store a chunk of rows at logical position ``start`` (fail-closed, then guarded).
 
         Args:
             start: Absolute position of the chunk's first row; must equal ``offset``.
@@ -326,11 +352,8 @@ class KvPlane:
         """
         count = self._check_rows(keys, values)
         self.check_continuity(start, count)
-        kv = mx.stack([keys, values])
-        if self.speculation is not None:
-            self.speculation.admit(start, count)
-            self.speculation.prepare_store(start, kv)
-        self.store_chunk(start, kv)
+        self.guard.admit(self, start, count)
+        self.guard.store(self, start, mx.stack([keys, values]))
 
     def shadow(self, kv: mx.array) -> mx.array:
         """Live rows in logical order followed by the chunk ``kv`` (one launch with kernels).
@@ -340,11 +363,7 @@ class KvPlane:
         """
         if self.len == 0:
             return kv
-        if self.stager is None or not self.stager.serves(self.kv):
-            self.stager = ShadowStager.for_buffer(
-                self.kv, head_major=self.head_major, use_kernel=self.use_kernel
-            )
-        return self.stager(self.kv, kv, self.origin_physical, self.len)
+        return self._stager()(self.kv, kv, self.origin_physical, self.len)
 
     def shadow_pair(
         self, keys: mx.array, values: mx.array
@@ -364,11 +383,17 @@ class KvPlane:
         if self.len == 0:
             kv = mx.stack([keys, values])
             return kv, kv
+        return self._stager().pair(
+            self.kv, keys, values, self.origin_physical, self.len
+        )
+
+    def _stager(self) -> ShadowStager:
+        """The staging-shadow builder for the current buffer (rebuilt when it changes)."""
         if self.stager is None or not self.stager.serves(self.kv):
             self.stager = ShadowStager.for_buffer(
                 self.kv, head_major=self.head_major, use_kernel=self.use_kernel
             )
-        return self.stager.pair(self.kv, keys, values, self.origin_physical, self.len)
+        return self.stager
 
     def logical_rows(self) -> Tuple[mx.array, mx.array]:
         """The live rows in logical (time) order.
@@ -386,13 +411,7 @@ class KvPlane:
         )
 
     def attention_rows(self) -> Tuple[mx.array, mx.array]:
-        """The rows attention reads after a write: a full ring in physical order, else logical.
-
-        A full ring is read in place (its rows are exactly the window, whatever the order);
-        anything else is the live prefix ``[0, len)`` in time order.
-        """
-        if self.is_ring and self.len == self.capacity:
-            return kv_halves(self.kv)
+        """The rows attention reads after a write: the live prefix ``[0, len)`` in time order."""
         if self.origin_physical == 0:
             rows = take_kv_rows(self.kv, slice(0, self.len), self.head_major)
             return kv_halves(rows)
@@ -410,3 +429,120 @@ class KvPlane:
         if self.kv is None or self.capacity == 0:
             return 0
         return self.nbytes // self.capacity
+
+
+class RingPlane(KvPlane):
+    """A sliding-window layer's plane: a ring of ``min(window, max_context)`` rows.
+
+    Once full, each appended row evicts the oldest: both origins advance, the physical one
+    modulo the capacity.
+
+    Args:
+        window: The layer's sliding window.
+        max_context: Largest absolute position + 1 the plane accepts (``None``: unbounded).
+        head_major: ``True`` for ``(B, H, T, D)`` buffers, ``False`` for ``(B, T, H, D)``.
+        layer: Layer index, used in error messages.
+        use_kernel: Custom-kernel switch of the staging shadow (``None``: the backend's
+            default, see :mod:`dflash.metal.backend`).
+    """
+
+    is_ring = True
+
+    def __init__(
+        self,
+        window: int,
+        max_context: Optional[int] = None,
+        head_major: bool = True,
+        layer: Optional[int] = None,
+        use_kernel: Optional[bool] = None,
+    ):
+        if window is None or window < 1:
+            raise CacheError(f"sliding window must be >= 1, got {window}")
+        super().__init__(max_context, head_major, layer, use_kernel)
+        self.window = window
+        self.capacity = window if max_context is None else min(window, max_context)
+
+    def meta_after(self, meta: PlaneMeta, count: int) -> PlaneMeta:
+        total = meta.len + count
+        if total <= meta.capacity:
+            return PlaneMeta(
+                meta.capacity, total, meta.origin_logical, meta.origin_physical
+            )
+        overflow = total - meta.capacity
+        return PlaneMeta(
+            meta.capacity,
+            meta.capacity,
+            meta.origin_logical + overflow,
+            (meta.origin_physical + overflow) % meta.capacity,
+        )
+
+    def _allocate(self, kv: mx.array, rows: int) -> None:
+        if self.kv is None:
+            self.kv = self._empty_rows(kv, self.capacity)
+
+    def is_staged(self, count: int) -> bool:
+        """Whether a ``count``-row chunk must be attended before it overwrites live rows."""
+        return count > 1 and self.len + count > self.capacity
+
+    def stage(self, keys: mx.array, values: mx.array) -> mx.array:
+        """Store a staged chunk at ``offset`` (fail-closed, then guarded); its shadow.
+
+        Args:
+            keys: The chunk's keys.
+            values: The chunk's values.
+
+        Shapes:
+            keys, values: ``(B, H, S, D)``; returns ``(2, B, H, len + S, D)``: the live rows
+            in logical order, then the chunk (token-major alike).
+        """
+        count = self._check_rows(keys, values)
+        start = self.offset
+        self.check_continuity(start, count)
+        self.guard.admit(self, start, count)
+        return self.guard.stage(self, start, keys, values)
+
+    def attention_rows(self) -> Tuple[mx.array, mx.array]:
+        """A full ring in physical order (its rows are exactly the window), else the prefix."""
+        if self.len == self.capacity:
+            return kv_halves(self.kv)
+        return super().attention_rows()
+
+
+class GrowingPlane(KvPlane):
+    """A full-attention (or NoPE) layer's plane: rows from position 0, grown in chunks.
+
+    ``origin_logical`` and ``origin_physical`` stay 0: the ring arithmetic switches itself off.
+
+    Args:
+        max_context: Largest absolute position + 1 the plane accepts (``None``: unbounded).
+        head_major: ``True`` for ``(B, H, T, D)`` buffers, ``False`` for ``(B, T, H, D)``.
+        layer: Layer index, used in error messages.
+        use_kernel: Accepted for symmetry with :class:`RingPlane` (a growing plane never
+            stages, so it launches no custom kernel).
+    """
+
+    def meta_after(self, meta: PlaneMeta, count: int) -> PlaneMeta:
+        return PlaneMeta(
+            meta.capacity, meta.len + count, meta.origin_logical, meta.origin_physical
+        )
+
+    def check_room(self, count: int) -> None:
+        if self.len + count > self.capacity:
+            raise CacheError(
+                f"growing plane of layer {self.layer} holds {self.capacity} rows; "
+                f"reserve storage before appending {count} rows"
+            )
+
+    def _allocate(self, kv: mx.array, rows: int) -> None:
+        if self.kv is not None and rows <= self.capacity:
+            return
+        steps = -(-rows // GROWTH_STEP)
+        new_capacity = steps * GROWTH_STEP
+        if self.max_context is not None:
+            new_capacity = min(new_capacity, self.max_context)
+        extra = self._empty_rows(kv, new_capacity - self.capacity)
+        if self.kv is None:
+            self.kv = extra
+        else:
+            self.kv = mx.concatenate([self.kv, extra], axis=self.kv_axis)
+        self.capacity = new_capacity

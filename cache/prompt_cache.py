@@ -51,8 +51,9 @@ def make_prompt_cache(
             (empty) context, so DFlash generation can continue the session turn after turn.
         max_context: Largest context the cache accepts; ``None`` means unbounded. A ring's
             capacity is ``min(window, max_context)``.
-        use_kernel: The planes' custom-kernel switch (see ``dflash.metal``); ``False`` /
-            ``True`` force the pure-MLX reference / the kernels.
+        use_kernel: The planes' custom-kernel switch: ``False`` / ``True`` force the pure-MLX
+            reference / the kernels; ``None`` takes the backend's default (see
+            :mod:`dflash.metal.backend`).
 
     Returns:
         One cache per layer, drop-in for mlx-lm's.
@@ -124,7 +125,7 @@ def check_prompt_cache(
                 f"{name} layer {layer} is a {type(cache).__name__}; build the cache with "
                 "dflash.cache.make_prompt_cache(model)"
             )
-        if cache.is_ring != want.is_ring or cache.window != want.window:
+        if cache.window != want.window:
             raise IncompatibleCache(
                 f"{name} layer {layer} has window {cache.window} but the model's layer has "
                 f"window {want.window}; is this prompt cache from another model?"

@@ -2,38 +2,32 @@
 
 Each operation has one contract and three forms: a Metal body
 (``mx.fast.metal_kernel``), its CUDA twin (``mx.fast.cuda_kernel``, same body,
-same index arithmetic) and a pure-MLX reference. Wrappers dispatch on
-``mx.metal.is_available()`` / ``mx.cuda.is_available()``; ``use_kernel=False``
-forces the reference, ``use_kernel=True`` the kernel, ``None`` (default) picks
-per operation, and ``DFLASH_KERNELS=0`` makes ``None`` pick the reference (see
-``docs/metal.md``). ``dflash.cache`` runs them on its hot path: the staging
-shadow (:class:`ShadowStager`, built from the model's separate keys and values by
-:func:`stage_shadow_kv`), the in-place store (:func:`ring_write`) and,
-for non-staged writes under a checkpoint, :func:`retain_rows`. On CUDA the
-shadow's default is the reference form, which measured at least as fast there.
+same index arithmetic) and a pure-MLX reference. One public entry per operation,
+each with ``use_kernel=``: False forces the reference, True the kernel, None
+(default) picks per operation, and ``DFLASH_KERNELS=0`` makes None pick the
+reference (see ``docs/metal.md``):
+
+* :func:`ring_write`: store rows into a ring at wrapped positions;
+* :class:`ShadowStager`: the staging shadow (``stager(...)``), and the same for
+  a stacked K/V ring from the model's separate keys and values
+  (``stager.pair(...)``);
+* :func:`retain_rows` / :func:`restore_rows`: gather the rows a block will
+  overwrite from many planes in one launch, and put them back.
+
+The kernels take arrays, never cache objects: ``dflash.cache`` runs them on its
+hot path. What ``use_kernel=None`` picks for the shadow on each backend, and the
+measurement behind it, is in :mod:`dflash.metal.backend`.
 """
 
 from .backend import kernel_backend
-from .checkpoint import restore_rows, retain_rows
-from .ring import (
-    ShadowStager,
-    ring_store,
-    ring_write,
-    stage_shadow,
-    stage_shadow_kv,
-    wrapped_index,
-    wrapped_rows,
-)
+from .retain import restore_rows, retain_rows
+from .ring import ShadowStager, ring_write, wrapped_rows
 
 __all__ = [
     "ShadowStager",
     "kernel_backend",
     "restore_rows",
     "retain_rows",
-    "ring_store",
     "ring_write",
-    "stage_shadow",
-    "stage_shadow_kv",
-    "wrapped_index",
     "wrapped_rows",
 ]

@@ -1,10 +1,19 @@
-"""Backend detection, kernel factories and launches.
+"""Backend detection, kernel factories, launches and the per-operation defaults.
 
 Kernel objects are built once: the fixed-arity ones at import, the ones whose
 arity is a plane count on first use per count (memoised). Construction is
 guarded, so importing this package never fails on a CPU-only mlx: without
 Metal or CUDA the factories return ``None`` and every wrapper takes its
 pure-MLX reference form.
+
+The staging shadow's default (``use_kernel=None``) is decided here, once, by
+measurement (:data:`SHADOW_KERNEL_BY_DEFAULT`): on CUDA the shadow defaults to
+the reference ops (slices + one concatenate), which measured at least as fast as
+the kernel on an H200, alone and inside the 16-token verify forward of Muse
+Glimmer (``docs/bench-forward-h200.md``: cache work 2.97 vs 3.41 ms at 4k, 3.10
+vs 3.25 ms at 32k; ``docs/metal.md`` has the other runs). On Metal, where nothing
+could be measured, the kernel is the default. Other docstrings refer here rather
+than restate it.
 """
 
 from __future__ import annotations
@@ -49,10 +58,8 @@ KERNELS_ENABLED: bool = os.environ.get(KERNELS_ENV, "1").strip().lower() not in 
 }
 
 
-# What ``use_kernel=None`` picks for the staging shadow, per backend. On CUDA the pure-MLX
-# form (slices + one concatenate) measured at least as fast as the kernel on an H200, alone
-# and inside the verify forward (docs/metal.md), so it is the default there; on Metal, where
-# nothing could be measured, the kernel is.
+# What ``use_kernel=None`` picks for the staging shadow, per backend (the module docstring
+# gives the measurement).
 SHADOW_KERNEL_BY_DEFAULT: dict[str, bool] = {METAL: True, CUDA: False}
 
 

@@ -65,11 +65,6 @@ class RowGeometry:
         """Elements ``E`` of one row inside one outer slice."""
         return int(np.prod(self.shape[self.row_axis + 1 :], dtype=np.int64))
 
-    @functools.cached_property
-    def row_bytes(self) -> int:
-        """Bytes of one full row (all outer slices)."""
-        return self.outer * self.width * self.dtype.size
-
     def with_rows(self, count: int) -> tuple[int, ...]:
         """Shape of a block of ``count`` rows in this layout."""
         shape = list(self.shape)
@@ -83,7 +78,8 @@ class RowGeometry:
         return tuple(shape)
 
 
-def _layout_name(head_major: bool) -> str:
+def layout_name(head_major: bool) -> str:
+    """The layout a ``head_major`` flag names, for error messages."""
     return "head-major (..., H, C, D)" if head_major else "token-major (..., C, H, D)"
 
 
@@ -110,66 +106,12 @@ def buffer_geometry(buffer: mx.array, head_major: bool, name: str) -> RowGeometr
         )
     if buffer.ndim < 4:
         raise ValueError(
-            f"{name} must be {_layout_name(head_major)} with at least 4 dims, "
+            f"{name} must be {layout_name(head_major)} with at least 4 dims, "
             f"got shape {tuple(buffer.shape)}"
         )
     if min(buffer.shape) < 1:
         raise ValueError(f"{name} has an empty dim: shape {tuple(buffer.shape)}")
     return RowGeometry(tuple(buffer.shape), head_major, buffer.dtype)
-
-
-def block_rows(geom: RowGeometry, block: mx.array, name: str) -> int:
-    """Validate a block of rows against a buffer geometry.
-
-    Args:
-        geom: Geometry of the buffer the block belongs to.
-        block: Rows in the same layout, any row count.
-        name: Argument name used in error messages.
-
-    Returns:
-        The block's row count.
-
-    Raises:
-        ValueError: On a dtype, rank or non-row dim mismatch.
-    """
-    if not isinstance(block, mx.array):
-        raise ValueError(f"{name} must be an mx.array, got {type(block).__name__}")
-    if block.dtype != geom.dtype:
-        raise ValueError(f"{name} dtype {block.dtype} != buffer dtype {geom.dtype}")
-    if block.ndim != len(geom.shape):
-        raise ValueError(
-            f"{name} must have {len(geom.shape)} dims like the buffer, "
-            f"got shape {tuple(block.shape)}"
-        )
-    count = block.shape[geom.row_axis]
-    if tuple(block.shape) != geom.with_rows(count):
-        raise ValueError(
-            f"{name} shape {tuple(block.shape)} does not match buffer shape "
-            f"{geom.shape} outside the row axis {geom.row_axis} "
-            f"({_layout_name(geom.head_major)})"
-        )
-    return count
-
-
-def check_ring_index(value: int, capacity: int, name: str) -> int:
-    """Validate a physical row index ``0 <= value < capacity``.
-
-    Args:
-        value: The index.
-        capacity: Ring capacity ``C``.
-        name: Argument name used in error messages.
-
-    Returns:
-        The index as a Python int.
-
-    Raises:
-        ValueError: If it is not an integer in range.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
-    if not 0 <= int(value) < capacity:
-        raise ValueError(f"{name}={int(value)} outside [0, {capacity})")
-    return int(value)
 
 
 def plane_geometry(

@@ -1,27 +1,25 @@
 """Ring store with wrap and the staging shadow.
 
-Two operations on one ring plane buffer (head-major ``(..., H, C, D)`` or
-token-major ``(..., C, H, D)``), each with a custom-kernel form and a pure-MLX
+Two operations on a ring buffer (rows on one axis, head-major ``(..., H, C, D)``
+or token-major ``(..., C, H, D)``), each with a custom-kernel form and a pure-MLX
 reference beside it:
 
-* :func:`ring_store` writes ``S <= C`` rows at physical ``(dest_start + i) % C``;
-* :func:`stage_shadow` un-rotates the live rows into logical order and appends a
-  chunk's rows, giving the contiguous span staged attention reads;
-* :func:`stage_shadow_kv` does the same for a ring whose K and V are stacked in
-  one ``(2, ...)`` buffer, taking the chunk's keys and values as they come out
-  of the model and also returning them stacked (the block a checkpoint holds
-  back), so a staged layer costs one launch instead of a stack plus a shadow.
+* :func:`ring_write` stores ``S <= C`` rows at physical ``(dest_start + i) % C``;
+* :class:`ShadowStager` builds the staging shadow: the live rows un-rotated into
+  logical order followed by a chunk's rows, the contiguous span staged attention
+  reads. Its :meth:`~ShadowStager.pair` does the same for a ring whose K and V
+  are stacked in one ``(2, ...)`` buffer, taking the chunk's keys and values as
+  the model hands them over and also returning them stacked (the block a
+  checkpoint holds back), so a staged layer costs one launch with the kernel.
 
-Default paths (``use_kernel=None``) on a GPU: the store is one mlx op (a slice
-update, or one scatter over host-built wrapped indices when the rows cross the
-seam; it runs in place when mlx can donate the buffer, so it moves ``S`` rows,
-not ``C``); the shadow is the custom kernel on Metal (its output is a new array
-anyway) and the reference on CUDA, where that measured at least as fast.
-``docs/metal.md`` has the byte counts behind that choice.
-
-The KV cache calls two prevalidated entry points on its hot path:
-:func:`ring_write` (the in-place store, one launch, never split at the seam) and
-:class:`ShadowStager` (the shadow, geometry checked once per plane).
+Both are prevalidated: the cache calls them on its hot path and guarantees their
+arguments (the stager checks its ring geometry once). Defaults
+(``use_kernel=None``): the store is one mlx op (a slice update, or one scatter
+over a memoised wrapped index when the rows cross the seam; in place when mlx
+can donate the buffer, so it moves ``S`` rows, not ``C``); the shadow's default
+per backend is :data:`dflash.metal.backend.SHADOW_KERNEL_BY_DEFAULT` (the module
+docstring of :mod:`dflash.metal.backend` gives the measurement).
+``docs/metal.md`` has the byte counts behind these choices.
 """
 
 from __future__ import annotations
@@ -38,18 +36,16 @@ from .backend import kernel_for, params, use_kernel_path
 from .layout import (
     RowGeometry,
     as_words,
-    block_rows,
     buffer_geometry,
     check_launch_size,
-    check_ring_index,
     from_words,
     word_dtype,
     words_per_row,
 )
-from .sources import RING_STORE, STAGE_SHADOW, STAGE_SHADOW_KV
+from .sources import RING_WRITE, STAGE_SHADOW, STAGE_SHADOW_KV
 
 # Built once at import (None without a GPU backend).
-kernel_for(RING_STORE)
+kernel_for(RING_WRITE)
 kernel_for(STAGE_SHADOW)
 kernel_for(STAGE_SHADOW_KV)
 
@@ -86,15 +82,17 @@ def wrapped_index(start: int, count: int, capacity: int) -> mx.array:
 
 
 def ring_write(
-    buffer: mx.array, rows: mx.array, dest_start: int, axis: int
+    buffer: mx.array,
+    rows: mx.array,
+    dest_start: int,
+    axis: int,
+    *,
+    use_kernel: Optional[bool] = None,
 ) -> mx.array:
-    """Store rows at physical ``(dest_start + i) % C``: one mlx launch, never split.
+    """Store rows at physical ``(dest_start + i) % C``: one launch, never split at the seam.
 
-    The pure-MLX store, prevalidated (the caller guarantees ``rows`` matches
-    ``buffer`` off ``axis``, ``S <= C`` and ``0 <= dest_start < C``): a slice
-    update when the rows do not cross the seam, else one scatter over a
-    memoised wrapped index. Either runs in place when mlx can donate ``buffer``
-    (no other reference to it is alive when the op is evaluated).
+    Prevalidated: the caller guarantees that ``rows`` matches ``buffer`` off
+    ``axis`` in shape and dtype, ``S <= C`` and ``0 <= dest_start < C``.
 
     Shapes: buffer ``(..., C, ...)`` with rows on ``axis``; rows the same with
     ``S`` rows; returns the buffer's shape.
@@ -104,10 +102,24 @@ def ring_write(
         rows: Rows to store.
         dest_start: Physical row of ``rows``' first row.
         axis: Row axis (non-negative).
+        use_kernel: None (default) and False run the mlx op: a slice update when
+            the rows do not cross the seam, else one scatter over a memoised
+            wrapped index; either runs in place when mlx can donate ``buffer``
+            (no other reference to it is alive when the op is evaluated). True
+            launches the custom kernel, which writes a fresh ``C``-row buffer
+            and needs the row axis at ``-2`` (head-major) or ``-3``
+            (token-major).
 
     Returns:
         The updated buffer; the ``buffer`` object itself is left as it was.
+
+    Raises:
+        RuntimeError: ``use_kernel=True`` without Metal or CUDA.
+        ValueError: ``use_kernel=True`` with the row axis elsewhere.
     """
+    if use_kernel_path(use_kernel, auto=False):
+        geom = _axis_geometry(tuple(buffer.shape), axis, buffer.dtype)
+        return _ring_write_kernel(buffer, rows, dest_start, geom)
     count = rows.shape[axis]
     capacity = buffer.shape[axis]
     if dest_start + count <= capacity:
@@ -122,23 +134,28 @@ def ring_write(
     return mx.put_along_axis(buffer, index, rows, axis=axis)
 
 
-def _ring_store_ops(
-    buffer: mx.array, rows: mx.array, start: int, geom: RowGeometry
-) -> mx.array:
-    return ring_write(buffer, rows, start, geom.row_axis)
+@functools.lru_cache(maxsize=256)
+def _axis_geometry(shape: tuple[int, ...], axis: int, dtype: mx.Dtype) -> RowGeometry:
+    geom = RowGeometry(shape, axis == len(shape) - 2, dtype)
+    if geom.row_axis != axis:
+        raise ValueError(
+            f"the ring_write kernel needs rows on axis -2 (head-major) or -3 "
+            f"(token-major), got axis {axis} of shape {shape}"
+        )
+    return geom
 
 
-def _ring_store_kernel(
+def _ring_write_kernel(
     buffer: mx.array, rows: mx.array, start: int, geom: RowGeometry
 ) -> mx.array:
     count = rows.shape[geom.row_axis]
     word = word_dtype(geom)
     words = words_per_row(geom, word)
     total = geom.outer * geom.capacity * words
-    check_launch_size(total, "ring_store")
+    check_launch_size(total, "ring_write")
     scalars = params(total, geom.outer, geom.capacity, words, count, start)
     (out,) = backend.launch(
-        RING_STORE,
+        RING_WRITE,
         [as_words(buffer, geom, word), as_words(rows, geom, word), scalars],
         [(geom.outer, geom.capacity, words)],
         word,
@@ -147,57 +164,10 @@ def _ring_store_kernel(
     return from_words(out, geom, geom.capacity)
 
 
-def ring_store(
-    buffer: mx.array,
-    rows: mx.array,
-    dest_start: int,
-    *,
-    head_major: bool = True,
-    use_kernel: Optional[bool] = None,
-) -> mx.array:
-    """Write a block of rows into a ring at wrapped physical positions.
-
-    Row ``i`` of ``rows`` lands at physical row ``(dest_start + i) % C``, across
-    the seam in one operation (never split into two slice updates).
-
-    Shapes: buffer ``(B, H, C, D)`` / ``(B, C, H, D)``; rows ``(B, H, S, D)`` /
-    ``(B, S, H, D)`` with ``S <= C``; returns the buffer's shape.
-
-    Args:
-        buffer: The ring plane buffer (float16, bfloat16 or float32).
-        rows: ``S`` rows in the same layout and dtype.
-        dest_start: Physical row of the first written row, ``0 <= dest_start < C``.
-        head_major: Layout of ``buffer`` and ``rows``.
-        use_kernel: None (default) picks the mlx scatter, which runs in place
-            when the caller holds no other reference to ``buffer``; True forces
-            the custom kernel (one launch, writes a fresh ``C``-row buffer);
-            False forces the scatter.
-
-    Returns:
-        The updated buffer. ``buffer`` itself is not modified.
-
-    Raises:
-        ValueError: On a shape/dtype mismatch, ``S > C`` or ``dest_start``
-            outside ``[0, C)``.
-    """
-    geom = buffer_geometry(buffer, head_major, "buffer")
-    count = block_rows(geom, rows, "rows")
-    if count > geom.capacity:
-        raise ValueError(
-            f"rows holds S={count} rows, more than capacity C={geom.capacity}"
-        )
-    start = check_ring_index(dest_start, geom.capacity, "dest_start")
-    if count == 0:
-        return buffer
-    if use_kernel_path(use_kernel, auto=False):
-        return _ring_store_kernel(buffer, rows, start, geom)
-    return _ring_store_ops(buffer, rows, start, geom)
-
-
 # -------------------------------------------------------------------- shadow
 
 
-def _stage_shadow_ops(
+def _shadow_ops(
     buffer: mx.array, rows: mx.array, origin: int, length: int, geom: RowGeometry
 ) -> mx.array:
     if length == 0:
@@ -217,7 +187,7 @@ def _stage_shadow_ops(
     return mx.concatenate(parts, axis=axis)
 
 
-def _stage_shadow_kernel(
+def _shadow_kernel(
     buffer: mx.array, rows: mx.array, origin: int, length: int, geom: RowGeometry
 ) -> mx.array:
     count = rows.shape[geom.row_axis]
@@ -237,77 +207,13 @@ def _stage_shadow_kernel(
     return from_words(out, geom, span)
 
 
-def _check_length(length: int, capacity: int) -> int:
-    if isinstance(length, bool) or not isinstance(length, (int, np.integer)):
-        raise ValueError(f"length must be an int, got {type(length).__name__}")
-    if not 0 <= int(length) <= capacity:
-        raise ValueError(f"length={int(length)} outside [0, {capacity}]")
-    return int(length)
-
-
-def stage_shadow(
-    buffer: mx.array,
-    rows: mx.array,
-    origin_physical: int,
-    length: int,
-    *,
-    head_major: bool = True,
-    use_kernel: Optional[bool] = None,
-) -> mx.array:
-    """Build the staging shadow: live ring rows in logical order, then a chunk.
-
-    Logical row ``k < length`` of the ring lives at physical
-    ``(origin_physical + k) % C``; the shadow holds those rows in order
-    followed by the chunk's ``S`` rows, so staged attention reads one
-    contiguous span before the chunk overwrites anything.
-
-    Shapes: buffer ``(B, H, C, D)`` / ``(B, C, H, D)``; rows ``(B, H, S, D)`` /
-    ``(B, S, H, D)`` (any ``S``, a prefill chunk may be wider than the window);
-    returns ``(B, H, length + S, D)`` / ``(B, length + S, H, D)``.
-
-    Args:
-        buffer: The ring plane buffer (float16, bfloat16 or float32).
-        rows: The chunk's rows in the same layout and dtype.
-        origin_physical: Physical row of logical row 0, ``0 <= origin < C``.
-        length: Live rows, ``0 <= length <= C``.
-        head_major: Layout of ``buffer`` and ``rows``.
-        use_kernel: None (default) picks the custom kernel on Metal (one
-            launch) and the reference (slices + one concatenate) on CUDA, where it
-            measured at least as fast, and on the CPU; True / False force one form.
-
-    Returns:
-        A new array holding the shadow.
-
-    Raises:
-        ValueError: On a shape/dtype mismatch or an origin/length out of range.
-    """
-    geom = buffer_geometry(buffer, head_major, "buffer")
-    count = block_rows(geom, rows, "rows")
-    origin = check_ring_index(origin_physical, geom.capacity, "origin_physical")
-    length = _check_length(length, geom.capacity)
-    if length + count == 0:
-        return mx.zeros(geom.with_rows(0), dtype=geom.dtype)
-    if use_kernel_path(use_kernel, auto=backend.shadow_kernel_by_default()):
-        return _stage_shadow_kernel(buffer, rows, origin, length, geom)
-    return _stage_shadow_ops(buffer, rows, origin, length, geom)
-
-
-def _pair_geometry(kv: mx.array, head_major: bool) -> RowGeometry:
-    geom = buffer_geometry(kv, head_major, "kv")
-    if kv.ndim < 5 or kv.shape[0] != 2:
-        raise ValueError(
-            f"kv must stack K and V on a leading axis of 2, got shape {tuple(kv.shape)}"
-        )
-    return geom
-
-
 @functools.lru_cache(maxsize=256)
 def _half_geometry(geom: RowGeometry) -> RowGeometry:
     """Geometry of one half (K or V) of a stacked ``(2, ...)`` buffer."""
     return RowGeometry(geom.shape[1:], geom.head_major, geom.dtype)
 
 
-def _stage_shadow_kv_ops(
+def _shadow_kv_ops(
     kv: mx.array,
     keys: mx.array,
     values: mx.array,
@@ -316,10 +222,10 @@ def _stage_shadow_kv_ops(
     geom: RowGeometry,
 ) -> tuple[mx.array, mx.array]:
     block = mx.stack([keys, values])
-    return _stage_shadow_ops(kv, block, origin, length, geom), block
+    return _shadow_ops(kv, block, origin, length, geom), block
 
 
-def _stage_shadow_kv_kernel(
+def _shadow_kv_kernel(
     kv: mx.array,
     keys: mx.array,
     values: mx.array,
@@ -350,73 +256,24 @@ def _stage_shadow_kv_kernel(
     return from_words(shadow, geom, span), from_words(block, geom, count)
 
 
-def stage_shadow_kv(
-    kv: mx.array,
-    keys: mx.array,
-    values: mx.array,
-    origin_physical: int,
-    length: int,
-    *,
-    head_major: bool = True,
-    use_kernel: Optional[bool] = None,
-) -> tuple[mx.array, mx.array]:
-    """Staging shadow of a stacked K/V ring, from the chunk's separate keys and values.
-
-    Equal to ``stage_shadow(kv, mx.stack([keys, values]), origin_physical,
-    length)`` together with that stacked chunk, in one launch with the kernel
-    (the reference stacks, then concatenates the ring's live runs and the block).
-
-    Shapes: kv ``(2, B, H, C, D)`` / ``(2, B, C, H, D)``; keys and values
-    ``(B, H, S, D)`` / ``(B, S, H, D)``; returns the shadow ``(2, B, H, length
-    + S, D)`` / ``(2, B, length + S, H, D)`` and the block ``(2, B, H, S, D)`` /
-    ``(2, B, S, H, D)``.
-
-    Args:
-        kv: The ring's K and V buffers stacked on a leading axis of 2.
-        keys: The chunk's keys (same layout and dtype, any ``S``).
-        values: The chunk's values.
-        origin_physical: Physical row of logical row 0, ``0 <= origin < C``.
-        length: Live rows, ``0 <= length <= C``.
-        head_major: Layout.
-        use_kernel: As for :func:`stage_shadow`.
-
-    Returns:
-        ``(shadow, block)``: the shadow and the chunk stacked as ``(2, ...)``.
-
-    Raises:
-        ValueError: On a shape/dtype mismatch or an origin/length out of range.
-    """
-    geom = _pair_geometry(kv, head_major)
-    half = _half_geometry(geom)
-    count = block_rows(half, keys, "keys")
-    if block_rows(half, values, "values") != count:
-        raise ValueError(
-            f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ"
-        )
-    origin = check_ring_index(origin_physical, geom.capacity, "origin_physical")
-    length = _check_length(length, geom.capacity)
-    if (
-        use_kernel_path(use_kernel, auto=backend.shadow_kernel_by_default())
-        and length
-        and count
-    ):
-        return _stage_shadow_kv_kernel(kv, keys, values, origin, length, geom)
-    return _stage_shadow_kv_ops(kv, keys, values, origin, length, geom)
-
-
 @dataclass(frozen=True)
 class ShadowStager:
-    """:func:`stage_shadow` for one ring geometry, checked once, called per chunk.
+    """The staging shadow for one ring geometry, checked once, called per chunk.
 
-    The cache builds one per ring buffer; each call then skips the argument
-    checks of :func:`stage_shadow` (the cache guarantees them: ``rows`` in the
-    buffer's layout and dtype, ``0 <= origin < C``, ``0 <= length <= C``) and
-    runs the same kernel or reference body.
+    Logical row ``k < length`` of a ring lives at physical ``(origin + k) % C``;
+    the shadow holds those rows in order followed by the chunk's ``S`` rows, so
+    staged attention reads one contiguous span before the chunk overwrites
+    anything. The cache builds one stager per ring buffer; each call trusts its
+    arguments (``rows`` in the buffer's layout and dtype, ``0 <= origin < C``,
+    ``0 <= length <= C``).
 
     Attributes:
         geom: Geometry of the ring buffers this stager serves.
-        use_kernel: As for :func:`stage_shadow` (resolved per call, so
-            ``DFLASH_KERNELS`` and the default device are honoured).
+        use_kernel: None (default) picks per backend
+            (:data:`dflash.metal.backend.SHADOW_KERNEL_BY_DEFAULT`), and the
+            reference on the CPU; True / False force the kernel / the reference.
+            Resolved per call, so ``DFLASH_KERNELS`` and the default device are
+            honoured.
     """
 
     geom: RowGeometry
@@ -432,13 +289,19 @@ class ShadowStager:
     ) -> "ShadowStager":
         """Validate ``buffer`` once and build its stager.
 
+        Shapes: buffer ``(..., H, C, D)`` / ``(..., C, H, D)``.
+
         Args:
-            buffer: A ring buffer ``(..., H, C, D)`` / ``(..., C, H, D)``.
+            buffer: A ring buffer.
             head_major: Layout of the buffer.
             use_kernel: Kernel switch of every call.
 
         Returns:
             The stager.
+
+        Raises:
+            ValueError: If the buffer is not a float16/bfloat16/float32 array
+                of at least 4 non-empty dims.
         """
         geom = buffer_geometry(buffer, head_major, "buffer")
         word_dtype(geom)  # refuses rows that are not whole 2-byte words
@@ -457,12 +320,19 @@ class ShadowStager:
 
         Shapes: buffer as ``geom``; rows ``(..., H, S, D)`` / ``(..., S, H, D)``;
         returns the same with ``length + S`` rows.
+
+        Args:
+            buffer: The ring buffer.
+            rows: The chunk's rows.
+            origin_physical: Physical row of logical row 0.
+            length: Live rows.
+
+        Returns:
+            A new array holding the shadow.
         """
         if use_kernel_path(self.use_kernel, auto=backend.shadow_kernel_by_default()):
-            return _stage_shadow_kernel(
-                buffer, rows, origin_physical, length, self.geom
-            )
-        return _stage_shadow_ops(buffer, rows, origin_physical, length, self.geom)
+            return _shadow_kernel(buffer, rows, origin_physical, length, self.geom)
+        return _shadow_ops(buffer, rows, origin_physical, length, self.geom)
 
     def pair(
         self,
@@ -472,17 +342,30 @@ class ShadowStager:
         origin_physical: int,
         length: int,
     ) -> tuple[mx.array, mx.array]:
-        """:func:`stage_shadow_kv` for a stacked ``(2, ...)`` ring of this geometry.
+        """The shadow of a stacked ``(2, ...)`` K/V ring, from the chunk's keys and values.
 
-        Shapes: kv as ``geom``; keys, values ``(B, H, S, D)`` / ``(B, S, H, D)``;
-        returns the shadow with ``length + S`` rows and the stacked block.
+        Equal to ``self(kv, mx.stack([keys, values]), origin_physical, length)``
+        together with that stacked chunk, in one launch with the kernel (the
+        reference stacks, then concatenates the ring's live runs and the block).
+
+        Shapes: kv ``(2, B, H, C, D)`` / ``(2, B, C, H, D)`` as ``geom``; keys and
+        values ``(B, H, S, D)`` / ``(B, S, H, D)``; returns the shadow with
+        ``length + S`` rows and the block ``(2, B, H, S, D)`` / ``(2, B, S, H, D)``.
+
+        Args:
+            kv: The ring's K and V buffers stacked on a leading axis of 2.
+            keys: The chunk's keys.
+            values: The chunk's values.
+            origin_physical: Physical row of logical row 0.
+            length: Live rows.
+
+        Returns:
+            ``(shadow, block)``: the shadow and the chunk stacked as ``(2, ...)``.
         """
         if length and use_kernel_path(
             self.use_kernel, auto=backend.shadow_kernel_by_default()
         ):
-            return _stage_shadow_kv_kernel(
+            return _shadow_kv_kernel(
                 kv, keys, values, origin_physical, length, self.geom
             )
-        return _stage_shadow_kv_ops(
-            kv, keys, values, origin_physical, length, self.geom
-        )
+        return _shadow_kv_ops(kv, keys, values, origin_physical, length, self.geom)

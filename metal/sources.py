@@ -40,9 +40,9 @@ PROLOGUES: dict[str, str] = {
     CUDA: "  const uint32_t gid = blockIdx.x * blockDim.x + threadIdx.x;\n",
 }
 
-# ring_store: out = ring with rows[i] at physical (dest_start + i) % C.
+# ring_write: out = ring with rows[i] at physical (dest_start + i) % C.
 # params: total, A, C, W, S, dest_start. One thread per output word.
-RING_STORE_BODY = """
+RING_WRITE_BODY = """
   const uint32_t total = uint32_t(params[0]);
   if (gid >= total) {
     return;
@@ -196,7 +196,7 @@ class KernelSpec:
     """One kernel contract: names, shared body, per-backend sources.
 
     Attributes:
-        base: Kernel family name (``ring_store``, ...).
+        base: Kernel family name (``ring_write``, ...).
         input_names: Parameter names of the inputs, in launch order.
         output_names: Parameter names of the outputs.
         body: Shared body (all index arithmetic).
@@ -222,8 +222,8 @@ class KernelSpec:
         return f"dflash_{self.base}_{digest}"
 
 
-RING_STORE = KernelSpec(
-    "ring_store", ("ring", "rows", "params"), ("out",), RING_STORE_BODY
+RING_WRITE = KernelSpec(
+    "ring_write", ("ring", "rows", "params"), ("out",), RING_WRITE_BODY
 )
 STAGE_SHADOW = KernelSpec(
     "stage_shadow", ("ring", "rows", "params"), ("out",), STAGE_SHADOW_BODY

@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash.cache import KvPlane, RingKVCache, RollbackError, SpeculativeCheckpoint
+from dflash.cache import (
+    GrowingPlane,
+    RingKVCache,
+    RingPlane,
+    RollbackError,
+    SpeculativeCheckpoint,
+)
 from dflash.cache.plane import ring_indices, take_rows
 
 
@@ -16,7 +22,11 @@ def random_rows(rng, count, head_major, dtype):
 
 
 def build(capacity, ring, head_major, history):
-    plane = KvPlane(window=capacity if ring else None, head_major=head_major)
+    plane = (
+        RingPlane(capacity, head_major=head_major)
+        if ring
+        else GrowingPlane(head_major=head_major)
+    )
     position = 0
     for keys, values in history:
         plane.write(position, keys, values)
@@ -111,8 +121,8 @@ def test_commit_equals_sequential_append_of_the_accepted_rows(
 
 
 def muse_like_planes(window=32, rings=3):
-    planes = [KvPlane(window=window, layer=i) for i in range(rings)]
-    planes.append(KvPlane(window=None, layer=rings))
+    planes = [RingPlane(window, layer=i) for i in range(rings)]
+    planes.append(GrowingPlane(layer=rings))
     rows = mx.ones((1, 2, 70, 4))
     for plane in planes:
         plane.write(0, rows, rows)
@@ -143,7 +153,7 @@ def test_a_staged_block_is_held_back_and_retains_nothing():
     for plane in planes:
         plane.update_and_fetch(block, block)
     assert checkpoint.retained_bytes == 0
-    assert all(plane.speculation.mode == "deferred" for plane in planes)
+    assert all(plane.guard.mode == "deferred" for plane in planes)
     checkpoint.rollback()
     for plane, (meta, keys, values) in zip(planes, before):
         got = live_bits(plane)
@@ -191,7 +201,7 @@ def test_an_exception_mid_round_rolls_back():
         assert got[0] == meta
         np.testing.assert_array_equal(got[1], keys)
         np.testing.assert_array_equal(got[2], values)
-        assert plane.speculation is None
+        assert not plane.checkpointed
 
 
 def test_begin_refuses_foreign_caches_and_nested_checkpoints():

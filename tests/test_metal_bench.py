@@ -1,4 +1,4 @@
-"""Smoke runs of ``python -m dflash.metal.bench`` at tiny sizes on the CPU."""
+"""Smoke runs of ``benchmarks.cache_round`` and ``cache_forward`` at tiny sizes on the CPU."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+from support.compile_check import find_compiler
 
-from dflash.metal import backend, bench
-from dflash.metal.compile_check import find_compiler
+from benchmarks import cache_forward, cache_round
+from dflash.metal import backend
 
 TINY = ["--window", "256", "--sliding", "3", "--full", "1", "--heads", "2"]
 TINY += ["--dim", "64", "--block", "4", "--reps", "2", "--warmup", "1"]
@@ -17,8 +18,8 @@ PLANE_BYTES = 256 * 2 * 64 * 2  # one K or V ring plane
 
 def _run(tmp_path: Path, *extra: str, geometry=TINY) -> dict:
     out = tmp_path / "bench.json"
-    assert bench.main(["--json", str(out), *geometry, *extra]) == 0
-    assert (tmp_path / "bench.md").read_text().startswith("# dflash.metal.bench")
+    assert cache_round.main(["--json", str(out), *geometry, *extra]) == 0
+    assert (tmp_path / "bench.md").read_text().startswith("# benchmarks.cache_round")
     return json.loads(out.read_text())
 
 
@@ -79,13 +80,11 @@ def test_bench_kernel_mode_on_emulated_metal(tmp_path: Path) -> None:
 def test_bench_forward_pairs_every_route_with_the_cache_free_forward(
     tmp_path: Path,
 ) -> None:
-    from dflash.metal import bench_forward
-
     out = tmp_path / "forward.json"
-    assert bench_forward.main(["--json", str(out), "--small", "--contexts", "96"]) == 0
+    assert cache_forward.main(["--json", str(out), "--small", "--contexts", "96"]) == 0
     report = json.loads(out.read_text())
     assert (
-        (tmp_path / "forward.md").read_text().startswith("# dflash.metal.bench_forward")
+        (tmp_path / "forward.md").read_text().startswith("# benchmarks.cache_forward")
     )
     (result,) = report["contexts"]
     routes = result["routes"]

@@ -1,7 +1,7 @@
 """Compile checks of every kernel body, and the Metal bodies run on the CPU.
 
 * g++ syntax-checks every Metal body inside the signature mlx generates
-  (``-Wall -Wextra -Werror``), against ``metal/shim_metal.h``;
+  (``-Wall -Wextra -Werror``), against ``tests/support/shim_metal.h``;
 * nvcc compiles every CUDA body to PTX inside the signature mlx generates;
 * a deliberately broken body must fail both, so the checks cannot pass vacuously;
 * the Metal translation units are compiled for real and driven thread by
@@ -23,17 +23,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from dflash.metal import backend, restore_rows, retain_rows
-from dflash.metal.compile_check import (
+from support.compile_check import (
     CUDA_CHECK_PLANES,
-    MetalEmulator,
     check_cuda,
     check_metal,
     check_specs,
     find_compiler,
 )
-from dflash.metal.selfcheck import (
+from support.kernel_cases import (
     OPS,
     Case,
     case_strategy,
@@ -41,7 +38,10 @@ from dflash.metal.selfcheck import (
     check_round_trip,
     glimmer_cases,
 )
-from dflash.metal.sources import BACKENDS, PROLOGUES, RING_STORE, restore_spec
+from support.metal_emulator import MetalEmulator
+
+from dflash.metal import backend, restore_rows, retain_rows
+from dflash.metal.sources import BACKENDS, PROLOGUES, RING_WRITE, restore_spec
 
 GXX = find_compiler("g++")
 NVCC = find_compiler("nvcc")
@@ -52,9 +52,9 @@ EXAMPLES = 40
 
 
 def _broken_spec():
-    body = RING_STORE.body.replace("out[gid] = ring[gid];", "out[gid] = rign[gid];")
-    assert body != RING_STORE.body
-    return dataclasses.replace(RING_STORE, body=body)
+    body = RING_WRITE.body.replace("out[gid] = ring[gid];", "out[gid] = rign[gid];")
+    assert body != RING_WRITE.body
+    return dataclasses.replace(RING_WRITE, body=body)
 
 
 def test_backends_share_one_body() -> None:
@@ -70,7 +70,7 @@ def test_backends_share_one_body() -> None:
 def test_kernel_names_track_source() -> None:
     spec = restore_spec(3)
     assert spec.name("metal") != spec.name("cuda")
-    assert _broken_spec().name("cuda") != RING_STORE.name("cuda")
+    assert _broken_spec().name("cuda") != RING_WRITE.name("cuda")
 
 
 @needs_gxx

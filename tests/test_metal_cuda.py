@@ -15,17 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from dflash.metal import (
-    kernel_backend,
-    restore_rows,
-    retain_rows,
-    ring_store,
-    stage_shadow,
-    stage_shadow_kv,
-)
-from dflash.metal.bench import graph_launches
-from dflash.metal.selfcheck import (
+from support.kernel_cases import (
     OPS,
     Case,
     case_strategy,
@@ -33,6 +23,14 @@ from dflash.metal.selfcheck import (
     check_round_trip,
     glimmer_cases,
 )
+from support.launches import graph_launches
+from support.validated import (
+    checked_ring_write,
+    checked_stage_shadow,
+    checked_stage_shadow_kv,
+)
+
+from dflash.metal import kernel_backend, restore_rows, retain_rows
 
 pytestmark = [
     pytest.mark.cuda,
@@ -115,19 +113,22 @@ def test_auto_picks_the_measured_defaults_on_cuda() -> None:
     rows = mx.zeros((1, 2, 16, 16), dtype=mx.bfloat16)
     dests = mx.array(np.arange(16, dtype=np.int32)[None])
     mx.eval(rows, dests)
-    # Shadows: the reference (slices + one concatenate) measured at least as fast on CUDA.
-    shadow = graph_launches(stage_shadow(plane, rows, 5, 64))
+    # Shadows: the reference (slices + one concatenate), CUDA's measured default
+    # (dflash.metal.backend).
+    shadow = graph_launches(checked_stage_shadow(plane, rows, 5, 64))
     assert shadow["CustomKernel"] == 0 and shadow["Gather"] == 0
-    forced = graph_launches(stage_shadow(plane, rows, 5, 64, use_kernel=True))
+    forced = graph_launches(checked_stage_shadow(plane, rows, 5, 64, use_kernel=True))
     assert forced["CustomKernel"] == 1
     kv = mx.stack([plane, plane])
     mx.eval(kv)
-    pair = graph_launches(*stage_shadow_kv(kv, rows, rows, 5, 64))
+    pair = graph_launches(*checked_stage_shadow_kv(kv, rows, rows, 5, 64))
     assert pair["CustomKernel"] == 0 and sum(pair.values()) == 2  # stack + concatenate
-    pair = graph_launches(*stage_shadow_kv(kv, rows, rows, 5, 64, use_kernel=True))
+    pair = graph_launches(
+        *checked_stage_shadow_kv(kv, rows, rows, 5, 64, use_kernel=True)
+    )
     assert sum(pair.values()) == 1 and pair["CustomKernel"] == 1
     assert graph_launches(retain_rows([plane], dests))["CustomKernel"] == 1
-    store = graph_launches(ring_store(plane, rows, 60))
+    store = graph_launches(checked_ring_write(plane, rows, 60))
     assert store["CustomKernel"] == 0 and store["ScatterAxis"] == 1
     restore = graph_launches(*restore_rows([plane], dests, rows[None]))
     assert restore["CustomKernel"] == 0 and restore["ScatterAxis"] == 1

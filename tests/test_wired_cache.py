@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.compile_check import check_specs, find_compiler
+from support.kernel_cases import DTYPES, bits, random_bits, to_mx
+from support.launches import graph_launches
+from support.metal_emulator import MetalEmulator
 
 from dflash.cache import GrowingKVCache, KvPlane, RingKVCache, SpeculativeCheckpoint
 from dflash.cache.plane import ring_indices, take_rows
-from dflash.metal import backend
-from dflash.metal.bench import graph_launches
-from dflash.metal.compile_check import MetalEmulator, check_specs, find_compiler
-from dflash.metal.ring import ring_write
-from dflash.metal.selfcheck import DTYPES, bits, random_bits, to_mx
+from dflash.metal import backend, ring_write
 
 WINDOWS = (5, 11)  # two ring geometries in one cache
 HEADS, DIM = 2, 4
@@ -139,7 +139,7 @@ def check_round(case, use_kernel: Optional[bool]) -> None:
     )
     seen = fetch_block(speculative, block, cuts)
     checkpoint.commit(accepted)
-    assert all(plane.speculation is None for plane in speculative)
+    assert not any(plane.checkpointed for plane in speculative)
 
     # Attention saw exactly what it sees with no checkpoint open (and the reference ops).
     plain = make_cache(False)
@@ -180,11 +180,11 @@ def test_a_reader_mid_round_sees_the_block_and_rollback_stays_exact() -> None:
     checkpoint = SpeculativeCheckpoint.begin(cache, 4)
     block = random_rows(rng, 4, "float16")
     cache[0].update_and_fetch(block, block)
-    assert cache[0].speculation.mode == "deferred"
+    assert cache[0].guard.mode == "deferred"
     # Reading the buffers writes the held-back block first (and retains what it overwrites).
     keys, _ = cache[0].logical_rows()  # window 5: one old row, then the 4-row block
     np.testing.assert_array_equal(bits(keys)[:, :, 1:], bits(block))
-    assert cache[0].speculation.mode == "retained"
+    assert cache[0].guard.mode == "retained"
     checkpoint.rollback()
     for plane, (meta, rows) in zip(cache, before):
         got_meta, got_rows = live_bits(plane)

@@ -10,10 +10,10 @@ from typing import Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
-from dflash.cache.errors import CacheDiscontinuity
 
-
-def window_mask(query_positions: mx.array, key_positions: mx.array, window: Optional[int]):
+def window_mask(
+    query_positions: mx.array, key_positions: mx.array, window: Optional[int]
+):
     """Boolean mask: query at ``p`` sees key at ``k`` iff ``p - window < k <= p``.
 
     Shapes:
@@ -77,7 +77,9 @@ class ReferenceKVCache:
         self.values: Optional[mx.array] = None
         self.offset = 0
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+    def update_and_fetch(
+        self, keys: mx.array, values: mx.array
+    ) -> Tuple[mx.array, mx.array]:
         """Append a chunk and return the whole history in float32.
 
         Shapes:
@@ -92,18 +94,15 @@ class ReferenceKVCache:
         self.offset += keys.shape[2]
         return self.keys, self.values
 
-    def write_at(self, start: int, keys: mx.array, values: mx.array) -> None:
-        """Append with an explicit start position (fail-closed on a gap or replay)."""
-        if start != self.offset:
-            raise CacheDiscontinuity(None, self.offset, start)
-        self.update_and_fetch(keys, values)
-
-    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+    def make_mask(
+        self, N: int, window_size: Optional[int] = None, return_array: bool = False
+    ):
         """Causal mask over the full history, windowed when the layer slides."""
         window = window_size if window_size is not None else self.window
         if window is None:
-            return create_attention_mask(N, offset=self.offset, return_array=return_array,
-                                         window_size=None)
+            return create_attention_mask(
+                N, offset=self.offset, return_array=return_array, window_size=None
+            )
         positions = mx.arange(self.offset, self.offset + N)
         return window_mask(positions, mx.arange(self.offset + N), window)
 
@@ -137,7 +136,11 @@ def make_reference_cache(model) -> list:
     """One :class:`ReferenceKVCache` per layer, windowed where the model's own cache rotates."""
     from mlx_lm.models.cache import RotatingKVCache
 
-    template = model.make_cache() if hasattr(model, "make_cache") else [None] * len(model.layers)
+    template = (
+        model.make_cache()
+        if hasattr(model, "make_cache")
+        else [None] * len(model.layers)
+    )
     return [
         ReferenceKVCache(t.max_size if isinstance(t, RotatingKVCache) else None)
         for t in template

@@ -1,8 +1,8 @@
 """What the KV cache costs *inside* the verify forward: paired, interleaved timings.
 
-``dflash.metal.bench`` times the cache's work on its own (every launch paid in full, nothing
-to overlap with). A model forward interleaves those launches with its own ~1,700, so this
-benchmark measures the cache where it runs: the 16-token verify forward of Muse Glimmer
+``benchmarks.cache_round`` times the cache's work on its own (every launch paid in full,
+nothing to overlap with). A model forward interleaves those launches with its own ~1,700, so
+this benchmark measures the cache where it runs: the 16-token verify forward of Muse Glimmer
 (mlx-lm ``muse_glimmer``, default ``ModelArgs``, bfloat16 random weights; ``--small``: a tiny
 one) at one context, driven through four routes, interleaved round-robin (the order rotates
 every repetition) so drift and clocks hit every route alike:
@@ -24,8 +24,9 @@ The cache's cost of a route is the paired difference ``route - none`` of each re
 (median and p10/p90 over repetitions); launches are counted on the lazy graphs (views
 excluded), the commit's apart.
 
-``python -m dflash.metal.bench_forward --json OUT`` writes JSON and a markdown table (``OUT``
-with ``.md``) after every context.
+``python -m benchmarks.cache_forward --json OUT`` (from the repository root) writes JSON and a
+markdown table (``OUT`` with ``.md``) after every context. Recorded runs before the move name
+it ``python -m dflash.metal.bench_forward``.
 """
 
 from __future__ import annotations
@@ -40,21 +41,11 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
-from ..cache import SpeculativeCheckpoint
-from .backend import kernel_backend
-from .bench import (
-    Geometry,
-    _meta,
-    _stats,
-    _sync_time,
-    fill_cache,
-    geometry,
-    graph_launches,
-    make_cache,
-    random_glimmer,
-    rewind,
-    verify_geometry,
-)
+from dflash.cache import SpeculativeCheckpoint
+from dflash.metal import kernel_backend
+from tests.support.launches import graph_launches
+
+from . import common
 
 ROUTES: tuple[str, ...] = ("none", "mlx-lm", "reference", "kernels")
 KERNEL_ROUTES = {"reference": False, "kernels": True}
@@ -84,10 +75,10 @@ class FixedKV:
         return self.mask
 
 
-def fixed_cache(model, geom: Geometry, context: int) -> list[FixedKV]:
+def fixed_cache(model, geom: common.Geometry, context: int) -> list[FixedKV]:
     """The ``none`` route: per layer, what the wired cache returns for a verify block."""
-    cache = make_cache(geom, False, model=model)
-    fill_cache(cache, geom, context)
+    cache = common.make_cache(geom, False, model=model)
+    common.fill_cache(cache, geom, context)
     fixed = []
     for index, plane in enumerate(cache):
         mask = plane.make_mask(geom.block, window_size=plane.window)
@@ -107,7 +98,7 @@ class MlxLmCache:
     leave them; ``KVCache`` layers hold ``context`` rows with room for the block.
     """
 
-    def __init__(self, model, geom: Geometry, context: int):
+    def __init__(self, model, geom: common.Geometry, context: int):
         self.layers = model.make_cache()
         for layer in self.layers:
             rotating = isinstance(layer, RotatingKVCache)
@@ -129,7 +120,9 @@ class MlxLmCache:
             vars(layer).update(saved)
 
 
-def route_steps(model, geom: Geometry, context: int, routes: Sequence[str]) -> dict:
+def route_steps(
+    model, geom: common.Geometry, context: int, routes: Sequence[str]
+) -> dict:
     """One timed step per route, each leaving its cache as it found it."""
     tokens = mx.random.randint(0, 256, (1, geom.block), key=mx.random.key(1))
     mx.eval(tokens)
@@ -152,8 +145,8 @@ def route_steps(model, geom: Geometry, context: int, routes: Sequence[str]) -> d
 
 
 def _verify_step(model, geom, context, tokens, use_kernel) -> Callable[[int], None]:
-    cache = make_cache(geom, use_kernel, model=model)
-    fill_cache(cache, geom, context)
+    cache = common.make_cache(geom, use_kernel, model=model)
+    common.fill_cache(cache, geom, context)
     metas = [plane.meta for plane in cache]
 
     def verify(kept: int) -> None:
@@ -163,13 +156,13 @@ def _verify_step(model, geom, context, tokens, use_kernel) -> Callable[[int], No
         checkpoint = SpeculativeCheckpoint.begin(cache, geom.block)
         mx.eval(model(tokens, cache=cache))
         checkpoint.commit(kept)
-        rewind(cache, metas)
+        common.rewind(cache, metas)
 
     verify.cache = cache
     return verify
 
 
-def count_launches(model, geom: Geometry, context: int, route: str) -> dict:
+def count_launches(model, geom: common.Geometry, context: int, route: str) -> dict:
     """Launches of one lazy forward of ``route`` (and of its commit, kept = B)."""
     tokens = mx.zeros((1, geom.block), dtype=mx.int32)
     if route == "none":
@@ -178,8 +171,8 @@ def count_launches(model, geom: Geometry, context: int, route: str) -> dict:
     if route == "mlx-lm":
         logits = model(tokens, cache=MlxLmCache(model, geom, context).layers)
         return {"forward": sum(graph_launches(logits).values()), "commit": 0}
-    cache = make_cache(geom, KERNEL_ROUTES[route], model=model)
-    fill_cache(cache, geom, context)
+    cache = common.make_cache(geom, KERNEL_ROUTES[route], model=model)
+    common.fill_cache(cache, geom, context)
     checkpoint = SpeculativeCheckpoint.begin(cache, geom.block)
     logits = model(tokens, cache=cache)
     forward = sum(graph_launches(logits).values())
@@ -189,7 +182,7 @@ def count_launches(model, geom: Geometry, context: int, route: str) -> dict:
     return {"forward": forward, "commit": commit}
 
 
-def bench_context(model, geom: Geometry, context: int, args) -> dict:
+def bench_context(model, geom: common.Geometry, context: int, args) -> dict:
     """Interleaved repetitions of every route at one context."""
     routes = [r for r in args.routes if r in ROUTES]
     steps = route_steps(model, geom, context, routes)
@@ -198,16 +191,16 @@ def bench_context(model, geom: Geometry, context: int, args) -> dict:
         kept = rep % (geom.block + 1)
         order = routes[rep % len(routes) :] + routes[: rep % len(routes)]
         for route in order:
-            elapsed = _sync_time(lambda: steps[route](kept))[1]
+            elapsed = common.sync_time(lambda: steps[route](kept))[1]
             if rep >= args.warmup:
                 times[route].append(elapsed)
     result = {"context": context, "routes": {}}
     for route in routes:
-        row = {"forward_ms": _stats(times[route])}
+        row = {"forward_ms": common.stats(times[route])}
         row["launches"] = count_launches(model, geom, context, route)
         if "none" in times and route != "none":
             paired = [t - n for t, n in zip(times[route], times["none"])]
-            row["cache_ms"] = _stats(paired)
+            row["cache_ms"] = common.stats(paired)
         result["routes"][route] = row
     return result
 
@@ -224,7 +217,7 @@ def markdown(report: dict) -> str:
     """The report as a markdown table, plus the kernels-vs-reference ratios."""
     meta = report["meta"]
     lines = [
-        f"# dflash.metal.bench_forward — {meta['date']}",
+        f"# benchmarks.cache_forward — {meta['date']}",
         "",
         f"`{meta['command']}`",
         "",
@@ -284,26 +277,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if kernel_backend() is None and "kernels" in args.routes:
         args.routes = [r for r in args.routes if r != "kernels"]
         print("no Metal/CUDA backend: skipping the kernels route")
-    geom = geometry(args)
+    geom = common.geometry(args)
     contexts = args.contexts or ([96, 160] if args.small else [4096, 32768])
     tic = time.perf_counter()
-    model, model_args = random_glimmer(geom, args.small)
-    geom = verify_geometry(model_args, geom)
+    model, model_args = common.random_glimmer(geom, args.small)
+    geom = common.verify_geometry(model_args, geom)
     for context in contexts:
         if context < geom.window:
             raise SystemExit(
                 f"context {context} < window {geom.window}: rings not full"
             )
     report = {
-        "meta": _meta(args, argv, geom, contexts, []),
+        "meta": common.run_meta("cache_forward", args, argv, geom, contexts, []),
         "model": f"muse_glimmer {'tiny' if args.small else 'default ModelArgs'}: "
         f"{model_args.num_hidden_layers} layers, hidden {model_args.hidden_size}, "
         f"{geom.dtype} random weights (built in {time.perf_counter() - tic:.1f} s)",
         "contexts": [],
     }
-    report["meta"]["command"] = report["meta"]["command"].replace(
-        "dflash.metal.bench", "dflash.metal.bench_forward"
-    )
     markdown_path = args.markdown or str(Path(args.json).with_suffix(".md"))
     for context in contexts:
         result = bench_context(model, geom, context, args)

@@ -1,16 +1,16 @@
-"""Checkpoint retain / restore of block rows across many ring planes at once.
+"""Retain / restore of block rows across many ring planes at once.
 
 Before a verify block overwrites live ring rows, :func:`retain_rows` gathers the
-rows it will overwrite from every sliding plane (K and V of every sliding layer
-may be passed together) into one ``(P, ...)`` block; on commit/rollback
-:func:`restore_rows` puts the rejected ones back.
+rows it will overwrite from every plane passed (K and V of every sliding layer
+may go together) into one ``(P, ...)`` block; :func:`restore_rows` puts chosen
+rows of such a block back. ``dflash.cache.checkpoint`` decides when.
 
 Default paths (``use_kernel=None``) on a GPU: retain is the custom kernel (one
 launch for all planes on CUDA; on Metal one per 28 planes, the most a launch
 can bind); restore is one mlx scatter per plane, which runs in place when mlx
 can donate the plane buffer, so it moves only the restored rows. The restore
-kernel (one launch, but a fresh ``C``-row output per plane) is there for
-``use_kernel=True`` and for the benchmark; ``docs/metal.md`` has the numbers.
+kernel (one launch, but a fresh ``C``-row output per plane) runs with
+``use_kernel=True``; ``docs/metal.md`` has the numbers.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Bit-exactness cases shared by the tests and a dependency-free GPU check.
+"""Bit-exactness cases of every kernel operation, shared by the tests and the selfcheck.
 
 A :class:`Case` names one operation at one geometry; its inputs are random bit
 patterns drawn from the case's seed, so every form sees the same inputs.
@@ -8,27 +8,30 @@ patterns drawn from the case's seed, so every form sees the same inputs.
 * ``"kernel"``: the custom kernel (Metal, CUDA, or the CPU-emulated Metal body)
   against the pure-MLX reference.
 
-``python -m dflash.metal.selfcheck --cases 400`` runs both over random
-geometries and prints ``N passed, M failed``: the same proof as the pytest
-``cuda`` tests, for a GPU host that has mlx but neither pytest nor hypothesis.
+Each case runs through the argument-checking wrappers of :mod:`.validated`, which
+call the library's entries (:func:`dflash.metal.ring_write`,
+:class:`dflash.metal.ShadowStager`, :func:`dflash.metal.retain_rows`,
+:func:`dflash.metal.restore_rows`).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from .backend import kernel_backend
-from .checkpoint import restore_rows, retain_rows
-from .ring import ring_store, stage_shadow, stage_shadow_kv
+from dflash.metal import restore_rows, retain_rows
+
+from .validated import (
+    checked_ring_write,
+    checked_stage_shadow,
+    checked_stage_shadow_kv,
+)
 
 OPS: tuple[str, ...] = (
-    "ring_store",
+    "ring_write",
     "stage_shadow",
     "stage_shadow_kv",
     "retain_rows",
@@ -178,7 +181,7 @@ def numpy_expected(case: Case) -> list[np.ndarray]:
     data = case_inputs(case)
     axis = case.row_axis
     cap = case.capacity
-    if case.op == "ring_store":
+    if case.op == "ring_write":
         index = (case.start + np.arange(case.count)) % cap
         return [_put(data.buffers[0], index, data.rows, axis)]
     if case.op == "stage_shadow":
@@ -201,16 +204,19 @@ def run_case(case: Case, use_kernel: Optional[bool]) -> list[mx.array]:
     rows = to_mx(data.rows, case.dtype)
     dests = mx.array(data.dests)
     flags = dict(head_major=case.head_major, use_kernel=use_kernel)
-    if case.op == "ring_store":
-        return [ring_store(buffers[0], rows, case.start, **flags)]
+    if case.op == "ring_write":
+        return [checked_ring_write(buffers[0], rows, case.start, **flags)]
     if case.op == "stage_shadow":
-        return [stage_shadow(buffers[0], rows, case.start, case.length, **flags)]
+        shadow = checked_stage_shadow(
+            buffers[0], rows, case.start, case.length, **flags
+        )
+        return [shadow]
     if case.op == "stage_shadow_kv":
         keys, values = rows[0], rows[1]
-        shadow = stage_shadow_kv(
+        pair = checked_stage_shadow_kv(
             buffers[0], keys, values, case.start, case.length, **flags
         )
-        return list(shadow)
+        return list(pair)
     if case.op == "retain_rows":
         return [retain_rows(buffers, dests, **flags)]
     return restore_rows(buffers, dests, rows, **flags)
@@ -274,7 +280,7 @@ def check_round_trip(
     retained = retain_rows(planes, dests, **flags)
     starts = [int(d[0]) for d in data.dests]
     written = [
-        ring_store(p, to_mx(block[i], case.dtype), starts[i], **flags)
+        checked_ring_write(p, to_mx(block[i], case.dtype), starts[i], **flags)
         for i, p in enumerate(planes)
     ]
     keep = [slice(None)] * retained.ndim
@@ -290,30 +296,6 @@ def check_round_trip(
             _put(original, data.dests[i][:accepted], block[i][tuple(head)], axis)
         )
     return _compare([bits(x) for x in restored], want)
-
-
-def random_case(rng: np.random.Generator, op: str, max_capacity: int = 64) -> Case:
-    """A random valid case of ``op`` (C 1..max, S 1..C, B 1..2, H 1..3, D 1..8)."""
-    capacity = int(rng.integers(1, max_capacity + 1))
-    count = int(rng.integers(1, capacity + 1))
-    length = int(rng.integers(0, capacity + 1))
-    if op in SHADOW_OPS:
-        count = int(rng.integers(0 if length else 1, capacity + 1))
-    return Case(
-        op=op,
-        dtype=str(rng.choice(list(DTYPES))),
-        head_major=bool(rng.integers(0, 2)),
-        batch=int(rng.integers(1, 3)),
-        heads=int(rng.integers(1, 4)),
-        capacity=capacity,
-        dim=int(rng.integers(1, 9)),
-        count=count,
-        start=int(rng.integers(0, capacity)),
-        length=length,
-        planes=int(rng.integers(1, 6)),
-        scattered=bool(rng.integers(0, 2)),
-        seed=int(rng.integers(0, 2**31)),
-    )
 
 
 def case_strategy(op: str, max_capacity: int = 64, max_planes: int = 5):
@@ -353,7 +335,7 @@ def glimmer_cases() -> list[Case]:
     """Full-size Muse Glimmer ring geometry: 2 KV heads x 128, C 2048, P 78."""
     common = dict(dtype="bfloat16", batch=1, heads=2, capacity=2048, dim=128)
     return [
-        Case("ring_store", head_major=True, count=16, start=2040, **common),
+        Case("ring_write", head_major=True, count=16, start=2040, **common),
         Case(
             "stage_shadow", head_major=True, count=16, start=1000, length=2048, **common
         ),
@@ -370,31 +352,3 @@ def glimmer_cases() -> list[Case]:
             "restore_rows", head_major=False, count=9, start=2045, planes=78, **common
         ),
     ]
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run random cases of every op; print ``N passed, M failed``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", type=int, default=200, help="random cases per op")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    rng = np.random.default_rng(args.seed)
-    forms = ["reference"] + (["kernel"] if kernel_backend() else [])
-    print(f"backend: {kernel_backend() or 'none (reference only)'}; forms: {forms}")
-    cases = [random_case(rng, op) for op in OPS for _ in range(args.cases)]
-    cases += glimmer_cases()
-    passed = failed = 0
-    for case in cases:
-        for form in forms:
-            problem = check_case(case, form)
-            if problem is None:
-                passed += 1
-            else:
-                failed += 1
-                print(f"FAIL {form} {case}: {problem}")
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,188 +26,58 @@ nodes that launch work (views excluded) of one lazy round, counted before evalua
 ``allocated_bytes`` is peak minus resident memory over the commit (the ops round: over the
 round): a ring copied instead of updated in place shows here.
 
-``python -m dflash.metal.bench --json OUT`` writes JSON and a markdown table (``OUT`` with
-``.md``) after every result, so a run cut short keeps what it measured. ``--small`` is a
-CPU-sized geometry (and model) that runs every code path in seconds; ``--emulate-metal DIR``
-runs the kernel mode on the CPU through the Metal bodies (code paths only).
+``python -m benchmarks.cache_round --json OUT`` (from the repository root) writes JSON and a
+markdown table (``OUT`` with ``.md``) after every result, so a run cut short keeps what it
+measured. ``--small`` is a CPU-sized geometry (and model) that runs every code path in
+seconds; ``--emulate-metal DIR`` runs the kernel mode on the CPU through the Metal bodies
+(code paths only). Recorded runs before the move name it ``python -m dflash.metal.bench``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import io
 import json
-import platform
-import re
 import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from ..cache import (
-    GrowingKVCache,
-    PlaneMeta,
-    RingKVCache,
-    SpeculativeCheckpoint,
-    make_prompt_cache,
+from dflash.cache import SpeculativeCheckpoint
+from dflash.metal import (
+    backend,
+    kernel_backend,
+    restore_rows,
+    retain_rows,
+    ring_write,
+    wrapped_rows,
 )
-from . import backend
-from .backend import kernel_backend
-from .checkpoint import restore_rows, retain_rows
-from .ring import ring_store, wrapped_rows
+from tests.support.launches import graph_launches
 
-# Primitives that only reinterpret an existing buffer (no kernel launch).
-VIEW_PRIMITIVES = frozenset(
-    {
-        "AsStrided",
-        "Broadcast",
-        "BroadcastAxes",
-        "Depends",
-        "ExpandDims",
-        "Flatten",
-        "Reshape",
-        "Slice",
-        "Split",
-        "Squeeze",
-        "StopGradient",
-        "Transpose",
-        "Unflatten",
-        "View",
-    }
+from .common import (
+    SMALL_CONTEXTS,
+    Allocation,
+    Geometry,
+    block_kv,
+    cache_fetch,
+    fill_cache,
+    geometry,
+    make_cache,
+    median_int,
+    random_glimmer,
+    rewind,
+    run_meta,
+    stats,
+    sync_time,
+    verify_geometry,
 )
 
 CACHE_MODES: dict[str, bool] = {"reference": False, "kernels": True}
-
-
-def graph_launches(*arrays: mx.array) -> Counter:
-    """Count the unevaluated graph nodes behind ``arrays`` that launch work.
-
-    Args:
-        arrays: Lazy outputs (evaluated inputs are leaves and not counted).
-
-    Returns:
-        Primitive name -> node count, view primitives excluded.
-    """
-    sink = io.StringIO()
-    mx.export_to_dot(sink, *arrays)
-    names = re.findall(r'label ="([A-Za-z0-9_]+)"', sink.getvalue())
-    return Counter(n for n in names if n not in VIEW_PRIMITIVES)
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """Cache geometry of the benchmark (and of the verify model).
-
-    Attributes:
-        sliding: Sliding (ring) layers; K and V of each are one stacked plane.
-        full: Full-attention (growing) layers.
-        window: Ring capacity ``C``.
-        heads: KV heads.
-        dim: Head dim.
-        dtype: Element dtype name.
-        block: Verify block rows.
-    """
-
-    sliding: int = 39
-    full: int = 13
-    window: int = 2048
-    heads: int = 2
-    dim: int = 128
-    dtype: str = "bfloat16"
-    block: int = 16
-
-    @property
-    def mx_dtype(self) -> mx.Dtype:
-        """The mlx dtype."""
-        return getattr(mx, self.dtype)
-
-    @property
-    def layers(self) -> int:
-        """Decoder layers."""
-        return self.sliding + self.full
-
-    @property
-    def plane_row_bytes(self) -> int:
-        """Bytes of one row of one K or V plane (B = 1)."""
-        return self.heads * self.dim * self.mx_dtype.size
-
-    def full_layers(self) -> frozenset[int]:
-        """Muse Glimmer's order: every fourth layer is full; any others come last."""
-        slots = [i for i in range(self.layers) if i % 4 == 3][: self.full]
-        rest = [i for i in reversed(range(self.layers)) if i not in slots]
-        return frozenset(slots + rest[: self.full - len(slots)])
-
-
-SMALL = Geometry(sliding=6, full=2, window=64, heads=2, dim=32, block=8)
-SMALL_CONTEXTS = (96, 160)
-
-
-def _stats(values: Sequence[float]) -> dict[str, float]:
-    ordered = sorted(values)
-
-    def pick(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return {"median": statistics.median(ordered), "p10": pick(0.1), "p90": pick(0.9)}
-
-
-def _sync_time(step: Callable[[], object]) -> tuple[object, float]:
-    """Run ``step`` (which evaluates its own work), then wait for the device; ms."""
-    mx.synchronize()
-    start = time.perf_counter()
-    out = step()
-    mx.synchronize()
-    return out, (time.perf_counter() - start) * 1e3
-
-
-def host_and_total_ms(
-    step: Callable[[], object], reps: int = 50, warmup: int = 5
-) -> tuple[float, float]:
-    """Medians over ``reps`` runs of building ``step()``'s graph, and of building + evaluating it.
-
-    Args:
-        step: Builds (lazily) and returns what to evaluate.
-        reps: Timed runs, after ``warmup`` untimed ones.
-        warmup: Untimed runs first (compilation, allocation).
-
-    Returns:
-        ``(host_ms, total_ms)``: graph building alone, and until the device is done.
-    """
-    host, total = [], []
-    for rep in range(warmup + reps):
-        mx.synchronize()
-        start = time.perf_counter()
-        outputs = step()
-        built = time.perf_counter()
-        mx.eval(outputs)
-        mx.synchronize()
-        if rep >= warmup:
-            host.append((built - start) * 1e3)
-            total.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(host), statistics.median(total)
-
-
-class Allocation:
-    """Peak minus resident device memory over a span (bytes)."""
-
-    def __enter__(self) -> "Allocation":
-        mx.synchronize()
-        mx.reset_peak_memory()
-        self.resident = mx.get_active_memory()
-        self.bytes = 0
-        return self
-
-    def __exit__(self, *exc) -> None:
-        mx.synchronize()
-        self.bytes = max(0, int(mx.get_peak_memory() - self.resident))
 
 
 # ----------------------------------------------------------- reference ops
@@ -280,10 +150,11 @@ def ops_round(
     retained = retain_rows(state.rings, dests, use_kernel=False)
     finish("retain", [retained])
     state.rings = [
-        ring_store(p, rows, state.ring_origin, use_kernel=False) for p in state.rings
+        ring_write(p, rows, state.ring_origin, 2, use_kernel=False) for p in state.rings
     ]
     state.growing = [
-        ring_store(p, rows, state.growing_len, use_kernel=False) for p in state.growing
+        ring_write(p, rows, state.growing_len, 2, use_kernel=False)
+        for p in state.growing
     ]
     finish("store", state.rings + state.growing)
     if kept < geom.block:
@@ -312,86 +183,20 @@ def bench_ops(geom: Geometry, context: int, args: argparse.Namespace) -> dict:
             allocated.append(alloc.bytes)
         samples = samples[args.warmup :]
         total = sum(launches.values(), Counter())
-        row = {"kept": kept, "round_ms": _stats([s["round"] for s in samples])}
+        row = {"kept": kept, "round_ms": stats([s["round"] for s in samples])}
         for phase in OPS_PHASES:
-            row[f"{phase}_ms"] = _stats([s[phase] for s in samples])
+            row[f"{phase}_ms"] = stats([s[phase] for s in samples])
             row[f"{phase}_launches"] = sum(launches[phase].values())
         row.update(
             launches=sum(total.values()),
             launches_by_primitive=dict(total),
-            allocated_bytes=_median_int(allocated[args.warmup :]),
+            allocated_bytes=median_int(allocated[args.warmup :]),
         )
         per_kept.append(row)
     return {"context": context, "mode": "ops-reference", "per_kept": per_kept}
 
 
 # ------------------------------------------------------------- wired cache
-
-
-def make_cache(geom: Geometry, use_kernel: Optional[bool], model=None) -> list:
-    """The wired cache: a model's ``make_prompt_cache`` or planes in Glimmer's layer order."""
-    if model is not None:
-        return make_prompt_cache(model, use_kernel=use_kernel)
-    full = geom.full_layers()
-    return [
-        (
-            GrowingKVCache(layer=i, use_kernel=use_kernel)
-            if i in full
-            else RingKVCache(geom.window, layer=i, use_kernel=use_kernel)
-        )
-        for i in range(geom.layers)
-    ]
-
-
-def fill_cache(cache: list, geom: Geometry, context: int) -> None:
-    """Put every plane where ``context`` sequential appends leave it (random rows).
-
-    Rings: full, rotated by ``context % C``; growing planes: ``context`` rows, room for a
-    block past them (so no round reallocates).
-    """
-    for plane in cache:
-        if plane.is_ring:
-            rows, capacity = plane.capacity, plane.capacity
-            meta = PlaneMeta(
-                capacity, rows, context - rows, (context - rows) % capacity
-            )
-        else:
-            capacity = -(-(context + geom.block) // 256) * 256
-            meta = PlaneMeta(capacity, context, 0, 0)
-        shape = (1, geom.heads, capacity, geom.dim)
-        keys = mx.random.normal(shape).astype(geom.mx_dtype)
-        values = mx.random.normal(shape).astype(geom.mx_dtype)
-        plane.set_buffers(keys, values)
-        plane.set_meta(meta)
-        mx.eval(plane.kv)
-
-
-def block_rows(
-    geom: Geometry, layers: int, seed: int = 0
-) -> list[tuple[mx.array, mx.array]]:
-    """Per layer, a block's keys and values as mlx-lm hands them over (transposed views)."""
-    out = []
-    for layer in range(layers):
-        pair = mx.random.normal(
-            (2, 1, geom.block, geom.heads, geom.dim), key=mx.random.key(seed + layer)
-        ).astype(geom.mx_dtype)
-        keys, values = (mx.squeeze(pair[i : i + 1], 0) for i in (0, 1))
-        mx.eval(keys, values)  # views of one evaluated buffer, laid out (B, S, H, D)
-        out.append((keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)))
-    return out
-
-
-def cache_fetch(cache: list, rows: list) -> list[mx.array]:
-    """``update_and_fetch`` in every layer (lazy); the arrays attention would read."""
-    return [
-        a for plane, (k, v) in zip(cache, rows) for a in plane.update_and_fetch(k, v)
-    ]
-
-
-def rewind(cache: list, metas: list) -> None:
-    """Put every plane's bookkeeping back (Python ints only)."""
-    for plane, meta in zip(cache, metas):
-        plane.set_meta(meta)
 
 
 @dataclass
@@ -418,14 +223,14 @@ def cache_round(cache: list, rows: list, kept: int, block: int) -> RoundSample:
         return checkpoint
 
     with Allocation() as fetch_alloc:
-        checkpoint, fetch_ms = _sync_time(fetch)
+        checkpoint, fetch_ms = sync_time(fetch)
 
     def commit():
         checkpoint.commit(kept)
         mx.eval([plane.kv for plane in cache])
 
     with Allocation() as commit_alloc:
-        commit_ms = _sync_time(commit)[1]
+        commit_ms = sync_time(commit)[1]
     rewind(cache, metas)
     return RoundSample(fetch_ms, commit_ms, fetch_alloc.bytes, commit_alloc.bytes)
 
@@ -438,7 +243,7 @@ def plain_round(cache: list, rows: list) -> float:
         mx.eval(cache_fetch(cache, rows))
         mx.eval([plane.kv for plane in cache])
 
-    elapsed = _sync_time(step)[1]
+    elapsed = sync_time(step)[1]
     rewind(cache, metas)
     return elapsed
 
@@ -478,7 +283,7 @@ def bench_cache(
     """Every kept count of the wired-cache round at one context, one mode."""
     cache = make_cache(geom, CACHE_MODES[mode])
     fill_cache(cache, geom, context)
-    rows = block_rows(geom, len(cache))
+    rows = block_kv(geom, len(cache))
     per_kept = []
     for kept in range(geom.block + 1):
         counts = count_cache_round(cache, rows, kept, geom.block)
@@ -491,76 +296,20 @@ def bench_cache(
         per_kept.append(
             {
                 "kept": kept,
-                "round_ms": _stats(rounds),
-                "fetch_ms": _stats([sample.fetch_ms for sample in samples]),
-                "commit_ms": _stats([sample.commit_ms for sample in samples]),
-                "plain_ms": _stats(plain),
-                "checkpoint_ms": _stats([r - p for r, p in zip(rounds, plain)]),
-                "fetch_allocated_bytes": _median_int(s.fetch_bytes for s in samples),
-                "allocated_bytes": _median_int(s.commit_bytes for s in samples),
+                "round_ms": stats(rounds),
+                "fetch_ms": stats([sample.fetch_ms for sample in samples]),
+                "commit_ms": stats([sample.commit_ms for sample in samples]),
+                "plain_ms": stats(plain),
+                "checkpoint_ms": stats([r - p for r, p in zip(rounds, plain)]),
+                "fetch_allocated_bytes": median_int(s.fetch_bytes for s in samples),
+                "allocated_bytes": median_int(s.commit_bytes for s in samples),
                 **counts,
             }
         )
     return {"context": context, "mode": mode, "per_kept": per_kept}
 
 
-def _median_int(values) -> int:
-    return int(statistics.median(list(values)))
-
-
 # ------------------------------------------------------------------ verify
-
-
-def glimmer_args(geom: Geometry, small: bool):
-    """mlx-lm ``muse_glimmer`` ModelArgs: the default (full size) or a tiny one."""
-    module = importlib.import_module("mlx_lm.models.muse_glimmer")
-    if not small:
-        return module, module.ModelArgs()
-    return module, module.ModelArgs(
-        hidden_size=64,
-        num_hidden_layers=geom.layers,
-        intermediate_size=128,
-        num_attention_heads=2 * geom.heads,
-        num_key_value_heads=geom.heads,
-        head_dim=geom.dim,
-        vocab_size=256,
-        sliding_window=geom.window,
-    )
-
-
-def random_glimmer(geom: Geometry, small: bool):
-    """Muse Glimmer with random weights in ``geom``'s dtype (no float32 copy is made)."""
-    from mlx.utils import tree_flatten, tree_unflatten
-
-    module, model_args = glimmer_args(geom, small)
-    model = module.Model(model_args)
-    names = [name for name, _ in tree_flatten(model.parameters())]
-    shapes = dict(tree_flatten(model.parameters()))
-    for start in range(0, len(names), 16):
-        chunk = []
-        for index, name in enumerate(names[start : start + 16], start=start):
-            weight = mx.random.normal(
-                shapes[name].shape,
-                dtype=geom.mx_dtype,
-                key=mx.random.key(index),
-            )
-            chunk.append((name, weight * 0.02))
-        model.update(tree_unflatten(chunk))
-        mx.eval([w for _, w in chunk])
-    return model, model_args
-
-
-def verify_geometry(model_args, geom: Geometry) -> Geometry:
-    """The cache geometry the model implies."""
-    sliding = sum(t == "sliding_attention" for t in model_args.layer_types)
-    return replace(
-        geom,
-        sliding=sliding,
-        full=model_args.num_hidden_layers - sliding,
-        window=model_args.sliding_window,
-        heads=model_args.num_key_value_heads,
-        dim=model_args.head_dim,
-    )
 
 
 def bench_verify(
@@ -610,9 +359,9 @@ def _repeat(step: Callable[[], None], cache: list, metas: list, args) -> dict:
     """Time ``step`` after warm-up, rewinding the bookkeeping after every run."""
     times = []
     for _ in range(args.verify_warmup + args.verify_reps):
-        times.append(_sync_time(step)[1])
+        times.append(sync_time(step)[1])
         rewind(cache, metas)
-    return _stats(times[args.verify_warmup :])
+    return stats(times[args.verify_warmup :])
 
 
 # ------------------------------------------------------------------ report
@@ -719,7 +468,7 @@ def markdown(report: dict) -> str:
     meta = report["meta"]
     geom = meta["geometry"]
     lines = [
-        f"# dflash.metal.bench — {meta['date']}",
+        f"# benchmarks.cache_round — {meta['date']}",
         "",
         f"`{meta['command']}`",
         "",
@@ -826,19 +575,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return args
 
 
-def geometry(args: argparse.Namespace) -> Geometry:
-    """Defaults (or ``--small``) overridden by explicit flags."""
-    geom = SMALL if args.small else Geometry()
-    overrides = {
-        name: getattr(args, name)
-        for name in ("sliding", "full", "window", "heads", "dim", "dtype", "block")
-        if getattr(args, name) is not None
-    }
-    return replace(geom, **overrides)
-
-
 def _emulate_metal(workdir: str) -> None:
-    from .compile_check import MetalEmulator, check_specs, find_compiler
+    from tests.support.compile_check import check_specs, find_compiler
+    from tests.support.metal_emulator import MetalEmulator
 
     compiler = find_compiler("g++")
     if compiler is None:
@@ -849,28 +588,6 @@ def _emulate_metal(workdir: str) -> None:
         raise SystemExit(f"emulator build failed:\n{emulator.build.log}")
     backend.BACKEND = "metal"
     backend.launch = emulator.launch
-
-
-def _meta(args: argparse.Namespace, argv, geom: Geometry, contexts, skipped) -> dict:
-    return {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "mlx": mx.__version__,
-        "backend": kernel_backend(),
-        "emulated_metal": bool(args.emulate_metal),
-        "device": str(mx.default_device()),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "geometry": asdict(geom),
-        "contexts": list(contexts),
-        "reps": args.reps,
-        "warmup": args.warmup,
-        "verify_reps": args.verify_reps,
-        "skipped_modes": skipped,
-        "command": " ".join(
-            ["python -m dflash.metal.bench"]
-            + list(sys.argv[1:] if argv is None else argv)
-        ),
-    }
 
 
 def _save(report: dict, args: argparse.Namespace) -> str:
@@ -899,7 +616,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ]
     skipped = sorted(set(args.modes) - set(modes))
     report = {"ops": [], "cache": [], "verify": [], "verify_model": None}
-    report["meta"] = _meta(args, argv, geom, contexts, skipped)
+    report["meta"] = run_meta("cache_round", args, argv, geom, contexts, skipped)
     for context in contexts:
         for mode in modes:
             result = bench_cache(geom, context, mode, args)
@@ -932,7 +649,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 report["verify"].append(result)
                 _save(report, args)
         del model
-    report["meta"]["date"] = _meta(args, argv, geom, contexts, skipped)["date"]
+    report["meta"]["date"] = run_meta(
+        "cache_round", args, argv, geom, contexts, skipped
+    )["date"]
     markdown_path = _save(report, args)
     print(
         f"\nwrote {args.json} and {markdown_path}"

@@ -1,4 +1,4 @@
-"""Compile checks for the kernel bodies, and a CPU run of the Metal form.
+"""Compile checks for the kernel bodies, inside the signatures mlx generates.
 
 Without Apple hardware or (here) an NVIDIA GPU, the bodies are still put
 through real compilers, inside the exact function signatures mlx generates:
@@ -16,11 +16,7 @@ through real compilers, inside the exact function signatures mlx generates:
   ``shim_cuda_utils.h`` standing in for mlx's device header.
 
 Because the Metal translation unit is valid C++ under the shim, it can also be
-*run*: :class:`MetalEmulator` compiles it with a driver that calls the kernel
-function once per thread (rounding the grid up to whole threadgroups, as a CUDA
-launch does, with canaries past every output) and plugs into
-``dflash.metal.backend.launch``, so the public wrappers' kernel paths run the
-Metal body on the CPU and can be compared bit for bit with the references.
+*run*: :mod:`.metal_emulator` does so.
 """
 
 from __future__ import annotations
@@ -29,18 +25,16 @@ import dataclasses
 import os
 import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 import mlx.core as mx
-import numpy as np
 
-from .sources import (
+from dflash.metal.sources import (
     CUDA,
     METAL,
-    RING_STORE,
+    RING_WRITE,
     STAGE_SHADOW,
     STAGE_SHADOW_KV,
     KernelSpec,
@@ -55,19 +49,13 @@ CUDA_SHIM = HERE / "shim_cuda_utils.h"
 WORDS: tuple[mx.Dtype, ...] = (mx.uint16, mx.uint32, mx.uint64)
 INDEX_INPUTS = ("dests", "params")
 
-_METAL_TYPES = {
+METAL_TYPES = {
     mx.uint16: "uint16_t",
     mx.uint32: "uint32_t",
     mx.uint64: "uint64_t",
     mx.int32: "int32_t",
 }
-_CUDA_TYPES = dict(_METAL_TYPES)
-_NUMPY_TYPES = {
-    mx.uint16: np.uint16,
-    mx.uint32: np.uint32,
-    mx.uint64: np.uint64,
-    mx.int32: np.int32,
-}
+CUDA_TYPES = dict(METAL_TYPES)
 
 # mlx's CUDA default header (mlx/backend/cuda/custom_kernel.cpp).
 _CUDA_DEFAULT_HEADER = """
@@ -84,9 +72,6 @@ _CUDA_DEFAULT_HEADER = """
 CHECK_PLANES: tuple[int, ...] = (1, 2, 3, 4, 5, 14, 28)
 # CUDA launches bind up to 256 (retain) / 160 (restore) planes; 78 is Glimmer's.
 CUDA_CHECK_PLANES: tuple[int, ...] = CHECK_PLANES + (78, 160, 256)
-
-CANARY_WORDS = 512
-CANARY_BYTE = 0xA5
 
 
 @dataclass(frozen=True)
@@ -106,7 +91,7 @@ class CompileResult:
 
 def check_specs(planes: Iterable[int] = CHECK_PLANES) -> list[KernelSpec]:
     """Every kernel spec the package launches, P-ary ones at ``planes``."""
-    specs = [RING_STORE, STAGE_SHADOW, STAGE_SHADOW_KV]
+    specs = [RING_WRITE, STAGE_SHADOW, STAGE_SHADOW_KV]
     for count in planes:
         specs += [retain_spec(count), restore_spec(count)]
     return specs
@@ -118,7 +103,7 @@ def input_dtype(name: str, word: mx.Dtype) -> mx.Dtype:
 
 
 def _word_suffix(word: mx.Dtype) -> str:
-    return _METAL_TYPES[word]
+    return METAL_TYPES[word]
 
 
 def metal_kernel_name(spec: KernelSpec, word: mx.Dtype) -> str:
@@ -149,14 +134,14 @@ def metal_translation_unit(
     index = 0
     for arg in spec.input_names:
         space = "constant" if arg in small else "device"
-        ctype = _METAL_TYPES[input_dtype(arg, word)]
+        ctype = METAL_TYPES[input_dtype(arg, word)]
         lines.append(f"  const {space} {ctype}* {arg} [[buffer({index})]],")
         index += 1
     for arg in spec.output_names:
-        lines.append(f"  device {_METAL_TYPES[word]}* {arg} [[buffer({index})]],")
+        lines.append(f"  device {METAL_TYPES[word]}* {arg} [[buffer({index})]],")
         index += 1
     lines.append("  uint3 thread_position_in_grid [[thread_position_in_grid]]) {")
-    instance = f"{name}<{_METAL_TYPES[word]}>"
+    instance = f"{name}<{METAL_TYPES[word]}>"
     return (
         "\n".join(lines)
         + "\n"
@@ -171,10 +156,10 @@ def cuda_translation_unit(spec: KernelSpec, word: mx.Dtype) -> str:
     """The CUDA source mlx would generate for ``spec`` at word type ``word``."""
     name = cuda_kernel_name(spec, word)
     args = [
-        f"    const {_CUDA_TYPES[input_dtype(arg, word)]}* {arg}"
+        f"    const {CUDA_TYPES[input_dtype(arg, word)]}* {arg}"
         for arg in spec.input_names
     ]
-    args += [f"    {_CUDA_TYPES[word]}* {arg}" for arg in spec.output_names]
+    args += [f"    {CUDA_TYPES[word]}* {arg}" for arg in spec.output_names]
     return (
         _CUDA_DEFAULT_HEADER
         + "namespace mlx::core::cu {\n\n"
@@ -182,7 +167,7 @@ def cuda_translation_unit(spec: KernelSpec, word: mx.Dtype) -> str:
         + f"__global__ void {name}(\n"
         + ",\n".join(args)
         + ") {\n"
-        + f"  using T = {_CUDA_TYPES[word]};\n\n"
+        + f"  using T = {CUDA_TYPES[word]};\n\n"
         + spec.source(CUDA)
         + "\n}\n\n} // namespace mlx::core::cu\n"
     )
@@ -197,7 +182,7 @@ def find_compiler(name: str) -> Optional[str]:
     return found
 
 
-def _run(command: list[str], cwd: Path) -> CompileResult:
+def run_compiler(command: list[str], cwd: Path) -> CompileResult:
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
     return CompileResult(
         done.returncode == 0, " ".join(command), done.stdout + done.stderr
@@ -233,7 +218,7 @@ def check_metal(
     source.write_text(metal_source_file(specs))
     command = [compiler, "-std=c++14", "-fsyntax-only", "-Wall", "-Wextra", "-Werror"]
     command += ["-Wno-attributes", str(source)]
-    return _run(command, workdir)
+    return run_compiler(command, workdir)
 
 
 def check_cuda(
@@ -250,162 +235,4 @@ def check_cuda(
     )
     command = [compiler, "-std=c++17", "-arch=sm_90", "-ptx", "-Werror=all-warnings"]
     command += ["-I", str(include), "-o", str(workdir / "cuda_bodies.ptx"), str(source)]
-    return _run(command, workdir)
-
-
-# ----------------------------------------------------------------- emulator
-
-
-def _driver_case(spec: KernelSpec, word: mx.Dtype) -> str:
-    name = metal_kernel_name(spec, word)
-    args = []
-    for i, arg in enumerate(spec.input_names):
-        ctype = _METAL_TYPES[input_dtype(arg, word)]
-        args.append(f"reinterpret_cast<const {ctype}*>(ins[{i}].data())")
-    for i, _ in enumerate(spec.output_names):
-        args.append(f"reinterpret_cast<{_METAL_TYPES[word]}*>(outs[{i}].data())")
-    call = f"{name}<{_METAL_TYPES[word]}>({', '.join(args)}, uint3{{g, 0u, 0u}})"
-    return (
-        f'  if (key == "{name}") {{\n'
-        f"    for (uint g = 0; g < threads; ++g) {{\n      {call};\n    }}\n"
-        f"    return finish(argv, outs, sizes, first_out);\n  }}\n"
-    )
-
-
-# Host headers come before the shim: its empty address-space macros must not
-# reach the C library's own declarations.
-_DRIVER_INCLUDES = """#include <cstdio>
-#include <cstdlib>
-#include <fstream>
-#include <iterator>
-#include <string>
-#include <vector>
-"""
-
-_DRIVER_MAIN = r"""
-static std::vector<char> slurp(const char* path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::vector<char>(std::istreambuf_iterator<char>(in), {});
-}
-
-// Outputs carry CANARY bytes past their end; a body that writes past its
-// output (e.g. a missing bound check on a rounded-up grid) fails the run.
-static int finish(char** argv, std::vector<std::vector<char>>& outs,
-                  const std::vector<size_t>& sizes, int first_out) {
-  for (size_t i = 0; i < outs.size(); ++i) {
-    for (size_t b = sizes[i]; b < outs[i].size(); ++b) {
-      if (static_cast<unsigned char>(outs[i][b]) != CANARY) {
-        std::fprintf(stderr, "output %zu written past its end\n", i);
-        return 3;
-      }
-    }
-    std::ofstream out(argv[first_out + 2 * i], std::ios::binary);
-    out.write(outs[i].data(), sizes[i]);
-  }
-  return 0;
-}
-
-// argv: key threads n_in in_path... n_out (out_path out_bytes)...
-int main(int argc, char** argv) {
-  const std::string key = argv[1];
-  const uint threads = uint(std::strtoul(argv[2], nullptr, 10));
-  const int n_in = std::atoi(argv[3]);
-  std::vector<std::vector<char>> ins;
-  for (int i = 0; i < n_in; ++i) {
-    ins.push_back(slurp(argv[4 + i]));
-  }
-  const int n_out = std::atoi(argv[4 + n_in]);
-  const int first_out = 5 + n_in;
-  std::vector<std::vector<char>> outs;
-  std::vector<size_t> sizes;
-  for (int i = 0; i < n_out; ++i) {
-    sizes.push_back(std::strtoull(argv[first_out + 2 * i + 1], nullptr, 10));
-    outs.emplace_back(sizes.back() + CANARY_BYTES, char(CANARY));
-  }
-__CASES__
-  std::fprintf(stderr, "unknown kernel %s\n", key.c_str());
-  return 2;
-}
-"""
-
-
-class MetalEmulator:
-    """Runs the Metal translation units on the CPU through g++.
-
-    Use :meth:`launch` in place of ``dflash.metal.backend.launch`` (with
-    ``backend.BACKEND`` set to ``"metal"``) to route the wrappers' kernel paths
-    through the Metal bodies.
-
-    Args:
-        workdir: Directory for sources, binary and launch files.
-        specs: Kernel specs to compile.
-        compiler: C++ compiler.
-        threadgroup: Grid rounding, as a CUDA launch rounds to whole blocks.
-    """
-
-    def __init__(
-        self,
-        workdir: Path,
-        specs: Sequence[KernelSpec],
-        compiler: str = "g++",
-        threadgroup: int = 256,
-    ) -> None:
-        self.workdir = Path(workdir)
-        self.threadgroup = threadgroup
-        self.binary = self.workdir / "metal_emulator"
-        self.launches = 0
-        source = self.workdir / "metal_emulator.cpp"
-        cases = "".join(_driver_case(s, w) for s in specs for w in WORDS)
-        main = _DRIVER_MAIN.replace("__CASES__", cases)
-        main = main.replace("CANARY_BYTES", str(CANARY_WORDS * 8))
-        main = main.replace("CANARY", str(CANARY_BYTE))
-        units = [metal_translation_unit(s, w) for s in specs for w in WORDS]
-        source.write_text(
-            _DRIVER_INCLUDES + f'#include "{METAL_SHIM}"\n' + "\n".join(units) + main
-        )
-        command = [compiler, "-std=c++17", "-O1", "-Wno-attributes"]
-        command += ["-o", str(self.binary), str(source)]
-        self.build = _run(command, self.workdir)
-
-    def launch(
-        self,
-        spec: KernelSpec,
-        inputs: Sequence[mx.array],
-        output_shapes: Sequence[tuple[int, ...]],
-        word: mx.Dtype,
-        total: int,
-    ) -> list[mx.array]:
-        """Same contract as ``dflash.metal.backend.launch``, run on the CPU."""
-        if not self.build.ok:
-            raise RuntimeError(f"emulator did not build:\n{self.build.log}")
-        self.launches += 1
-        with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
-            argv = [str(self.binary), metal_kernel_name(spec, word)]
-            groups = -(-total // self.threadgroup)
-            argv += [str(groups * self.threadgroup), str(len(inputs))]
-            for i, (arg, array) in enumerate(zip(spec.input_names, inputs)):
-                host = np.ascontiguousarray(np.asarray(array))
-                expected = _NUMPY_TYPES[input_dtype(arg, word)]
-                if host.dtype != expected:
-                    raise TypeError(
-                        f"input {arg} is {host.dtype}, kernel expects {expected}"
-                    )
-                path = Path(tmp) / f"in{i}.bin"
-                host.tofile(path)
-                argv.append(str(path))
-            argv.append(str(len(output_shapes)))
-            itemsize = np.dtype(_NUMPY_TYPES[word]).itemsize
-            for i, shape in enumerate(output_shapes):
-                argv += [str(Path(tmp) / f"out{i}.bin")]
-                argv += [str(int(np.prod(shape)) * itemsize)]
-            done = subprocess.run(argv, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"emulated {spec.base} failed: {done.stderr}")
-            return [
-                mx.array(
-                    np.fromfile(
-                        Path(tmp) / f"out{i}.bin", dtype=_NUMPY_TYPES[word]
-                    ).reshape(shape)
-                )
-                for i, shape in enumerate(output_shapes)
-            ]
+    return run_compiler(command, workdir)

@@ -1,0 +1,499 @@
+"""What the command-line tools share: one-line errors, flag types, model loading, statistics.
+
+The CLI contract: any failure prints exactly one line ``<prog>: error: <message>`` on stderr and
+exits non-zero, without a traceback; a closed output pipe (``dflash-generate | head``) ends the
+run quietly.
+"""
+
+import argparse
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, List, Optional
+
+# The name a session or prompt-cache file records for the bundled demo pair (a resolved
+# local path always starts with "/" and a hub repo id always holds one "/": no clash).
+DEMO_NAME = "demo"
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a tool ended by SIGPIPE
+EXIT_INTERRUPTED = 128 + 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, not usage plus a message."""
+
+    def error(self, message: str) -> None:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def integer(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer ``>= minimum``, with a message saying what was expected.
+
+    Args:
+        minimum: The smallest accepted value.
+
+    Returns:
+        The parse function.
+    """
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {minimum}, got {text!r}"
+            ) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text}")
+        return value
+
+    return parse
+
+
+def number(minimum: Optional[float] = None) -> Callable[[str], float]:
+    """An argparse type: a finite number, ``>= minimum`` when one is given.
+
+    Args:
+        minimum: The smallest accepted value, or ``None``.
+
+    Returns:
+        The parse function.
+    """
+    wanted = "a number" if minimum is None else f"a number >= {minimum:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text}")
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text}")
+        return value
+
+    return parse
+
+
+def one_line(error: BaseException) -> str:
+    """The first line of an error's message (its type name when the message is empty).
+
+    Args:
+        error: Any exception.
+
+    Returns:
+        One line of text.
+    """
+    text = str(error).strip()
+    if isinstance(error, KeyError) and text:
+        return f"missing key {text}"
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null so Python's exit-time flush does not hit the closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+def run_cli(prog: str, function: Callable[[argparse.Namespace], Any], args) -> None:
+    """Run a CLI body under the CLI contract (one line and a non-zero exit on any failure).
+
+    Args:
+        prog: The program name for the error line.
+        function: The body, called with ``args``.
+        args: The parsed flags.
+    """
+    try:
+        function(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
+        sys.exit(EXIT_BROKEN_PIPE)
+    except KeyboardInterrupt:
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as error:  # the contract: one clear line, no traceback
+        print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
+        sys.exit(EXIT_ERROR)
+
+
+# -- models -------------------------------------------------------------------------------
+
+
+def check_model_name(flag: str, name: str) -> None:
+    """Refuse a name that can only be a local path when that path is not a directory.
+
+    A name that is valid as a Hugging Face repo id (``org/model``) is left to the hub.
+
+    Args:
+        flag: The flag that gave the name (for the message).
+        name: A local directory or a hub repo id.
+
+    Raises:
+        FileNotFoundError: the path does not exist, or is not a directory.
+    """
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise FileNotFoundError(f"{flag} {name}: not a directory")
+        return
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise FileNotFoundError(f"{flag} {name}: no such directory") from None
+
+
+def model_identity(name: str) -> str:
+    """The name a saved file records for a model: a local directory's absolute path, else the
+    repo id as given.
+
+    Args:
+        name: A local directory or a hub repo id.
+
+    Returns:
+        The name to record and compare.
+    """
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.is_dir() else name
+
+
+def _hub_unreachable(error: BaseException) -> str:
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    causes = [error.__cause__, error.__context__]
+    if any(isinstance(cause, OfflineModeIsEnabled) for cause in causes):
+        return "the Hugging Face hub is off (HF_HUB_OFFLINE is set)"
+    return "the Hugging Face hub cannot be reached"
+
+
+@contextmanager
+def hub_errors(flag: str, name: str) -> Iterator[None]:
+    """Turn a failed hub look-up while loading ``name`` into one line that says what failed.
+
+    Args:
+        flag: The flag that gave the name.
+        name: The repo id being loaded.
+
+    Raises:
+        FileNotFoundError: the hub is unreachable (or off) and the model is not in the local
+            cache, or the hub has no such repository.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        yield
+    except LocalEntryNotFoundError as error:
+        raise FileNotFoundError(
+            f"{flag} {name}: not a local directory; {_hub_unreachable(error)} and {name} is "
+            f"not in the local Hugging Face cache ({constants.HF_HUB_CACHE})"
+        ) from error
+    except (RepositoryNotFoundError, RevisionNotFoundError) as error:
+        raise FileNotFoundError(
+            f"{flag} {name}: not a local directory, and the Hugging Face hub has no "
+            "such model (or it is private or gated)"
+        ) from error
+
+
+def load_target(flag: str, name: str, tokenizer_config: Optional[dict] = None):
+    """``mlx_lm.load`` with one-line errors for a missing path or an unreachable hub.
+
+    Args:
+        flag: The flag that gave the name.
+        name: A local model directory or a hub repo id.
+        tokenizer_config: Passed to ``mlx_lm.load``.
+
+    Returns:
+        ``(model, tokenizer)``.
+    """
+    from mlx_lm import load
+
+    check_model_name(flag, name)
+    with hub_errors(flag, name):
+        return load(name, tokenizer_config=tokenizer_config)
+
+
+@dataclass
+class Models:
+    """What a CLI run generates with.
+
+    Attributes:
+        model: The target model.
+        tokenizer: Its tokenizer (mlx-lm's ``TokenizerWrapper``).
+        drafter: The DFlash drafter, or ``None``.
+        draft_model: The classic draft model, or ``None``.
+        model_name: The target's name for saved files (:data:`DEMO_NAME` for the demo pair).
+        drafter_name: The drafter's name for saved files, or ``None``.
+        notice: A line for stderr once the run is set to go (the demo pair's announcement):
+            printed late, so that a refused setting is still the only line on stderr.
+    """
+
+    model: Any
+    tokenizer: Any
+    drafter: Any = None
+    draft_model: Any = None
+    model_name: str = DEMO_NAME
+    drafter_name: Optional[str] = None
+    notice: Optional[str] = None
+
+    def announce(self) -> None:
+        """Print :attr:`notice` (once) on stderr."""
+        if self.notice:
+            print(self.notice, file=sys.stderr)
+            self.notice = None
+
+
+def load_models(
+    prog: str,
+    model: Optional[str],
+    drafter: Optional[str] = None,
+    draft_model: Optional[str] = None,
+    tokenizer_config: Optional[dict] = None,
+) -> Models:
+    """Load the target and its drafter or draft model; the demo pair when ``model`` is ``None``.
+
+    Every name is checked before anything is loaded, so a typo fails at once.
+
+    Args:
+        prog: The program name (for the demo pair's announcement, :attr:`Models.notice`).
+        model: ``--model``, or ``None`` for the bundled demo pair.
+        drafter: ``--drafter``.
+        draft_model: ``--draft-model``.
+        tokenizer_config: Passed to ``mlx_lm.load`` for the target.
+
+    Returns:
+        The loaded :class:`Models`.
+    """
+    if drafter and draft_model:
+        raise ValueError("use --drafter (DFlash) or --draft-model, not both")
+    if model is None:
+        return _load_demo_pair(prog, drafter, draft_model)
+    for flag, name in (("--model", model), ("--drafter", drafter), ("--draft-model", draft_model)):
+        if name:
+            check_model_name(flag, name)
+    target, tokenizer = load_target("--model", model, tokenizer_config)
+    loaded = Models(target, tokenizer, model_name=model_identity(model))
+    if drafter:
+        from .. import load_drafter
+
+        with hub_errors("--drafter", drafter):
+            loaded.drafter = load_drafter(drafter, target)
+        loaded.drafter_name = model_identity(drafter)
+    if draft_model:
+        loaded.draft_model, draft_tokenizer = load_target("--draft-model", draft_model)
+        if draft_tokenizer.vocab_size != tokenizer.vocab_size:
+            raise ValueError(
+                f"--draft-model {draft_model} has a tokenizer of {draft_tokenizer.vocab_size} "
+                f"tokens, the target's has {tokenizer.vocab_size}: they must match"
+            )
+    return loaded
+
+
+def _load_demo_pair(prog: str, drafter: Optional[str], draft_model: Optional[str]) -> Models:
+    from .. import demo
+
+    for flag, value in (("--draft-model", draft_model), ("--drafter", drafter)):
+        if value:
+            raise ValueError(f"{flag} needs --model (without --model the bundled demo pair is used)")
+    model, tokenizer, drafter_model = demo.load_demo()
+    notice = (
+        f"{prog}: no --model given; using the bundled demo pair "
+        f"({demo.DEMO_DESCRIPTION}, {demo.DEMO_DIR})"
+    )
+    return Models(model, tokenizer, drafter_model, drafter_name=DEMO_NAME, notice=notice)
+
+
+def check_block_size(block_size: Optional[int], drafter: Any) -> int:
+    """The DFlash block size to use: ``block_size`` if the drafter can serve it, else an error.
+
+    One rule for every entry point: ``1 <= block_size <= drafter.config.block_size`` (a block
+    of 1 drafts nothing; a drafter was trained for blocks of at most its own size).
+
+    Args:
+        block_size: The requested size, or ``None`` for the drafter's.
+        drafter: A DFlash drafter.
+
+    Returns:
+        The block size.
+
+    Raises:
+        ValueError: the size is outside ``1..drafter.config.block_size``.
+    """
+    limit = drafter.config.block_size
+    if block_size is None:
+        return limit
+    if not 1 <= block_size <= limit:
+        raise ValueError(
+            f"--block-size {block_size} is outside 1..{limit} (this drafter serves blocks of "
+            f"at most {limit} tokens)"
+        )
+    return block_size
+
+
+def make_cli_sampler(args: argparse.Namespace):
+    """``dflash.make_sampler`` from the sampling flags (validated before any model loads).
+
+    Args:
+        args: Flags with ``temp``, ``top_p`` and optionally ``min_p``, ``top_k``,
+            ``min_tokens_to_keep``.
+
+    Returns:
+        The sampler.
+    """
+    from .. import make_sampler
+
+    return make_sampler(
+        temp=args.temp,
+        top_p=args.top_p,
+        min_p=getattr(args, "min_p", 0.0),
+        min_tokens_to_keep=getattr(args, "min_tokens_to_keep", 1),
+        top_k=getattr(args, "top_k", 0),
+    )
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser, full: bool = True) -> None:
+    """The sampling flags of mlx-lm's CLIs (``full``: generate's set, else chat's).
+
+    Args:
+        parser: The parser to extend.
+        full: Also add ``--min-p``, ``--top-k`` and ``--min-tokens-to-keep``.
+    """
+    parser.add_argument("--temp", type=number(0.0), default=0.0, help="sampling temperature")
+    parser.add_argument("--top-p", type=number(0.0), default=1.0, help="sampling top-p")
+    if full:
+        parser.add_argument("--min-p", type=number(0.0), default=0.0, help="sampling min-p")
+        parser.add_argument("--top-k", type=integer(0), default=0, help="sampling top-k")
+        parser.add_argument(
+            "--min-tokens-to-keep",
+            type=integer(1),
+            default=1,
+            help="minimum tokens to keep for min-p sampling",
+        )
+
+
+def add_unsupported_cache_flags(parser: argparse.ArgumentParser) -> None:
+    """mlx-lm's KV-cache flags, accepted by name and refused when given (see
+    :func:`refuse_unsupported_cache_flags`)."""
+    parser.add_argument(
+        "--max-kv-size",
+        type=integer(1),
+        default=None,
+        help="not supported: dflash caches keep the whole context",
+    )
+    parser.add_argument(
+        "--kv-bits", type=integer(1), default=None, help="not supported: no quantized KV cache"
+    )
+
+
+def refuse_unsupported_cache_flags(args: argparse.Namespace) -> None:
+    """Refuse ``--max-kv-size`` / ``--kv-bits``: dflash caches can honour neither.
+
+    Args:
+        args: The parsed flags.
+    """
+    if args.max_kv_size is not None:
+        raise ValueError(
+            "--max-kv-size is not supported: dflash caches keep the whole context "
+            "(sliding-window layers keep exactly their window)"
+        )
+    if args.kv_bits is not None:
+        raise ValueError("--kv-bits is not supported: dflash caches are not quantized")
+
+
+# -- prompts ------------------------------------------------------------------------------
+
+
+def read_prompt(text: str) -> str:
+    """A prompt flag's text: ``-`` reads stdin; ``\\n`` and ``\\t`` escapes are expanded (as
+    mlx-lm's generate does).
+
+    Args:
+        text: The flag's value.
+
+    Returns:
+        The prompt text.
+    """
+    text = text.replace("\\n", "\n").replace("\\t", "\t")
+    return sys.stdin.read() if text == "-" else text
+
+
+# -- statistics ---------------------------------------------------------------------------
+
+
+class DraftRounds:
+    """Rounds and accepted drafts of a classic draft-model run, rebuilt from ``from_draft``.
+
+    A round emits its accepted drafts (``from_draft=True``) and then the target's own token;
+    a round cut short by an end-of-sequence draft still counts.
+
+    Args:
+        num_draft_tokens: Drafts per round.
+    """
+
+    def __init__(self, num_draft_tokens: int):
+        from .. import GenerationStats
+
+        self.stats = GenerationStats(num_draft_tokens + 1)
+        self._run = 0
+
+    def add(self, from_draft: bool) -> None:
+        """Count one emitted token."""
+        if from_draft:
+            self._run += 1
+            return
+        self._close_round()
+
+    def finish(self) -> None:
+        """Count a last round that ended on a draft token."""
+        if self._run:
+            self._close_round()
+
+    def _close_round(self) -> None:
+        self.stats.rounds += 1
+        self.stats.accepted.append(self._run)
+        self._run = 0
+
+
+def histogram_line(stats: Any) -> str:
+    """``n:rounds`` pairs of the rounds that accepted exactly ``n`` drafts (zeros left out).
+
+    Args:
+        stats: A ``dflash.GenerationStats``.
+
+    Returns:
+        The pairs, space-separated.
+    """
+    return " ".join(f"{n}:{count}" for n, count in enumerate(stats.histogram) if count)
+
+
+def acceptance_lines(stats: Any, kind: str) -> List[str]:
+    """The acceptance statistics of a speculative run, as ``dflash-generate`` prints them.
+
+    Args:
+        stats: A ``dflash.GenerationStats``.
+        kind: ``"dflash"`` or ``"draft-model"``.
+
+    Returns:
+        Two lines.
+    """
+    if kind == "dflash":
+        head = (
+            f"DFlash: {stats.rounds} rounds, tau {stats.tau:.2f} tokens/round, "
+            f"block {stats.block_size}"
+        )
+    else:
+        head = (
+            f"Draft model: {stats.rounds} rounds, tau {stats.tau:.2f} tokens/round, "
+            f"{stats.block_size - 1} draft tokens/round"
+        )
+    return [head, f"Accepted drafts per round (n:rounds): {histogram_line(stats)}"]

@@ -1,0 +1,197 @@
+"""The Metal kernel bodies run on the CPU, thread by thread.
+
+The Metal translation units of :mod:`.compile_check` are valid C++ under
+``shim_metal.h``, so :class:`MetalEmulator` compiles them with g++ together with a
+driver that calls the kernel function once per thread (the grid rounded up to whole
+threadgroups, as a CUDA launch rounds to whole blocks, with canary bytes past every
+output) and stands in for ``dflash.metal.backend.launch``: the library's kernel
+paths then run the Metal bodies on the CPU and can be compared bit for bit with
+the references.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from dflash.metal.sources import KernelSpec
+
+from .compile_check import (
+    METAL_SHIM,
+    METAL_TYPES,
+    WORDS,
+    input_dtype,
+    metal_kernel_name,
+    metal_translation_unit,
+    run_compiler,
+)
+
+_NUMPY_TYPES = {
+    mx.uint16: np.uint16,
+    mx.uint32: np.uint32,
+    mx.uint64: np.uint64,
+    mx.int32: np.int32,
+}
+
+CANARY_WORDS = 512
+CANARY_BYTE = 0xA5
+
+
+def _driver_case(spec: KernelSpec, word: mx.Dtype) -> str:
+    name = metal_kernel_name(spec, word)
+    args = []
+    for i, arg in enumerate(spec.input_names):
+        ctype = METAL_TYPES[input_dtype(arg, word)]
+        args.append(f"reinterpret_cast<const {ctype}*>(ins[{i}].data())")
+    for i, _ in enumerate(spec.output_names):
+        args.append(f"reinterpret_cast<{METAL_TYPES[word]}*>(outs[{i}].data())")
+    call = f"{name}<{METAL_TYPES[word]}>({', '.join(args)}, uint3{{g, 0u, 0u}})"
+    return (
+        f'  if (key == "{name}") {{\n'
+        f"    for (uint g = 0; g < threads; ++g) {{\n      {call};\n    }}\n"
+        f"    return finish(argv, outs, sizes, first_out);\n  }}\n"
+    )
+
+
+# Host headers come before the shim: its empty address-space macros must not
+# reach the C library's own declarations.
+_DRIVER_INCLUDES = """#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+"""
+
+_DRIVER_MAIN = r"""
+static std::vector<char> slurp(const char* path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<char>(std::istreambuf_iterator<char>(in), {});
+}
+
+// Outputs carry CANARY bytes past their end; a body that writes past its
+// output (e.g. a missing bound check on a rounded-up grid) fails the run.
+static int finish(char** argv, std::vector<std::vector<char>>& outs,
+                  const std::vector<size_t>& sizes, int first_out) {
+  for (size_t i = 0; i < outs.size(); ++i) {
+    for (size_t b = sizes[i]; b < outs[i].size(); ++b) {
+      if (static_cast<unsigned char>(outs[i][b]) != CANARY) {
+        std::fprintf(stderr, "output %zu written past its end\n", i);
+        return 3;
+      }
+    }
+    std::ofstream out(argv[first_out + 2 * i], std::ios::binary);
+    out.write(outs[i].data(), sizes[i]);
+  }
+  return 0;
+}
+
+// argv: key threads n_in in_path... n_out (out_path out_bytes)...
+int main(int argc, char** argv) {
+  const std::string key = argv[1];
+  const uint threads = uint(std::strtoul(argv[2], nullptr, 10));
+  const int n_in = std::atoi(argv[3]);
+  std::vector<std::vector<char>> ins;
+  for (int i = 0; i < n_in; ++i) {
+    ins.push_back(slurp(argv[4 + i]));
+  }
+  const int n_out = std::atoi(argv[4 + n_in]);
+  const int first_out = 5 + n_in;
+  std::vector<std::vector<char>> outs;
+  std::vector<size_t> sizes;
+  for (int i = 0; i < n_out; ++i) {
+    sizes.push_back(std::strtoull(argv[first_out + 2 * i + 1], nullptr, 10));
+    outs.emplace_back(sizes.back() + CANARY_BYTES, char(CANARY));
+  }
+__CASES__
+  std::fprintf(stderr, "unknown kernel %s\n", key.c_str());
+  return 2;
+}
+"""
+
+
+class MetalEmulator:
+    """Runs the Metal translation units on the CPU through g++.
+
+    Use :meth:`launch` in place of ``dflash.metal.backend.launch`` (with
+    ``backend.BACKEND`` set to ``"metal"``) to route the wrappers' kernel paths
+    through the Metal bodies.
+
+    Args:
+        workdir: Directory for sources, binary and launch files.
+        specs: Kernel specs to compile.
+        compiler: C++ compiler.
+        threadgroup: Grid rounding, as a CUDA launch rounds to whole blocks.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        specs: Sequence[KernelSpec],
+        compiler: str = "g++",
+        threadgroup: int = 256,
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.threadgroup = threadgroup
+        self.binary = self.workdir / "metal_emulator"
+        self.launches = 0
+        source = self.workdir / "metal_emulator.cpp"
+        cases = "".join(_driver_case(s, w) for s in specs for w in WORDS)
+        main = _DRIVER_MAIN.replace("__CASES__", cases)
+        main = main.replace("CANARY_BYTES", str(CANARY_WORDS * 8))
+        main = main.replace("CANARY", str(CANARY_BYTE))
+        units = [metal_translation_unit(s, w) for s in specs for w in WORDS]
+        source.write_text(
+            _DRIVER_INCLUDES + f'#include "{METAL_SHIM}"\n' + "\n".join(units) + main
+        )
+        command = [compiler, "-std=c++17", "-O1", "-Wno-attributes"]
+        command += ["-o", str(self.binary), str(source)]
+        self.build = run_compiler(command, self.workdir)
+
+    def launch(
+        self,
+        spec: KernelSpec,
+        inputs: Sequence[mx.array],
+        output_shapes: Sequence[tuple[int, ...]],
+        word: mx.Dtype,
+        total: int,
+    ) -> list[mx.array]:
+        """Same contract as ``dflash.metal.backend.launch``, run on the CPU."""
+        if not self.build.ok:
+            raise RuntimeError(f"emulator did not build:\n{self.build.log}")
+        self.launches += 1
+        with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
+            argv = [str(self.binary), metal_kernel_name(spec, word)]
+            groups = -(-total // self.threadgroup)
+            argv += [str(groups * self.threadgroup), str(len(inputs))]
+            for i, (arg, array) in enumerate(zip(spec.input_names, inputs)):
+                host = np.ascontiguousarray(np.asarray(array))
+                expected = _NUMPY_TYPES[input_dtype(arg, word)]
+                if host.dtype != expected:
+                    raise TypeError(
+                        f"input {arg} is {host.dtype}, kernel expects {expected}"
+                    )
+                path = Path(tmp) / f"in{i}.bin"
+                host.tofile(path)
+                argv.append(str(path))
+            argv.append(str(len(output_shapes)))
+            itemsize = np.dtype(_NUMPY_TYPES[word]).itemsize
+            for i, shape in enumerate(output_shapes):
+                argv += [str(Path(tmp) / f"out{i}.bin")]
+                argv += [str(int(np.prod(shape)) * itemsize)]
+            done = subprocess.run(argv, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"emulated {spec.base} failed: {done.stderr}")
+            return [
+                mx.array(
+                    np.fromfile(
+                        Path(tmp) / f"out{i}.bin", dtype=_NUMPY_TYPES[word]
+                    ).reshape(shape)
+                )
+                for i, shape in enumerate(output_shapes)
+            ]
