@@ -70,21 +70,21 @@ def sse_events(response):
 
 
 def test_models_and_health(server, client):
-    assert [model.id for model in client.models.list().data] == ["dflash-demo"]
+    assert [model.id for model in client.models.list().data] == ["demo"]
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok"
-    detail = httpx.get(server.base_url + "/models/dflash-demo")
-    assert detail.status_code == 200 and detail.json()["id"] == "dflash-demo"
+    detail = httpx.get(server.base_url + "/models/demo")
+    assert detail.status_code == 200 and detail.json()["id"] == "demo"
 
 
 @pytest.mark.parametrize("messages", CHATS)
 def test_chat_streamed_equals_non_streamed_equals_generate(pair, client, messages):
     whole = client.chat.completions.create(
-        model="dflash-demo", messages=messages, max_tokens=TOKENS, temperature=0
+        model="demo", messages=messages, max_tokens=TOKENS, temperature=0
     )
     chunks = list(
         client.chat.completions.create(
-            model="dflash-demo",
+            model="demo",
             messages=messages,
             max_tokens=TOKENS,
             temperature=0,
@@ -110,11 +110,11 @@ def test_completions_streamed_equals_non_streamed_equals_generate(pair, client, 
     text = 'def add(a, b):\n    """Add two numbers."""\n'
     prompt = tokenizer.encode(text) if as_ids else text
     whole = client.completions.create(
-        model="dflash-demo", prompt=prompt, max_tokens=TOKENS, temperature=0
+        model="demo", prompt=prompt, max_tokens=TOKENS, temperature=0
     )
     chunks = list(
         client.completions.create(
-            model="dflash-demo", prompt=prompt, max_tokens=TOKENS, temperature=0, stream=True
+            model="demo", prompt=prompt, max_tokens=TOKENS, temperature=0, stream=True
         )
     )
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -146,7 +146,7 @@ def test_raw_http_client_gets_openai_shaped_events(pair, server):
 
 def test_logprobs_are_the_greedy_choices(client):
     response = client.chat.completions.create(
-        model="dflash-demo",
+        model="demo",
         messages=CHATS[0],
         max_tokens=6,
         temperature=0,
@@ -167,10 +167,10 @@ def test_stop_strings_cut_the_text_streamed_or_not(pair, client):
     assert "\n" in full, "the reference needs a newline for this test"
     cut = full.split("\n")[0]
     whole = client.chat.completions.create(
-        model="dflash-demo", messages=messages, max_tokens=12, temperature=0, stop=["\n"]
+        model="demo", messages=messages, max_tokens=12, temperature=0, stop=["\n"]
     )
     chunks = client.chat.completions.create(
-        model="dflash-demo",
+        model="demo",
         messages=messages,
         max_tokens=12,
         temperature=0,
@@ -245,7 +245,7 @@ def test_openai_client_raises_its_own_errors(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4o", messages=CHATS[0])
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client.chat.completions.create(model="dflash-demo", messages=CHATS[0], max_tokens=-1)
+        client.chat.completions.create(model="demo", messages=CHATS[0], max_tokens=-1)
 
 
 def test_eight_concurrent_clients_each_get_their_own_answer(pair, server):
@@ -257,7 +257,7 @@ def test_eight_concurrent_clients_each_get_their_own_answer(pair, server):
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
         stream = index % 2 == 0
         response = client.chat.completions.create(
-            model="dflash-demo",
+            model="demo",
             messages=conversations[index],
             max_tokens=6,
             temperature=0,

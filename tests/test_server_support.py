@@ -139,7 +139,11 @@ def with_template(tokenizer, template: str = CHAT_TEMPLATE):
 
 
 def chat_tokens(tokenizer, messages, tools=None) -> List[int]:
-    """The prompt the server renders for ``messages`` (with the test template)."""
+    """The prompt the server renders for ``messages`` (with the test template); tool-call
+    arguments sent as JSON text reach the template as objects, as in mlx_lm.server."""
+    from dflash.server.protocol import normalize_message
+
+    messages = [normalize_message(message, i) for i, message in enumerate(messages)]
     return list(
         tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, tokenize=True

@@ -157,7 +157,7 @@ async def _complete(http: Request, kind: str) -> Response:
     _check_models(state, request)
     prepared = await run_in_threadpool(state.prompter.prepare, request)
     channel = Channel(asyncio.get_running_loop())
-    job = Job(prepared.tokens, request, prepared.shifted, channel.put)
+    job = Job(prepared.tokens, request, prepared.dropped, channel.put)
     state.worker.submit(job)
     envelope = Envelope(kind, request.model or state.model_id, state.fingerprint)
     try:
@@ -210,7 +210,7 @@ def _sse(data: Dict[str, Any]) -> bytes:
 
 async def _events(channel, job, request, envelope) -> AsyncIterator[bytes]:
     """The server-sent events of a streamed completion; a cancelled stream cancels the job."""
-    first, offset = True, 0
+    offset = 0
     try:
         if request.kind == CHAT:
             chunk = envelope.base(stream=True)

@@ -15,27 +15,20 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from ..cli.common import (
+    OneLineParser,
+    add_unsupported_cache_flags,
+    check_block_size,
+    integer,
+    load_models,
+    model_identity,
+    number,
+    refuse_unsupported_cache_flags,
+    run_cli,
+)
 from .policy import POLICIES, SHIFT
 
 PROG = "dflash-server"
-DEMO_ID = "dflash-demo"
-
-
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line."""
-
-    def error(self, message: str) -> None:
-        self.exit(2, f"{PROG}: error: {message}\n")
-
-
-def _bounded(kind, low):
-    def parse(text: str):
-        value = kind(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
-        return value
-
-    return parse
 
 
 def parse_size(text: str) -> int:
@@ -60,7 +53,7 @@ def _json_object(text: str) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line flags."""
-    parser = _Parser(
+    parser = OneLineParser(
         prog=PROG,
         description="An OpenAI-compatible server with lossless DFlash "
         "speculative decoding, prompt-cache reuse and a context policy.",
@@ -71,11 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="path or Hugging Face repo of the target model (default: the bundled "
         "demo pair, target and DFlash drafter)",
     )
-    add("--adapter-path", help="LoRA adapter weights for --model")
     add("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     add(
         "--port",
-        type=_bounded(int, 0),
+        type=integer(0),
         default=8080,
         help="port to listen on (default: 8080; 0 picks a free one)",
     )
@@ -93,14 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--block-size",
-        type=_bounded(int, 1),
+        type=integer(1),
         default=None,
         help="DFlash block size (default: the drafter's)",
     )
     add("--draft-model", help="a classic draft model for speculative decoding")
     add(
         "--num-draft-tokens",
-        type=_bounded(int, 0),
+        type=integer(0),
         default=3,
         help="draft tokens per round with --draft-model (default: 3)",
     )
@@ -130,27 +122,25 @@ def build_parser() -> argparse.ArgumentParser:
         default={},
         help="JSON object of extra chat template arguments, e.g. '{\"enable_thinking\":false}'",
     )
-    add(
-        "--temp", type=_bounded(float, 0), default=0.0, help="default temperature (0.0)"
-    )
-    add("--top-p", type=float, default=1.0, help="default top-p (1.0)")
-    add("--top-k", type=_bounded(int, 0), default=0, help="default top-k (0: off)")
-    add("--min-p", type=float, default=0.0, help="default min-p (0.0: off)")
+    add("--temp", type=number(0.0), default=0.0, help="default temperature (0.0)")
+    add("--top-p", type=number(0.0), default=1.0, help="default top-p (1.0)")
+    add("--top-k", type=integer(0), default=0, help="default top-k (0: off)")
+    add("--min-p", type=number(0.0), default=0.0, help="default min-p (0.0: off)")
     add(
         "--max-tokens",
-        type=_bounded(int, 1),
+        type=integer(1),
         default=512,
         help="default maximum tokens to generate (512)",
     )
     add(
         "--prefill-step-size",
-        type=_bounded(int, 1),
+        type=integer(1),
         default=2048,
         help="prompt tokens per prefill forward (2048)",
     )
     add(
         "--prompt-cache-size",
-        type=_bounded(int, 1),
+        type=integer(1),
         default=10,
         help="conversations (sessions) whose caches are kept for reuse (10)",
     )
@@ -162,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--max-context",
-        type=_bounded(int, 2),
+        type=integer(2),
         default=None,
         help="context limit in tokens (default: the model's max_position_embeddings)",
     )
@@ -175,16 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--raw-keep-tokens",
-        type=_bounded(int, 0),
+        type=integer(0),
         default=0,
         help="leading tokens a shifted raw prompt always keeps (0)",
     )
     add(
         "--queue-size",
-        type=_bounded(int, 1),
+        type=integer(1),
         default=64,
         help="requests that may wait for the worker before new ones get HTTP 429 (64)",
     )
+    add_unsupported_cache_flags(parser)
     return parser
 
 
@@ -222,59 +213,38 @@ def load_engine(args):
     """Load the models the flags name (the demo pair without ``--model``).
 
     Returns:
-        ``(engine, model names, draft names)``.
+        ``(engine, model names, draft names)``: the names each model answers to, its id first.
     """
     import mlx.core as mx
-    from mlx_lm import load
 
-    from .. import demo
-    from ..loader import load_drafter
     from .worker import Engine
 
-    if args.model is None:
-        for flag, value in (
-            ("--draft-model", args.draft_model),
-            ("--drafter", args.drafter),
-            ("--adapter-path", args.adapter_path),
-        ):
-            if value:
-                raise ValueError(
-                    f"{flag} needs --model (without --model the bundled demo "
-                    "pair is used)"
-                )
-        model, tokenizer, drafter = demo.load_demo()
-        names = [DEMO_ID, str(demo.DEMO_DIR / "target")]
-    else:
-        model, tokenizer = load(
-            args.model,
-            adapter_path=args.adapter_path,
-            tokenizer_config={"trust_remote_code": args.trust_remote_code},
-        )
-        drafter = load_drafter(args.drafter, model) if args.drafter else None
-        names = [args.model] + (
-            [str(Path(args.model).resolve())] if Path(args.model).exists() else []
-        )
-    if args.no_drafter:
-        drafter = None
-    if drafter is not None and args.draft_model:
-        raise ValueError("use --drafter (DFlash) or --draft-model, not both")
-    draft_model, draft_names = None, []
+    tokenizer_config = {"trust_remote_code": args.trust_remote_code}
+    models = load_models(
+        PROG, args.model, args.drafter, args.draft_model, tokenizer_config
+    )
+    names = [models.model_name]
+    if args.model is not None and args.model != models.model_name:
+        names.append(args.model)
+    drafter = None if args.no_drafter else models.drafter
+    block_size = check_block_size(args.block_size, drafter) if drafter else None
+    draft_names = []
     if args.draft_model:
-        draft_model, _ = load(args.draft_model)
-        draft_names = [args.draft_model]
-    _set_chat_template(tokenizer, args)
-    max_context = args.max_context or model_max_context(model, args.model)
+        draft_names = [model_identity(args.draft_model), args.draft_model]
+    _set_chat_template(models.tokenizer, args)
+    max_context = args.max_context or model_max_context(models.model, args.model)
     # Parameters loaded lazily on this thread must be materialized before the worker uses them.
-    mx.eval([m.parameters() for m in (model, drafter, draft_model) if m is not None])
+    loaded = (models.model, drafter, models.draft_model)
+    mx.eval([model.parameters() for model in loaded if model is not None])
     engine = Engine(
-        model,
-        tokenizer,
+        models.model,
+        models.tokenizer,
         drafter,
-        draft_model,
+        models.draft_model,
         names[0],
         draft_names[0] if draft_names else None,
         max_context,
-        args.block_size,
+        block_size,
         args.prefill_step_size,
     )
     return engine, names, draft_names
@@ -328,6 +298,7 @@ def serve(args) -> None:
     from .app import create_app
 
     _check_sampling(args)
+    refuse_unsupported_cache_flags(args)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(message)s"
     )
@@ -359,13 +330,4 @@ def serve(args) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     """Entry point of ``dflash-server``: one line and a non-zero exit on a failure to start."""
-    args = build_parser().parse_args(argv)
-    try:
-        serve(args)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except Exception as error:  # the CLI's contract: one clear line, no traceback
-        text = str(error).strip()
-        message = text.splitlines()[0] if text else type(error).__name__
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        sys.exit(1)
+    run_cli(PROG, serve, build_parser().parse_args(argv))

@@ -14,17 +14,20 @@ class Prepared:
 
     Attributes:
         tokens: The prompt tokens to generate from.
-        shifted: Whether the policy dropped anything.
         dropped_turns: Oldest chat turns dropped (chat).
         dropped_tokens: Middle tokens dropped (raw completions).
         messages: The retained chat messages (chat).
     """
 
     tokens: List[int]
-    shifted: bool
     dropped_turns: int = 0
     dropped_tokens: int = 0
     messages: Optional[List[Dict[str, Any]]] = None
+
+    @property
+    def dropped(self) -> int:
+        """What the policy left out (turns for chat, tokens for raw prompts)."""
+        return self.dropped_turns or self.dropped_tokens
 
 
 class Prompter:
@@ -122,10 +125,7 @@ class Prompter:
         tokens = rendered[len(shift.messages)]
         _check_not_empty(tokens)
         return Prepared(
-            tokens,
-            shift.dropped_turns > 0,
-            dropped_turns=shift.dropped_turns,
-            messages=shift.messages,
+            tokens, dropped_turns=shift.dropped_turns, messages=shift.messages
         )
 
     def _raw(self, request: GenerationRequest) -> Prepared:
@@ -139,9 +139,7 @@ class Prompter:
         shift = shift_raw(
             tokens, self.max_context, request.max_tokens, self.raw_keep, self.policy
         )
-        return Prepared(
-            shift.tokens, shift.dropped_tokens > 0, dropped_tokens=shift.dropped_tokens
-        )
+        return Prepared(shift.tokens, dropped_tokens=shift.dropped_tokens)
 
 
 def _check_not_empty(tokens: List[int]) -> None:

@@ -13,7 +13,8 @@ with the longest usable prefix of its prompt and prefills only the rest:
 A staging session (fork or rebuild) replaces its predecessor, or joins the pool, with one
 assignment, and only once its prefill succeeded (see :meth:`SessionPool.install`); a failure or a
 disconnect before that leaves every live session bit-identical. A staging session built for a
-shifted request advances the context epoch.
+request whose policy dropped more than its base session's context did (a shift) advances the
+context epoch; rebuilding the same window (e.g. after a reply re-tokenized differently) does not.
 """
 
 import copy
@@ -35,12 +36,15 @@ class Session:
         cache: The prompt cache (``dflash.cache.PromptCache``).
         tokens: The tokens the cache holds, in order.
         epoch: Context shifts this conversation has gone through.
+        dropped: What the context policy left out of the request it holds (oldest chat turns
+            or middle raw tokens; 0: nothing).
         used: When a request last used it (``time.monotonic``).
     """
 
     cache: Any
     tokens: List[int] = field(default_factory=list)
     epoch: int = 0
+    dropped: int = 0
     used: float = field(default_factory=time.monotonic)
 
 
@@ -54,7 +58,7 @@ class Plan:
         reuse: Prompt tokens already in the cache (not prefilled again).
         replaces: For a staging session, the live session it replaces on success
             (``None``: it is added as a new conversation).
-        shifted: Whether the request's retained context was shifted by the policy.
+        shifted: Whether this plan moved the context window (advanced the epoch).
     """
 
     kind: str
@@ -148,12 +152,12 @@ class SessionPool:
     def __len__(self) -> int:
         return len(self.sessions)
 
-    def plan(self, tokens: Sequence[int], shifted: bool = False) -> Plan:
+    def plan(self, tokens: Sequence[int], dropped: int = 0) -> Plan:
         """Pick how a prompt uses the sessions (no live session is modified).
 
         Args:
             tokens: The retained prompt.
-            shifted: Whether the policy dropped part of the request to get ``tokens``.
+            dropped: What the policy left out of the request to get ``tokens`` (0: nothing).
 
         Returns:
             The plan; for a fork or a rebuild its session is a new staging session.
@@ -170,18 +174,19 @@ class SessionPool:
             if usable > fork_reuse and trimmable(session.cache):
                 source, fork_reuse = session, usable
         if extend is not None and extend_reuse >= fork_reuse:
-            return Plan(EXTEND, extend, extend_reuse, shifted=shifted)
-        replaces = self._predecessor(tokens) if shifted else None
+            extend.dropped = dropped
+            return Plan(EXTEND, extend, extend_reuse)
+        replaces = self._predecessor(tokens) if dropped else None
+        base = source if source is not None else replaces
+        shifted = dropped > (base.dropped if base is not None else 0)
+        epoch = (base.epoch if base is not None else 0) + int(shifted)
         if source is not None:
             cache = fork(source.cache)
             trim_to(cache, fork_reuse)
-            staging = Session(
-                cache, list(tokens[:fork_reuse]), source.epoch + int(shifted)
-            )
-            return Plan(FORK, staging, fork_reuse, replaces=replaces, shifted=shifted)
-        epoch = (replaces.epoch if replaces is not None else 0) + int(shifted)
-        staging = Session(self.new_cache(), [], epoch)
-        return Plan(REBUILD, staging, 0, replaces=replaces, shifted=shifted)
+            staging = Session(cache, list(tokens[:fork_reuse]), epoch, dropped)
+            return Plan(FORK, staging, fork_reuse, replaces, shifted)
+        staging = Session(self.new_cache(), [], epoch, dropped)
+        return Plan(REBUILD, staging, 0, replaces, shifted)
 
     def _predecessor(self, tokens: Sequence[int]) -> Optional[Session]:
         """The session a shifted conversation continues: the longest common prefix."""

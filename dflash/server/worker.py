@@ -149,14 +149,15 @@ class Job:
     Attributes:
         tokens: The retained prompt (after the context policy).
         request: The validated request.
-        shifted: Whether the policy dropped part of the request.
+        dropped: What the policy left out of the request (oldest chat turns or middle raw
+            tokens; 0: nothing).
         emit: Called from the worker thread with each event; must not block.
         cancelled: Set when the client went away; the worker stops at the next token.
     """
 
     tokens: List[int]
     request: GenerationRequest
-    shifted: bool
+    dropped: int
     emit: Callable[[Any], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -352,7 +353,7 @@ class Worker:
 
     def _serve(self, job: Job) -> None:
         request = job.request
-        plan = self.pool.plan(job.tokens, job.shifted)
+        plan = self.pool.plan(job.tokens, job.dropped)
         if request.seed is not None:
             mx.random.seed(request.seed)
         sequence = list(job.tokens)
