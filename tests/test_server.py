@@ -20,7 +20,9 @@ from test_server_support import (
 import dflash
 from dflash import demo
 
-pytestmark = pytest.mark.skipif(not demo.demo_available(), reason="demo pair not installed")
+pytestmark = pytest.mark.skipif(
+    not demo.demo_available(), reason="demo pair not installed"
+)
 
 TOKENS = 10
 # Small DFlash blocks keep the CPU runs short; the reference uses the same.
@@ -42,7 +44,9 @@ def pair():
 
 @pytest.fixture(scope="module")
 def server():
-    process = ServerProcess("--chat-template", CHAT_TEMPLATE, "--block-size", str(BLOCK))
+    process = ServerProcess(
+        "--chat-template", CHAT_TEMPLATE, "--block-size", str(BLOCK)
+    )
     yield process
     process.close()
 
@@ -56,7 +60,13 @@ def expected_chat(pair, messages, max_tokens=TOKENS, **kwargs):
     model, tokenizer, drafter = pair
     tokens = chat_tokens(tokenizer, messages)
     return reference(
-        model, tokenizer, tokens, max_tokens, drafter=drafter, block_size=BLOCK, **kwargs
+        model,
+        tokenizer,
+        tokens,
+        max_tokens,
+        drafter=drafter,
+        block_size=BLOCK,
+        **kwargs,
     )
 
 
@@ -119,7 +129,12 @@ def test_completions_streamed_equals_non_streamed_equals_generate(pair, client, 
     )
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
     want = reference(
-        model, tokenizer, tokenizer.encode(text), TOKENS, drafter=drafter, block_size=BLOCK
+        model,
+        tokenizer,
+        tokenizer.encode(text),
+        TOKENS,
+        drafter=drafter,
+        block_size=BLOCK,
     )
     assert whole.choices[0].text == streamed == want
     assert whole.usage.prompt_tokens == len(tokenizer.encode(text))
@@ -127,7 +142,9 @@ def test_completions_streamed_equals_non_streamed_equals_generate(pair, client, 
 
 def test_raw_http_client_gets_openai_shaped_events(pair, server):
     body = {"messages": CHATS[0], "max_tokens": TOKENS, "stream": True}
-    with httpx.stream("POST", server.base_url + "/chat/completions", json=body) as response:
+    with httpx.stream(
+        "POST", server.base_url + "/chat/completions", json=body
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
         assert response.headers["x-context-epoch"] == "0"
@@ -139,7 +156,9 @@ def test_raw_http_client_gets_openai_shaped_events(pair, server):
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert text == expected_chat(pair, CHATS[0])
-    plain = httpx.post(server.base_url + "/chat/completions", json={**body, "stream": False})
+    plain = httpx.post(
+        server.base_url + "/chat/completions", json={**body, "stream": False}
+    )
     message = plain.json()["choices"][0]["message"]
     assert message == {"role": "assistant", "content": text}
 
@@ -157,7 +176,9 @@ def test_logprobs_are_the_greedy_choices(client):
     assert len(entries) == response.usage.completion_tokens
     for entry in entries:
         assert len(entry.top_logprobs) == 3
-        assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs))
+        assert entry.logprob == pytest.approx(
+            max(t.logprob for t in entry.top_logprobs)
+        )
         assert entry.logprob <= 0
 
 
@@ -185,25 +206,70 @@ def test_stop_strings_cut_the_text_streamed_or_not(pair, client):
 BAD_REQUESTS = [
     ("/chat/completions", b"{not json", 400, None),
     ("/chat/completions", b"[1, 2]", 400, None),
-    ("/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "a": NaN}', 400, None),
+    (
+        "/chat/completions",
+        b'{"messages": [{"role": "user", "content": "x"}], "a": NaN}',
+        400,
+        None,
+    ),
     ("/chat/completions", {"messages": "hello"}, 400, "messages"),
     ("/chat/completions", {"messages": []}, 400, "messages"),
     ("/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages"),
-    ("/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    (
+        "/chat/completions",
+        {"messages": [{"role": "user", "content": 5}]},
+        400,
+        "messages",
+    ),
     ("/chat/completions", {"max_tokens": 5}, 400, "messages"),
     ("/chat/completions", {"messages": CHATS[0], "max_tokens": -3}, 400, "max_tokens"),
-    ("/chat/completions", {"messages": CHATS[0], "max_tokens": "10"}, 400, "max_tokens"),
-    ("/chat/completions", {"messages": CHATS[0], "max_tokens": True}, 400, "max_tokens"),
-    ("/chat/completions", {"messages": CHATS[0], "temperature": "hot"}, 400, "temperature"),
-    ("/chat/completions", {"messages": CHATS[0], "temperature": -1}, 400, "temperature"),
+    (
+        "/chat/completions",
+        {"messages": CHATS[0], "max_tokens": "10"},
+        400,
+        "max_tokens",
+    ),
+    (
+        "/chat/completions",
+        {"messages": CHATS[0], "max_tokens": True},
+        400,
+        "max_tokens",
+    ),
+    (
+        "/chat/completions",
+        {"messages": CHATS[0], "temperature": "hot"},
+        400,
+        "temperature",
+    ),
+    (
+        "/chat/completions",
+        {"messages": CHATS[0], "temperature": -1},
+        400,
+        "temperature",
+    ),
     ("/chat/completions", {"messages": CHATS[0], "top_p": 2}, 400, "top_p"),
     ("/chat/completions", {"messages": CHATS[0], "stream": "yes"}, 400, "stream"),
     ("/chat/completions", {"messages": CHATS[0], "stop": 5}, 400, "stop"),
     ("/chat/completions", {"messages": CHATS[0], "n": 2}, 400, "n"),
     ("/chat/completions", {"messages": CHATS[0], "seed": 1.5}, 400, "seed"),
-    ("/chat/completions", {"messages": CHATS[0], "logit_bias": {"x": 1}}, 400, "logit_bias"),
-    ("/chat/completions", {"messages": CHATS[0], "logit_bias": {"99999": 1}}, 400, "logit_bias"),
-    ("/chat/completions", {"messages": CHATS[0], "stream_options": 3}, 400, "stream_options"),
+    (
+        "/chat/completions",
+        {"messages": CHATS[0], "logit_bias": {"x": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "/chat/completions",
+        {"messages": CHATS[0], "logit_bias": {"99999": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "/chat/completions",
+        {"messages": CHATS[0], "stream_options": 3},
+        400,
+        "stream_options",
+    ),
     ("/chat/completions", {"messages": CHATS[0], "model": "gpt-4o"}, 404, "model"),
     ("/chat/completions", {"messages": CHATS[0], "model": 7}, 400, "model"),
     ("/chat/completions", {"messages": CHATS[0], "max_tokens": 10**7}, 400, "messages"),
@@ -219,7 +285,9 @@ BAD_REQUESTS = [
 def test_bad_inputs_get_openai_error_bodies(server, path, body, status, param):
     url = server.base_url + path
     if isinstance(body, bytes):
-        response = httpx.post(url, content=body, headers={"content-type": "application/json"})
+        response = httpx.post(
+            url, content=body, headers={"content-type": "application/json"}
+        )
     else:
         response = httpx.post(url, json=body)
     assert response.status_code == status, response.text
@@ -250,11 +318,15 @@ def test_openai_client_raises_its_own_errors(client):
 
 def test_eight_concurrent_clients_each_get_their_own_answer(pair, server):
     subjects = ["Stack", "Queue", "Tree", "Graph", "Heap", "Trie", "Deque", "Cache"]
-    conversations = [[{"role": "user", "content": f"class {name}:"}] for name in subjects]
+    conversations = [
+        [{"role": "user", "content": f"class {name}:"}] for name in subjects
+    ]
     answers = [None] * len(conversations)
 
     def ask(index):
-        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        client = openai.OpenAI(
+            base_url=server.base_url, api_key="unused", max_retries=0
+        )
         stream = index % 2 == 0
         response = client.chat.completions.create(
             model="demo",
@@ -268,7 +340,9 @@ def test_eight_concurrent_clients_each_get_their_own_answer(pair, server):
         else:
             answers[index] = response.choices[0].message.content
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(conversations))]
+    threads = [
+        threading.Thread(target=ask, args=(i,)) for i in range(len(conversations))
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -280,7 +354,9 @@ def test_disconnect_mid_stream_stops_generation_and_next_request_is_right(pair, 
     before = wait_idle(server.url)
     messages = [{"role": "user", "content": "def quicksort(items):"}]
     body = {"messages": messages, "max_tokens": 400, "stream": True}
-    with httpx.stream("POST", server.base_url + "/chat/completions", json=body) as response:
+    with httpx.stream(
+        "POST", server.base_url + "/chat/completions", json=body
+    ) as response:
         lines = response.iter_lines()
         received = [next(lines) for _ in range(3)]
     assert all(line.startswith("data: ") or not line for line in received)
@@ -291,4 +367,6 @@ def test_disconnect_mid_stream_stops_generation_and_next_request_is_right(pair, 
     for conversation in (messages, CHATS[1]):
         body = {"messages": conversation, "max_tokens": TOKENS}
         answer = httpx.post(server.base_url + "/chat/completions", json=body).json()
-        assert answer["choices"][0]["message"]["content"] == expected_chat(pair, conversation)
+        assert answer["choices"][0]["message"]["content"] == expected_chat(
+            pair, conversation
+        )

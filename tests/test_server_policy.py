@@ -17,7 +17,9 @@ from dflash.server.policy import (
     shift_raw,
 )
 
-pytestmark = pytest.mark.skipif(not demo.demo_available(), reason="demo pair not installed")
+pytestmark = pytest.mark.skipif(
+    not demo.demo_available(), reason="demo pair not installed"
+)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +103,9 @@ def test_shift_keeps_system_messages_and_whole_newest_turns_and_fits_minimally(
     assert [m for m in messages if m["role"] in PINNED_ROLES] == [
         m for m in retained if m["role"] in PINNED_ROLES
     ]
-    assert [m for m in messages if any(m is r for r in retained)] == retained  # order kept
+    assert [
+        m for m in messages if any(m is r for r in retained)
+    ] == retained  # order kept
     assert dropped_units(messages, retained) == shift.dropped_turns
     assert retained == drop_turns(messages, shift.dropped_turns)
     assert shift.prompt_tokens == count(retained)
@@ -117,7 +121,9 @@ def test_shift_keeps_system_messages_and_whole_newest_turns_and_fits_minimally(
 
 @settings(max_examples=40)
 @given(conversations(), st.integers(20, 400), st.integers(1, 40))
-def test_error_policy_keeps_everything_or_refuses(count, messages, max_context, reserve):
+def test_error_policy_keeps_everything_or_refuses(
+    count, messages, max_context, reserve
+):
     fits = count(messages) + reserve <= max_context
     try:
         shift = shift_chat(messages, count, max_context, reserve, policy=ERROR)
@@ -151,7 +157,9 @@ def test_without_a_limit_nothing_is_dropped(count):
     st.integers(1, 20),
     st.integers(0, 10),
 )
-def test_raw_shift_keeps_the_prefix_and_the_newest_suffix(tokens, max_context, reserve, keep):
+def test_raw_shift_keeps_the_prefix_and_the_newest_suffix(
+    tokens, max_context, reserve, keep
+):
     try:
         shift = shift_raw(tokens, max_context, reserve, keep)
     except ContextTooLong:

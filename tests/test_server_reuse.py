@@ -1,5 +1,6 @@
 """Prompt-cache reuse across requests on a real server: a continuing conversation prefills only
-its new tokens, reports them as cached, and still answers what a fresh generation answers."""
+its new tokens, reports them as cached, and still answers what a fresh generation answers.
+"""
 
 import httpx
 import openai
@@ -15,7 +16,9 @@ from test_server_support import (
 import dflash
 from dflash import demo
 
-pytestmark = pytest.mark.skipif(not demo.demo_available(), reason="demo pair not installed")
+pytestmark = pytest.mark.skipif(
+    not demo.demo_available(), reason="demo pair not installed"
+)
 
 TOKENS = 8
 TARGET = str(demo.DEMO_DIR / "target")

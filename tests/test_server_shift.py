@@ -20,12 +20,20 @@ import dflash
 from dflash import demo
 from dflash.server.policy import chat_turns, shift_chat
 
-pytestmark = pytest.mark.skipif(not demo.demo_available(), reason="demo pair not installed")
+pytestmark = pytest.mark.skipif(
+    not demo.demo_available(), reason="demo pair not installed"
+)
 
 MAX_CONTEXT = 160
 TOKENS = 8
 KEEP = 4
-FLAGS = ["--no-drafter", "--chat-template", CHAT_TEMPLATE, "--max-context", str(MAX_CONTEXT)]
+FLAGS = [
+    "--no-drafter",
+    "--chat-template",
+    CHAT_TEMPLATE,
+    "--max-context",
+    str(MAX_CONTEXT),
+]
 FLAGS += ["--prefill-step-size", "32", "--raw-keep-tokens", str(KEEP)]
 
 
@@ -67,7 +75,9 @@ def turn(index):
             "function": {"name": "run", "arguments": f'{{"n": {index}}}'},
         }
         messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        messages.append({"role": "tool", "tool_call_id": f"call_{index}", "content": "ok"})
+        messages.append(
+            {"role": "tool", "tool_call_id": f"call_{index}", "content": "ok"}
+        )
     return messages
 
 
@@ -95,7 +105,9 @@ def test_a_long_conversation_shifts_whole_turns_and_answers_as_a_fresh_server(
         assert shift.messages[0]["role"] == "system"  # system content always kept
         kept = chat_turns(shift.messages)
         assert len(kept) == len(chat_turns(messages)) - dropped  # whole turns only
-        want = reference(model, tokenizer, chat_tokens(tokenizer, shift.messages), TOKENS)
+        want = reference(
+            model, tokenizer, chat_tokens(tokenizer, shift.messages), TOKENS
+        )
         assert reply == want
         if dropped > previous_dropped:
             again, _ = post_chat(fresh, shift.messages)
@@ -136,7 +148,9 @@ def test_raw_prompt_keeps_the_prefix_and_the_newest_suffix(pair, server):
     assert response.status_code == 200
     assert response.headers["x-context-dropped-tokens"] == str(len(ids) - len(kept))
     assert response.json()["usage"]["prompt_tokens"] == len(kept)
-    assert response.json()["choices"][0]["text"] == reference(model, tokenizer, kept, TOKENS)
+    assert response.json()["choices"][0]["text"] == reference(
+        model, tokenizer, kept, TOKENS
+    )
 
 
 def test_a_full_queue_answers_429_with_retry_after_and_a_disconnect_frees_the_worker(
@@ -154,7 +168,9 @@ def test_a_full_queue_answers_429_with_retry_after_and_a_disconnect_frees_the_wo
             server.base_url + "/completions", json=body, timeout=120
         )
 
-    with httpx.stream("POST", server.base_url + "/completions", json=long_body) as stream:
+    with httpx.stream(
+        "POST", server.base_url + "/completions", json=long_body
+    ) as stream:
         next(stream.iter_lines())  # generation is running
         waiter = threading.Thread(target=queued)
         waiter.start()
@@ -166,11 +182,15 @@ def test_a_full_queue_answers_429_with_retry_after_and_a_disconnect_frees_the_wo
         assert refused.status_code == 429
         assert int(refused.headers["retry-after"]) >= 1
         assert refused.json()["error"]["type"] == "rate_limit_error"
-        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        client = openai.OpenAI(
+            base_url=server.base_url, api_key="unused", max_retries=0
+        )
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model="demo", prompt="x", max_tokens=2)
     waiter.join(120)  # leaving the stream disconnected the long request
     response = queued_answer["response"]
     assert response.status_code == 200
-    assert response.json()["choices"][0]["text"] == reference(model, tokenizer, prompt, TOKENS)
+    assert response.json()["choices"][0]["text"] == reference(
+        model, tokenizer, prompt, TOKENS
+    )
     assert httpx.get(server.url + "/health").json()["status"] == "ok"

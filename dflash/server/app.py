@@ -219,6 +219,8 @@ async def _events(channel, job, request, envelope) -> AsyncIterator[bytes]:
         while True:
             event = await channel.get()
             if isinstance(event, Delta):
+                if not event.text and not event.logprobs:
+                    continue  # text withheld (a possible stop string) or not yet decoded
                 chunk = envelope.base(stream=True)
                 chunk["choices"] = [
                     choice(

@@ -121,9 +121,17 @@ class Started:
 
 @dataclass
 class Delta:
-    """New text (stop strings withheld) and, if asked for, the tokens' log-probabilities."""
+    """A generated token: its new text (stop strings withheld) and, if asked for, its
+    log-probability entry.
+
+    Attributes:
+        text: Text that is now safe to send (may be empty).
+        tokens: The token ids generated since the last event.
+        logprobs: ``(token text, logprob, alternatives)`` per token, when asked for.
+    """
 
     text: str
+    tokens: List[int] = field(default_factory=list)
     logprobs: List[LogprobEntry] = field(default_factory=list)
 
 
@@ -229,6 +237,7 @@ class Worker:
         self.failure: Optional[BaseException] = None
         self._job_seconds = 1.0
         self.busy = False
+        self.current: Optional[Job] = None
         self.stats = {
             "requests": 0,
             "generated_tokens": 0,
@@ -313,11 +322,11 @@ class Worker:
                 if job is None:
                     continue
                 started = time.perf_counter()
-                self.busy = True
+                self.busy, self.current = True, job
                 try:
                     self.run_job(job)
                 finally:
-                    self.busy = False
+                    self.busy, self.current = False, None
                 # A smoothed job time for Retry-After.
                 self._job_seconds += 0.2 * (
                     time.perf_counter() - started - self._job_seconds
@@ -414,8 +423,7 @@ class Worker:
             if request.logprobs
             else []
         )
-        if text or entries:
-            _emit(job, Delta(text, entries))
+        _emit(job, Delta(text, [response.token], entries))
         if finish is not None:
             completion = len(sequence) - len(job.tokens)
             usage = Usage(len(job.tokens), completion, plan.reuse)
