@@ -8,9 +8,11 @@ from .errors import (
     ContextOverflow,
     IncompatibleCache,
     RollbackError,
+    SnapshotError,
 )
 from .plane import GrowingPlane, KvPlane, PlaneMeta, RingPlane, WriteGuard
 from .prompt_cache import PromptCache, check_prompt_cache, make_prompt_cache
+from .snapshot import load_prompt_cache, save_prompt_cache
 
 __all__ = [
     "CacheDiscontinuity",
@@ -26,9 +28,12 @@ __all__ = [
     "RingKVCache",
     "RingPlane",
     "RollbackError",
+    "SnapshotError",
     "SpeculativeCheckpoint",
     "WriteGuard",
     "check_prompt_cache",
+    "load_prompt_cache",
     "make_prompt_cache",
+    "save_prompt_cache",
     "staged_window_mask",
 ]

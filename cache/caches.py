@@ -6,35 +6,16 @@ classes here answer those calls from a plane, so mlx-lm's own models run unchang
 """
 
 import functools
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import create_attention_mask
 
-from .errors import CacheError, RollbackError
+from . import gate
+from .errors import CacheError, RollbackError, SnapshotError
 from .plane import GrowingPlane, RingPlane, kv_halves
-
-_META_FIELDS = (
-    "window",
-    "max_context",
-    "capacity",
-    "len",
-    "origin_logical",
-    "origin_physical",
-    "head_major",
-    "layer",
-)
-
-
-def _encode(value) -> str:
-    return "None" if value is None else str(int(value))
-
-
-def _decode(text: str):
-    return None if text == "None" else int(text)
-
 
 # Verify blocks are small; prefill chunks (thousands of queries) are not memoised.
 _MEMO_QUERIES = 64
@@ -76,41 +57,92 @@ class _CacheProtocol:
         return self.kv is None
 
     @property
-    def state(self):
-        if self.kv is None:
-            return []
-        return self.keys, self.values
+    def state(self) -> Tuple[Any, ...]:
+        """mlx-lm's state: the storage as it sits and every bookkeeping field.
+
+        ``(keys, values, encoding, window, max_context, capacity, len, origin_logical,
+        origin_physical, head_major, layer)``: a ring's buffers keep their rotation, so the
+        state replays bitwise. ``keys`` / ``values`` are views of the storage (``None`` while
+        empty); ``encoding`` is ``"dflash-plane-v1"``. Self-contained, so mlx-lm's
+        ``save_prompt_cache`` keeps every field.
+        """
+        self.settle()
+        pair = (None, None) if self.kv is None else kv_halves(self.kv)
+        return pair + (gate.STATE_ENCODING,) + tuple(self._meta_fields().values())
 
     @state.setter
     def state(self, value) -> None:
-        if not value:
-            self.set_buffers(None, None)
-            return
-        self.set_buffers(*value)
+        """Install a state (fail-closed: the gate checks it all before anything changes)."""
+        self._refuse_under_checkpoint("state")
+        keys, values, meta = gate.parse_state(value, self.where())
+        self._check_state(keys, values, meta)
+        self._install(keys, values, meta)
 
     @property
     def meta_state(self) -> Tuple[str, ...]:
-        return tuple(_encode(getattr(self, name)) for name in _META_FIELDS)
+        """The bookkeeping as strings (mlx-lm's older protocol), in ``state`` order."""
+        return gate.encode_meta_state(self._meta_fields())
 
     @meta_state.setter
     def meta_state(self, value) -> None:
-        if len(value) != len(_META_FIELDS):
-            raise CacheError(
-                f"{type(self).__name__} meta_state needs {len(_META_FIELDS)} fields, "
-                f"got {len(value)}"
-            )
-        for name, text in zip(_META_FIELDS, value):
-            setattr(self, name, _decode(text))
-        self.head_major = bool(self.head_major)
+        """Replace the bookkeeping; refused unless it fits the buffers the plane holds."""
+        self._refuse_under_checkpoint("meta_state")
+        meta = gate.decode_meta_state(value, self.where())
+        keys, values = (None, None) if self.kv is None else kv_halves(self.kv)
+        self._check_state(keys, values, meta)
+        self._install_meta(meta)
 
     @classmethod
-    def from_state(cls, state, meta_state):
-        """Rebuild a cache from ``state`` and ``meta_state`` (as mlx-lm's caches do)."""
+    def from_state(cls, state, meta_state=None):
+        """Rebuild a cache from ``state`` (mlx-lm's protocol), through the gate.
+
+        Args:
+            state: A ``state`` tuple of this class (see :attr:`state`).
+            meta_state: Optional ``meta_state`` strings (the older protocol); when given they
+                must agree with the state's bookkeeping field by field.
+
+        Returns:
+            A new cache holding the state's buffers and bookkeeping.
+        """
+        keys, values, meta = gate.parse_state(state, "layer ?")
         obj = cls.__new__(cls)
         obj.init_runtime()
-        obj.meta_state = meta_state
-        obj.state = state
+        obj._check_state(keys, values, meta)
+        if meta_state is not None:
+            where = gate.where_layer(meta["layer"])
+            told = gate.decode_meta_state(meta_state, where)
+            for name in gate.META_FIELDS:
+                gate.check_same(
+                    where, name, told[name], meta[name], "meta_state vs state"
+                )
+        obj._install(keys, values, meta)
         return obj
+
+    def _meta_fields(self) -> dict:
+        return {name: getattr(self, name) for name in gate.META_FIELDS}
+
+    def _refuse_under_checkpoint(self, field: str) -> None:
+        if self.checkpointed:
+            raise SnapshotError(
+                self.where(),
+                field,
+                "cannot be replaced while a speculative checkpoint is open",
+            )
+
+    def _check_state(self, keys, values, meta: dict) -> None:
+        where = gate.where_layer(meta.get("layer"))
+        self.check_meta(meta, where)
+        if meta["head_major"] is not True:
+            raise SnapshotError(where, "head_major", "mlx-lm caches are head-major")
+        gate.check_buffers(meta, keys, values, where)
+
+    def _install(self, keys, values, meta: dict) -> None:
+        self.set_buffers(keys, values)
+        self._install_meta(meta)
+
+    def _install_meta(self, meta: dict) -> None:
+        for name in gate.META_FIELDS:
+            setattr(self, name, meta[name])
 
     def is_trimmable(self) -> bool:
         # Trimming is exact only while no row has been evicted from the window.

@@ -38,3 +38,19 @@ class RollbackError(CacheError):
 
 class IncompatibleCache(CacheError):
     """A prompt cache does not belong to the model it is used with."""
+
+
+class SnapshotError(CacheError):
+    """A snapshot or a cache state was refused by the gate (nothing was installed).
+
+    Args:
+        where: What was being checked: ``"layer 3"``, ``"drafter layer 1"``, ``"header"``, or
+            the file.
+        field: The field that failed (``"len"``, ``"origin_physical"``, ``"keys"``, ...).
+        problem: What is wrong with it.
+    """
+
+    def __init__(self, where: str, field: str, problem: str):
+        self.where = where
+        self.field = field
+        super().__init__(f"{where}: {field}: {problem}")

@@ -23,7 +23,14 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from ..metal.ring import ShadowStager, ring_write
-from .errors import CacheDiscontinuity, CacheError, ContextOverflow, RollbackError
+from . import gate
+from .errors import (
+    CacheDiscontinuity,
+    CacheError,
+    ContextOverflow,
+    RollbackError,
+    SnapshotError,
+)
 
 GROWTH_STEP = 256
 
@@ -134,7 +141,10 @@ class KvPlane(ABC):
 
     # Whether rows are evicted once the window is full (informative; no code path tests it).
     is_ring: bool = False
+    kind: str = ""
     window: Optional[int] = None
+    # The model type whose ``make_prompt_cache`` built the plane (``None``: built by hand).
+    model_type: Optional[str] = None
 
     def __init__(
         self,
@@ -199,6 +209,15 @@ class KvPlane(ABC):
     @abstractmethod
     def meta_after(self, meta: PlaneMeta, count: int) -> PlaneMeta:
         """Bookkeeping after appending ``count`` rows to this kind of plane at ``meta``."""
+
+    @staticmethod
+    @abstractmethod
+    def check_meta(meta: gate.Meta, where: str) -> None:
+        """Refuse (``SnapshotError``) bookkeeping that sequential appends cannot produce."""
+
+    def where(self) -> str:
+        """How refusals name this plane."""
+        return gate.where_layer(self.layer)
 
     @property
     def kv_axis(self) -> int:
@@ -395,6 +414,44 @@ class KvPlane(ABC):
             )
         return self.stager
 
+    def install_cut(self, position: int, keys: mx.array, values: mx.array) -> None:
+        """Install a snapshot's logical-order cut at ``position`` into this new, empty plane.
+
+        The rows are laid where sequential appends of ``position`` rows would have put them:
+        attention sums rows in physical order and float addition is not associative, so a
+        ring comes back rotated by ``origin_logical % capacity``, never packed at 0.
+
+        Args:
+            position: The absolute position right after the cut's newest row.
+            keys: The cut's keys, oldest first.
+            values: The cut's values, oldest first.
+
+        Shapes:
+            keys, values: ``(B, H, rows, D)`` (token-major alike), ``rows`` as
+            :func:`~dflash.cache.gate.cut_rows` says.
+        """
+        where = self.where()
+        if self.kv is not None or self.offset != 0 or self.checkpointed:
+            raise SnapshotError(where, "plane", "a cut installs only into a new plane")
+        gate.check_int(where, "position", position)
+        count = self._check_rows(keys, values)
+        want = self.meta_after(PlaneMeta(self.capacity, 0, 0, 0), position).len
+        if count != want:
+            raise SnapshotError(
+                where, "rows", f"a cut at position {position} holds {want}, got {count}"
+            )
+        if self.max_context is not None and position > self.max_context:
+            raise SnapshotError(
+                where, "position", f"{position} exceeds max_context {self.max_context}"
+            )
+        if count == 0:
+            return
+        kv = mx.stack([keys, values])
+        self._allocate(kv, count)
+        meta = self.meta_after(PlaneMeta(self.capacity, 0, 0, 0), position)
+        self.kv = ring_write(self.kv, kv, meta.origin_physical, self.kv_axis)
+        self.set_meta(meta)
+
     def logical_rows(self) -> Tuple[mx.array, mx.array]:
         """The live rows in logical (time) order.
 
@@ -447,6 +504,8 @@ class RingPlane(KvPlane):
     """
 
     is_ring = True
+    kind = "ring"
+    check_meta = staticmethod(gate.check_ring_meta)
 
     def __init__(
         self,
@@ -520,6 +579,9 @@ class GrowingPlane(KvPlane):
         use_kernel: Accepted for symmetry with :class:`RingPlane` (a growing plane never
             stages, so it launches no custom kernel).
     """
+
+    kind = "growing"
+    check_meta = staticmethod(gate.check_growing_meta)
 
     def meta_after(self, meta: PlaneMeta, count: int) -> PlaneMeta:
         return PlaneMeta(

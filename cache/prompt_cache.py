@@ -1,6 +1,6 @@
 """Build and check prompt caches of KV planes for mlx-lm models."""
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -8,6 +8,15 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from .caches import GrowingKVCache, RingKVCache
 from .errors import IncompatibleCache
 from .plane import KvPlane
+
+
+def model_type_of(model: nn.Module) -> Optional[str]:
+    """The model's ``model_type`` (mlx-lm's models carry it), or ``None``."""
+    for owner in (model, getattr(model, "args", None)):
+        value = getattr(owner, "model_type", None)
+        if isinstance(value, str):
+            return value
+    return None
 
 
 def _model_template(model: nn.Module) -> List[Any]:
@@ -66,6 +75,7 @@ def make_prompt_cache(
     caches = PromptCache(
         drafter_context=drafter.make_context() if drafter is not None else None
     )
+    model_type = model_type_of(model)
     for layer, template in enumerate(_model_template(model)):
         if isinstance(template, RotatingKVCache):
             if template.keep:
@@ -87,6 +97,7 @@ def make_prompt_cache(
                 f"layer {layer} asks for a {type(template).__name__}, which dflash cannot "
                 "roll back exactly"
             )
+        caches[-1].model_type = model_type
     return caches
 
 
@@ -97,6 +108,24 @@ def _expected_row_shape(model: nn.Module):
     if isinstance(heads, int) and isinstance(head_dim, int):
         return heads, head_dim
     return None
+
+
+def model_row_shape(model: nn.Module) -> Tuple[Optional[int], Optional[int]]:
+    """``(KV heads, head dim)`` of the model's caches, each ``None`` where it is not known.
+
+    From the model's ``n_kv_heads`` / ``head_dim`` attributes, else its ``args``'
+    ``num_key_value_heads`` / ``head_dim``.
+    """
+    known = _expected_row_shape(model)
+    if known:
+        return known
+    args = getattr(model, "args", None)
+    heads = getattr(args, "num_key_value_heads", None)
+    head_dim = getattr(args, "head_dim", None)
+    return (
+        heads if isinstance(heads, int) else None,
+        head_dim if isinstance(head_dim, int) else None,
+    )
 
 
 def check_prompt_cache(

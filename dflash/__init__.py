@@ -1,7 +1,12 @@
 """mlx-dflash: lossless speculative decoding for mlx-lm with exact, O(block) cache rollback."""
 
 from .block_decode import GenerationStats, dflash_generate_step
-from .cache import SpeculativeCheckpoint, make_prompt_cache
+from .cache import (
+    SpeculativeCheckpoint,
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+)
 from .demo import demo_available, load_demo
 from .drafter import DFlashDrafter, DrafterConfig, DrafterContext, DraftProposal
 from .generation import generate, generate_step, speculative_generate_step, stream_generate
@@ -25,9 +30,11 @@ __all__ = [
     "generate_step",
     "load_demo",
     "load_drafter",
+    "load_prompt_cache",
     "make_prompt_cache",
     "make_sampler",
     "save_drafter",
+    "save_prompt_cache",
     "speculative_generate_step",
     "stream_generate",
 ]

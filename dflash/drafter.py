@@ -26,8 +26,10 @@ of each block position given the token chosen before it (see
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,19 +57,147 @@ _PLAIN_EMBEDDING_MODEL_TYPES = frozenset(
 )
 
 
+@dataclass(frozen=True)
+class _Rule:
+    """What one :class:`DrafterConfig` field accepts.
+
+    ``kind`` is ``"int"``, ``"float"``, ``"bool"``, ``"str"``, ``"dict"``,
+    ``"ints"`` (a list of ints) or ``"strs"`` (a list of strings); ``low`` bounds
+    numbers (and list items) from below, strictly when ``strict``.
+    """
+
+    kind: str
+    optional: bool = False
+    low: Optional[float] = None
+    strict: bool = False
+
+
+_FIELD_RULES: Dict[str, _Rule] = {
+    "hidden_size": _Rule("int", low=1),
+    "num_hidden_layers": _Rule("int", low=1),
+    "num_attention_heads": _Rule("int", low=1),
+    "num_key_value_heads": _Rule("int", low=1),
+    "head_dim": _Rule("int", low=1),
+    "intermediate_size": _Rule("int", low=1),
+    "rms_norm_eps": _Rule("float", low=0, strict=True),
+    "rope_theta": _Rule("float", low=0, strict=True),
+    "layer_types": _Rule("strs"),
+    "sliding_window": _Rule("int", optional=True, low=1),
+    "block_size": _Rule("int", low=1),
+    "mask_token_id": _Rule("int", low=0),
+    "target_layer_ids": _Rule("ints", low=0),
+    "output_multiplier": _Rule("float", optional=True, low=0, strict=True),
+    "final_logit_softcapping": _Rule("float", optional=True, low=0),
+    "rope_scaling": _Rule("dict", optional=True),
+    "max_position_embeddings": _Rule("int", optional=True, low=1),
+    "is_causal": _Rule("bool", optional=True),
+    "input_embedding_scale": _Rule("float", low=0, strict=True),
+    "embedding": _Rule("str"),
+    "vocab_size": _Rule("int", optional=True, low=1),
+    "num_target_layers": _Rule("int", optional=True, low=1),
+    "conv_kernel_size": _Rule("int", low=0),
+    "conv_group_size": _Rule("int", low=0),
+    "selector_rank": _Rule("int", low=0),
+    "selector_top_k": _Rule("int", low=0),
+    "architecture": _Rule("str"),
+}
+
+_KIND_NAMES = {
+    "int": "an integer",
+    "float": "a finite number",
+    "bool": "true or false",
+    "str": "a string",
+    "dict": "a mapping",
+    "ints": "a list of integers",
+    "strs": "a list of strings",
+}
+
+
+def config_field_problem(name: str, value: Any) -> Optional[str]:
+    """Why ``value`` cannot be the :class:`DrafterConfig` field ``name``, if it can't.
+
+    Integers are ``int`` values, never ``bool`` nor a float such as ``1.5``; numbers
+    accept integers but not ``bool``, NaN or infinity; lists are sequences (never a
+    string) whose every item has the item type.
+
+    Args:
+        name: A :class:`DrafterConfig` field name.
+        value: The candidate value (for instance read from ``config.json``).
+
+    Returns:
+        ``None`` when the value is acceptable, else the reason, phrased to follow
+        the field name (``"must be an integer >= 1, got 1.5 (float)"``).
+
+    Raises:
+        KeyError: ``name`` is not a DrafterConfig field.
+    """
+    rule = _FIELD_RULES[name]
+    if value is None and rule.optional:
+        return None
+    if _fits(rule, value):
+        return None
+    wanted = _KIND_NAMES[rule.kind]
+    if rule.low is not None:
+        wanted += f" {'>' if rule.strict else '>='} {rule.low:g}"
+        if rule.kind == "ints":
+            wanted = f"a list of integers each >= {rule.low:g}"
+    if rule.optional:
+        wanted = "null, true or false" if rule.kind == "bool" else f"null or {wanted}"
+    return f"must be {wanted}, got {value!r} ({type(value).__name__})"
+
+
+def _fits(rule: _Rule, value: Any) -> bool:
+    if rule.kind in ("ints", "strs"):
+        item = _Rule("int" if rule.kind == "ints" else "str", low=rule.low)
+        listed = isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+        return listed and all(_fits(item, v) for v in value)
+    if rule.kind == "int":
+        ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    elif rule.kind == "float":
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value)
+    else:
+        ok = isinstance(value, {"bool": bool, "str": str, "dict": dict}[rule.kind])
+    if not ok or rule.low is None:
+        return ok
+    return value > rule.low if rule.strict else value >= rule.low
+
+
+def _canonical(rule: _Rule, value: Any) -> Any:
+    """The plain Python form of an accepted value (numpy ints become ``int``)."""
+    if value is None:
+        return None
+    if rule.kind == "int":
+        return int(value)
+    if rule.kind == "float":
+        return float(value)
+    if rule.kind == "ints":
+        return tuple(int(v) for v in value)
+    if rule.kind == "strs":
+        return tuple(value)
+    return value
+
+
 @dataclass
 class DrafterConfig:
     """Geometry and DFlash settings of a block drafter.
 
     ``output_multiplier`` / ``final_logit_softcapping`` left at ``None`` mean "use
-    the target's". ``is_causal`` follows the public DFlash convention: ``False``
-    makes in-block attention bidirectional in every layer, ``True`` causal in every
-    layer, ``None`` causal on sliding layers only. ``embedding`` picks how the block
-    is embedded: ``"raw"`` takes the target's embedding-table rows (what the
-    Hugging Face Muse Glimmer assistant consumes: its reference forward embeds the
-    block with ``F.embedding(ids, embed_tokens.weight)``, no embedding norm);
-    ``"target"`` reproduces what the target's first layer sees (for Muse Glimmer,
-    the scaleless RMSNorm of those rows).
+    the target's"; a soft-cap of ``0.0`` means none. ``is_causal`` follows the
+    public DFlash convention: ``False`` makes in-block attention bidirectional in
+    every layer, ``True`` causal in every layer, ``None`` causal on sliding layers
+    only. ``embedding`` picks how the block is embedded: ``"raw"`` takes the
+    target's embedding-table rows (what the Hugging Face Muse Glimmer assistant
+    consumes: its reference forward embeds the block with ``F.embedding(ids,
+    embed_tokens.weight)``, no embedding norm); ``"target"`` reproduces what the
+    target's first layer sees (for Muse Glimmer, the scaleless RMSNorm of those
+    rows).
+
+    Every field is type- and range-checked on construction (see
+    :func:`config_field_problem`): a value of the wrong type is refused rather
+    than truncated, so ``block_size=1.5`` or ``is_causal="yes"`` raise. Accepted
+    values are stored in plain Python form (integers as ``int``, numbers as
+    ``float``, lists as tuples).
     """
 
     hidden_size: int
@@ -99,26 +229,25 @@ class DrafterConfig:
     architecture: str = ARCH_ASSISTANT
 
     def __post_init__(self) -> None:
-        self.layer_types = tuple(self.layer_types)
-        self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids)
-        problems = self._problems()
+        problems = self._type_problems()
+        if not problems:
+            for name, rule in _FIELD_RULES.items():
+                setattr(self, name, _canonical(rule, getattr(self, name)))
+            problems = self._problems()
         if problems:
             raise ValueError("; ".join(problems))
 
+    def _type_problems(self) -> List[str]:
+        problems = []
+        for name in _FIELD_RULES:
+            problem = config_field_problem(name, getattr(self, name))
+            if problem:
+                problems.append(f"{name} {problem}")
+        return problems
+
     def _problems(self) -> List[str]:
         problems = []
-        for name in (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "intermediate_size",
-            "block_size",
-        ):
-            if int(getattr(self, name)) <= 0:
-                problems.append(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_attention_heads % max(self.num_key_value_heads, 1):
+        if self.num_attention_heads % self.num_key_value_heads:
             problems.append(
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple "
                 f"of num_key_value_heads ({self.num_key_value_heads})"
@@ -136,8 +265,6 @@ class DrafterConfig:
                 f"sliding_attention layers need sliding_window >= 2, got "
                 f"{self.sliding_window}"
             )
-        if not self.target_layer_ids:
-            problems.append("target_layer_ids is empty")
         if self.embedding not in (EMBED_RAW, EMBED_TARGET):
             problems.append(
                 f"embedding must be '{EMBED_RAW}' or '{EMBED_TARGET}', got "
@@ -145,7 +272,25 @@ class DrafterConfig:
             )
         if self.architecture not in ARCHITECTURES:
             problems.append(f"unknown architecture {self.architecture!r}")
+        problems.extend(self._token_and_layer_problems())
         problems.extend(self._dflash2_problems())
+        return problems
+
+    def _token_and_layer_problems(self) -> List[str]:
+        problems = []
+        if not self.target_layer_ids:
+            problems.append("target_layer_ids is empty")
+        layers = self.num_target_layers
+        if layers is not None and any(i >= layers for i in self.target_layer_ids):
+            problems.append(
+                f"target_layer_ids {list(self.target_layer_ids)} reach past "
+                f"num_target_layers={layers}"
+            )
+        if self.vocab_size is not None and self.mask_token_id >= self.vocab_size:
+            problems.append(
+                f"mask_token_id {self.mask_token_id} is outside vocab_size "
+                f"{self.vocab_size}"
+            )
         return problems
 
     def _dflash2_problems(self) -> List[str]:
@@ -312,6 +457,19 @@ class _ContextPlane:
             return 0
         return self.keys.nbytes + self.values.nbytes
 
+    def live_rows(self) -> Optional[Tuple[mx.array, mx.array]]:
+        """The live context rows, oldest first (views), or ``None`` while empty.
+
+        Shapes:
+            Returns keys and values ``(b, n_kv, rows, head_dim)``.
+        """
+        if self.keys is None or self.rows == 0:
+            return None
+        return (
+            self.keys[..., self.begin : self.end, :],
+            self.values[..., self.begin : self.end, :],
+        )
+
 
 class DrafterContext:
     """Per-draft-layer context K/V of the committed tokens, append-only.
@@ -334,6 +492,46 @@ class DrafterContext:
     def nbytes(self) -> int:
         """Bytes held by all context buffers (live rows, slack and scratch)."""
         return sum(plane.nbytes for plane in self.planes)
+
+    def live_rows(self) -> List[Optional[Tuple[mx.array, mx.array]]]:
+        """Per draft layer, the live context rows oldest first (``None`` while empty).
+
+        This is what a snapshot saves: the newest ``min(offset, row_limit)`` rows of a
+        sliding layer, every row of a full layer.
+
+        Shapes:
+            Each pair is keys and values ``(b, n_kv, rows, head_dim)``.
+        """
+        return [plane.live_rows() for plane in self.planes]
+
+    def install_rows(
+        self, offset: int, rows: Sequence[Optional[Tuple[mx.array, mx.array]]]
+    ) -> None:
+        """Fill this new, empty context with saved rows (the inverse of :meth:`live_rows`).
+
+        The caller (``dflash.cache.load_prompt_cache``) has checked the row counts against
+        ``offset`` and the planes' row limits; each layer's rows are appended once.
+
+        Args:
+            offset: The absolute position right after the newest context row.
+            rows: Per draft layer, keys and values oldest first, or ``None`` for no rows.
+
+        Shapes:
+            Each pair is keys and values ``(b, n_kv, rows, head_dim)``.
+        """
+        if self.offset != 0 or any(plane.rows for plane in self.planes):
+            raise ValueError("saved rows install only into a new drafter context")
+        if len(rows) != len(self.planes):
+            raise ValueError(
+                f"{len(rows)} layers of rows for a context of {len(self.planes)} layers"
+            )
+        batch = None
+        for plane, pair in zip(self.planes, rows):
+            if pair is not None:
+                plane.append(*pair)
+                batch = pair[0].shape[0]
+        self.offset = offset
+        self.batch = batch
 
 
 def _block_mask(

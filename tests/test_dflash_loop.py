@@ -17,10 +17,18 @@ MASK = 255
 def random_drafter(target, seed=7, block_size=8, **overrides):
     layers = len(target.layers)
     fields = dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=96, rms_norm_eps=1e-5, rope_theta=10000.0,
-        layer_types=("sliding_attention", "full_attention"), sliding_window=16,
-        block_size=block_size, mask_token_id=MASK,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=16,
+        block_size=block_size,
+        mask_token_id=MASK,
         target_layer_ids=(1, layers // 2, layers - 1),
     )
     fields.update(overrides)
@@ -37,8 +45,11 @@ class OracleDrafter:
     def __init__(self, sequence, block_size, target_layer_ids):
         self.sequence = sequence
         self.config = SimpleNamespace(
-            block_size=block_size, mask_token_id=MASK, target_layer_ids=target_layer_ids,
-            has_candidate_selector=False)
+            block_size=block_size,
+            mask_token_id=MASK,
+            target_layer_ids=target_layer_ids,
+            has_candidate_selector=False,
+        )
 
     def make_context(self):
         return SimpleNamespace(offset=0)
@@ -64,9 +75,16 @@ def test_greedy_output_equals_target_greedy(arch, seed, block_size):
     target = tiny_model(arch, seed=seed, window=16)
     drafter = random_drafter(target, seed=seed + 10, block_size=block_size)
     prompt = mx.random.randint(0, 250, (19,))
-    reference = greedy_reference(target, prompt, 70)  # 89 positions: 5 wraps of a 16-row ring
+    reference = greedy_reference(
+        target, prompt, 70
+    )  # 89 positions: 5 wraps of a 16-row ring
     stats = GenerationStats(block_size)
-    output = [t for t, _, _ in dflash_generate_step(prompt, target, drafter, max_tokens=70, stats=stats)]
+    output = [
+        t
+        for t, _, _ in dflash_generate_step(
+            prompt, target, drafter, max_tokens=70, stats=stats
+        )
+    ]
     assert_lossless(target, prompt, reference, output)
     assert stats.rounds >= 1 and 1.0 <= stats.tau <= block_size
 
@@ -78,7 +96,9 @@ def test_oracle_drafter_is_fully_accepted_every_round(block_size):
     reference = greedy_reference(target, prompt, 64)
     drafter = OracleDrafter(prompt.tolist() + reference, block_size, (1, 4, 7))
     stats = GenerationStats(block_size)
-    steps = list(dflash_generate_step(prompt, target, drafter, max_tokens=64, stats=stats))
+    steps = list(
+        dflash_generate_step(prompt, target, drafter, max_tokens=64, stats=stats)
+    )
     assert [t for t, _, _ in steps] == reference
     full_rounds = stats.accepted[:-1]  # the last round may be cut by max_tokens
     assert all(n == block_size - 1 for n in full_rounds)
@@ -90,7 +110,9 @@ def test_oracle_drafter_is_fully_accepted_every_round(block_size):
 def chi_square(counts, probs):
     expected = np.asarray(probs) * np.sum(counts)
     keep = expected > 0
-    return float(np.sum((np.asarray(counts)[keep] - expected[keep]) ** 2 / expected[keep]))
+    return float(
+        np.sum((np.asarray(counts)[keep] - expected[keep]) ** 2 / expected[keep])
+    )
 
 
 CRITICAL_DF5_P001 = 20.52  # chi-square, 5 degrees of freedom, p = 0.001
@@ -113,18 +135,35 @@ def test_rejection_sampling_reproduces_the_target_distribution():
 
 
 def test_dflash_sampling_at_temperature_matches_the_target():
+    """The first two tokens, read from each run, follow the target's own law.
+
+    The second token comes either from an accepted draft or from a one-token round (the
+    round that used to crash), so its marginal checks both paths.
+    """
     target = tiny_model("muse_glimmer", seed=5, window=16, vocab_size=6)
     drafter = random_drafter(target, seed=6, block_size=4, mask_token_id=5)
     prompt = mx.array([1, 2, 3, 4, 0, 1, 2])
-    logits = target(prompt[None])[0, -1]
-    probs = np.array(mx.softmax(logits.astype(mx.float32)))
-    counts = np.zeros(6)
+
+    def next_probs(tokens):
+        logits = target(mx.array(tokens)[None])[0, -1]
+        return np.array(mx.softmax(logits.astype(mx.float32)))
+
+    first_probs = next_probs(prompt.tolist())
+    second_probs = sum(
+        first_probs[i] * next_probs(prompt.tolist() + [i]) for i in range(6)
+    )
+    first, second = np.zeros(6), np.zeros(6)
     sampler = make_sampler(temp=1.0)
     mx.random.seed(11)
-    for _ in range(1200):
-        steps = dflash_generate_step(prompt, target, drafter, max_tokens=2, sampler=sampler)
-        counts[next(steps)[0]] += 1
-    assert chi_square(counts, probs) < CRITICAL_DF5_P001
+    for _ in range(800):
+        steps = dflash_generate_step(
+            prompt, target, drafter, max_tokens=2, sampler=sampler
+        )
+        (a, _, _), (b, _, _) = list(steps)
+        first[a] += 1
+        second[b] += 1
+    assert chi_square(first, first_probs) < CRITICAL_DF5_P001
+    assert chi_square(second, second_probs) < CRITICAL_DF5_P001
 
 
 def test_bad_block_size_and_empty_prompt_are_refused():
@@ -134,3 +173,105 @@ def test_bad_block_size_and_empty_prompt_are_refused():
         next(dflash_generate_step(mx.array([1, 2]), target, drafter, block_size=0))
     with pytest.raises(ValueError, match="prompt is empty"):
         next(dflash_generate_step(mx.array([], mx.uint32), target, drafter))
+
+
+# ------------------------------------------------------------ temperature > 0, every length
+B = 4
+LENGTHS = [1, 2, B - 1, B, B + 1, 3 * B + 2]
+DFLASH2 = dict(
+    architecture="DFlash2DraftModel",
+    conv_kernel_size=2,
+    conv_group_size=16,
+    selector_rank=8,
+    selector_top_k=5,
+    vocab_size=256,
+)
+
+
+@pytest.fixture(scope="module")
+def sampled_setup():
+    target = tiny_model("muse_glimmer", seed=2, window=16)
+    draft = tiny_model("muse_glimmer", seed=3, window=16, num_hidden_layers=3)
+    drafters = {
+        "dflash": random_drafter(target, seed=4, block_size=B),
+        "dflash2": random_drafter(target, seed=5, block_size=B, **DFLASH2),
+    }
+    prompt = mx.random.randint(0, 250, (19,))
+    reference = greedy_reference(target, prompt, max(LENGTHS))
+    return target, draft, drafters, prompt, reference
+
+
+def run_generator(kind, setup, sampler, block, max_tokens):
+    import dflash
+
+    target, draft, drafters, prompt, _ = setup
+    if kind == "classic":
+        steps = dflash.speculative_generate_step(
+            prompt,
+            target,
+            draft,
+            num_draft_tokens=block - 1,
+            max_tokens=max_tokens,
+            sampler=sampler,
+        )
+    else:
+        steps = dflash_generate_step(
+            prompt,
+            target,
+            drafters[kind],
+            block_size=block,
+            max_tokens=max_tokens,
+            sampler=sampler,
+        )
+    return list(steps)  # every token is read
+
+
+def point_mass_samplers():
+    """Temperature 0.7 restricted to the top token: the output must be the greedy one."""
+    from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
+
+    return {
+        "dflash": make_sampler(temp=0.7, top_k=1),
+        "mlx_lm": mlx_make_sampler(temp=0.7, top_k=1),
+    }
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "classic"])
+@pytest.mark.parametrize("sampler_kind", ["dflash", "mlx_lm"])
+@pytest.mark.parametrize("block", [1, 2, B])
+def test_sampled_generation_reads_every_length(
+    sampled_setup, kind, sampler_kind, block
+):
+    """Temperature > 0 over the whole length range: no crash, and lossless where it is exact.
+
+    A top-1 filter makes the target's distribution a point mass at its argmax, so rejection
+    sampling (dflash's sampler) and the sample-match rule (mlx-lm's) must both reproduce the
+    greedy output token for token, through rounds of every size including one-token rounds.
+    """
+    target, _, _, prompt, reference = sampled_setup
+    sampler = point_mass_samplers()[sampler_kind]
+    for max_tokens in LENGTHS:
+        steps = run_generator(kind, sampled_setup, sampler, block, max_tokens)
+        output = [token for token, _, _ in steps]
+        assert_lossless(target, prompt, reference[:max_tokens], output)
+        assert all(logprobs.shape == (256,) for _, logprobs, _ in steps)
+        if block == 1:
+            assert not any(from_draft for _, _, from_draft in steps)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2", "classic"])
+def test_free_sampling_yields_every_requested_token(sampled_setup, kind):
+    from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
+
+    mx.random.seed(1)
+    for sampler in (make_sampler(temp=0.7), mlx_make_sampler(temp=0.7)):
+        for block in (1, 2, B):
+            for max_tokens in LENGTHS:
+                output = [
+                    t
+                    for t, _, _ in run_generator(
+                        kind, sampled_setup, sampler, block, max_tokens
+                    )
+                ]
+                assert len(output) == max_tokens
+                assert all(0 <= t < 256 for t in output)

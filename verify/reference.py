@@ -10,6 +10,8 @@ from typing import Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
+from dflash.cache.errors import SnapshotError
+
 
 def window_mask(
     query_positions: mx.array, key_positions: mx.array, window: Optional[int]
@@ -62,8 +64,8 @@ def reference_attention(
 class ReferenceKVCache:
     """A drop-in mlx-lm cache that keeps the full history and masks the window.
 
-    Float32 throughout; never evicts a row. Its ``snapshot`` encoding (``"f32-full-history"``)
-    is deliberately not the planes' encoding, so neither can install the other's state.
+    Float32 throughout; never evicts a row. Its state's encoding (``"f32-full-history"``) is
+    deliberately not the planes' (``"dflash-plane-v1"``): neither installs the other's state.
 
     Args:
         window: The layer's sliding window (``None`` for a full-attention layer).
@@ -107,8 +109,58 @@ class ReferenceKVCache:
         return window_mask(positions, mx.arange(self.offset + N), window)
 
     @property
-    def state(self):
-        return [] if self.keys is None else (self.keys, self.values)
+    def state(self) -> Tuple:
+        """``(keys, values, encoding, offset, window)``: the whole float32 history."""
+        return (self.keys, self.values, self.encoding, self.offset, self.window)
+
+    @classmethod
+    def from_state(cls, state) -> "ReferenceKVCache":
+        """Rebuild an oracle cache; refuses any state not in the oracle's encoding.
+
+        Args:
+            state: A ``state`` of a :class:`ReferenceKVCache`.
+
+        Returns:
+            A new oracle cache holding that history.
+        """
+        where = "reference cache"
+        fields = len(state) if isinstance(state, (tuple, list)) else 0
+        encoding = state[2] if fields >= 3 else None
+        if not isinstance(encoding, str) or encoding != cls.encoding:
+            raise SnapshotError(
+                where,
+                "encoding",
+                f"{encoding!r} is not the oracle's {cls.encoding!r}; the oracle and the "
+                "dflash planes cannot install each other's state",
+            )
+        if fields != 5:
+            raise SnapshotError(where, "state", f"has {fields} fields, the oracle's 5")
+        keys, values, _, offset, window = state
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise SnapshotError(
+                where, "window", f"must be None or >= 1, got {window!r}"
+            )
+        if keys is None or values is None:
+            if keys is not values or offset != 0:
+                raise SnapshotError(where, "keys", "missing for a non-empty history")
+        elif (
+            not isinstance(keys, mx.array)
+            or not isinstance(values, mx.array)
+            or keys.ndim != 4
+            or keys.dtype != mx.float32
+            or values.shape != keys.shape
+            or values.dtype != mx.float32
+        ):
+            raise SnapshotError(where, "keys", "must be float32 (B, H, T, D) K and V")
+        elif keys.shape[2] != offset:
+            raise SnapshotError(
+                where,
+                "offset",
+                f"is {offset!r} but the history holds {keys.shape[2]} rows",
+            )
+        cache = cls(window)
+        cache.keys, cache.values, cache.offset = keys, values, offset
+        return cache
 
     def size(self) -> int:
         return self.offset
