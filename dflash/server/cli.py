@@ -288,7 +288,7 @@ def build_state(args):
 def _check_sampling(args) -> None:
     from ..verify.acceptance import SamplingParams
 
-    SamplingParams(args.temp, args.top_p, args.min_p, args.top_k)
+    SamplingParams(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
 
 
 def serve(args) -> None:

@@ -17,7 +17,6 @@ TEXT = "text"
 
 # Fields whose non-default values change the output in ways this server cannot honour.
 _UNSUPPORTED = {
-    "xtc_probability": 0,
     "echo": False,
     "suffix": None,
 }
@@ -232,6 +231,8 @@ class GenerationRequest:
         top_p: Nucleus sampling.
         top_k: Top-k sampling (0: off).
         min_p: Min-p sampling (0: off).
+        xtc_probability: XTC sampling probability (0: off).
+        xtc_threshold: XTC threshold.
         seed: PRNG seed for this request.
         stop: Stop strings (the text ends before the first one).
         logprobs: Return the chosen tokens' log-probabilities.
@@ -255,6 +256,8 @@ class GenerationRequest:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
     seed: Optional[int] = None
     stop: List[str] = field(default_factory=list)
     logprobs: bool = False
@@ -301,6 +304,8 @@ def parse_request(
     request.top_p = get_number(body, "top_p", defaults.top_p, low=0, high=1)
     request.top_k = get_int(body, "top_k", defaults.top_k, low=0)
     request.min_p = get_number(body, "min_p", defaults.min_p, low=0, high=1)
+    request.xtc_probability = get_number(body, "xtc_probability", 0.0, low=0, high=1)
+    request.xtc_threshold = get_number(body, "xtc_threshold", 0.1, low=0, high=0.5)
     request.seed = get_int(body, "seed", None)
     request.stop = _stop_words(body)
     request.num_draft_tokens = get_int(
@@ -350,7 +355,6 @@ def _refuse_unsupported(body) -> None:
         value = body.get(name)
         if value is not None and value != neutral:
             raise invalid(f"{name}={value!r} is not supported by this server", name)
-    get_number(body, "xtc_threshold", 0.1, low=0, high=1)
     response_format = get_object(body, "response_format")
     if response_format and response_format.get("type", "text") != "text":
         raise invalid(

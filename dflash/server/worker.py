@@ -86,7 +86,13 @@ class Engine:
         kwargs = {
             "max_tokens": request.max_tokens,
             "sampler": make_sampler(
-                request.temperature, request.top_p, request.min_p, request.top_k
+                temp=request.temperature,
+                top_p=request.top_p,
+                min_p=request.min_p,
+                top_k=request.top_k,
+                xtc_probability=request.xtc_probability,
+                xtc_threshold=request.xtc_threshold,
+                xtc_special_tokens=self.xtc_special_tokens(),
             ),
             "logits_processors": make_logits_processors(**request.penalties) or None,
             "prompt_cache": cache,
