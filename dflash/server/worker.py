@@ -65,6 +65,13 @@ class Engine:
             )
         return cache
 
+    def __post_init__(self):
+        # Tokens XTC never removes (as mlx_lm.server): computed once, before the worker runs.
+        tokenizer = self.tokenizer
+        self.xtc_special_tokens = list(tokenizer.encode("\n")) + sorted(
+            tokenizer.eos_token_ids
+        )
+
     def generate(
         self, prompt: Sequence[int], cache, request: GenerationRequest
     ) -> Iterator:
@@ -92,7 +99,7 @@ class Engine:
                 top_k=request.top_k,
                 xtc_probability=request.xtc_probability,
                 xtc_threshold=request.xtc_threshold,
-                xtc_special_tokens=self.xtc_special_tokens(),
+                xtc_special_tokens=self.xtc_special_tokens,
             ),
             "logits_processors": make_logits_processors(**request.penalties) or None,
             "prompt_cache": cache,
