@@ -33,18 +33,31 @@ MODES = ("dflash", "plain")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.server_load", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.server_load", description=__doc__
+    )
     parser.add_argument("--clients", type=int, default=4, help="concurrent clients (N)")
     parser.add_argument("--turns", type=int, default=3, help="turns per client (M)")
-    parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens per request")
     parser.add_argument(
-        "--modes", default=",".join(MODES), help="comma-separated: dflash, plain (default both)"
+        "--max-tokens", type=int, default=32, help="max_tokens per request"
     )
-    parser.add_argument("--model", help="--model for the server (default: the demo pair)")
-    parser.add_argument("--drafter", help="--drafter for the server (with --model)")
-    parser.add_argument("--block-size", type=int, help="DFlash block size (default: drafter's)")
     parser.add_argument(
-        "--server-arg", action="append", default=[], help="extra server flag (repeatable)"
+        "--modes",
+        default=",".join(MODES),
+        help="comma-separated: dflash, plain (default both)",
+    )
+    parser.add_argument(
+        "--model", help="--model for the server (default: the demo pair)"
+    )
+    parser.add_argument("--drafter", help="--drafter for the server (with --model)")
+    parser.add_argument(
+        "--block-size", type=int, help="DFlash block size (default: drafter's)"
+    )
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra server flag (repeatable)",
     )
     parser.add_argument("--out", help="write OUT.json and OUT.md")
     return parser.parse_args(argv)
@@ -54,7 +67,15 @@ class Server:
     """A dflash-server subprocess on a free loopback port."""
 
     def __init__(self, flags: List[str]):
-        command = [sys.executable, "-m", "dflash.server", "--host", "127.0.0.1", "--port", "0"]
+        command = [
+            sys.executable,
+            "-m",
+            "dflash.server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+        ]
         self.process = subprocess.Popen(
             command + ["--log-level", "WARNING", *flags],
             cwd=ROOT,
@@ -71,7 +92,9 @@ class Server:
                 break
         else:
             raise RuntimeError(f"the server did not start (exit {self.process.wait()})")
-        threading.Thread(target=lambda: [None for _ in self.process.stderr], daemon=True).start()
+        threading.Thread(
+            target=lambda: [None for _ in self.process.stderr], daemon=True
+        ).start()
 
     def close(self) -> None:
         self.process.terminate()
@@ -113,13 +136,17 @@ def stream_chat(client, url: str, messages, max_tokens: int) -> dict:
     }
 
 
-def client_run(url: str, index: int, turns: int, max_tokens: int, results: list) -> None:
+def client_run(
+    url: str, index: int, turns: int, max_tokens: int, results: list
+) -> None:
     import httpx
 
     messages = [{"role": "system", "content": "You write Python."}]
     with httpx.Client(timeout=600) as client:
         for turn in range(turns):
-            messages.append({"role": "user", "content": f"def task_{index}_{turn}(items):"})
+            messages.append(
+                {"role": "user", "content": f"def task_{index}_{turn}(items):"}
+            )
             record = stream_chat(client, url, messages, max_tokens)
             record.update(client=index, turn=turn)
             results.append(record)
@@ -150,11 +177,14 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         import httpx
 
         with httpx.Client(timeout=600) as client:  # warm-up: first-call compilation
-            stream_chat(client, server.url, [{"role": "user", "content": "def f():"}], 4)
+            stream_chat(
+                client, server.url, [{"role": "user", "content": "def f():"}], 4
+            )
         results: list = []
         threads = [
             threading.Thread(
-                target=client_run, args=(server.url, i, args.turns, args.max_tokens, results)
+                target=client_run,
+                args=(server.url, i, args.turns, args.max_tokens, results),
             )
             for i in range(args.clients)
         ]
@@ -174,7 +204,9 @@ def summarize(mode, banner, results, wall, args) -> dict:
     for index in range(args.clients):
         mine = [r for r in results if r["client"] == index]
         busy = sum(r["latency"] for r in mine)
-        per_client.append(sum(r["completion_tokens"] for r in mine) / busy if busy else 0.0)
+        per_client.append(
+            sum(r["completion_tokens"] for r in mine) / busy if busy else 0.0
+        )
     later = [r for r in results if r["turn"] > 0]
     return {
         "mode": mode,
@@ -190,7 +222,8 @@ def summarize(mode, banner, results, wall, args) -> dict:
         "latency_p50_s": percentile([r["latency"] for r in results], 0.5),
         "latency_p95_s": percentile([r["latency"] for r in results], 0.95),
         "later_turns_cached_fraction": (
-            sum(r["cached_tokens"] for r in later) / sum(r["prompt_tokens"] for r in later)
+            sum(r["cached_tokens"] for r in later)
+            / sum(r["prompt_tokens"] for r in later)
             if later
             else 0.0
         ),
@@ -252,7 +285,9 @@ def markdown(report: dict) -> str:
             f"{row['ttft_p95_s']:.2f} | {row['latency_p50_s']:.2f} / "
             f"{row['latency_p95_s']:.2f} | {row['later_turns_cached_fraction']:.0%} |"
         )
-    lines += ["", "Servers:", ""] + [f"- {row['mode']}: `{row['server']}`" for row in report["modes"]]
+    lines += ["", "Servers:", ""] + [
+        f"- {row['mode']}: `{row['server']}`" for row in report["modes"]
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -266,7 +301,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         "meta": {
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "command": " ".join(
-                ["python -m benchmarks.server_load"] + (sys.argv[1:] if argv is None else argv)
+                ["python -m benchmarks.server_load"]
+                + (sys.argv[1:] if argv is None else argv)
             ),
             "machine": machine(),
             "clients": args.clients,

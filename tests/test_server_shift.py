@@ -45,7 +45,15 @@ def pair():
 
 @pytest.fixture(scope="module")
 def server():
-    process = ServerProcess(*FLAGS, "--queue-size", "1")
+    process = ServerProcess(*FLAGS)
+    yield process
+    process.close()
+
+
+@pytest.fixture(scope="module")
+def one_slot():
+    """A server whose queue holds one waiting request."""
+    process = ServerProcess("--no-drafter", "--queue-size", "1")
     yield process
     process.close()
 
@@ -154,11 +162,18 @@ def test_raw_prompt_keeps_the_prefix_and_the_newest_suffix(pair, server):
 
 
 def test_a_full_queue_answers_429_with_retry_after_and_a_disconnect_frees_the_worker(
-    pair, server
+    pair, one_slot
 ):
     model, tokenizer = pair
+    server = one_slot
     wait_idle(server.url)
-    long_body = {"prompt": "def main():\n", "max_tokens": 140, "stream": True}
+    # A generation that only the client's disconnect ends (the end-of-text token is banned).
+    long_body = {
+        "prompt": "def main():\n",
+        "max_tokens": 3000,
+        "stream": True,
+        "logit_bias": {str(tokenizer.eos_token_id): -1000},
+    }
     queued_answer = {}
     prompt = tokenizer.encode("import sys\n")
 
@@ -171,10 +186,13 @@ def test_a_full_queue_answers_429_with_retry_after_and_a_disconnect_frees_the_wo
     with httpx.stream(
         "POST", server.base_url + "/completions", json=long_body
     ) as stream:
-        next(stream.iter_lines())  # generation is running
+        lines = (
+            stream.iter_lines()
+        )  # kept referenced: a dropped iterator closes the stream
+        next(lines)  # generation is running
         waiter = threading.Thread(target=queued)
         waiter.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while httpx.get(server.url + "/health").json()["queued"] < 1:
             assert time.monotonic() < deadline, "the second request never queued"
             time.sleep(0.02)
@@ -187,10 +205,13 @@ def test_a_full_queue_answers_429_with_retry_after_and_a_disconnect_frees_the_wo
         )
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model="demo", prompt="x", max_tokens=2)
+        del lines
     waiter.join(120)  # leaving the stream disconnected the long request
     response = queued_answer["response"]
     assert response.status_code == 200
     assert response.json()["choices"][0]["text"] == reference(
         model, tokenizer, prompt, TOKENS
     )
-    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["cancelled"] == 1
+    assert health["generated_tokens"] < 3000
