@@ -370,3 +370,42 @@ def test_disconnect_mid_stream_stops_generation_and_next_request_is_right(pair, 
         assert answer["choices"][0]["message"]["content"] == expected_chat(
             pair, conversation
         )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-context", "1"], "expected an integer >= 2"),
+        (["--context-policy", "drop"], "invalid choice"),
+        (["--model", "/nonexistent/model"], "no such directory"),
+        (["--drafter", "/some/drafter"], "--drafter needs --model"),
+        (["--block-size", "99"], "outside 1..16"),
+        (["--kv-bits", "4"], "not supported"),
+        (["--chat-template-args", "[1]"], "must be a JSON object"),
+        (["--prompt-cache-bytes", "lots"], "not a size"),
+    ],
+)
+def test_start_failures_print_one_line_and_exit_non_zero(args, message, capsys):
+    from dflash.server import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--port", "0", *args])
+    assert exit_info.value.code != 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_python_m_dflash_server_dispatches_to_the_server():
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash", "server", "--context-policy", "drop"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("dflash-server: error: argument --context-policy: invalid choice")

@@ -291,11 +291,22 @@ def _check_sampling(args) -> None:
     SamplingParams(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
 
 
+def _server_stack():
+    """uvicorn and the app, or an error naming the extra that brings them."""
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as error:
+        raise RuntimeError(
+            f"{error.name} is not installed: the server needs pip install 'mlx-dflash[server]'"
+        ) from error
+    return uvicorn, create_app
+
+
 def serve(args) -> None:
     """Load the models, bind the port, and serve until interrupted."""
-    import uvicorn
-
-    from .app import create_app
+    uvicorn, create_app = _server_stack()
 
     _check_sampling(args)
     refuse_unsupported_cache_flags(args)
