@@ -113,6 +113,7 @@ class ClientGone(Exception):
 
 
 def error_response(error: APIError) -> JSONResponse:
+    """The JSON response of an :class:`APIError` (status, body and headers)."""
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
@@ -151,6 +152,7 @@ def _context_headers(prepared: Prepared, started: Started) -> Dict[str, str]:
 
 
 async def _complete(http: Request, kind: str) -> Response:
+    """Validate, apply the context policy, queue, and answer (streamed or one body)."""
     state: ServerState = http.app.state.server
     body = parse_json(await http.body())
     request = parse_request(body, kind, state.defaults)
@@ -255,19 +257,23 @@ async def _events(channel, job, request, envelope) -> AsyncIterator[bytes]:
 
 
 async def chat_completions(http: Request) -> Response:
+    """``POST /v1/chat/completions``."""
     return await _complete(http, CHAT)
 
 
 async def completions(http: Request) -> Response:
+    """``POST /v1/completions``: a text or token-id prompt."""
     return await _complete(http, TEXT)
 
 
 async def models(http: Request) -> Response:
+    """``GET /v1/models``: the served model."""
     state: ServerState = http.app.state.server
     return JSONResponse({"object": "list", "data": [_model_card(state)]})
 
 
 async def model_detail(http: Request) -> Response:
+    """``GET /v1/models/{id}``: the served model, or 404."""
     state: ServerState = http.app.state.server
     name = http.path_params["model_id"]
     if name not in state.model_names + ["default_model"]:
@@ -290,6 +296,7 @@ def _model_card(state: ServerState) -> Dict[str, Any]:
 
 
 async def health(http: Request) -> Response:
+    """``GET /health``: 200 with the worker's counters while it runs, else 503."""
     state: ServerState = http.app.state.server
     worker = state.worker
     body = {
