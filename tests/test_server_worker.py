@@ -361,3 +361,11 @@ def test_pool_extends_forks_rebuilds_and_evicts_the_least_recent(tiny_engines):
     _run(worker, long)
     started, _ = _run(worker, long)
     assert (started.plan, started.cached_tokens) == ("rebuild", 0)
+
+
+def test_a_byte_limit_keeps_only_what_fits_but_always_the_newest(tiny_engines):
+    worker = Worker(tiny_engines["plain"], cache_size=5, cache_bytes=1)
+    for prompt in ([5, 6, 7], [8, 9, 10], [11, 12, 13]):
+        _run(worker, prompt)
+        assert len(worker.pool) == 1
+        assert worker.pool.sessions[0].tokens[:3] == prompt
