@@ -408,4 +408,42 @@ def test_python_m_dflash_server_dispatches_to_the_server():
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1
-    assert lines[0].startswith("dflash-server: error: argument --context-policy: invalid choice")
+    assert lines[0].startswith(
+        "dflash-server: error: argument --context-policy: invalid choice"
+    )
+
+
+def test_logit_bias_and_penalties_reach_the_sampler(pair, client):
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, tokenizer, drafter = pair
+    token = tokenizer.encode("x")[-1]
+    prompt = tokenizer.encode("def f():\n")
+    response = client.completions.create(
+        model="demo",
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(token): 50},
+    )
+    assert response.choices[0].text == tokenizer.decode([token] * 4)
+    processors = make_logits_processors(
+        repetition_penalty=1.3, repetition_context_size=8
+    )
+    want = reference(
+        model,
+        tokenizer,
+        prompt,
+        TOKENS,
+        drafter=drafter,
+        block_size=BLOCK,
+        logits_processors=processors,
+    )
+    penalized = client.completions.create(
+        model="demo",
+        prompt=prompt,
+        max_tokens=TOKENS,
+        temperature=0,
+        extra_body={"repetition_penalty": 1.3, "repetition_context_size": 8},
+    )
+    assert penalized.choices[0].text == want
