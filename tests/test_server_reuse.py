@@ -115,3 +115,19 @@ def test_other_conversations_keep_their_own_sessions(plain):
         assert response.choices[0].message.content == reference(
             model, tokenizer, prompt, TOKENS
         )
+
+
+def test_a_disconnected_stream_leaves_a_session_that_continues_correctly(plain):
+    server, (model, tokenizer, _) = plain
+    prompt = tokenizer.encode("class Queue:\n")
+    body = {"prompt": prompt, "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", server.base_url + "/completions", json=body) as response:
+        lines = response.iter_lines()
+        for _ in range(4):
+            next(lines)
+    # The session holds the prompt and whatever was emitted: the prompt again forks it.
+    again = httpx.post(
+        server.base_url + "/completions", json={"prompt": prompt, "max_tokens": TOKENS}
+    ).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
+    assert again["choices"][0]["text"] == reference(model, tokenizer, prompt, TOKENS)
