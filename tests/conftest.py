@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from mlx.utils import tree_flatten
 
-from dflash.reference import (  # noqa: F401 (re-exported to the tests)
+from dflash.greedy import (  # noqa: F401 (re-exported to the tests)
     greedy_reference,
     mlx_lm_generate_module,
     top2_margin,

@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 import dflash
 from dflash.block_decode import GenerationStats, dflash_generate_step
 from dflash.demo import DEMO_DIR
-from dflash.reference import greedy_reference
+from dflash.greedy import greedy_reference
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from dflash.reference import greedy_reference
+from dflash.greedy import greedy_reference
 
 from .train_drafter import FeatureSource, accepted_at, chained_rounds
 
