@@ -286,9 +286,9 @@ def build_state(args):
 
 
 def _check_sampling(args) -> None:
-    from ..verify.acceptance import SamplingParams
+    from .. import make_sampler
 
-    SamplingParams(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
+    make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
 
 
 def _server_stack():

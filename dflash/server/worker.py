@@ -87,8 +87,7 @@ class Engine:
         """
         from mlx_lm.sample_utils import make_logits_processors
 
-        from ..generation import stream_generate
-        from ..verify.acceptance import make_sampler
+        from .. import make_sampler, stream_generate
 
         kwargs = {
             "max_tokens": request.max_tokens,
