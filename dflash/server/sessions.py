@@ -120,6 +120,18 @@ def fork(cache):
     return clone
 
 
+def materialize(cache) -> None:
+    """Evaluate every array a cache holds, so no lazy graph outlives the generation that made it
+    (arrays are bound to the thread that built them; only then can another thread read them)."""
+    import mlx.core as mx
+
+    arrays = []
+    for part in _parts(cache):
+        for holder in [part, *(getattr(part, "planes", None) or [])]:
+            arrays += [v for v in vars(holder).values() if isinstance(v, mx.array)]
+    mx.eval(arrays)
+
+
 def nbytes(cache) -> int:
     """Bytes held by a cache (planes and drafter context)."""
     return sum(int(getattr(part, "nbytes", 0) or 0) for part in _parts(cache))
@@ -265,6 +277,7 @@ class SessionPool:
             self.drop(session)
             return False
         session.tokens = list(sequence[:position])
+        materialize(session.cache)
         self._drop_implied(session)
         return True
 
