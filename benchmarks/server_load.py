@@ -60,6 +60,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="extra server flag (repeatable)",
     )
     parser.add_argument("--out", help="write OUT.json and OUT.md")
+    parser.add_argument("--note", help="a line about the code measured, for the report")
     return parser.parse_args(argv)
 
 
@@ -267,6 +268,8 @@ def markdown(report: dict) -> str:
         f"- Load: {meta['clients']} concurrent clients x {meta['turns']} chat turns, "
         f"max_tokens {meta['max_tokens']}, temperature 0, streamed",
     ]
+    if meta.get("note"):
+        lines.append(f"- Code: {meta['note']}")
     if "cpu" in device.lower():
         lines.append(
             "- These are CPU numbers (mlx's CPU backend, a machine shared with other jobs): "
@@ -308,6 +311,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             "clients": args.clients,
             "turns": args.turns,
             "max_tokens": args.max_tokens,
+            "note": args.note,
         },
         "modes": [run_mode(mode, args) for mode in modes],
     }
