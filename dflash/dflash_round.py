@@ -15,7 +15,13 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generation_stream
 
 from .cache import PromptCache, check_prompt_cache, make_prompt_cache
 from .cache.errors import IncompatibleCache
-from .inputs import ProgressCallback, Stream, as_prompt_array, check_cache_options
+from .inputs import (
+    ProgressCallback,
+    Stream,
+    as_prompt_array,
+    check_cache_options,
+    resolve_block_size,
+)
 from .kernel_patch import verify_kernels
 from .rounds import VerifyRound, emit_rounds, prefill
 from .sampling import LogitsProcessor, Sampler, Sampling, log_normalize
@@ -205,9 +211,7 @@ def dflash_generate_step(
     Yields:
         ``(token, logprobs, from_draft)`` as mlx-lm's speculative generator does.
     """
-    block_size = drafter.config.block_size if block_size is None else block_size
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    block_size = resolve_block_size(block_size, drafter)
     check_cache_options(model, kv_bits, max_kv_size)
     prompt = as_prompt_array(prompt, model)
     if prompt_cache is None:

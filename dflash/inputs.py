@@ -1,7 +1,7 @@
 """Checks every generator runs on its inputs before the first forward: the prompt's token ids
 and the mlx-lm cache options dflash caches can or cannot honour."""
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -131,3 +131,35 @@ def check_cache_options(
             f"max_kv_size={max_kv_size} is smaller than the model's sliding window "
             f"{max(windows)}: the window cannot be cut (leave max_kv_size as None)"
         )
+
+
+def resolve_block_size(
+    block_size: Optional[int], drafter: Any, name: str = "block_size"
+) -> int:
+    """The DFlash block size to use: one rule for the generator, the CLIs and the bench.
+
+    A drafter was trained for blocks of at most its own size, and a block of 1 drafts nothing
+    but is still a valid (plain) round: ``1 <= block_size <= drafter.config.block_size``.
+
+    Args:
+        block_size: The requested size, or ``None`` for the drafter's.
+        drafter: A DFlash drafter.
+        name: How the size is called in the message (``--block-size`` for a CLI).
+
+    Returns:
+        The block size.
+
+    Raises:
+        ValueError: not an integer, or outside ``1..drafter.config.block_size``.
+    """
+    limit = int(drafter.config.block_size)
+    if block_size is None:
+        return limit
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise ValueError(f"{name} must be an integer, got {block_size!r}")
+    if not 1 <= block_size <= limit:
+        raise ValueError(
+            f"{name} {block_size} is outside 1..{limit} (this drafter serves blocks of at "
+            f"most {limit} tokens)"
+        )
+    return block_size
