@@ -257,7 +257,9 @@ def side_by_side(
         job_file = scratch_dir / "job.json"
         job_file.write_text(json.dumps(peer_job(ours, drafter_dir)))
         raw_file = out / "peer.json"
-        runner = [python, "-I", str(PEER_RUNNER), "--peer-src", str(peer_src.resolve())]
+        # Not -I: mlx may be reachable only through PYTHONPATH (as on the GPU host). The runner
+        # puts the peer first on sys.path and refuses any other dflash it would import.
+        runner = [python, "-s", str(PEER_RUNNER), "--peer-src", str(peer_src.resolve())]
         runner += ["--job", str(job_file), "--out", str(raw_file.resolve())]
         # A working folder outside the checkout: nothing there is importable as dflash.
         _run(runner, scratch_dir, "the public DFlash loop")

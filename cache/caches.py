@@ -47,6 +47,28 @@ def _window_mask(query_count: int, old_len: int, window: int) -> mx.array:
 _memo_window_mask = functools.lru_cache(maxsize=16)(_window_mask)
 
 
+def bucketed_mask(
+    query_count: int, first: int, key_rows: int, window: Optional[int] = None
+) -> mx.array:
+    """Mask of a chunk attended over bucketed keys (see ``plane.resolve_bucket_keys``).
+
+    Query ``i`` sits at row ``first + i`` of keys that start at row 0; it may see row ``j``
+    iff ``j <= first + i`` (and ``j > first + i - window`` with a window), so the rows past
+    the newest live one (the bucket's padding) are hidden. The bounds change every round,
+    so the mask is built on the device (two ``arange`` and a compare, as mlx-lm's own
+    causal mask): no upload, no host sync.
+
+    Returns:
+        A boolean array of shape ``(query_count, key_rows)``.
+    """
+    query = mx.arange(first, first + query_count)[:, None]
+    key = mx.arange(key_rows)[None]
+    visible = key <= query
+    if window is not None:
+        visible = visible & (key > query - window)
+    return visible
+
+
 class _CacheProtocol:
     """The parts of mlx-lm's cache protocol that rings and growing planes share (a mixin)."""
 
@@ -173,6 +195,8 @@ class RingKVCache(RingPlane, _CacheProtocol):
         layer: Layer index, used in error messages.
         use_kernel: Custom-kernel switch of the staging shadow (``None``: the backend's
             default, see :mod:`dflash.metal.backend`).
+        bucket_keys: Bucketed-keys switch while the ring is not yet full (``None``: the
+            default, see :func:`~dflash.cache.plane.resolve_bucket_keys`).
     """
 
     def __init__(
@@ -181,22 +205,32 @@ class RingKVCache(RingPlane, _CacheProtocol):
         max_context: Optional[int] = None,
         layer: Optional[int] = None,
         use_kernel: Optional[bool] = None,
+        bucket_keys: Optional[bool] = None,
     ):
-        super().__init__(window, max_context, layer=layer, use_kernel=use_kernel)
+        super().__init__(
+            window,
+            max_context,
+            layer=layer,
+            use_kernel=use_kernel,
+            bucket_keys=bucket_keys,
+        )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Store a chunk and return the keys/values its queries attend to.
 
         A staged chunk returns its staging shadow (the guard decides whether the ring is
-        written now or, under a checkpoint, at commit).
+        written now or, under a checkpoint, at commit). With bucketed keys, a ring not yet
+        full returns its rows up to the end of the bucket (``key_rows``).
 
         Shapes:
             keys, values: ``(B, H, S, D)``.
         """
-        if self.is_staged(keys.shape[2]):
+        count = keys.shape[2]
+        if self.is_staged(count):
             return kv_halves(self.stage(keys, values))
+        rows = self.key_rows(count) if self.bucketed(count) else None
         self.write(self.offset, keys, values)
-        return self.attention_rows()
+        return self.attention_rows() if rows is None else self.prefix_rows(rows)
 
     def make_mask(
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
@@ -207,6 +241,8 @@ class RingKVCache(RingPlane, _CacheProtocol):
                 f"layer {self.layer}: mask asked for window {window_size} but the ring "
                 f"was built for window {self.window}"
             )
+        if self.bucketed(N):
+            return bucketed_mask(N, self.len, self.key_rows(N), self.window)
         if N == 1:
             # One query sees every row the ring returns: they are exactly its window.
             return None
@@ -225,6 +261,8 @@ class GrowingKVCache(GrowingPlane, _CacheProtocol):
         layer: Layer index, used in error messages.
         use_kernel: Accepted for symmetry with :class:`RingKVCache` (a growing plane never
             stages, so it launches no custom kernel).
+        bucket_keys: Bucketed-keys switch (``None``: the default, see
+            :func:`~dflash.cache.plane.resolve_bucket_keys`).
     """
 
     def __init__(
@@ -232,22 +270,31 @@ class GrowingKVCache(GrowingPlane, _CacheProtocol):
         max_context: Optional[int] = None,
         layer: Optional[int] = None,
         use_kernel: Optional[bool] = None,
+        bucket_keys: Optional[bool] = None,
     ):
-        super().__init__(max_context, layer=layer, use_kernel=use_kernel)
+        super().__init__(
+            max_context, layer=layer, use_kernel=use_kernel, bucket_keys=bucket_keys
+        )
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append a chunk and return every row so far.
 
+        With bucketed keys the rows run on to the end of the bucket (``key_rows``); the
+        mask from :meth:`make_mask` hides the padding.
+
         Shapes:
             keys, values: ``(B, H, S, D)``.
         """
+        rows = self.key_rows(keys.shape[2])
         self.write(self.offset, keys, values)
-        return self.attention_rows()
+        return self.prefix_rows(rows)
 
     def make_mask(
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
     ):
         """The mask matching what ``update_and_fetch`` will return for ``N`` queries."""
+        if self.bucketed(N):
+            return bucketed_mask(N, self.offset, self.key_rows(N), window_size)
         return create_attention_mask(
             N, offset=self.offset, return_array=return_array, window_size=window_size
         )

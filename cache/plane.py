@@ -16,13 +16,16 @@ stacked in one buffer ``kv`` of shape ``(2, ...)``, so storing a chunk is one la
 one staging-shadow launch builds both K and V; ``keys`` / ``values`` are views of its halves.
 """
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import mlx.core as mx
 
+from ..metal.backend import BACKEND
 from ..metal.ring import ShadowStager, ring_write
+from ..metal.sources import CUDA
 from . import gate
 from .errors import (
     CacheDiscontinuity,
@@ -33,6 +36,73 @@ from .errors import (
 )
 
 GROWTH_STEP = 256
+
+# Bucketed keys: attention reads key lengths rounded up to whole buckets of this many rows.
+KEY_BUCKET = GROWTH_STEP
+# Forwards of BUCKET_MIN_QUERIES .. BUCKET_MAX_QUERIES queries are bucketed (see
+# resolve_bucket_keys for both bounds).
+BUCKET_MIN_QUERIES = 2
+BUCKET_MAX_QUERIES = 64
+# ``DFLASH_BUCKET_KEYS=0`` / ``=1`` overrides the default below (an explicit argument wins).
+BUCKET_KEYS_ENV = "DFLASH_BUCKET_KEYS"
+
+
+def _bucket_keys_by_default() -> bool:
+    told = os.environ.get(BUCKET_KEYS_ENV, "").strip().lower()
+    if told in {"0", "false", "off", "no"}:
+        return False
+    if told in {"1", "true", "on", "yes"}:
+        return True
+    return BACKEND == CUDA
+
+
+BUCKET_KEYS_BY_DEFAULT: bool = _bucket_keys_by_default()
+
+
+def resolve_bucket_keys(bucket_keys: Optional[bool] = None) -> bool:
+    """Whether attention reads bucketed key lengths (``None``: the default, decided here).
+
+    Bucketed keys: a small forward (a verify or draft block) reads the keys up to the end of
+    the current :data:`KEY_BUCKET`-row bucket, with an explicit mask that hides the rows
+    past the live ones, so the key length repeats from round to round instead of growing
+    by a block every round. The default is on with CUDA only, by measurement
+    (``DESIGN.md`` §6; standalone probe ``docs/slow-mode/repro_sdpa_key_length.py``: 16
+    queries, 32/2 heads x 128, bf16, 13 calls a round, one H200, mlx 0.32.4): mlx's cuDNN
+    attention builds a plan per new key length (its plan cache is keyed by the q/k/v/mask
+    shapes and strides), so keys growing by 16 rows a round cost 64 ms a round against
+    1.3 ms at a fixed length and 1.4 ms bucketed with a mask (with
+    ``MLX_CUDA_USE_CUDNN_SDPA=0``: 2.3-2.5 ms growing, 1.8 ms bucketed); inside the
+    DFlash loop this is the slow mode of rounds of 120-177 ms after ~16 rounds. Elsewhere
+    (CPU, Metal) nothing was measured, so the live rows are read unless bucketing is
+    forced. ``DFLASH_BUCKET_KEYS=0/1`` overrides the default. Other docstrings refer here.
+
+    Which forwards: from :data:`BUCKET_MIN_QUERIES` to :data:`BUCKET_MAX_QUERIES` queries
+    (verify blocks, draft blocks). A single query (a decode step) is left alone: mlx's CUDA
+    backend serves it with its vector kernel, which builds no plan per key length but
+    takes no array mask; a mask would send it to the unfused fallback
+    (``supports_sdpa_vector`` / ``use_cudnn_for_decoding`` in mlx's
+    ``backend/cuda/scaled_dot_product_attention.cpp``, read at 0.32.2). Longer chunks
+    (prompt prefill) read the live rows: their ``(queries, keys)`` mask array would cost
+    more than one plan per chunk.
+
+    Args:
+        bucket_keys: ``True`` / ``False`` force bucketing on / off; ``None`` takes the
+            default (:data:`BUCKET_KEYS_BY_DEFAULT`).
+
+    Returns:
+        The switch as a ``bool``.
+    """
+    return BUCKET_KEYS_BY_DEFAULT if bucket_keys is None else bool(bucket_keys)
+
+
+def bucketable(query_count: int) -> bool:
+    """Whether a forward of ``query_count`` queries is one that bucketed keys serve."""
+    return BUCKET_MIN_QUERIES <= query_count <= BUCKET_MAX_QUERIES
+
+
+def bucket_end(rows: int) -> int:
+    """``rows`` rounded up to a whole :data:`KEY_BUCKET`."""
+    return -(-rows // KEY_BUCKET) * KEY_BUCKET
 
 
 def row_axis(head_major: bool) -> int:
@@ -137,6 +207,8 @@ class KvPlane(ABC):
         layer: Layer index, used in error messages.
         use_kernel: Custom-kernel switch of the staging shadow (``None``: the backend's
             default, see :mod:`dflash.metal.backend`).
+        bucket_keys: Bucketed-keys switch (``None``: the default, see
+            :func:`resolve_bucket_keys`).
     """
 
     # Whether rows are evicted once the window is full (informative; no code path tests it).
@@ -152,6 +224,7 @@ class KvPlane(ABC):
         head_major: bool = True,
         layer: Optional[int] = None,
         use_kernel: Optional[bool] = None,
+        bucket_keys: Optional[bool] = None,
     ):
         if max_context is not None and max_context < 1:
             raise CacheError(f"max_context must be >= 1, got {max_context}")
@@ -162,15 +235,18 @@ class KvPlane(ABC):
         self.len = 0
         self.origin_logical = 0
         self.origin_physical = 0
-        self.init_runtime(use_kernel)
+        self.init_runtime(use_kernel, bucket_keys)
 
-    def init_runtime(self, use_kernel: Optional[bool] = None) -> None:
+    def init_runtime(
+        self, use_kernel: Optional[bool] = None, bucket_keys: Optional[bool] = None
+    ) -> None:
         """Set the attributes that are not bookkeeping (also used by ``from_state``)."""
         # K and V stacked: (2, B, H, capacity, D) head-major, (2, B, capacity, H, D) token-major.
         self.kv: Optional[mx.array] = None
         self.use_kernel = use_kernel
         self.stager: Optional[ShadowStager] = None
         self.guard: WriteGuard = OPEN_GUARD
+        self.bucket_keys = resolve_bucket_keys(bucket_keys)
 
     # ----------------------------------------------------------------- the guard
     @property
@@ -470,9 +546,28 @@ class KvPlane(ABC):
     def attention_rows(self) -> Tuple[mx.array, mx.array]:
         """The rows attention reads after a write: the live prefix ``[0, len)`` in time order."""
         if self.origin_physical == 0:
-            rows = take_kv_rows(self.kv, slice(0, self.len), self.head_major)
-            return kv_halves(rows)
+            return self.prefix_rows(self.len)
         return self.logical_rows()
+
+    def prefix_rows(self, rows: int) -> Tuple[mx.array, mx.array]:
+        """Physical rows ``[0, rows)`` as views: the live rows, then (bucketed) padding."""
+        return kv_halves(take_kv_rows(self.kv, slice(0, rows), self.head_major))
+
+    # ----------------------------------------------------------------- bucketed keys
+    def bucketed(self, count: int) -> bool:
+        """Whether a write of ``count`` rows at ``offset`` is attended over bucketed keys.
+
+        See :func:`resolve_bucket_keys` for which forwards are, and why.
+        """
+        return self.bucket_keys and bucketable(count)
+
+    @abstractmethod
+    def key_rows(self, count: int) -> int:
+        """How many key rows attention reads after a write of ``count`` rows at ``offset``.
+
+        Asked before the write by both ``make_mask`` and ``update_and_fetch``, so the mask
+        always matches the keys (mlx-lm builds masks before any layer writes).
+        """
 
     @property
     def nbytes(self) -> int:
@@ -501,6 +596,8 @@ class RingPlane(KvPlane):
         layer: Layer index, used in error messages.
         use_kernel: Custom-kernel switch of the staging shadow (``None``: the backend's
             default, see :mod:`dflash.metal.backend`).
+        bucket_keys: Bucketed-keys switch while the ring is not yet full (``None``: the
+            default, see :func:`resolve_bucket_keys`).
     """
 
     is_ring = True
@@ -514,10 +611,11 @@ class RingPlane(KvPlane):
         head_major: bool = True,
         layer: Optional[int] = None,
         use_kernel: Optional[bool] = None,
+        bucket_keys: Optional[bool] = None,
     ):
         if window is None or window < 1:
             raise CacheError(f"sliding window must be >= 1, got {window}")
-        super().__init__(max_context, head_major, layer, use_kernel)
+        super().__init__(max_context, head_major, layer, use_kernel, bucket_keys)
         self.window = window
         self.capacity = window if max_context is None else min(window, max_context)
 
@@ -566,6 +664,21 @@ class RingPlane(KvPlane):
             return kv_halves(self.kv)
         return super().attention_rows()
 
+    def bucketed(self, count: int) -> bool:
+        # Only a ring that is not yet full grows; once full its length is the capacity.
+        return (
+            super().bucketed(count)
+            and self.origin_physical == 0
+            and self.len + count <= self.capacity
+        )
+
+    def key_rows(self, count: int) -> int:
+        if self.is_staged(count):
+            return self.len + count
+        if self.bucketed(count):
+            return min(bucket_end(self.len + count), self.capacity)
+        return min(self.len + count, self.capacity)
+
 
 class GrowingPlane(KvPlane):
     """A full-attention (or NoPE) layer's plane: rows from position 0, grown in chunks.
@@ -578,6 +691,8 @@ class GrowingPlane(KvPlane):
         layer: Layer index, used in error messages.
         use_kernel: Accepted for symmetry with :class:`RingPlane` (a growing plane never
             stages, so it launches no custom kernel).
+        bucket_keys: Bucketed-keys switch (``None``: the default, see
+            :func:`resolve_bucket_keys`).
     """
 
     kind = "growing"
@@ -595,13 +710,25 @@ class GrowingPlane(KvPlane):
                 f"reserve storage before appending {count} rows"
             )
 
+    def key_rows(self, count: int) -> int:
+        live = self.len + count
+        if not self.bucketed(count):
+            return live
+        return min(bucket_end(live), self._capacity_for(live))
+
+    def _capacity_for(self, rows: int) -> int:
+        """The capacity after making room for ``rows`` rows."""
+        if self.kv is not None and rows <= self.capacity:
+            return self.capacity
+        new_capacity = -(-rows // GROWTH_STEP) * GROWTH_STEP
+        if self.max_context is not None:
+            new_capacity = min(new_capacity, self.max_context)
+        return new_capacity
+
     def _allocate(self, kv: mx.array, rows: int) -> None:
         if self.kv is not None and rows <= self.capacity:
             return
-        steps = -(-rows // GROWTH_STEP)
-        new_capacity = steps * GROWTH_STEP
-        if self.max_context is not None:
-            new_capacity = min(new_capacity, self.max_context)
+        new_capacity = self._capacity_for(rows)
         extra = self._empty_rows(kv, new_capacity - self.capacity)
         if self.kv is None:
             self.kv = extra

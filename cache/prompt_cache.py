@@ -47,6 +47,7 @@ def make_prompt_cache(
     drafter: Optional[Any] = None,
     max_context: Optional[int] = None,
     use_kernel: Optional[bool] = None,
+    bucket_keys: Optional[bool] = None,
 ) -> PromptCache:
     """Construct the model's cache out of KV planes.
 
@@ -63,6 +64,10 @@ def make_prompt_cache(
         use_kernel: The planes' custom-kernel switch: ``False`` / ``True`` force the pure-MLX
             reference / the kernels; ``None`` takes the backend's default (see
             :mod:`dflash.metal.backend`).
+        bucket_keys: Whether small forwards (verify blocks, decode steps) attend over key
+            lengths rounded up to whole buckets, with a mask, in the planes and the
+            drafter's context; ``None``: on with CUDA only (why:
+            :func:`dflash.cache.plane.resolve_bucket_keys`).
 
     Returns:
         One cache per layer, drop-in for mlx-lm's.
@@ -73,7 +78,11 @@ def make_prompt_cache(
             f"{type(drafter).__name__}; pass max_context by keyword"
         )
     caches = PromptCache(
-        drafter_context=drafter.make_context() if drafter is not None else None
+        drafter_context=(
+            drafter.make_context(bucket_keys=bucket_keys)
+            if drafter is not None
+            else None
+        )
     )
     model_type = model_type_of(model)
     for layer, template in enumerate(_model_template(model)):
@@ -85,12 +94,21 @@ def make_prompt_cache(
                 )
             caches.append(
                 RingKVCache(
-                    template.max_size, max_context, layer=layer, use_kernel=use_kernel
+                    template.max_size,
+                    max_context,
+                    layer=layer,
+                    use_kernel=use_kernel,
+                    bucket_keys=bucket_keys,
                 )
             )
         elif type(template) is KVCache:
             caches.append(
-                GrowingKVCache(max_context, layer=layer, use_kernel=use_kernel)
+                GrowingKVCache(
+                    max_context,
+                    layer=layer,
+                    use_kernel=use_kernel,
+                    bucket_keys=bucket_keys,
+                )
             )
         else:
             raise IncompatibleCache(

@@ -35,6 +35,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
+from .cache.plane import bucket_end, bucketable, resolve_bucket_keys
+
 SLIDING_ATTENTION = "sliding_attention"
 FULL_ATTENTION = "full_attention"
 LAYER_TYPES = (SLIDING_ATTENTION, FULL_ATTENTION)
@@ -374,12 +376,17 @@ class _ContextPlane:
 
     Live rows are ``keys[..., begin:end, :]``; rows past ``end`` are scratch where a
     block's own K/V is written so attention reads one contiguous run. A plane with a
-    row limit drops its oldest rows once it holds more than the limit.
+    row limit drops its oldest rows once it holds more than the limit. With
+    ``bucket_keys`` a block reads on past its own rows to the end of a bucket (see
+    :func:`dflash.cache.plane.resolve_bucket_keys`); :func:`_block_mask` hides them.
     """
 
-    def __init__(self, row_limit: Optional[int], reserve: int) -> None:
+    def __init__(
+        self, row_limit: Optional[int], reserve: int, bucket_keys: bool = False
+    ) -> None:
         self.row_limit = row_limit
         self.reserve = reserve
+        self.bucket_keys = bucket_keys
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
         self.begin = 0
@@ -412,7 +419,11 @@ class _ContextPlane:
     def with_block(
         self, block_keys: mx.array, block_values: mx.array
     ) -> Tuple[mx.array, mx.array]:
-        """Return ``[live rows ‖ block rows]`` without committing the block."""
+        """Return ``[live rows ‖ block rows ‖ padding]`` without committing the block.
+
+        The padding (scratch rows, hidden by :func:`_block_mask`) is there only with
+        bucketed keys; see :meth:`key_rows`.
+        """
         count = block_keys.shape[2]
         if self.keys is None:
             return block_keys, block_values
@@ -422,10 +433,26 @@ class _ContextPlane:
         stop = self.end + count
         self.keys[..., self.end : stop, :] = block_keys
         self.values[..., self.end : stop, :] = block_values
+        last = self.begin + self.key_rows(count)
         return (
-            self.keys[..., self.begin : stop, :],
-            self.values[..., self.begin : stop, :],
+            self.keys[..., self.begin : last, :],
+            self.values[..., self.begin : last, :],
         )
+
+    def key_rows(self, count: int) -> int:
+        """Key rows a block of ``count`` rows reads: live + block, bucketed if enabled.
+
+        A full layer's length grows every round, so it is rounded up to a whole bucket; a
+        sliding layer's is capped at ``row_limit + count``, the constant length it keeps
+        once its window is full. Never past the buffer (room is made before this).
+        """
+        live = self.rows + count
+        if not self.bucket_keys or not bucketable(count):
+            return live
+        rows = bucket_end(live)
+        if self.row_limit is not None:
+            rows = min(rows, self.row_limit + count)
+        return max(live, min(rows, self.capacity - self.begin))
 
     def _rows_kept_for(self, incoming: int) -> int:
         if self.row_limit is None:
@@ -535,20 +562,28 @@ class DrafterContext:
 
 
 def _block_mask(
-    context_rows: int, block: int, window: Optional[int], causal: bool
+    context_rows: int,
+    block: int,
+    window: Optional[int],
+    causal: bool,
+    key_rows: Optional[int] = None,
 ) -> Optional[mx.array]:
-    """Boolean (block, context_rows + block) mask, or ``None`` when all is visible.
+    """Boolean (block, key_rows) mask, or ``None`` when all is visible.
 
     Context rows sit at positions ``-context_rows .. -1`` and block rows at
-    ``0 .. block - 1`` relative to the block start. A query sees a key within the
-    window (``|q - k| < window``), and, if ``causal``, no block key after it.
+    ``0 .. block - 1`` relative to the block start; rows past the block (bucketed
+    keys' padding, up to ``key_rows``, default ``context_rows + block``) are never
+    visible. A query sees a key within the window (``|q - k| < window``), and, if
+    ``causal``, no block key after it.
     """
+    key_rows = context_rows + block if key_rows is None else key_rows
+    padded = key_rows > context_rows + block
     widest = context_rows + block - 1
-    if not causal and (window is None or widest < window):
+    if not padded and not causal and (window is None or widest < window):
         return None
     query = mx.arange(block)[:, None]
-    key = mx.arange(-context_rows, block)[None, :]
-    visible = mx.ones((block, context_rows + block), dtype=mx.bool_)
+    key = mx.arange(-context_rows, key_rows - context_rows)[None, :]
+    visible = key < block
     if window is not None:
         visible = visible & (mx.abs(query - key) < window)
     if causal:
@@ -617,7 +652,7 @@ class DraftAttention(nn.Module):
         queries = rope(self.q_norm(queries).transpose(0, 2, 1, 3), offset=start)
         block_keys, block_values = self.project_kv(x, rope, start)
         keys, values = plane.with_block(block_keys, block_values)
-        mask = _block_mask(plane.rows, block, self.window, self.causal)
+        mask = _block_mask(plane.rows, block, self.window, self.causal, keys.shape[2])
         out = mx.fast.scaled_dot_product_attention(
             queries, keys, values, scale=self.scale, mask=mask
         )
@@ -889,8 +924,13 @@ class DFlashDrafter(nn.Module):
             softcap=softcap,
         )
 
-    def make_context(self) -> DrafterContext:
+    def make_context(self, bucket_keys: Optional[bool] = None) -> DrafterContext:
         """Create an empty context whose first append must start at position 0.
+
+        Args:
+            bucket_keys: Whether blocks attend over key lengths rounded up to whole
+                buckets, with a mask; ``None``: on with CUDA only (why:
+                :func:`dflash.cache.plane.resolve_bucket_keys`).
 
         Returns:
             A :class:`DrafterContext` with one plane per draft layer.
@@ -900,7 +940,11 @@ class DFlashDrafter(nn.Module):
         cfg = self.config
         return DrafterContext(
             [
-                _ContextPlane(cfg.context_row_limit(i), reserve=cfg.block_size)
+                _ContextPlane(
+                    cfg.context_row_limit(i),
+                    reserve=cfg.block_size,
+                    bucket_keys=resolve_bucket_keys(bucket_keys),
+                )
                 for i in range(cfg.num_hidden_layers)
             ]
         )

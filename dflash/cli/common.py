@@ -343,10 +343,7 @@ def _load_demo_pair(
 
 
 def check_block_size(block_size: Optional[int], drafter: Any) -> int:
-    """The DFlash block size to use: ``block_size`` if the drafter can serve it, else an error.
-
-    One rule for every entry point: ``1 <= block_size <= drafter.config.block_size`` (a block
-    of 1 drafts nothing; a drafter was trained for blocks of at most its own size).
+    """``--block-size`` under the generator's rule (:func:`dflash.inputs.resolve_block_size`).
 
     Args:
         block_size: The requested size, or ``None`` for the drafter's.
@@ -354,19 +351,10 @@ def check_block_size(block_size: Optional[int], drafter: Any) -> int:
 
     Returns:
         The block size.
-
-    Raises:
-        ValueError: the size is outside ``1..drafter.config.block_size``.
     """
-    limit = drafter.config.block_size
-    if block_size is None:
-        return limit
-    if not 1 <= block_size <= limit:
-        raise ValueError(
-            f"--block-size {block_size} is outside 1..{limit} (this drafter serves blocks of "
-            f"at most {limit} tokens)"
-        )
-    return block_size
+    from ..inputs import resolve_block_size
+
+    return resolve_block_size(block_size, drafter, "--block-size")
 
 
 def make_cli_sampler(args: argparse.Namespace, tokenizer: Any = None):
