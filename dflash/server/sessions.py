@@ -28,7 +28,7 @@ REBUILD = "rebuild"
 STAGED = (FORK, REBUILD)
 
 
-@dataclass
+@dataclass(eq=False)  # sessions are compared by identity
 class Session:
     """A prompt cache and the tokens it holds.
 
