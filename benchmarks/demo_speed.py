@@ -19,8 +19,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 import dflash
+from dflash import dflash_generate_step
 from dflash.bench import default_prompts_path, read_prompts
-from dflash.block_decode import dflash_generate_step
 
 
 def plain_tokens(model, prompt: mx.array, max_tokens: int) -> int:

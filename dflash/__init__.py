@@ -1,6 +1,5 @@
 """mlx-dflash: lossless speculative decoding for mlx-lm with exact, O(block) cache rollback."""
 
-from .block_decode import GenerationStats, dflash_generate_step
 from .cache import (
     SpeculativeCheckpoint,
     load_prompt_cache,
@@ -8,11 +7,14 @@ from .cache import (
     save_prompt_cache,
 )
 from .demo import demo_available, load_demo
+from .dflash_round import dflash_generate_step
 from .drafter import DFlashDrafter, DrafterConfig, DrafterContext, DraftProposal
-from .generation import generate, generate_step, speculative_generate_step, stream_generate
+from .generation import generate, generate_step, stream_generate
 from .loader import DrafterLoadError, load_drafter, save_drafter
+from .sampling import SamplingParams, make_sampler
+from .speculative import speculative_generate_step
+from .stats import GenerationStats
 from .taps import TargetTaps
-from .verify.acceptance import SamplingParams, make_sampler
 
 __all__ = [
     "DFlashDrafter",

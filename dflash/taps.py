@@ -25,8 +25,6 @@ def target_layers(model: nn.Module) -> List[nn.Module]:
 
     Returns:
         The list of decoder layer modules.
-
-    Shapes: none.
     """
     for owner in (
         model,
@@ -72,18 +70,11 @@ class TargetTaps:
         self._records: Dict[int, mx.array] = {}
         self._attached = False
 
-    @property
-    def attached(self) -> bool:
-        """Whether the recording classes are currently swapped in."""
-        return self._attached
-
     def attach(self) -> None:
         """Swap each tapped layer's class for a recording subclass.
 
         Raises:
             RuntimeError: a tapped layer is already tapped by another ``TargetTaps``.
-
-        Shapes: none.
         """
         if self._attached:
             return
@@ -97,10 +88,7 @@ class TargetTaps:
         self._attached = True
 
     def detach(self) -> None:
-        """Restore every tapped layer's original class and drop pending records.
-
-        Shapes: none.
-        """
+        """Restore every tapped layer's original class and drop pending records."""
         for index in sorted(set(self.layer_ids)):
             layer = self.layers[index]
             original = getattr(type(layer), _ORIGINAL_CLASS, None)

@@ -12,22 +12,35 @@ reference (see ``docs/metal.md``):
   a stacked K/V ring from the model's separate keys and values
   (``stager.pair(...)``);
 * :func:`retain_rows` / :func:`restore_rows`: gather the rows a block will
-  overwrite from many planes in one launch, and put them back.
+  overwrite from many planes in one launch, and put them back;
+* :func:`small_query_attention`: 1 to 32 queries over a plane's live rows read
+  in place (a wrapped ring in logical order) plus a held-back block, window and
+  causal limits from positions, batch-invariant (:mod:`dflash.metal.attention`);
+* :func:`small_row_matmul`: ``x @ W.T`` for 1 to 32 rows, dense or mlx's
+  affine-quantized weights, batch-invariant (:mod:`dflash.metal.qmm`).
+
+The verify kernels (the last two) cooperate inside threadgroups; their shared
+bodies, per-backend headers and prologues are described in :mod:`dflash.metal.groups`.
 
 The kernels take arrays, never cache objects: ``dflash.cache`` runs them on its
 hot path. What ``use_kernel=None`` picks for the shadow on each backend, and the
 measurement behind it, is in :mod:`dflash.metal.backend`.
 """
 
+from .attention import KeyPlane, small_query_attention
 from .backend import kernel_backend
+from .qmm import small_row_matmul
 from .retain import restore_rows, retain_rows
 from .ring import ShadowStager, ring_write, wrapped_rows
 
 __all__ = [
+    "KeyPlane",
     "ShadowStager",
     "kernel_backend",
     "restore_rows",
     "retain_rows",
     "ring_write",
+    "small_query_attention",
+    "small_row_matmul",
     "wrapped_rows",
 ]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import dflash.cache.caches as caches_module
 import dflash.cache.plane as plane_module
 import dflash.drafter as drafter_module
-from dflash.block_decode import dflash_generate_step
+from dflash import dflash_generate_step
 from dflash.cache import GrowingKVCache, RingKVCache, SpeculativeCheckpoint
 from dflash.cache.plane import KEY_BUCKET, bucketable, resolve_bucket_keys
 from dflash.drafter import DFlashDrafter, DrafterConfig

@@ -10,7 +10,7 @@ from conftest import assert_lossless
 from mlx.utils import tree_flatten
 
 import dflash
-from dflash.block_decode import GenerationStats, dflash_generate_step
+from dflash import GenerationStats, dflash_generate_step
 from dflash.demo import DEMO_DIR
 from dflash.greedy import greedy_reference
 

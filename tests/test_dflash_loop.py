@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from conftest import assert_lossless, greedy_reference, tiny_model
 
-from dflash.block_decode import GenerationStats, dflash_generate_step
+from dflash import GenerationStats, dflash_generate_step
 from dflash.drafter import DFlashDrafter, DrafterConfig
-from dflash.verify.acceptance import make_sampler, rejection_sample
+from dflash.sampling import make_sampler
+from dflash.verify.acceptance import rejection_accept
 
 MASK = 255
 
@@ -51,7 +52,7 @@ class OracleDrafter:
             has_candidate_selector=False,
         )
 
-    def make_context(self):
+    def make_context(self, bucket_keys=None):
         return SimpleNamespace(offset=0)
 
     def append_context(self, context, target_hidden, start_position):
@@ -127,21 +128,30 @@ def test_rejection_sampling_reproduces_the_target_distribution():
     biased = np.zeros(6)
     for i in range(4000):
         d = int(rng.choice(6, p=q[0]))
-        accepted, bonus = rejection_sample(target, draft, [d], key=mx.random.key(i))
-        first[d if accepted else bonus] += 1
+        _, tokens = rejection_accept(target, draft, mx.array([d]), key=mx.random.key(i))
+        first[tokens[0].item()] += 1  # the draft if kept, else the resampled token
         biased[d] += 1  # "always accept": what a broken rule would emit
     assert chi_square(first, p[0]) < CRITICAL_DF5_P001
     assert chi_square(biased, p[0]) > 10 * CRITICAL_DF5_P001  # the test can tell
 
 
-def test_dflash_sampling_at_temperature_matches_the_target():
+@pytest.mark.parametrize("kind", ["dflash", "classic"])
+def test_sampling_at_temperature_matches_the_target(kind):
     """The first two tokens, read from each run, follow the target's own law.
 
     The second token comes either from an accepted draft or from a one-token round (the
-    round that used to crash), so its marginal checks both paths.
+    round that used to crash), so its marginal checks both paths of rejection sampling.
     """
-    target = tiny_model("muse_glimmer", seed=5, window=16, vocab_size=6)
+    import dflash
+
+    # Small models: the test's cost is 800 whole generations.
+    target = tiny_model(
+        "muse_glimmer", seed=5, window=16, vocab_size=6, num_hidden_layers=3
+    )
     drafter = random_drafter(target, seed=6, block_size=4, mask_token_id=5)
+    draft = tiny_model(
+        "muse_glimmer", seed=6, window=16, vocab_size=6, num_hidden_layers=2
+    )
     prompt = mx.array([1, 2, 3, 4, 0, 1, 2])
 
     def next_probs(tokens):
@@ -156,9 +166,14 @@ def test_dflash_sampling_at_temperature_matches_the_target():
     sampler = make_sampler(temp=1.0)
     mx.random.seed(11)
     for _ in range(800):
-        steps = dflash_generate_step(
-            prompt, target, drafter, max_tokens=2, sampler=sampler
-        )
+        if kind == "dflash":
+            steps = dflash_generate_step(
+                prompt, target, drafter, max_tokens=2, sampler=sampler
+            )
+        else:
+            steps = dflash.speculative_generate_step(
+                prompt, target, draft, num_draft_tokens=3, max_tokens=2, sampler=sampler
+            )
         (a, _, _), (b, _, _) = list(steps)
         first[a] += 1
         second[b] += 1

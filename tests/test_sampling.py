@@ -8,7 +8,7 @@ import pytest
 from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 
 import dflash
-from dflash.verify.acceptance import SamplingParams, sampling_logprobs
+from dflash.sampling import SamplingParams, sampling_logprobs
 
 # Every call form of mlx-lm's make_sampler that mlx-lm itself, its CLI, its server and common
 # scripts use: positional prefixes of every length and the keyword forms.

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from ..cli.common import OneLineParser, integer
 from . import plots, scale_target
 from .measure import DEFAULT_BANDWIDTH_TBS
 from .passes import DEFAULT_PASSES, DEFAULT_SPLIT_REPS, check_block_size, run_bench
@@ -32,30 +33,6 @@ SCALE_MAX_TOKENS = {"full": 256, "tiny": 32}
 SCALE_REPLAY_TAUS = (2, 4, 6, 8)
 SCALE_ONLY = ("quant", "context", "num_prompts", "seed")
 PAIR_ONLY = ("model", "drafter", "prompts", "limit", "draft_model")
-
-
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line, not usage plus a message."""
-
-    def error(self, message: str) -> None:
-        self.exit(2, f"{PROG}: error: {message}\n")
-
-
-def _integer(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected an integer >= {minimum}, got {text!r}"
-            ) from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(
-                f"expected an integer >= {minimum}, got {text}"
-            )
-        return value
-
-    return parse
 
 
 def _positive_float(text: str) -> float:
@@ -95,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     Returns:
         The parser.
     """
-    parser = _Parser(prog=PROG, description=DESCRIPTION)
+    parser = OneLineParser(prog=PROG, description=DESCRIPTION)
     pair = parser.add_argument_group("pair mode (default: the bundled demo pair)")
     pair.add_argument("--model", help="target model path or repo")
     pair.add_argument("--drafter", help="DFlash drafter for --model (required with it)")
@@ -107,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="JSON lines with a 'prompt' field (default: the held-out demo set)",
     )
-    pair.add_argument("--limit", type=_integer(1), help="use the first N prompts")
+    pair.add_argument("--limit", type=integer(1), help="use the first N prompts")
     scale = parser.add_argument_group("scale mode (random weights, no download)")
     scale.add_argument(
         "--scale",
@@ -116,13 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     scale.add_argument("--quant", choices=scale_target.QUANTS, help="default bf16")
     scale.add_argument(
-        "--context", type=_integer(2), help="prompt tokens (default 4096; tiny 64)"
+        "--context", type=integer(2), help="prompt tokens (default 4096; tiny 64)"
     )
     scale.add_argument(
-        "--num-prompts", type=_integer(1), help="random prompts (default 1)"
+        "--num-prompts", type=integer(1), help="random prompts (default 1)"
     )
     scale.add_argument(
-        "--seed", type=_integer(0), help="weight and prompt seed (default 0)"
+        "--seed", type=integer(0), help="weight and prompt seed (default 0)"
     )
     run = parser.add_argument_group("what to run")
     run.add_argument(
@@ -136,21 +113,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=_integers,
         help="REPLAY profiles, e.g. 2,4,6,8 (default in scale mode: 2,4,6,8)",
     )
-    run.add_argument(
-        "--max-tokens", type=_integer(1), help="default 256; tiny scale 32"
-    )
-    run.add_argument("--block-size", type=_integer(1), help="default: the drafter's")
-    run.add_argument("--num-draft-tokens", type=_integer(1), default=3)
-    run.add_argument("--passes", type=_integer(1), default=DEFAULT_PASSES)
+    run.add_argument("--max-tokens", type=integer(1), help="default 256; tiny scale 32")
+    run.add_argument("--block-size", type=integer(1), help="default: the drafter's")
+    run.add_argument("--num-draft-tokens", type=integer(1), default=3)
+    run.add_argument("--passes", type=integer(1), default=DEFAULT_PASSES)
     run.add_argument(
         "--split-reps",
-        type=_integer(0),
+        type=integer(0),
         default=DEFAULT_SPLIT_REPS,
         help="repetitions of each eval-timed round part (0: no split)",
     )
     run.add_argument(
         "--overhead-reps",
-        type=_integer(0),
+        type=integer(0),
         default=0,
         help="pairs of bare vs bench-drained runs (A/B overhead check; 0: off)",
     )

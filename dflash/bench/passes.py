@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream, wired_limit
 
 from ..greedy import greedy_reference_with_margins
+from ..inputs import resolve_block_size
 from . import measure
 from .prompts import check_prompt_set, encode_prompt, stop_tokens
 from .runs import (
@@ -42,26 +43,16 @@ EDGE_ROUNDS = 20
 
 
 def check_block_size(block_size: int, drafter: Any) -> int:
-    """Refuse a block size the drafter cannot serve: ``1 <= block_size <= its own``.
+    """The bench's block size under the generator's rule (:func:`dflash.inputs.resolve_block_size`).
 
     Args:
         block_size: Requested block size ``B``.
-        drafter: The DFlash drafter (``config.block_size`` is the most it drafts for).
+        drafter: The DFlash drafter.
 
     Returns:
         ``block_size``.
-
-    Raises:
-        ValueError: outside ``1..drafter.config.block_size``, in one short line.
     """
-    most = int(drafter.config.block_size)
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
-        raise ValueError(f"block_size must be an integer, got {block_size!r}")
-    if not 1 <= block_size <= most:
-        raise ValueError(
-            f"block size {block_size} is outside what the drafter serves (1..{most})"
-        )
-    return block_size
+    return resolve_block_size(block_size, drafter, "block size")
 
 
 def first_divergence(

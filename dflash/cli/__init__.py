@@ -38,7 +38,10 @@ def _entry_point(name: str):
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         if error.name is not None and module_name.startswith(error.name):
-            _fail(f"the {name!r} subcommand is not available: {module_name} is not installed", 1)
+            _fail(
+                f"the {name!r} subcommand is not available: {module_name} is not installed",
+                1,
+            )
         _fail(f"the {name!r} subcommand needs a missing module: {error.name}", 1)
     return module.main
 
@@ -57,7 +60,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(USAGE)
         return
     if name not in SUBCOMMANDS:
-        _fail(f"unknown subcommand {argv[0]!r}: expected one of {', '.join(SUBCOMMANDS)}")
+        _fail(
+            f"unknown subcommand {argv[0]!r}: expected one of {', '.join(SUBCOMMANDS)}"
+        )
     entry = _entry_point(name)
     # Subcommands read sys.argv (some record the command line), so hand them theirs.
     sys.argv = [f"{PROG} {name}", *flags]

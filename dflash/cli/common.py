@@ -11,7 +11,7 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 # The name a session or prompt-cache file records for the bundled demo pair (a resolved
 # local path always starts with "/" and a hub repo id always holds one "/": no clash).
@@ -47,7 +47,9 @@ def integer(minimum: int) -> Callable[[str], int]:
                 f"expected an integer >= {minimum}, got {text!r}"
             ) from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text}")
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {minimum}, got {text}"
+            )
         return value
 
     return parse
@@ -68,7 +70,9 @@ def number(minimum: Optional[float] = None) -> Callable[[str], float]:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected {wanted}, got {text!r}"
+            ) from None
         if value != value or value in (float("inf"), float("-inf")):
             raise argparse.ArgumentTypeError(f"expected {wanted}, got {text}")
         if minimum is not None and value < minimum:
@@ -223,6 +227,21 @@ def load_target(flag: str, name: str, tokenizer_config: Optional[dict] = None):
         return load(name, tokenizer_config=tokenizer_config)
 
 
+def names_of(model: Optional[str], drafter: Optional[str]) -> Tuple[str, Optional[str]]:
+    """The names saved files record for ``--model`` / ``--drafter`` (before loading them).
+
+    Args:
+        model: ``--model``, or ``None`` for the bundled demo pair.
+        drafter: ``--drafter``, or ``None``.
+
+    Returns:
+        ``(model name, drafter name or None)``; the demo pair is ``(DEMO_NAME, DEMO_NAME)``.
+    """
+    if model is None:
+        return DEMO_NAME, DEMO_NAME
+    return model_identity(model), model_identity(drafter) if drafter else None
+
+
 @dataclass
 class Models:
     """What a CLI run generates with.
@@ -278,17 +297,21 @@ def load_models(
         raise ValueError("use --drafter (DFlash) or --draft-model, not both")
     if model is None:
         return _load_demo_pair(prog, drafter, draft_model)
-    for flag, name in (("--model", model), ("--drafter", drafter), ("--draft-model", draft_model)):
+    for flag, name in (
+        ("--model", model),
+        ("--drafter", drafter),
+        ("--draft-model", draft_model),
+    ):
         if name:
             check_model_name(flag, name)
     target, tokenizer = load_target("--model", model, tokenizer_config)
-    loaded = Models(target, tokenizer, model_name=model_identity(model))
+    model_name, drafter_name = names_of(model, drafter)
+    loaded = Models(target, tokenizer, model_name=model_name, drafter_name=drafter_name)
     if drafter:
         from .. import load_drafter
 
         with hub_errors("--drafter", drafter):
             loaded.drafter = load_drafter(drafter, target)
-        loaded.drafter_name = model_identity(drafter)
     if draft_model:
         loaded.draft_model, draft_tokenizer = load_target("--draft-model", draft_model)
         if draft_tokenizer.vocab_size != tokenizer.vocab_size:
@@ -299,25 +322,28 @@ def load_models(
     return loaded
 
 
-def _load_demo_pair(prog: str, drafter: Optional[str], draft_model: Optional[str]) -> Models:
+def _load_demo_pair(
+    prog: str, drafter: Optional[str], draft_model: Optional[str]
+) -> Models:
     from .. import demo
 
     for flag, value in (("--draft-model", draft_model), ("--drafter", drafter)):
         if value:
-            raise ValueError(f"{flag} needs --model (without --model the bundled demo pair is used)")
+            raise ValueError(
+                f"{flag} needs --model (without --model the bundled demo pair is used)"
+            )
     model, tokenizer, drafter_model = demo.load_demo()
     notice = (
         f"{prog}: no --model given; using the bundled demo pair "
         f"({demo.DEMO_DESCRIPTION}, {demo.DEMO_DIR})"
     )
-    return Models(model, tokenizer, drafter_model, drafter_name=DEMO_NAME, notice=notice)
+    return Models(
+        model, tokenizer, drafter_model, drafter_name=DEMO_NAME, notice=notice
+    )
 
 
 def check_block_size(block_size: Optional[int], drafter: Any) -> int:
-    """The DFlash block size to use: ``block_size`` if the drafter can serve it, else an error.
-
-    One rule for every entry point: ``1 <= block_size <= drafter.config.block_size`` (a block
-    of 1 drafts nothing; a drafter was trained for blocks of at most its own size).
+    """``--block-size`` under the generator's rule (:func:`dflash.inputs.resolve_block_size`).
 
     Args:
         block_size: The requested size, or ``None`` for the drafter's.
@@ -325,39 +351,40 @@ def check_block_size(block_size: Optional[int], drafter: Any) -> int:
 
     Returns:
         The block size.
-
-    Raises:
-        ValueError: the size is outside ``1..drafter.config.block_size``.
     """
-    limit = drafter.config.block_size
-    if block_size is None:
-        return limit
-    if not 1 <= block_size <= limit:
-        raise ValueError(
-            f"--block-size {block_size} is outside 1..{limit} (this drafter serves blocks of "
-            f"at most {limit} tokens)"
-        )
-    return block_size
+    from ..inputs import resolve_block_size
+
+    return resolve_block_size(block_size, drafter, "--block-size")
 
 
-def make_cli_sampler(args: argparse.Namespace):
-    """``dflash.make_sampler`` from the sampling flags (validated before any model loads).
+def make_cli_sampler(args: argparse.Namespace, tokenizer: Any = None):
+    """``dflash.make_sampler`` from the sampling flags, called as mlx-lm's CLIs call it.
+
+    Called once without a tokenizer before any model loads (so a bad setting fails at once),
+    then with the tokenizer, whose newline and end-of-sequence ids XTC never removes.
 
     Args:
-        args: Flags with ``temp``, ``top_p`` and optionally ``min_p``, ``top_k``,
-            ``min_tokens_to_keep``.
+        args: Flags with ``temp``, ``top_p``, ``xtc_probability``, ``xtc_threshold`` and
+            optionally ``min_p``, ``top_k``, ``min_tokens_to_keep``.
+        tokenizer: mlx-lm's ``TokenizerWrapper``, or ``None``.
 
     Returns:
         The sampler.
     """
     from .. import make_sampler
 
+    special = None
+    if tokenizer is not None:
+        special = tokenizer.encode("\n") + list(tokenizer.eos_token_ids)
     return make_sampler(
-        temp=args.temp,
-        top_p=args.top_p,
-        min_p=getattr(args, "min_p", 0.0),
-        min_tokens_to_keep=getattr(args, "min_tokens_to_keep", 1),
+        args.temp,
+        args.top_p,
+        getattr(args, "min_p", 0.0),
+        getattr(args, "min_tokens_to_keep", 1),
         top_k=getattr(args, "top_k", 0),
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
+        xtc_special_tokens=special,
     )
 
 
@@ -368,11 +395,31 @@ def add_sampling_flags(parser: argparse.ArgumentParser, full: bool = True) -> No
         parser: The parser to extend.
         full: Also add ``--min-p``, ``--top-k`` and ``--min-tokens-to-keep``.
     """
-    parser.add_argument("--temp", type=number(0.0), default=0.0, help="sampling temperature")
+    parser.add_argument(
+        "--temp", type=number(0.0), default=0.0, help="sampling temperature"
+    )
     parser.add_argument("--top-p", type=number(0.0), default=1.0, help="sampling top-p")
     if full:
-        parser.add_argument("--min-p", type=number(0.0), default=0.0, help="sampling min-p")
-        parser.add_argument("--top-k", type=integer(0), default=0, help="sampling top-k")
+        parser.add_argument(
+            "--min-p", type=number(0.0), default=0.0, help="sampling min-p"
+        )
+        parser.add_argument(
+            "--top-k", type=integer(0), default=0, help="sampling top-k"
+        )
+    parser.add_argument(
+        "--xtc-probability",
+        type=number(0.0),
+        default=0.0,
+        help="probability of XTC sampling at each token (drafts are then checked by the "
+        "sample-match rule, still lossless)",
+    )
+    parser.add_argument(
+        "--xtc-threshold",
+        type=number(0.0),
+        default=0.1,
+        help="XTC's probability threshold",
+    )
+    if full:
         parser.add_argument(
             "--min-tokens-to-keep",
             type=integer(1),
@@ -381,33 +428,34 @@ def add_sampling_flags(parser: argparse.ArgumentParser, full: bool = True) -> No
         )
 
 
-def add_unsupported_cache_flags(parser: argparse.ArgumentParser) -> None:
-    """mlx-lm's KV-cache flags, accepted by name and refused when given (see
-    :func:`refuse_unsupported_cache_flags`)."""
+def add_cache_flags(parser: argparse.ArgumentParser) -> None:
+    """mlx-lm's KV-cache flags, checked by :func:`check_cache_flags`."""
     parser.add_argument(
         "--max-kv-size",
         type=integer(1),
         default=None,
-        help="not supported: dflash caches keep the whole context",
+        help="accepted at or above the model's sliding windows (a no-op, as in mlx-lm for "
+        "such models); dflash caches never evict context",
     )
     parser.add_argument(
-        "--kv-bits", type=integer(1), default=None, help="not supported: no quantized KV cache"
+        "--kv-bits",
+        type=integer(1),
+        default=None,
+        help="not supported: dflash caches keep exact rows",
     )
 
 
-def refuse_unsupported_cache_flags(args: argparse.Namespace) -> None:
-    """Refuse ``--max-kv-size`` / ``--kv-bits``: dflash caches can honour neither.
+def check_cache_flags(args: argparse.Namespace, model: Any) -> None:
+    """``--max-kv-size`` / ``--kv-bits`` under the generators' own rule
+    (``dflash.generation.check_cache_options``).
 
     Args:
         args: The parsed flags.
+        model: The target model.
     """
-    if args.max_kv_size is not None:
-        raise ValueError(
-            "--max-kv-size is not supported: dflash caches keep the whole context "
-            "(sliding-window layers keep exactly their window)"
-        )
-    if args.kv_bits is not None:
-        raise ValueError("--kv-bits is not supported: dflash caches are not quantized")
+    from ..generation import check_cache_options
+
+    check_cache_options(model, args.kv_bits, args.max_kv_size)
 
 
 # -- prompts ------------------------------------------------------------------------------

@@ -8,29 +8,35 @@ with the acceptance statistics of a speculative run before ``Peak memory``.
 """
 
 import argparse
+import itertools
 import sys
 from typing import List, Optional
 
 import mlx.core as mx
 
 from .common import (
+    DEMO_NAME,
     DraftRounds,
     Models,
     OneLineParser,
     acceptance_lines,
+    add_cache_flags,
     add_sampling_flags,
-    add_unsupported_cache_flags,
     check_block_size,
+    check_cache_flags,
     integer,
     load_models,
     make_cli_sampler,
+    names_of,
     read_prompt,
-    refuse_unsupported_cache_flags,
     run_cli,
 )
+from .session import check_names, load_session, read_metadata
 
 PROG = "dflash-generate"
-DESCRIPTION = "Generate text with DFlash speculative decoding (lossless) on mlx-lm models."
+DESCRIPTION = (
+    "Generate text with DFlash speculative decoding (lossless) on mlx-lm models."
+)
 DEFAULT_PROMPT = "hello"  # mlx_lm.generate's default
 DEMO_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 RULE = "=" * 10
@@ -70,7 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
         "signature and docstring for the demo code model)",
     )
     parser.add_argument(
-        "--max-tokens", "-m", type=integer(1), default=100, help="tokens to generate at most"
+        "--max-tokens",
+        "-m",
+        type=integer(1),
+        default=100,
+        help="tokens to generate at most",
     )
     add_sampling_flags(parser)
     parser.add_argument("--seed", type=integer(0), default=None, help="PRNG seed")
@@ -86,9 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="'True' echoes the prompt and prints statistics, 'False' only the text",
     )
     parser.add_argument(
-        "--prefill-step-size", type=integer(1), default=2048, help="prompt tokens per forward"
+        "--prefill-step-size",
+        type=integer(1),
+        default=2048,
+        help="prompt tokens per forward",
     )
-    add_unsupported_cache_flags(parser)
+    parser.add_argument(
+        "--prompt-cache-file",
+        default=None,
+        help="continue from a file of dflash-cache-prompt (or a dflash-chat session); "
+        "without --model, its model and drafter are used",
+    )
+    add_cache_flags(parser)
     parser.add_argument("--draft-model", help="a classic draft model (same tokenizer)")
     parser.add_argument(
         "--num-draft-tokens",
@@ -96,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="draft tokens per round with --draft-model",
     )
-    parser.add_argument("--drafter", help="path or repo of a DFlash drafter for --model")
+    parser.add_argument(
+        "--drafter", help="path or repo of a DFlash drafter for --model"
+    )
     parser.add_argument(
         "--block-size",
         type=integer(1),
@@ -112,30 +133,60 @@ def _prompt_text(args: argparse.Namespace) -> str:
     return read_prompt(args.prompt)
 
 
-def prompt_tokens(tokenizer, text: str, args: argparse.Namespace) -> List[int]:
+def prompt_tokens(
+    tokenizer, text: str, args: argparse.Namespace, continuing: bool = False
+) -> List[int]:
     """The prompt's token ids: the chat template over the system prompt and ``text`` when the
     tokenizer has one (and it is not ignored), else ``text`` encoded raw.
+
+    Continuing a cached prompt (``dflash-cache-prompt`` left the user message open), the
+    template's text from the message on completes it, as in mlx-lm; a raw prompt then gets
+    no special tokens (they are at the start of the cache already).
 
     Args:
         tokenizer: mlx-lm's ``TokenizerWrapper``.
         text: The user's prompt.
         args: Flags with ``ignore_chat_template`` and ``system_prompt``.
+        continuing: Whether the prompt continues a prompt cache.
 
     Returns:
         The token ids.
     """
     if args.ignore_chat_template or not tokenizer.has_chat_template:
-        return tokenizer.encode(text)
+        return tokenizer.encode(text, add_special_tokens=not continuing)
     messages = []
     if args.system_prompt is not None:
         messages.append({"role": "system", "content": args.system_prompt})
     messages.append({"role": "user", "content": text})
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    if continuing:
+        messages[-1]["content"] = "<query>"
+        probe = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True
+        )
+        rendered = rendered[probe.index("<query>") :]
     return tokenizer.encode(rendered, add_special_tokens=False)
 
 
+def _names_from_cache_file(args: argparse.Namespace) -> None:
+    """Take the model (and drafter) of ``--prompt-cache-file`` when ``--model`` is absent, and
+    refuse other names before anything loads."""
+    path = args.prompt_cache_file
+    metadata = read_metadata(path)
+    if args.draft_model:
+        raise ValueError(
+            "--prompt-cache-file continues a plain or DFlash cache; it takes no --draft-model"
+        )
+    if args.model is None and metadata.get("model") != DEMO_NAME:
+        args.model = metadata.get("model")
+        args.drafter = args.drafter or metadata.get("drafter") or None
+    # (A --drafter without --model is refused when the models load.)
+    check_names(path, metadata, *names_of(args.model, args.drafter))
+
+
 def _check_flags(args: argparse.Namespace) -> None:
-    refuse_unsupported_cache_flags(args)
     if args.drafter and args.draft_model:
         raise ValueError("use --drafter (DFlash) or --draft-model, not both")
 
@@ -144,7 +195,11 @@ def _generation_kwargs(args: argparse.Namespace, models: Models, sampler):
     """Keyword arguments of ``stream_generate`` and the statistics to print afterwards."""
     from .. import GenerationStats
 
-    kwargs = {"sampler": sampler, "prefill_step_size": args.prefill_step_size}
+    kwargs = {
+        "sampler": sampler,
+        "prefill_step_size": args.prefill_step_size,
+        "max_kv_size": args.max_kv_size,
+    }
     if models.drafter is not None:
         block_size = check_block_size(args.block_size, models.drafter)
         stats = GenerationStats(block_size)
@@ -153,13 +208,17 @@ def _generation_kwargs(args: argparse.Namespace, models: Models, sampler):
     if args.block_size is not None:
         raise ValueError("--block-size needs a DFlash drafter (--drafter)")
     if models.draft_model is not None:
-        kwargs.update(draft_model=models.draft_model, num_draft_tokens=args.num_draft_tokens)
+        kwargs.update(
+            draft_model=models.draft_model, num_draft_tokens=args.num_draft_tokens
+        )
     return kwargs, None
 
 
 def _print_statistics(response, stats, rounds: Optional[DraftRounds]) -> None:
     print(RULE)
-    print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+    print(
+        f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec"
+    )
     print(
         f"Generation: {response.generation_tokens} tokens, "
         f"{response.generation_tps:.3f} tokens-per-sec"
@@ -181,24 +240,37 @@ def run(args: argparse.Namespace) -> None:
     from .. import stream_generate
 
     _check_flags(args)
-    sampler = make_cli_sampler(args)  # refuses bad settings before any model loads
+    make_cli_sampler(args)  # refuses bad settings before any model loads
     if args.seed is not None:
         mx.random.seed(args.seed)
+    if args.prompt_cache_file:
+        _names_from_cache_file(args)
     models = load_models(PROG, args.model, args.drafter, args.draft_model)
     for token in args.extra_eos_token:
         models.tokenizer.add_eos_token(token)
+    check_cache_flags(args, models.model)
+    sampler = make_cli_sampler(args, models.tokenizer)
     kwargs, stats = _generation_kwargs(args, models, sampler)
     text = _prompt_text(args)
-    prompt = prompt_tokens(models.tokenizer, text, args)
-    rounds = DraftRounds(args.num_draft_tokens) if models.draft_model is not None else None
+    prompt = prompt_tokens(
+        models.tokenizer, text, args, args.prompt_cache_file is not None
+    )
+    if args.prompt_cache_file:
+        session = load_session(args.prompt_cache_file, models)
+        prompt = session.pending + prompt
+        kwargs["prompt_cache"] = session.cache
+    rounds = DraftRounds(args.num_draft_tokens) if models.draft_model else None
+    responses = stream_generate(
+        models.model, models.tokenizer, prompt, max_tokens=args.max_tokens, **kwargs
+    )
+    # The prefill and first token: a refused prompt fails here, before any output.
+    first = next(responses, None)
     models.announce()
     if args.verbose:
         print(text, end="" if text.endswith("\n") else "\n")
         print(RULE, flush=True)
     response = None
-    for response in stream_generate(
-        models.model, models.tokenizer, prompt, max_tokens=args.max_tokens, **kwargs
-    ):
+    for response in itertools.chain([first] if first else [], responses):
         print(response.text, end="", flush=True)
         if rounds is not None:
             rounds.add(response.from_draft)

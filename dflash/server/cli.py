@@ -17,13 +17,13 @@ from typing import List, Optional
 
 from ..cli.common import (
     OneLineParser,
-    add_unsupported_cache_flags,
+    add_cache_flags,
     check_block_size,
+    check_cache_flags,
     integer,
     load_models,
     model_identity,
     number,
-    refuse_unsupported_cache_flags,
     run_cli,
 )
 from .policy import POLICIES, SHIFT
@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="requests that may wait for the worker before new ones get HTTP 429 (64)",
     )
-    add_unsupported_cache_flags(parser)
+    add_cache_flags(parser)
     return parser
 
 
@@ -258,6 +258,7 @@ def build_state(args):
     from .worker import Worker
 
     engine, names, draft_names = load_engine(args)
+    check_cache_flags(args, engine.model)
     vocab = getattr(getattr(engine.model, "args", None), "vocab_size", None) or (
         1 << 31
     )
@@ -309,7 +310,6 @@ def serve(args) -> None:
     uvicorn, create_app = _server_stack()
 
     _check_sampling(args)
-    refuse_unsupported_cache_flags(args)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(message)s"
     )

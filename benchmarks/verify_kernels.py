@@ -1,0 +1,397 @@
+"""Verify kernels against mlx's own ops: attention over the planes, small-row matmuls.
+
+* **attention**: 16 queries (and 1) over a growing plane of 4k / 32k keys and over a
+  full 2,048-row ring at the same positions, 32 query / 2 KV heads x 128, bfloat16:
+  :func:`dflash.metal.attention.small_query_attention` (reading the plane in place,
+  the block held back) against ``mx.fast.scaled_dot_product_attention`` over
+  contiguous keys (growing) or over the staging shadow the cache builds (ring: the
+  shadow's concatenate is timed with it, as the cache pays it).
+* **matmul**: :func:`dflash.metal.qmm.small_row_matmul` against
+  ``mx.quantized_matmul`` / ``x @ W.T`` at Muse Glimmer's projection shapes
+  (hidden 6,656), 1 and 16 rows, bfloat16 weights and 4- / 8-bit (group 64), with
+  the weight bytes and the time reading them would take at ``--bandwidth``.
+
+Each op is timed two ways: ``sync`` (one call, then wait for it: median over
+``--reps``) and ``pipelined`` (``--batch`` calls queued, one wait, per call).
+Results go to ``--json`` after every row, so a run cut short keeps what it measured.
+
+GPU: ``python -m benchmarks.verify_kernels --json docs/benchmarks/verify-kernels-h200.json``.
+CPU smoke test (tiny shapes, the reference forms): add ``--small``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+
+from dflash.metal import attention, backend, qmm
+from dflash.metal.attention import KeyPlane, small_query_attention
+from dflash.metal.qmm import small_row_matmul
+
+H200_BANDWIDTH = 4.8e12
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Shapes of one run.
+
+    Attributes:
+        heads, kv_heads, dim: Attention heads and head dim.
+        contexts: Key positions before the block.
+        window: Ring capacity (the sliding window).
+        queries: Query counts.
+        projections: ``(name, K, N)`` matmul shapes.
+        rows: Matmul row counts.
+        dtype: Element dtype.
+    """
+
+    heads: int
+    kv_heads: int
+    dim: int
+    contexts: tuple[int, ...]
+    window: int
+    queries: tuple[int, ...]
+    projections: tuple[tuple[str, int, int], ...]
+    rows: tuple[int, ...]
+    dtype: mx.Dtype = mx.bfloat16
+
+
+GLIMMER = Setup(
+    heads=32,
+    kv_heads=2,
+    dim=128,
+    contexts=(4096, 32768),
+    window=2048,
+    queries=(16, 1),
+    projections=(
+        ("q_proj / gate_proj (attn)", 6656, 4096),
+        ("k_proj / v_proj", 6656, 256),
+        ("o_proj", 4096, 6656),
+        ("mlp gate / up", 6656, 19968),
+        ("mlp down", 19968, 6656),
+        ("lm_head", 6656, 202048),
+    ),
+    rows=(1, 16),
+)
+SMALL = Setup(
+    heads=4,
+    kv_heads=2,
+    dim=32,
+    contexts=(96, 300),
+    window=64,
+    queries=(8, 1),
+    projections=(("small in", 128, 96), ("small out", 192, 128)),
+    rows=(1, 8),
+    dtype=mx.float32,
+)
+
+
+def time_op(fn: Callable[[], mx.array], reps: int, batch: int) -> dict:
+    """Median sync latency and pipelined per-call time of ``fn``, in microseconds."""
+    for _ in range(3):
+        mx.eval(fn())
+    sync = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        mx.eval(fn())
+        sync.append(time.perf_counter() - start)
+    piped = []
+    for _ in range(max(1, reps // 4)):
+        start = time.perf_counter()
+        mx.eval([fn() for _ in range(batch)])
+        piped.append((time.perf_counter() - start) / batch)
+    return {
+        "sync_us": 1e6 * statistics.median(sync),
+        "sync_p10_us": 1e6 * sorted(sync)[len(sync) // 10],
+        "pipelined_us": 1e6 * statistics.median(piped),
+    }
+
+
+class Report:
+    """Rows of results, written to JSON after every one."""
+
+    def __init__(self, path: Optional[str], meta: dict) -> None:
+        self.path = path
+        self.data = {"meta": meta, "attention": [], "matmul": []}
+
+    def add(self, section: str, row: dict) -> None:
+        self.data[section].append(row)
+        print(json.dumps(row), flush=True)
+        if self.path:
+            with open(self.path, "w") as handle:
+                json.dump(self.data, handle, indent=1)
+
+
+def _form(use_kernel: Optional[bool]) -> str:
+    if use_kernel is False:
+        return "reference"
+    if use_kernel or backend.use_kernel_path(None, auto=True):
+        return "kernel"
+    return "reference"
+
+
+# ----------------------------------------------------------------- attention
+
+
+def _attention_inputs(setup: Setup, context: int, count: int, ring: bool):
+    """Queries, the plane (ring or growing) and the held-back block at ``context``."""
+    shape = (1, setup.kv_heads)
+    dtype = setup.dtype
+    block_k = mx.random.normal(shape + (count, setup.dim)).astype(dtype)
+    block_v = mx.random.normal(shape + (count, setup.dim)).astype(dtype)
+    queries = mx.random.normal((1, setup.heads, count, setup.dim)).astype(dtype)
+    if ring:
+        rows = setup.window
+        start = context - rows
+        origin = start % rows
+    else:
+        rows = -(-(context + count) // 256) * 256
+        start, origin = 0, 0
+    keys = mx.random.normal(shape + (rows, setup.dim)).astype(dtype)
+    values = mx.random.normal(shape + (rows, setup.dim)).astype(dtype)
+    length = setup.window if ring else context
+    plane = KeyPlane(keys, values, length, start, origin)
+    mx.eval(queries, keys, values, block_k, block_v)
+    return queries, plane, block_k, block_v
+
+
+def _mlx_attention(
+    setup: Setup, queries, plane: KeyPlane, block_k, block_v, ring: bool
+):
+    """mlx's routes: ``(name, timed, exact)``.
+
+    ``exact`` computes the same attention as ours (for the difference column);
+    ``timed`` is what the cache hands mlx: contiguous keys and ``"causal"`` for a
+    growing plane; for a ring, the staging shadow plus a window mask for a block, and
+    the whole ring in physical order with no mask for one query (a decode step
+    writes first, so the ring holds exactly its window: one row differs from ours).
+    """
+    count = queries.shape[2]
+    scale = setup.dim**-0.5
+    if not ring:
+        # The block's rows sit after the plane's (as the cache writes them).
+        keys = mx.concatenate([plane.keys[:, :, : plane.length], block_k], axis=2)
+        values = mx.concatenate([plane.values[:, :, : plane.length], block_v], axis=2)
+        mx.eval(keys, values)
+
+        def contiguous():
+            return mx.fast.scaled_dot_product_attention(
+                queries, keys, values, scale=scale, mask="causal"
+            )
+
+        return "mlx sdpa", contiguous, contiguous
+    live, origin = plane.length, plane.origin_physical
+    query = mx.arange(live, live + count)[:, None]
+    key = mx.arange(live + count)[None]
+    mask = (key <= query) & (key > query - setup.window)
+    mx.eval(mask)
+
+    def staged():
+        def shadow(buffer, block):
+            parts = [buffer[:, :, origin:], buffer[:, :, :origin], block]
+            return mx.concatenate(parts, axis=2)
+
+        return mx.fast.scaled_dot_product_attention(
+            queries,
+            shadow(plane.keys, block_k),
+            shadow(plane.values, block_v),
+            scale=scale,
+            mask=mask,
+        )
+
+    if count > 1:
+        return "mlx sdpa + shadow", staged, staged
+
+    def whole_ring():
+        return mx.fast.scaled_dot_product_attention(
+            queries, plane.keys, plane.values, scale=scale, mask=None
+        )
+
+    return "mlx sdpa (ring in place)", whole_ring, staged
+
+
+def bench_attention(setup: Setup, report: Report, args) -> None:
+    for context in setup.contexts:
+        for ring in (False, True):
+            for count in setup.queries:
+                queries, plane, block_k, block_v = _attention_inputs(
+                    setup, context, count, ring
+                )
+                kwargs = dict(
+                    scale=setup.dim**-0.5,
+                    window=setup.window if ring else None,
+                    use_kernel=args.use_kernel,
+                )
+
+                def ours():
+                    return small_query_attention(
+                        queries, plane, block_k, block_v, **kwargs
+                    )
+
+                name, theirs, exact = _mlx_attention(
+                    setup, queries, plane, block_k, block_v, ring
+                )
+                diff = mx.abs(
+                    ours().astype(mx.float32) - exact().astype(mx.float32)
+                ).max()
+                keys = min(context, setup.window) if ring else context
+                rows = keys + count
+                base = {
+                    "context": context,
+                    "plane": "ring" if ring else "growing",
+                    "queries": count,
+                    "keys_read": rows,
+                    "kv_bytes": 2
+                    * setup.kv_heads
+                    * rows
+                    * setup.dim
+                    * setup.dtype.size,
+                    "max_abs_diff_vs_mlx": float(diff),
+                }
+                timing = time_op(ours, args.reps, args.batch)
+                report.add(
+                    "attention", {**base, "impl": _form(args.use_kernel), **timing}
+                )
+                timing = time_op(theirs, args.reps, args.batch)
+                report.add("attention", {**base, "impl": name, **timing})
+
+
+# -------------------------------------------------------------------- matmul
+
+
+def _weights(setup: Setup, depth: int, columns: int, bits: Optional[int]):
+    dense = (0.02 * mx.random.normal((columns, depth))).astype(setup.dtype)
+    if bits is None:
+        mx.eval(dense)
+        return dense, None, None, dense.nbytes
+    weight, scales, biases = mx.quantize(dense, group_size=64, bits=bits)
+    del dense
+    mx.eval(weight, scales, biases)
+    return weight, scales, biases, weight.nbytes + scales.nbytes + biases.nbytes
+
+
+def _dtype_name(dtype: mx.Dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def bench_matmul(setup: Setup, report: Report, args) -> None:
+    for name, depth, columns in setup.projections:
+        if args.skip_lm_head and name == "lm_head":
+            continue
+        for bits in (None, 4, 8):
+            weight, scales, biases, nbytes = _weights(setup, depth, columns, bits)
+            for rows in setup.rows:
+                x = mx.random.normal((rows, depth)).astype(setup.dtype)
+                mx.eval(x)
+                ours = lambda: small_row_matmul(  # noqa: E731
+                    x, weight, scales, biases, bits=bits,
+                    group_size=64 if bits else None, use_kernel=args.use_kernel,
+                )  # fmt: skip
+                if bits is None:
+                    theirs = lambda: x @ weight.T  # noqa: E731
+                else:
+                    theirs = lambda: mx.quantized_matmul(  # noqa: E731
+                        x,
+                        weight,
+                        scales,
+                        biases,
+                        transpose=True,
+                        group_size=64,
+                        bits=bits,
+                    )
+                diff = mx.abs(
+                    ours().astype(mx.float32) - theirs().astype(mx.float32)
+                ).max()
+                base = {
+                    "projection": name,
+                    "K": depth,
+                    "N": columns,
+                    "rows": rows,
+                    "weights": (
+                        _dtype_name(setup.dtype) if bits is None else f"{bits}-bit g64"
+                    ),
+                    "weight_bytes": nbytes,
+                    "bound_us": 1e6 * nbytes / args.bandwidth,
+                    "max_abs_diff_vs_mlx": float(diff),
+                }
+                for impl, fn in ((_form(args.use_kernel), ours), ("mlx", theirs)):
+                    timing = time_op(fn, args.reps, args.batch)
+                    ratio = timing["pipelined_us"] / base["bound_us"]
+                    report.add("matmul", {**base, "impl": impl, **timing,
+                                          "pipelined_over_bound": ratio})  # fmt: skip
+
+
+# ---------------------------------------------------------------------- main
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.verify_kernels")
+    parser.add_argument("--json", help="write results here (after every row)")
+    parser.add_argument(
+        "--small", action="store_true", help="tiny shapes (CPU smoke test)"
+    )
+    parser.add_argument("--reps", type=int, default=30, help="timed calls per op")
+    parser.add_argument(
+        "--batch", type=int, default=20, help="calls per pipelined wait"
+    )
+    parser.add_argument(
+        "--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s"
+    )
+    parser.add_argument(
+        "--skip-lm-head", action="store_true", help="skip the 202k-column head"
+    )
+    parser.add_argument("--only", choices=("attention", "matmul"), help="one section")
+    parser.add_argument(
+        "--use-kernel",
+        choices=("auto", "kernel", "reference"),
+        default="auto",
+        help="form of our ops (auto: the kernel on a GPU, the reference on the CPU)",
+    )
+    args = parser.parse_args(argv)
+    args.use_kernel = {"auto": None, "kernel": True, "reference": False}[
+        args.use_kernel
+    ]
+    if args.reps < 1 or args.batch < 1:
+        parser.error("--reps and --batch must be >= 1")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    setup = SMALL if args.small else GLIMMER
+    if args.small:
+        args.reps, args.batch = min(args.reps, 3), min(args.batch, 2)
+    meta = {
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "mlx": mx.__version__,
+        "backend": backend.kernel_backend(),
+        "device": str(mx.default_device()),
+        "host": platform.node(),
+        "setup": "small" if args.small else "glimmer",
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "attention_chunk": attention.CHUNK,
+        "matmul_row_block": qmm.ROW_BLOCK,
+    }
+    report = Report(args.json, meta)
+    try:
+        if args.only in (None, "attention"):
+            bench_attention(setup, report, args)
+        if args.only in (None, "matmul"):
+            bench_matmul(setup, report, args)
+    except (RuntimeError, ValueError) as error:
+        print(f"verify_kernels: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""The DFlash round: one drafter forward drafts a block, one target forward verifies it.
+
+Per round: the block ``[last committed token, mask, ..., mask]`` goes through the drafter,
+which sees the target only through tapped hidden states of committed tokens; its ``B - 1``
+proposals are verified by the target in one forward inside a ``SpeculativeCheckpoint``; the
+kept rows are committed, and the drafter's context grows by the target features of exactly
+those rows.
+"""
+
+from typing import Any, Generator, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generation_stream
+
+from .cache import PromptCache, check_prompt_cache, make_prompt_cache
+from .cache.errors import IncompatibleCache
+from .inputs import (
+    ProgressCallback,
+    Stream,
+    as_prompt_array,
+    check_cache_options,
+    resolve_block_size,
+)
+from .kernel_patch import verify_kernels
+from .rounds import VerifyRound, emit_rounds, prefill
+from .sampling import LogitsProcessor, Sampler, Sampling, log_normalize
+from .stats import GenerationStats
+from .taps import TargetTaps
+
+
+class DFlashRound(VerifyRound):
+    """A verify round that also holds the target features of its block rows.
+
+    Shapes:
+        features: ``(1, k + 1, len(target_layer_ids) * H)``.
+    """
+
+    def __init__(self, model, cache, taps: TargetTaps, block, q, sampling):
+        self.taps = taps
+        super().__init__(model, cache, block, q, sampling)
+
+    def after_forward(self) -> None:
+        """Take the tapped target features of the block (lazy, like the logits)."""
+        self.features = self.taps.pop()
+
+
+class DFlashSpeculator:
+    """Drafts with a DFlash drafter from the target features of committed tokens.
+
+    Args:
+        model: The target model.
+        drafter: A drafter bound to ``model``.
+        cache: The target's caches.
+        context: The drafter's context, at the cache's position.
+        taps: Taps on the target layers the drafter reads (attached).
+        sampling: The generation's sampling state.
+    """
+
+    def __init__(self, model, drafter, cache, context, taps: TargetTaps, sampling):
+        self.model = model
+        self.drafter = drafter
+        self.cache = cache
+        self.context = context
+        self.taps = taps
+        self.sampling = sampling
+
+    def prefill(self, tokens: mx.array, step: int, progress, total: int) -> None:
+        """Write prompt tokens to the target's caches and their features to the context.
+
+        Shapes:
+            tokens: ``(T,)``.
+        """
+
+        def feed_drafter(count: int) -> None:
+            start = self.cache[0].offset - count
+            self.drafter.append_context(self.context, self.taps.pop(), start)
+
+        prefill(self.model, self.cache, tokens, step, progress, total, feed_drafter)
+
+    def draft(self, last: int, size: int) -> Tuple[mx.array, Optional[mx.array]]:
+        """``size - 1`` drafts after ``last`` and, under rejection sampling, their ``q``.
+
+        Without a candidate selector the greedy drafts are the argmax of
+        ``drafter(block, context)[0, 1:]`` with ``block = [[last] + [mask] * (size - 1)]``
+        (benchmarks replay chosen proposals by overriding ``__call__``).
+
+        Returns:
+            ``(drafts, q)``: ``(size - 1,)`` ``uint32`` device tokens and ``(size - 1, V)``
+            log-distributions or ``None``; nothing is read back.
+        """
+        config = self.drafter.config
+        block = mx.array([[last] + [config.mask_token_id] * (size - 1)], mx.uint32)
+        if getattr(config, "has_candidate_selector", False):
+            # DFlash2 re-ranks candidates given the previous pick: drafts are not a row argmax.
+            proposal = self.drafter.propose(
+                block, self.context, temperature=self.sampling.temperature
+            )
+            q = mx.log(proposal.probs[0]) if self.sampling.rejection else None
+            return proposal.tokens[0].astype(mx.uint32), q
+        logprobs = log_normalize(self.drafter(block, self.context)[0, 1:])
+        return self.sampling.propose(logprobs)
+
+    def launch(self, last: int, size: int) -> DFlashRound:
+        """Draft ``size - 1`` tokens and verify ``[last, drafts]``; nothing waits."""
+        block, q = mx.array([last], mx.uint32), None
+        if size > 1:
+            drafts, q = self.draft(last, size)
+            # The drafter runs while the host builds the verify graph on its output.
+            mx.async_eval(drafts if q is None else [drafts, q])
+            block = mx.concatenate([block, drafts])
+        return DFlashRound(self.model, self.cache, self.taps, block, q, self.sampling)
+
+    def settle(self, round_: DFlashRound, rows: int) -> None:
+        """Commit ``rows`` block rows and feed their target features to the drafter."""
+        round_.keep(rows)
+        features = round_.features[:, :rows]
+        self.drafter.append_context(self.context, features, round_.position)
+        self.sampling.extend(round_.block[:rows])
+
+    def close(self) -> None:
+        """Nothing to do: :meth:`settle` keeps the context at the cache's position."""
+
+
+def session_context(drafter, prompt_cache) -> Any:
+    """The drafter context that continues ``prompt_cache``'s session (made if it is new).
+
+    A cache at position 0 without a context gets a fresh one, attached to it when it is a
+    :class:`~dflash.cache.PromptCache` so the next turn continues it. A cache that already
+    holds tokens must carry the context built alongside them.
+
+    Args:
+        drafter: The DFlash drafter.
+        prompt_cache: The target's checked caches.
+
+    Returns:
+        The drafter context at the cache's position.
+    """
+    position = prompt_cache[0].offset if len(prompt_cache) else 0
+    context = getattr(prompt_cache, "drafter_context", None)
+    if context is None:
+        if position != 0:
+            raise ValueError(
+                f"the prompt cache holds {position} tokens but no drafter context, so the "
+                "drafter cannot see them: build it with "
+                "dflash.make_prompt_cache(model, drafter=drafter) and use it for every turn"
+            )
+        context = drafter.make_context()
+        if isinstance(prompt_cache, PromptCache):
+            prompt_cache.drafter_context = context
+    elif context.offset != position:
+        raise IncompatibleCache(
+            f"the prompt cache's drafter context is at position {context.offset} but its "
+            f"target caches are at {position}: a turn ran without the drafter; rebuild the "
+            "session with dflash.make_prompt_cache(model, drafter=drafter)"
+        )
+    return context
+
+
+def dflash_generate_step(
+    prompt: mx.array,
+    model: nn.Module,
+    drafter: nn.Module,
+    stream: Stream = generation_stream,
+    *,
+    block_size: Optional[int] = None,
+    max_tokens: int = 256,
+    sampler: Optional[Sampler] = None,
+    logits_processors: Optional[List[LogitsProcessor]] = None,
+    prompt_cache: Optional[Any] = None,
+    prefill_step_size: int = 2048,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    max_kv_size: Optional[int] = None,
+    prompt_progress_callback: Optional[ProgressCallback] = None,
+    max_context: Optional[int] = None,
+    stats: Optional[GenerationStats] = None,
+) -> Generator[Tuple[int, mx.array, bool], None, None]:
+    """DFlash speculative decoding: lossless, one target forward per drafted block.
+
+    Takes mlx-lm's ``speculative_generate_step`` arguments in the same order (the drafter in
+    the draft model's place), with ``block_size`` instead of ``num_draft_tokens``.
+
+    Args:
+        prompt: The prompt tokens.
+        model: The target mlx-lm model.
+        drafter: A DFlash drafter bound to ``model`` (see ``dflash.load_drafter``).
+        stream: The stream the generation runs on.
+        block_size: Block size ``B`` (``B - 1`` drafts per round); default the drafter's.
+        max_tokens: Tokens to generate (``-1``: no limit).
+        sampler: ``None`` (greedy), ``dflash.make_sampler(...)`` (lossless rejection
+            sampling at temperature > 0), or any mlx-lm sampler (lossless sample-match rule).
+        logits_processors: Functions ``(tokens, logits) -> logits`` applied to the target.
+        prompt_cache: The session to continue (``dflash.make_prompt_cache(model,
+            drafter)``: the target's caches and the drafter's context, updated in place);
+            built if ``None``. After the generation it holds the prompt and every yielded
+            token, as mlx-lm's cache does, so the next turn passes only its new tokens.
+        prefill_step_size: Prompt tokens per prefill forward.
+        kv_bits: Must be ``None``: dflash caches are not quantized.
+        kv_group_size: Unused (only with ``kv_bits``).
+        quantized_kv_start: Unused (only with ``kv_bits``).
+        max_kv_size: As in ``dflash.generate_step``.
+        prompt_progress_callback: Called with ``(processed, total)`` prompt tokens.
+        max_context: Context limit of a cache built here.
+        stats: A :class:`GenerationStats` to fill in (rounds, τ, acceptance).
+
+    Shapes:
+        prompt: ``(P,)``.
+
+    Yields:
+        ``(token, logprobs, from_draft)`` as mlx-lm's speculative generator does.
+    """
+    block_size = resolve_block_size(block_size, drafter)
+    check_cache_options(model, kv_bits, max_kv_size)
+    prompt = as_prompt_array(prompt, model)
+    if prompt_cache is None:
+        prompt_cache = make_prompt_cache(model, drafter, max_context=max_context)
+    check_prompt_cache(model, prompt_cache)
+    context = session_context(drafter, prompt_cache)
+    stats = stats if stats is not None else GenerationStats(block_size)
+    stats.block_size = block_size
+    progress = prompt_progress_callback or (lambda *_: None)
+    sampling = Sampling(sampler, logits_processors, prompt[:-1])
+    with (
+        TargetTaps(model, drafter.config.target_layer_ids) as taps,
+        mx.stream(stream),
+        verify_kernels(model, drafter),
+    ):
+        speculator = DFlashSpeculator(
+            model, drafter, prompt_cache, context, taps, sampling
+        )
+        progress(0, prompt.size)
+        speculator.prefill(prompt[:-1], prefill_step_size, progress, prompt.size)
+        yield from emit_rounds(
+            speculator,
+            prompt[-1].item(),
+            max_tokens,
+            block_size,
+            stats,
+            lambda: progress(prompt.size, prompt.size),
+        )

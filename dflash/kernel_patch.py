@@ -1,0 +1,588 @@
+"""Install the verify kernels into a target (and drafter) without editing mlx-lm.
+
+:class:`KernelPatch` routes a model's attention to
+:func:`dflash.metal.attention.small_query_attention` and its ``nn.Linear`` /
+``nn.QuantizedLinear`` layers to :func:`dflash.metal.qmm.small_row_matmul`, reversibly:
+
+* **Target attention.** Each decoder layer's attention module has its class swapped
+  for a subclass of its own class (as :mod:`dflash.taps` does) that marks the call
+  as routed; the model module's ``scaled_dot_product_attention`` (the one mlx-lm's
+  attention code calls) is replaced, while any patched model of that architecture is
+  installed, by a dispatcher that takes the kernel route only inside a routed call,
+  with a dflash KV plane as ``cache``, no attention sinks, a causal (or window) mask
+  and at most ``max_queries`` queries, and otherwise calls mlx-lm's function
+  unchanged. The route reads the plane where it lies: a verify block held back by
+  a :class:`~dflash.cache.SpeculativeCheckpoint` is read from the checkpoint beside
+  the ring (the staging shadow ``update_and_fetch`` returned is left unevaluated; on
+  Metal the fused shadow kernel still runs, as it also builds the held-back block),
+  a written chunk from the plane; a staging shadow is read only when the ring was
+  overwritten already (a staged chunk outside a checkpoint).
+* **Drafter attention.** Each :class:`~dflash.drafter.DraftAttention` gets a
+  subclass whose forward attends the context plane and the block's own keys in
+  place (the block is not copied into the plane's scratch rows).
+* **Matmuls.** Every ``nn.Linear`` and affine ``nn.QuantizedLinear`` (4 / 8 bits,
+  groups 32 / 64 / 128) of the target and the drafter gets a subclass that sends
+  calls of at most ``max_queries`` rows to the small-row matmul (prefill chunks
+  keep mlx's). Tied embeddings used as the LM head (``as_linear``) are not routed.
+
+Both routes are batch-invariant, so our plain decoding (one query a step) and
+DFlash decoding (verify blocks) give every token the same logits bit for bit, as
+long as the forward's other ops are batch-invariant too (norms, RoPE and
+elementwise ops are row-wise).
+
+``uninstall()`` (or leaving the ``with`` block) restores every class and module
+function; nothing else about the model changes (same objects, same parameters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache.checkpoint import DEFERRED, RingPlaneCheckpoint
+from .cache.plane import KvPlane, RingPlane
+from .metal import backend, qmm
+from .metal.attention import KeyPlane, small_query_attention, visible_bounds
+from .metal.qmm import small_row_matmul
+from .taps import target_layers
+
+# mlx-lm architectures whose attention calls base.scaled_dot_product_attention with the
+# layer's cache and a mask from cache.make_mask (checked against their source, tested).
+SUPPORTED_ARCHITECTURES = ("muse_glimmer", "llama", "qwen3", "gemma3_text", "cohere2")
+
+# Marks a patched subclass; its value is the class it replaced.
+_ORIGINAL_CLASS = "_dflash_kernel_original_class"
+
+# The route of the attention call in progress (None: not a patched call).
+_ACTIVE: contextvars.ContextVar[Optional["AttentionRoute"]] = contextvars.ContextVar(
+    "dflash_kernel_route", default=None
+)
+
+
+@dataclass(frozen=True)
+class AttentionRoute:
+    """How a routed attention call runs.
+
+    Attributes:
+        use_kernel: Passed to :func:`small_query_attention` (None: kernel on a GPU).
+        max_queries: Calls with more queries (prefill chunks) keep mlx's attention.
+        chunk: Keys per chunk of the fixed reduction order.
+    """
+
+    use_kernel: Optional[bool] = None
+    max_queries: int = 32
+    chunk: int = 256
+
+    def attend(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        cache: Any,
+        scale: float,
+        mask: Any,
+    ) -> Optional[mx.array]:
+        """The routed attention, or None when this call must keep mlx's.
+
+        ``keys`` / ``values`` are what ``cache.update_and_fetch`` returned; they are read
+        only when the plane no longer holds the rows (a staged chunk outside a checkpoint).
+
+        Shapes: queries ``(B, Hq, S, D)``; returns ``(B, Hq, S, D)``.
+        """
+        count = queries.shape[2]
+        if (
+            not isinstance(cache, KvPlane)
+            or not cache.head_major
+            or cache.kv is None
+            or count > self.max_queries
+            or not _plain_mask(mask, count)
+        ):
+            return None
+        window = cache.window if isinstance(cache, RingPlane) else None
+        plane, block_keys, block_values = _key_source(
+            cache, keys, values, count, window
+        )
+        return small_query_attention(
+            queries,
+            plane,
+            block_keys,
+            block_values,
+            scale=float(scale),
+            window=window,
+            causal=True,
+            query_start=cache.offset - count,
+            chunk=self.chunk,
+            use_kernel=self.use_kernel,
+        )
+
+
+def _plain_mask(mask: Any, count: int) -> bool:
+    """Whether ``mask`` is one a dflash cache makes: causal (plus window) and nothing else.
+
+    Those are None (one query), ``"causal"``, or a 2-D boolean ``(S, keys)`` array (the
+    staged window mask, an explicit causal mask); the kernel derives the same limits
+    from positions. Anything else (padding masks, additive masks) keeps mlx's route.
+    """
+    if mask is None or (isinstance(mask, str) and mask == "causal"):
+        return True
+    return (
+        isinstance(mask, mx.array)
+        and mask.dtype == mx.bool_
+        and mask.ndim == 2
+        and mask.shape[0] == count
+    )
+
+
+def _key_source(cache: KvPlane, keys: mx.array, values: mx.array, count: int, window):
+    """Where the keys of the ``count`` newest positions' queries are, without copying.
+
+    Returns:
+        ``(plane, block_keys, block_values)`` for :func:`small_query_attention`.
+    """
+    guard = cache.guard
+    start = cache.offset - count
+    if (
+        isinstance(guard, RingPlaneCheckpoint)
+        and guard.mode == DEFERRED
+        and guard.start == start
+        and guard.pending.shape[cache.kv_axis] == count
+    ):
+        # A verify block held back: the ring as it was before the block, then the block.
+        meta = guard.meta
+        plane = KeyPlane.from_kv(
+            cache.kv, meta.len, meta.origin_logical, meta.origin_physical
+        )
+        pending = guard.pending
+        return plane, mx.squeeze(pending[0:1], 0), mx.squeeze(pending[1:2], 0)
+    first, _ = visible_bounds(start, window or 0, True, cache.offset)
+    if first >= cache.origin_logical:
+        # The chunk was written and nothing a query needs was evicted.
+        plane = KeyPlane.from_kv(
+            cache.kv, cache.len, cache.origin_logical, cache.origin_physical
+        )
+        return plane, None, None
+    # A staged chunk stored at once: ``keys`` is its shadow (live rows then the chunk).
+    rows = keys.shape[2]
+    return KeyPlane(keys, values, rows, cache.offset - rows, 0), None, None
+
+
+# ------------------------------------------------------------ module dispatch
+
+
+class _ModuleHook:
+    """The dispatcher installed as a model module's ``scaled_dot_product_attention``."""
+
+    def __init__(self, original: Callable) -> None:
+        self.original = original
+        self.users = 0
+
+    def __call__(self, queries, keys, values, cache, scale, mask, sinks=None):
+        route = _ACTIVE.get()
+        if route is not None and sinks is None:
+            out = route.attend(queries, keys, values, cache, scale, mask)
+            if out is not None:
+                return out
+        return self.original(
+            queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
+        )
+
+
+_HOOKS: Dict[str, _ModuleHook] = {}
+
+
+def _hook_module(name: str) -> None:
+    module = sys.modules[name]
+    hook = _HOOKS.get(name)
+    if hook is None:
+        hook = _ModuleHook(module.scaled_dot_product_attention)
+        _HOOKS[name] = hook
+        module.scaled_dot_product_attention = hook
+    hook.users += 1
+
+
+def _unhook_module(name: str) -> None:
+    hook = _HOOKS[name]
+    hook.users -= 1
+    if hook.users == 0:
+        sys.modules[name].scaled_dot_product_attention = hook.original
+        del _HOOKS[name]
+
+
+# ------------------------------------------------------------- class swaps
+
+_SUBCLASSES: Dict[tuple, type] = {}
+
+
+def _routed_class(base: type) -> type:
+    """A subclass of ``base`` whose calls run with this module's route active."""
+    key = ("routed", base)
+    if key not in _SUBCLASSES:
+
+        def __call__(self, *args, **kwargs):
+            token = _ACTIVE.set(self._dflash_route)
+            try:
+                return base.__call__(self, *args, **kwargs)
+            finally:
+                _ACTIVE.reset(token)
+
+        _SUBCLASSES[key] = type(
+            f"Kernel{base.__name__}",
+            (base,),
+            {"__call__": __call__, _ORIGINAL_CLASS: base},
+        )
+    return _SUBCLASSES[key]
+
+
+def _draft_class(base: type) -> type:
+    """A subclass of the drafter's attention that attends its planes in place."""
+    key = ("draft", base)
+    if key not in _SUBCLASSES:
+        _SUBCLASSES[key] = type(
+            f"Kernel{base.__name__}",
+            (base,),
+            {"__call__": _draft_attention, _ORIGINAL_CLASS: base},
+        )
+    return _SUBCLASSES[key]
+
+
+def _draft_attention(self, x: mx.array, plane, rope: nn.Module, start: int) -> mx.array:
+    """DraftAttention's forward with the context plane and the block read in place.
+
+    Shapes: x ``(b, B, H)``; returns ``(b, B, H)``.
+    """
+    batch, block, _ = x.shape
+    queries = self.q_proj(x).reshape(batch, block, self.n_heads, self.head_dim)
+    queries = rope(self.q_norm(queries).transpose(0, 2, 1, 3), offset=start)
+    block_keys, block_values = self.project_kv(x, rope, start)
+    route: AttentionRoute = self._dflash_route
+    if block > route.max_queries:
+        return getattr(type(self), _ORIGINAL_CLASS).__call__(
+            self, x, plane, rope, start
+        )
+    if plane.keys is None:
+        context = KeyPlane(block_keys[:, :, :0], block_values[:, :, :0], 0, start, 0)
+    else:
+        context = KeyPlane(
+            plane.keys, plane.values, plane.rows, start - plane.rows, plane.begin
+        )
+    out = small_query_attention(
+        queries,
+        context,
+        block_keys,
+        block_values,
+        scale=self.scale,
+        window=self.window,
+        causal=self.causal,
+        query_start=start,
+        chunk=route.chunk,
+        use_kernel=route.use_kernel,
+    )
+    return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, block, -1))
+
+
+def _matmul_class(base: type) -> type:
+    """A subclass of ``nn.Linear`` / ``nn.QuantizedLinear`` using the small-row matmul."""
+    key = ("matmul", base)
+    if key not in _SUBCLASSES:
+        _SUBCLASSES[key] = type(
+            f"Kernel{base.__name__}",
+            (base,),
+            {"__call__": _linear_call, _ORIGINAL_CLASS: base},
+        )
+    return _SUBCLASSES[key]
+
+
+def _linear_call(self, x: mx.array) -> mx.array:
+    """``Linear`` / ``QuantizedLinear`` forward through :func:`small_row_matmul`.
+
+    Calls with more rows than the route's ``max_queries``, other quantization modes,
+    widths or dtypes than the kernel serves keep the layer's own forward.
+
+    Shapes: x ``(..., K)``; returns ``(..., N)``.
+    """
+    route: AttentionRoute = self._dflash_route
+    depth = x.shape[-1]
+    rows = x.size // depth if depth else 0
+    args = _matmul_args(self, x.dtype) if 0 < rows <= route.max_queries else None
+    if args is None or depth % 8:
+        return getattr(type(self), _ORIGINAL_CLASS).__call__(self, x)
+    weight, scales, biases, bits, group_size = args
+    y = small_row_matmul(
+        x.reshape(rows, depth),
+        weight,
+        scales,
+        biases,
+        bits=bits,
+        group_size=group_size,
+        use_kernel=route.use_kernel,
+    )
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    if "bias" in self:
+        y = y + self["bias"]
+    return y
+
+
+def _matmul_args(layer: nn.Module, dtype: mx.Dtype):
+    """``(weight, scales, biases, bits, group_size)`` of ``layer``, or None if unserved."""
+    if dtype not in qmm.DTYPES:
+        return None
+    weight = layer["weight"]
+    if isinstance(layer, nn.QuantizedLinear):
+        biases = layer.get("biases")
+        if (
+            getattr(layer, "mode", "affine") != "affine"
+            or layer.bits not in qmm.BITS
+            or layer.group_size not in qmm.GROUP_SIZES
+            or biases is None
+            or layer["scales"].dtype != dtype
+            or biases.dtype != dtype
+        ):
+            return None
+        return weight, layer["scales"], biases, layer.bits, layer.group_size
+    if weight.dtype != dtype:
+        return None
+    return weight, None, None, None, None
+
+
+def _swap(module: nn.Module, cls: type, route: AttentionRoute) -> None:
+    if hasattr(type(module), _ORIGINAL_CLASS):
+        raise RuntimeError(f"{type(module).__name__} already has kernels installed")
+    module.__class__ = cls
+    module._dflash_route = route
+
+
+def _unswap(module: nn.Module) -> None:
+    original = getattr(type(module), _ORIGINAL_CLASS, None)
+    if original is not None:
+        module.__class__ = original
+    if "_dflash_route" in module.__dict__:
+        del module.__dict__["_dflash_route"]
+
+
+# ------------------------------------------------------------------ public
+
+
+def architecture(model: nn.Module) -> str:
+    """The mlx-lm module name of ``model``'s architecture (e.g. ``"muse_glimmer"``)."""
+    return type(model).__module__.rsplit(".", 1)[-1]
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether :class:`KernelPatch` can route ``model``'s attention."""
+    return architecture(model) in SUPPORTED_ARCHITECTURES
+
+
+class KernelPatch:
+    """Route a target's (and a drafter's) attention through the verify kernels.
+
+    Use as a context manager, or :meth:`install` / :meth:`uninstall`.
+
+    Args:
+        model: The target mlx-lm model.
+        drafter: A DFlash drafter to patch too (optional).
+        use_kernel: None: the custom kernel on a GPU backend (unless
+            ``DFLASH_KERNELS=0``), the pure-MLX reference on the CPU; True / False
+            force one form. Both forms are batch-invariant.
+        max_queries: Attention calls with more queries, and matmuls with more rows,
+            keep mlx's ops.
+        chunk: Keys per chunk of the fixed reduction order.
+        attention: Route attention (target and drafter).
+        matmul: Route ``nn.Linear`` / ``nn.QuantizedLinear`` (target and drafter)
+            through :func:`dflash.metal.qmm.small_row_matmul`.
+
+    Raises:
+        ValueError: ``model``'s architecture is not one whose attention can be routed.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        drafter: Optional[nn.Module] = None,
+        *,
+        use_kernel: Optional[bool] = None,
+        max_queries: int = 32,
+        chunk: int = 256,
+        attention: bool = True,
+        matmul: bool = True,
+    ) -> None:
+        if attention and not supports(model):
+            raise ValueError(
+                f"kernel attention supports {', '.join(SUPPORTED_ARCHITECTURES)}; "
+                f"{architecture(model)} is not one of them"
+            )
+        if not 1 <= max_queries:
+            raise ValueError(f"max_queries must be >= 1, got {max_queries}")
+        self.model = model
+        self.drafter = drafter
+        self.route = AttentionRoute(use_kernel, max_queries, chunk)
+        self.attention = attention
+        self.matmul = matmul
+        self._patched: List[nn.Module] = []
+        self._modules: List[str] = []
+
+    @property
+    def installed(self) -> bool:
+        """Whether the patch is in place."""
+        return bool(self._patched)
+
+    def attention_modules(self) -> List[nn.Module]:
+        """The target's attention modules and the drafter's (what :meth:`install` swaps)."""
+        found = [layer.self_attn for layer in target_layers(self.model)]
+        if self.drafter is not None:
+            from .drafter import DraftAttention
+
+            found += [
+                m for m in self.drafter.modules() if isinstance(m, DraftAttention)
+            ]
+        return found
+
+    def matmul_modules(self) -> List[nn.Module]:
+        """Every ``nn.Linear`` / ``nn.QuantizedLinear`` of the target and the drafter."""
+        owners = [self.model] + ([self.drafter] if self.drafter is not None else [])
+        found, seen = [], set()
+        for owner in owners:
+            for module in owner.modules():
+                if (
+                    isinstance(module, (nn.Linear, nn.QuantizedLinear))
+                    and id(module) not in seen
+                ):
+                    seen.add(id(module))
+                    found.append(module)
+        return found
+
+    def install(self) -> "KernelPatch":
+        """Swap the classes and hook the model module (all or nothing).
+
+        Raises:
+            RuntimeError: some module already has kernels installed.
+        """
+        if self.installed:
+            return self
+        from .drafter import DraftAttention
+
+        attention = self.attention_modules() if self.attention else []
+        matmul = self.matmul_modules() if self.matmul else []
+        busy = [m for m in attention + matmul if hasattr(type(m), _ORIGINAL_CLASS)]
+        if busy:
+            raise RuntimeError(f"{len(busy)} modules already have kernels installed")
+        for module in attention:
+            base = type(module)
+            cls = (
+                _draft_class(base)
+                if isinstance(module, DraftAttention)
+                else _routed_class(base)
+            )
+            _swap(module, cls, self.route)
+            self._patched.append(module)
+            if (
+                not isinstance(module, DraftAttention)
+                and base.__module__ not in self._modules
+            ):
+                _hook_module(base.__module__)
+                self._modules.append(base.__module__)
+        for module in matmul:
+            _swap(module, _matmul_class(type(module)), self.route)
+            self._patched.append(module)
+        return self
+
+    def uninstall(self) -> None:
+        """Restore every swapped class and hooked module function."""
+        for module in self._patched:
+            _unswap(module)
+        for name in self._modules:
+            _unhook_module(name)
+        self._patched.clear()
+        self._modules.clear()
+
+    def __enter__(self) -> "KernelPatch":
+        return self.install()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.uninstall()
+
+
+# Whether the generators install the verify kernels when nobody says (``use_kernel=None``),
+# per backend. Off until a GPU run of ``benchmarks/verify_kernels.py`` (and the speed
+# benchmark's verify forward) shows them faster there; the CPU never installs them by
+# default (its reference forms only serve tests).
+VERIFY_KERNELS_BY_DEFAULT: Dict[str, bool] = {"metal": False, "cuda": False}
+VERIFY_KERNELS_ENV = "DFLASH_VERIFY_KERNELS"
+
+
+def _env_switch() -> Optional[bool]:
+    """``DFLASH_VERIFY_KERNELS``: ``1`` forces the install, ``0`` forbids it, unset: None."""
+    value = os.environ.get(VERIFY_KERNELS_ENV, "").strip().lower()
+    if value in {"1", "true", "on", "yes"}:
+        return True
+    if value in {"0", "false", "off", "no"}:
+        return False
+    return None
+
+
+def wanted(model: nn.Module, use_kernel: Optional[bool] = None) -> bool:
+    """Whether :func:`verify_kernels` installs the kernels for ``model``.
+
+    Args:
+        model: The target.
+        use_kernel: True / False decide; None asks ``DFLASH_VERIFY_KERNELS`` (``1`` / ``0``),
+            then ``DFLASH_KERNELS=0`` (off), then :data:`VERIFY_KERNELS_BY_DEFAULT` for this
+            backend (with the GPU as the default device).
+
+    Returns:
+        The decision (always False for an architecture :func:`supports` refuses).
+    """
+    if not supports(model):
+        return False
+    if use_kernel is not None:
+        return use_kernel
+    switch = _env_switch()
+    if switch is not None:
+        return switch
+    return (
+        backend.KERNELS_ENABLED
+        and backend.BACKEND is not None
+        and backend.gpu_is_default()
+        and VERIFY_KERNELS_BY_DEFAULT.get(backend.BACKEND, False)
+    )
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether some :class:`KernelPatch` is installed on ``model``'s attention."""
+    return any(
+        hasattr(type(layer.self_attn), _ORIGINAL_CLASS)
+        for layer in target_layers(model)
+    )
+
+
+@contextlib.contextmanager
+def verify_kernels(
+    model: nn.Module,
+    drafter: Optional[nn.Module] = None,
+    use_kernel: Optional[bool] = None,
+) -> Iterator[Optional[KernelPatch]]:
+    """Install :class:`KernelPatch` for the ``with`` block when :func:`wanted` says so.
+
+    What the generators use, so our plain decoding and DFlash decoding run the same
+    kernels. A model already patched (by the caller) is left as it is.
+
+    Args:
+        model: The target.
+        drafter: The drafter to patch with it (optional).
+        use_kernel: As for :func:`wanted`; when installing, True runs the kernel forms,
+            None the backend's default form.
+
+    Yields:
+        The installed patch, or None when nothing was installed.
+    """
+    if is_patched(model) or not wanted(model, use_kernel):
+        yield None
+        return
+    with KernelPatch(model, drafter, use_kernel=use_kernel or None) as patch:
+        yield patch

@@ -1,0 +1,862 @@
+"""Small-query attention over a KV plane as it lies, plus a held-back block.
+
+A verify forward runs ``S`` (1 to 32) queries at consecutive positions
+``p .. p+S-1``. Their keys and values are a plane's live rows (a sliding layer's
+wrapped ring, read in logical order through ``origin_physical``, or a growing
+plane's rows ``[0, len)``) followed by the block's own rows, which a checkpoint
+holds back from the ring. :func:`small_query_attention` reads both where they
+are (no staging copy) and computes which keys a query sees from positions (no
+mask tensor): query ``q`` sees ``[q - W + 1, q]`` (mlx-lm's window) or ``[0, q]``
+without a window; with ``causal=False`` (the drafter's block) it also sees keys
+after it, up to ``q + W - 1``.
+
+**Batch invariance.** Each query's result depends only on that query, the keys
+it sees and their absolute positions, never on how many queries share the call,
+which container (plane or block) holds a key, or where the ring's seam is. So a
+16-query verify gives every row the same bits as 16 one-query steps through the
+same form. The reduction order is fixed by absolute key position: keys are cut
+into chunks ``[c * chunk, (c + 1) * chunk)``; within a chunk the softmax
+statistics are exact maxima and sums in key order; chunks are folded
+sequentially in ascending order (online softmax), chunks a query does not see
+being skipped exactly. Both forms follow this structure; they are not bit-equal
+to each other (their sums are grouped differently), each is batch-invariant.
+
+Three forms, one contract:
+
+* the pure-MLX reference (:func:`reference_attention`): what the CPU runs, built
+  from elementwise ops and last-axis sums, whose per-element order does not
+  depend on the other axes;
+* the Metal body and its CUDA twin (:data:`ATTEND_CHUNKS`, :data:`FOLD_CHUNKS`):
+  one threadgroup per (batch, KV head, chunk, 16 query rows) writes the chunk's
+  softmax statistics and weighted values; a second launch folds the chunks.
+  All index arithmetic (:data:`ATTENTION_HELPERS` and the bodies) is shared.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+from . import backend, groups
+from .groups import GroupKernelSpec, float_params, int_params
+
+# Keys per chunk: the unit of the fixed reduction order (absolute positions).
+CHUNK = 256
+# Kernel limits (threadgroup-memory sizes are compile-time constants).
+KERNEL_MAX_CHUNK = 256
+KERNEL_MAX_DIM = 128
+ROWS = 16
+THREADS = 256
+KEY_LANES = THREADS // ROWS
+PAIRS = ROWS * KERNEL_MAX_DIM // THREADS
+# Chunks the reference evaluates at once (bounds its temporary memory).
+REFERENCE_SLAB = 8
+
+DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+
+# ----------------------------------------------------------------- contract
+
+
+@dataclass(frozen=True)
+class KeyPlane:
+    """A layer's earlier keys and values as they lie in a plane buffer.
+
+    Logical row ``j < length`` (absolute position ``origin_logical + j``) sits at
+    physical row ``(origin_physical + j) % C``. A growing plane has both origins 0.
+
+    Attributes:
+        keys: Keys buffer, head-major.
+        values: Values buffer, same shape and dtype.
+        length: Live rows.
+        origin_logical: Absolute position of logical row 0.
+        origin_physical: Physical row of logical row 0.
+
+    Shapes: keys, values ``(B, Hkv, C, D)``.
+    """
+
+    keys: mx.array
+    values: mx.array
+    length: int
+    origin_logical: int = 0
+    origin_physical: int = 0
+
+    @classmethod
+    def from_kv(
+        cls,
+        kv: mx.array,
+        length: int,
+        origin_logical: int = 0,
+        origin_physical: int = 0,
+    ) -> "KeyPlane":
+        """A plane from a stacked K/V buffer (its halves are views, not copies).
+
+        Shapes: kv ``(2, B, Hkv, C, D)``.
+        """
+        if kv.ndim != 5 or kv.shape[0] != 2:
+            raise ValueError(f"kv must have shape (2, B, Hkv, C, D), got {kv.shape}")
+        keys = mx.squeeze(kv[0:1], axis=0)
+        values = mx.squeeze(kv[1:2], axis=0)
+        return cls(keys, values, length, origin_logical, origin_physical)
+
+    @property
+    def end(self) -> int:
+        """Absolute position just after the plane's last live row."""
+        return self.origin_logical + self.length
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Host-side geometry of one call: who sees what, chunk range.
+
+    Attributes:
+        batch, heads, kv_heads, queries, dim: Shapes.
+        capacity: Rows of the plane buffer.
+        block: Rows of the held-back block.
+        query_start: Position of query 0.
+        origin_logical, origin_physical, length: The plane's bookkeeping.
+        window: Sliding window (0: none).
+        causal: Whether a query sees no key after it.
+        chunk: Keys per chunk.
+        chunk_first: Index of the first chunk any query sees.
+        chunks: Number of chunks from ``chunk_first`` on that some query sees.
+    """
+
+    batch: int
+    heads: int
+    kv_heads: int
+    queries: int
+    dim: int
+    capacity: int
+    block: int
+    query_start: int
+    origin_logical: int
+    origin_physical: int
+    length: int
+    window: int
+    causal: bool
+    chunk: int
+    chunk_first: int
+    chunks: int
+
+    @property
+    def ring_end(self) -> int:
+        return self.origin_logical + self.length
+
+    @property
+    def key_end(self) -> int:
+        return self.ring_end + self.block
+
+    def bounds(self, position: int) -> tuple[int, int]:
+        """First and last key position (inclusive) the query at ``position`` sees."""
+        return visible_bounds(position, self.window, self.causal, self.key_end)
+
+
+def visible_bounds(
+    position: int, window: int, causal: bool, key_end: int
+) -> tuple[int, int]:
+    """Keys ``[first, last]`` a query at ``position`` sees (``window`` 0: none).
+
+    mlx-lm's window: ``[q - W + 1, q]``; without a window ``[0, q]``. Not causal:
+    the last key is ``q + W - 1`` (or the last key there is), capped at ``key_end - 1``.
+    """
+    first = max(position - window + 1, 0) if window else 0
+    if causal:
+        last = position
+    else:
+        last = position + window - 1 if window else key_end - 1
+    return first, min(last, key_end - 1)
+
+
+def _check_int(value, name: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}")
+    if int(value) < low:
+        raise ValueError(f"{name}={int(value)} must be >= {low}")
+    return int(value)
+
+
+def _check_arrays(queries: mx.array, plane: KeyPlane, block_keys, block_values) -> None:
+    if queries.ndim != 4:
+        raise ValueError(f"queries must be (B, Hq, S, D), got shape {queries.shape}")
+    if queries.dtype not in DTYPES:
+        raise ValueError(
+            f"queries dtype {queries.dtype} is not bfloat16, float16 or float32"
+        )
+    keys, values = plane.keys, plane.values
+    if keys.ndim != 4 or keys.shape != values.shape:
+        raise ValueError(
+            f"plane keys {keys.shape} and values {values.shape} must be one (B, Hkv, C, D) shape"
+        )
+    batch, heads, count, dim = queries.shape
+    if keys.shape[0] != batch or keys.shape[3] != dim:
+        raise ValueError(f"plane {keys.shape} does not fit queries {queries.shape}")
+    if count < 1:
+        raise ValueError("queries hold no query (S = 0)")
+    if keys.shape[1] < 1 or heads % keys.shape[1]:
+        raise ValueError(
+            f"{heads} query heads are not a multiple of {keys.shape[1]} KV heads"
+        )
+    for name, array in (("keys", keys), ("values", values)):
+        if array.dtype != queries.dtype:
+            raise ValueError(f"plane {name} are {array.dtype}, queries {queries.dtype}")
+    if (block_keys is None) != (block_values is None):
+        raise ValueError("block_keys and block_values must be given together")
+    if block_keys is not None:
+        want = (
+            batch,
+            keys.shape[1],
+            block_keys.shape[2] if block_keys.ndim == 4 else -1,
+            dim,
+        )
+        for name, array in (("block_keys", block_keys), ("block_values", block_values)):
+            if array.ndim != 4 or tuple(array.shape) != want:
+                raise ValueError(f"{name} must have shape {want}, got {array.shape}")
+            if array.dtype != queries.dtype:
+                raise ValueError(f"{name} are {array.dtype}, queries {queries.dtype}")
+
+
+def make_plan(
+    queries: mx.array,
+    plane: KeyPlane,
+    block_keys: Optional[mx.array],
+    block_values: Optional[mx.array],
+    *,
+    window: Optional[int],
+    causal: bool,
+    query_start: Optional[int],
+    chunk: int,
+) -> Plan:
+    """Validate a call and work out its geometry (fail closed: nothing launched yet).
+
+    Shapes: queries ``(B, Hq, S, D)``; plane ``(B, Hkv, C, D)``; block ``(B, Hkv, NB, D)``.
+
+    Raises:
+        ValueError: A shape, dtype or bookkeeping value is out of range, or some
+            query would need a key that is neither live in the plane nor in the block.
+    """
+    _check_arrays(queries, plane, block_keys, block_values)
+    batch, heads, count, dim = queries.shape
+    capacity = plane.keys.shape[2]
+    length = _check_int(plane.length, "length", 0)
+    origin_logical = _check_int(plane.origin_logical, "origin_logical", 0)
+    origin_physical = _check_int(plane.origin_physical, "origin_physical", 0)
+    if length > capacity:
+        raise ValueError(f"length={length} exceeds the plane's {capacity} rows")
+    if capacity and origin_physical >= capacity:
+        raise ValueError(f"origin_physical={origin_physical} outside [0, {capacity})")
+    width = 0 if window is None else _check_int(window, "window", 1)
+    chunk = _check_int(chunk, "chunk", 1)
+    block = 0 if block_keys is None else block_keys.shape[2]
+    key_end = origin_logical + length + block
+    start = (
+        key_end - count
+        if query_start is None
+        else _check_int(query_start, "query_start", 0)
+    )
+    if start < 0 or start + count > key_end:
+        raise ValueError(
+            f"queries at positions {start}..{start + count - 1} need keys up to "
+            f"{start + count - 1}, but the plane and block end at {key_end - 1}"
+        )
+    first, _ = visible_bounds(start, width, causal, key_end)
+    if first < origin_logical:
+        raise ValueError(
+            f"the query at position {start} sees keys from {first} on, but the plane's "
+            f"oldest live row is at {origin_logical} (evicted or never written)"
+        )
+    last = max(
+        visible_bounds(start + i, width, causal, key_end)[1] for i in range(count)
+    )
+    chunk_first = first // chunk
+    return Plan(
+        batch, heads, plane.keys.shape[1], count, dim, capacity, block, start,
+        origin_logical, origin_physical, length, width, bool(causal), chunk,
+        chunk_first, last // chunk - chunk_first + 1,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- reference
+
+
+def _key_rows(plan: Plan, plane: KeyPlane, block_keys, block_values):
+    """Plane rows, block rows and one zero row in one buffer each (the reference's source).
+
+    Shapes: returns two ``(B, Hkv, C + NB + 1, D)`` arrays.
+    """
+    zero = mx.zeros((plan.batch, plan.kv_heads, 1, plan.dim), dtype=plane.keys.dtype)
+    parts_k = [plane.keys, zero]
+    parts_v = [plane.values, zero]
+    if plan.block:
+        parts_k.insert(1, block_keys)
+        parts_v.insert(1, block_values)
+    return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+
+
+def _row_index(plan: Plan, positions: np.ndarray) -> mx.array:
+    """Rows of :func:`_key_rows` holding absolute ``positions`` (the zero row if none).
+
+    Plane rows through the wrapped physical index, block rows after the plane's
+    ``C`` rows, the zero row for positions outside ``[origin_logical, key_end)``.
+
+    Shapes: positions ``(N,)``; returns int32 ``(N,)``.
+    """
+    index = np.full(positions.shape, plan.capacity + plan.block, dtype=np.int64)
+    logical = positions - plan.origin_logical
+    in_plane = (logical >= 0) & (logical < plan.length)
+    index[in_plane] = (plan.origin_physical + logical[in_plane]) % max(plan.capacity, 1)
+    in_block = (positions >= plan.ring_end) & (positions < plan.key_end)
+    index[in_block] = plan.capacity + positions[in_block] - plan.ring_end
+    return mx.array(index.astype(np.int32))
+
+
+def _chunk_partials(plan, queries32, keys, values, visible, scale, softcap):
+    """Per-chunk softmax statistics of every query over ``U`` chunks.
+
+    Only elementwise ops and last-axis sums/maxima: each output element is reduced
+    in key order from its own inputs, whatever the other axes hold.
+
+    Shapes: queries32 ``(B, Hkv, G, S, 1, 1, D)``; keys, values ``(B, Hkv, U*chunk, D)``;
+    visible ``(S, U, chunk)`` bool. Returns max and sum ``(B, Hkv, G, S, U)``, the
+    weighted values ``(B, Hkv, G, S, U, D)`` and which chunks each query sees ``(S, U)``.
+    """
+    batch, kv_heads, dim = plan.batch, plan.kv_heads, plan.dim
+    count = visible.shape[1]
+    shape = (batch, kv_heads, 1, 1, count, plan.chunk, dim)
+    keys = keys.reshape(shape)
+    # (B, Hkv, 1, 1, U, D, chunk): values with keys on the last axis, for a last-axis sum.
+    values_t = values.reshape(shape).swapaxes(-1, -2)
+    scores = (queries32 * keys).sum(axis=-1) * scale
+    if softcap:
+        scores = mx.tanh(scores / softcap) * softcap
+    seen = mx.array(visible)
+    masked = mx.where(seen, scores, -mx.inf)
+    peak = masked.max(axis=-1)
+    weights = mx.where(seen, mx.exp(masked - peak[..., None]), 0.0)
+    total = weights.sum(axis=-1)
+    weighted = (weights[..., None, :] * values_t).sum(axis=-1)
+    return peak, total, weighted, mx.array(visible.any(axis=-1))
+
+
+def reference_attention(
+    queries: mx.array,
+    plane: KeyPlane,
+    block_keys: Optional[mx.array],
+    block_values: Optional[mx.array],
+    plan: Plan,
+    scale: float,
+    softcap: Optional[float],
+) -> mx.array:
+    """The pure-MLX form of :func:`small_query_attention` (batch-invariant).
+
+    Args:
+        queries: Queries at positions ``plan.query_start ..``.
+        plane: Earlier keys/values.
+        block_keys: The block's keys (or None).
+        block_values: The block's values (or None).
+        plan: The validated geometry (:func:`make_plan`).
+        scale: Score scale.
+        softcap: Logit soft-cap (None or 0: none).
+
+    Returns:
+        Attention output in the queries' dtype.
+
+    Shapes: queries ``(B, Hq, S, D)``; returns ``(B, Hq, S, D)``.
+    """
+    batch, heads, count, dim = queries.shape
+    group = heads // plan.kv_heads
+    queries32 = queries.astype(mx.float32).reshape(
+        batch, plan.kv_heads, group, count, 1, 1, dim
+    )
+    bounds = np.array([plan.bounds(plan.query_start + i) for i in range(count)])
+    state_shape = (batch, plan.kv_heads, group, count)
+    peak = mx.full(state_shape, -mx.inf)
+    total = mx.zeros(state_shape)
+    acc = mx.zeros(state_shape + (dim,))
+    started = mx.zeros((count,), dtype=mx.bool_)
+    all_keys, all_values = _key_rows(plan, plane, block_keys, block_values)
+    for first in range(0, plan.chunks, REFERENCE_SLAB):
+        used = min(REFERENCE_SLAB, plan.chunks - first)
+        base = (plan.chunk_first + first) * plan.chunk
+        positions = base + np.arange(used * plan.chunk)
+        rows = _row_index(plan, positions)
+        keys = all_keys[:, :, rows].astype(mx.float32)
+        values = all_values[:, :, rows].astype(mx.float32)
+        grid = positions.reshape(1, used, plan.chunk)
+        visible = (grid >= bounds[:, 0, None, None]) & (
+            grid <= bounds[:, 1, None, None]
+        )
+        peaks, totals, weighted, sees = _chunk_partials(
+            plan, queries32, keys, values, visible, scale, softcap
+        )
+        for u in range(used):
+            peak, total, acc, started = _fold(
+                (peak, total, acc, started),
+                peaks[..., u],
+                totals[..., u],
+                weighted[..., u, :],
+                sees[:, u],
+            )
+    out = acc / total[..., None]
+    return out.reshape(batch, heads, count, dim).astype(queries.dtype)
+
+
+def _fold(state, peak_u, total_u, acc_u, sees_u):
+    """Fold one chunk into the running (max, sum, weighted values); skip where unseen.
+
+    The first chunk a query sees is taken as it is; later ones rescale both sides
+    to the larger maximum. Queries that do not see the chunk keep their state
+    exactly (a select, no arithmetic).
+    """
+    peak, total, acc, started = state
+    top = mx.maximum(peak, peak_u)
+    alpha = mx.where(started, mx.exp(peak - top), 0.0)
+    beta = mx.exp(peak_u - top)
+    new_total = mx.where(started, total * alpha + total_u * beta, total_u)
+    new_acc = mx.where(
+        started[..., None], acc * alpha[..., None] + acc_u * beta[..., None], acc_u
+    )
+    new_peak = mx.where(started, top, peak_u)
+    keep = sees_u
+    return (
+        mx.where(keep, new_peak, peak),
+        mx.where(keep, new_total, total),
+        mx.where(keep[..., None], new_acc, acc),
+        started | sees_u,
+    )
+
+
+# ------------------------------------------------------------------ kernels
+
+# Shared helpers: positions -> visibility and physical rows. No pointers, so the
+# same text is valid Metal, CUDA and (for the CPU emulation) C++.
+ATTENTION_HELPERS = """
+// First key position the query at qpos sees (window 0: no window).
+DFL_FN int dfl_first_key(int qpos, int window) {
+  const int first = window > 0 ? qpos - window + 1 : 0;
+  return first > 0 ? first : 0;
+}
+
+// Last key position (inclusive) the query at qpos sees, capped at the last key.
+DFL_FN int dfl_last_key(int qpos, int window, int causal, int key_end) {
+  int last = key_end - 1;
+  if (causal != 0) {
+    last = qpos;
+  } else if (window > 0) {
+    last = qpos + window - 1;
+  }
+  return last < key_end - 1 ? last : key_end - 1;
+}
+
+// Element offset of row `pos` (absolute position) of KV head `bh` (= b * Hkv + h):
+// in the plane (pos < ring_end) or in the block after it.
+DFL_FN int dfl_row_offset(int pos, int bh, int dim, int cap, int n_block,
+                          int origin_logical, int origin_physical, int ring_end) {
+  if (pos < ring_end) {
+    const int row = (origin_physical + (pos - origin_logical)) % cap;
+    return (bh * cap + row) * dim;
+  }
+  return (bh * n_block + (pos - ring_end)) * dim;
+}
+"""
+
+_CONSTANTS = f"""
+  const int ROWS = {ROWS};
+  const int THREADS = {THREADS};
+  const int KEY_LANES = {KEY_LANES};
+  const int PAIRS = {PAIRS};
+"""
+
+# Pass 1: one threadgroup per (batch b, KV head h, chunk u, block of ROWS query rows).
+# A query row is (g, s): query head h * G + g at position query_start + s.
+# Writes, per row and chunk: the max score and the sum of exp(score - max) over the
+# keys the row sees (sum 0: it sees none), and the exp-weighted sum of their values.
+ATTEND_CHUNKS_BODY = (
+    _CONSTANTS
+    + f"""
+  DFL_SHARED float q_tile[{ROWS}][{KERNEL_MAX_DIM + 1}];
+  DFL_SHARED float scores[{ROWS}][{KERNEL_MAX_CHUNK + 1}];
+  DFL_SHARED float lane_max[{ROWS}][{KEY_LANES}];
+  DFL_SHARED float lane_sum[{ROWS}][{KEY_LANES}];
+  DFL_SHARED int lane_seen[{ROWS}][{KEY_LANES}];
+  DFL_SHARED float row_max[{ROWS}];
+"""
+    + """
+  const int n_heads = params[1];
+  const int n_kv = params[2];
+  const int n_queries = params[3];
+  const int dim = params[4];
+  const int cap = params[5];
+  const int n_block = params[6];
+  const int query_start = params[7];
+  const int origin_logical = params[8];
+  const int origin_physical = params[9];
+  const int ring_len = params[10];
+  const int window = params[11];
+  const int causal = params[12];
+  const int chunk = params[13];
+  const int chunk_first = params[14];
+  const int n_chunks = params[15];
+  const int row_blocks = params[16];
+  const float scale = fparams[0];
+  const float softcap = fparams[1];
+
+  const int group_size = n_heads / n_kv;
+  const int head_rows = group_size * n_queries;
+  int rest = int(group);
+  const int rb = rest % row_blocks;
+  rest = rest / row_blocks;
+  const int u = rest % n_chunks;
+  rest = rest / n_chunks;
+  const int h = rest % n_kv;
+  const int b = rest / n_kv;
+  const int bh = b * n_kv + h;
+  const int chunk_start = (chunk_first + u) * chunk;
+  const int ring_end = origin_logical + ring_len;
+  const int key_end = ring_end + n_block;
+
+  // Stage the block's query rows in float.
+  for (int idx = int(lid); idx < ROWS * dim; idx += THREADS) {
+    const int r = idx / dim;
+    const int d = idx % dim;
+    const int row = rb * ROWS + r;
+    float value = 0.0f;
+    if (row < head_rows) {
+      const int qrow = (b * n_heads + h * group_size + row / n_queries) * n_queries
+          + row % n_queries;
+      value = float(queries[qrow * dim + d]);
+    }
+    q_tile[r][d] = value;
+  }
+  DFL_BARRIER();
+
+  // Scores: thread (r, lane) takes keys lane, lane + KEY_LANES, ... of the chunk.
+  const int r = int(lid) % ROWS;
+  const int lane = int(lid) / ROWS;
+  const int row = rb * ROWS + r;
+  const bool row_ok = row < head_rows;
+  const int qpos = query_start + (row_ok ? row % n_queries : 0);
+  const int first = dfl_first_key(qpos, window);
+  const int last = dfl_last_key(qpos, window, causal, key_end);
+  float local_max = 0.0f;
+  int seen = 0;
+  for (int k = lane; k < chunk; k += KEY_LANES) {
+    const int pos = chunk_start + k;
+    if (!row_ok || pos < first || pos > last) {
+      continue;
+    }
+    const int off = dfl_row_offset(pos, bh, dim, cap, n_block, origin_logical,
+                                   origin_physical, ring_end);
+    auto key = pos < ring_end ? keys + off : block_keys + off;
+    float dot = 0.0f;
+    for (int d = 0; d < dim; ++d) {
+      dot = DFL_FMA(q_tile[r][d], float(key[d]), dot);
+    }
+    float score = dot * scale;
+    if (softcap > 0.0f) {
+      score = softcap * DFL_TANH(score / softcap);
+    }
+    scores[r][k] = score;
+    local_max = seen != 0 ? DFL_FMAX(local_max, score) : score;
+    seen = 1;
+  }
+  lane_max[r][lane] = local_max;
+  lane_seen[r][lane] = seen;
+  DFL_BARRIER();
+
+  // Row maxima (a max is exact in any order).
+  if (int(lid) < ROWS) {
+    float m = 0.0f;
+    int any = 0;
+    for (int j = 0; j < KEY_LANES; ++j) {
+      if (lane_seen[lid][j] != 0) {
+        m = any != 0 ? DFL_FMAX(m, lane_max[lid][j]) : lane_max[lid][j];
+        any = 1;
+      }
+    }
+    row_max[lid] = m;
+  }
+  DFL_BARRIER();
+
+  // Weights exp(score - max), in place; per-lane sums in key order.
+  float local_sum = 0.0f;
+  for (int k = lane; k < chunk; k += KEY_LANES) {
+    const int pos = chunk_start + k;
+    if (!row_ok || pos < first || pos > last) {
+      continue;
+    }
+    const float w = DFL_EXP(scores[r][k] - row_max[r]);
+    scores[r][k] = w;
+    local_sum += w;
+  }
+  lane_sum[r][lane] = local_sum;
+  DFL_BARRIER();
+
+  // Row statistics: lanes summed in lane order (a fixed tree for every row).
+  if (int(lid) < ROWS && rb * ROWS + int(lid) < head_rows) {
+    const int srow = rb * ROWS + int(lid);
+    float total = 0.0f;
+    int any = 0;
+    for (int j = 0; j < KEY_LANES; ++j) {
+      total += lane_sum[lid][j];
+      any = any | lane_seen[lid][j];
+    }
+    const int qrow = (b * n_heads + h * group_size + srow / n_queries) * n_queries
+        + srow % n_queries;
+    part_stats[(qrow * n_chunks + u) * 2] = row_max[lid];
+    part_stats[(qrow * n_chunks + u) * 2 + 1] = any != 0 ? total : 0.0f;
+  }
+
+  // Weighted values: thread takes (row, dim) pairs lid, lid + THREADS, ...; each
+  // pair sums its keys in key order.
+  float acc[PAIRS];
+  int pair_first[PAIRS];
+  int pair_last[PAIRS];
+  for (int i = 0; i < PAIRS; ++i) {
+    acc[i] = 0.0f;
+    const int idx = int(lid) + THREADS * i;
+    const int prow = rb * ROWS + idx / dim;
+    pair_first[i] = 1;
+    pair_last[i] = 0;
+    if (idx < ROWS * dim && prow < head_rows) {
+      const int ppos = query_start + prow % n_queries;
+      pair_first[i] = dfl_first_key(ppos, window);
+      pair_last[i] = dfl_last_key(ppos, window, causal, key_end);
+    }
+  }
+  // Keys some pair of this thread sees (no address is formed for any other).
+  int span_first = key_end;
+  int span_last = -1;
+  for (int i = 0; i < PAIRS; ++i) {
+    if (pair_first[i] <= pair_last[i]) {
+      span_first = pair_first[i] < span_first ? pair_first[i] : span_first;
+      span_last = pair_last[i] > span_last ? pair_last[i] : span_last;
+    }
+  }
+  const int k_first = span_first > chunk_start ? span_first - chunk_start : 0;
+  for (int k = k_first; k < chunk; ++k) {
+    const int pos = chunk_start + k;
+    if (pos > span_last) {
+      break;
+    }
+    const int off = dfl_row_offset(pos, bh, dim, cap, n_block, origin_logical,
+                                   origin_physical, ring_end);
+    auto value = pos < ring_end ? values + off : block_values + off;
+    for (int i = 0; i < PAIRS; ++i) {
+      if (pos >= pair_first[i] && pos <= pair_last[i]) {
+        const int idx = int(lid) + THREADS * i;
+        acc[i] = DFL_FMA(scores[idx / dim][k], float(value[idx % dim]), acc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < PAIRS; ++i) {
+    const int idx = int(lid) + THREADS * i;
+    const int prow = rb * ROWS + idx / dim;
+    if (idx < ROWS * dim && prow < head_rows) {
+      const int qrow = (b * n_heads + h * group_size + prow / n_queries) * n_queries
+          + prow % n_queries;
+      part_values[(qrow * n_chunks + u) * dim + idx % dim] = acc[i];
+    }
+  }
+"""
+)
+
+# Pass 2: one thread per output element (row, d): fold the chunks in ascending
+# order, skipping the ones the row does not see (sum 0). params: total, dim, n_chunks.
+FOLD_CHUNKS_BODY = """
+  const int total_threads = fold_params[0];
+  const int dim = fold_params[1];
+  const int n_chunks = fold_params[2];
+  const int gid = int(group) * THREADS + int(lid);
+  if (gid >= total_threads) {
+    return;
+  }
+  const int qrow = gid / dim;
+  const int d = gid % dim;
+  float m = 0.0f;
+  float l = 0.0f;
+  float acc = 0.0f;
+  int started = 0;
+  for (int u = 0; u < n_chunks; ++u) {
+    const int at = qrow * n_chunks + u;
+    const float l_u = part_stats[at * 2 + 1];
+    if (!(l_u > 0.0f)) {
+      continue;
+    }
+    const float m_u = part_stats[at * 2];
+    const float a_u = part_values[at * dim + d];
+    if (started == 0) {
+      m = m_u;
+      l = l_u;
+      acc = a_u;
+      started = 1;
+      continue;
+    }
+    const float top = DFL_FMAX(m, m_u);
+    const float alpha = DFL_EXP(m - top);
+    const float beta = DFL_EXP(m_u - top);
+    l = DFL_FMA(l, alpha, l_u * beta);
+    acc = DFL_FMA(acc, alpha, a_u * beta);
+    m = top;
+  }
+  out[gid] = T(acc / l);
+"""
+
+ATTEND_CHUNKS = GroupKernelSpec(
+    base="attend_chunks",
+    input_names=(
+        "queries", "keys", "values", "block_keys", "block_values", "params", "fparams"
+    ),
+    input_types=("T", "T", "T", "T", "T", "int32", "float32"),
+    output_names=("part_stats", "part_values"),
+    output_types=("float32", "float32"),
+    helpers=ATTENTION_HELPERS,
+    body=ATTEND_CHUNKS_BODY,
+    threads=THREADS,
+    small_inputs=("fparams",),
+)  # fmt: skip
+FOLD_CHUNKS = GroupKernelSpec(
+    base="fold_chunks",
+    input_names=("part_stats", "part_values", "fold_params"),
+    input_types=("float32", "float32", "int32"),
+    output_names=("out",),
+    output_types=("T",),
+    helpers="",
+    body=f"  const int THREADS = {THREADS};\n" + FOLD_CHUNKS_BODY,
+    threads=THREADS,
+    small_inputs=("fold_params",),
+)
+SPECS = (ATTEND_CHUNKS, FOLD_CHUNKS)
+
+
+def kernel_serves(plan: Plan) -> bool:
+    """Whether the kernel's compile-time limits cover ``plan``."""
+    # head_dim >= 8 keeps every T array at 8+ elements: mlx binds smaller inputs in
+    # Metal's constant address space, which the body's pointer selects do not expect.
+    return 8 <= plan.dim <= KERNEL_MAX_DIM and plan.chunk <= KERNEL_MAX_CHUNK
+
+
+def kernel_attention(
+    queries: mx.array,
+    plane: KeyPlane,
+    block_keys: Optional[mx.array],
+    block_values: Optional[mx.array],
+    plan: Plan,
+    scale: float,
+    softcap: Optional[float],
+) -> mx.array:
+    """The custom-kernel form (two launches); same contract as the reference.
+
+    Shapes: queries ``(B, Hq, S, D)``; returns ``(B, Hq, S, D)``.
+    """
+    if not kernel_serves(plan):
+        raise ValueError(
+            f"the attention kernel serves 8 <= head_dim <= {KERNEL_MAX_DIM} and chunk <= "
+            f"{KERNEL_MAX_CHUNK}, got head_dim {plan.dim} and chunk {plan.chunk}"
+        )
+    dtype = queries.dtype
+    keys, values = plane.keys, plane.values
+    # An absent container is never read (no position falls in it); any array binds.
+    if plan.block == 0:
+        block_keys, block_values = keys, values
+    if plan.capacity == 0:
+        keys, values = block_keys, block_values
+    group = plan.heads // plan.kv_heads
+    row_blocks = -(-group * plan.queries // ROWS)
+    ints = int_params(
+        plan.batch, plan.heads, plan.kv_heads, plan.queries, plan.dim,
+        max(plan.capacity, 1), plan.block, plan.query_start, plan.origin_logical,
+        plan.origin_physical, plan.length, plan.window, int(plan.causal), plan.chunk,
+        plan.chunk_first, plan.chunks, row_blocks,
+    )  # fmt: skip
+    floats = float_params(float(scale), float(softcap or 0.0))
+    rows = (plan.batch, plan.heads, plan.queries)
+    stats, weighted = groups.launch_groups(
+        ATTEND_CHUNKS,
+        [queries, keys, values, block_keys, block_values, ints, floats],
+        [rows + (plan.chunks, 2), rows + (plan.chunks, plan.dim)],
+        [mx.float32, mx.float32],
+        plan.batch * plan.kv_heads * plan.chunks * row_blocks,
+        dtype,
+    )
+    total = plan.batch * plan.heads * plan.queries * plan.dim
+    (out,) = groups.launch_groups(
+        FOLD_CHUNKS,
+        [stats, weighted, int_params(total, plan.dim, plan.chunks)],
+        [rows + (plan.dim,)],
+        [dtype],
+        -(-total // THREADS),
+        dtype,
+    )
+    return out
+
+
+# ------------------------------------------------------------------- public
+
+
+def small_query_attention(
+    queries: mx.array,
+    plane: KeyPlane,
+    block_keys: Optional[mx.array] = None,
+    block_values: Optional[mx.array] = None,
+    *,
+    scale: float,
+    window: Optional[int] = None,
+    causal: bool = True,
+    softcap: Optional[float] = None,
+    query_start: Optional[int] = None,
+    chunk: int = CHUNK,
+    use_kernel: Optional[bool] = None,
+) -> mx.array:
+    """Attention of a few queries over a plane's live rows and a held-back block.
+
+    Keys, in position order, are the plane's ``length`` live rows (positions
+    ``origin_logical ..``, read through the wrap in place) then the block's rows.
+    Queries sit at ``query_start .. query_start + S - 1`` (default: the last ``S``
+    key positions). Which keys a query sees follows from positions alone (see the
+    module docstring); the result is batch-invariant.
+
+    Args:
+        queries: Queries (mlx-lm layout), bfloat16, float16 or float32.
+        plane: The plane's buffers and bookkeeping.
+        block_keys: Keys of the rows after the plane (None: no block).
+        block_values: Their values.
+        scale: Score scale (``q . k * scale``).
+        window: Sliding window ``W`` (None: every earlier key).
+        causal: Whether a query sees no key after its own position.
+        softcap: Logit soft-cap ``c``: scores become ``c * tanh(score / c)``.
+        query_start: Position of query 0.
+        chunk: Keys per chunk of the fixed reduction order (the kernel takes at
+            most 256); results are batch-invariant for any fixed ``chunk``.
+        use_kernel: None picks the kernel on a GPU backend (default device GPU,
+            ``DFLASH_KERNELS`` not 0, shape within the kernel's limits), else the
+            reference; True forces the kernel, False the reference.
+
+    Returns:
+        The attention output, in the queries' dtype.
+
+    Shapes: queries ``(B, Hq, S, D)``; plane ``(B, Hkv, C, D)``; block
+    ``(B, Hkv, NB, D)``; returns ``(B, Hq, S, D)``.
+
+    Raises:
+        ValueError: On any inconsistent argument (nothing is launched).
+        RuntimeError: ``use_kernel=True`` without Metal or CUDA.
+    """
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap >= 0):
+        raise ValueError(f"softcap must be None or >= 0, got {softcap!r}")
+    plan = make_plan(
+        queries, plane, block_keys, block_values,
+        window=window, causal=causal, query_start=query_start, chunk=chunk,
+    )  # fmt: skip
+    if use_kernel is None:
+        use_kernel = kernel_serves(plan) and backend.use_kernel_path(None, auto=True)
+    elif use_kernel:
+        backend.use_kernel_path(True, auto=True)
+    form = kernel_attention if use_kernel else reference_attention
+    return form(queries, plane, block_keys, block_values, plan, scale, softcap)

@@ -1,0 +1,194 @@
+"""Threadgroup kernels: one shared body, a per-backend header and prologue.
+
+The copy kernels of :mod:`dflash.metal.sources` need one flat thread index. The
+verify kernels (:mod:`dflash.metal.attention`, :mod:`dflash.metal.qmm`) cooperate
+inside a threadgroup: they stage data in threadgroup memory and wait at barriers.
+The three things that differ between Metal and CUDA for that are spelled by the
+backend, everything else is one text shared by both:
+
+* a **header** (``header=`` of ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``)
+  defining the macros ``DFL_SHARED`` (threadgroup / ``__shared__`` storage),
+  ``DFL_BARRIER()``, ``DFL_FN`` (helper-function qualifier) and the float maths
+  ``DFL_EXP``, ``DFL_TANH``, ``DFL_FMA``, ``DFL_FMAX``; after it comes the kernel's
+  shared helper functions (index arithmetic only, no pointers);
+* a **prologue** of two statements: ``lid`` (thread index in its threadgroup) and
+  ``group`` (threadgroup index in the grid);
+* the **body**, identical for both backends.
+
+Every launch is one-dimensional: ``groups`` threadgroups of ``threads`` threads
+(the grid is ``groups * threads``, a whole number of threadgroups, so no thread is
+outside a group and every thread reaches every barrier).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+
+from . import backend
+from .sources import CUDA, METAL
+
+Kernel = Callable[..., list]
+
+HEADERS: dict[str, str] = {
+    METAL: """
+#define DFL_SHARED threadgroup
+#define DFL_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define DFL_FN inline
+#define DFL_EXP(x) exp(x)
+#define DFL_TANH(x) tanh(x)
+#define DFL_FMA(a, b, c) fma(a, b, c)
+#define DFL_FMAX(a, b) fmax(a, b)
+""",
+    CUDA: """
+#define DFL_SHARED __shared__
+#define DFL_BARRIER() __syncthreads()
+#define DFL_FN __device__ inline
+#define DFL_EXP(x) expf(x)
+#define DFL_TANH(x) tanhf(x)
+#define DFL_FMA(a, b, c) fmaf(a, b, c)
+#define DFL_FMAX(a, b) fmaxf(a, b)
+""",
+}
+
+PROLOGUES: dict[str, str] = {
+    METAL: (
+        "  const uint32_t lid = thread_position_in_threadgroup.x;\n"
+        "  const uint32_t group = threadgroup_position_in_grid.x;\n"
+    ),
+    CUDA: (
+        "  const uint32_t lid = threadIdx.x;\n" "  const uint32_t group = blockIdx.x;\n"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class GroupKernelSpec:
+    """One threadgroup kernel: names, shared helper text and shared body.
+
+    Attributes:
+        base: Kernel family name.
+        input_names: Parameter names of the inputs, in launch order.
+        output_names: Parameter names of the outputs.
+        input_types: Element type of each input: ``"T"`` (the template type),
+            ``"int32"``, ``"uint32"`` or ``"float32"``.
+        output_types: Element type of each output, as ``input_types``.
+        helpers: Shared helper functions (``DFL_FN`` functions, no pointers).
+        body: Shared body (all index arithmetic and maths).
+        threads: Threads per threadgroup the body is written for.
+        small_inputs: Inputs that always hold fewer than 8 elements (mlx binds
+            them in Metal's ``constant`` address space).
+    """
+
+    base: str
+    input_names: tuple[str, ...]
+    input_types: tuple[str, ...]
+    output_names: tuple[str, ...]
+    output_types: tuple[str, ...]
+    helpers: str
+    body: str
+    threads: int
+    small_inputs: tuple[str, ...] = ()
+
+    def header(self, backend_name: str) -> str:
+        """The ``header=`` text for ``backend_name``: its macros, then the helpers."""
+        return HEADERS[backend_name] + self.helpers
+
+    def source(self, backend_name: str) -> str:
+        """The kernel source for ``backend_name``: its prologue, then the body."""
+        return PROLOGUES[backend_name] + self.body
+
+    def name(self, backend_name: str) -> str:
+        """Kernel name, unique per header and source text (mlx caches by name)."""
+        text = self.header(backend_name) + self.source(backend_name)
+        digest = hashlib.sha1(text.encode()).hexdigest()[:10]
+        return f"dflash_{self.base}_{digest}"
+
+
+def build_group_kernel(
+    spec: GroupKernelSpec, backend_name: Optional[str]
+) -> Optional[Kernel]:
+    """Build the mlx custom-kernel object for ``spec`` (None without a GPU backend).
+
+    Args:
+        spec: Kernel contract.
+        backend_name: ``"metal"``, ``"cuda"`` or None.
+
+    Returns:
+        The callable from ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``, or None.
+    """
+    if backend_name is None:
+        return None
+    common = dict(
+        name=spec.name(backend_name),
+        input_names=list(spec.input_names),
+        output_names=list(spec.output_names),
+        source=spec.source(backend_name),
+        header=spec.header(backend_name),
+    )
+    try:
+        if backend_name == METAL:
+            return mx.fast.metal_kernel(**common)
+        return mx.fast.cuda_kernel(**common)
+    except RuntimeError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def group_kernel_for(spec: GroupKernelSpec) -> Optional[Kernel]:
+    """The kernel object for ``spec`` on this process's backend, built once."""
+    return build_group_kernel(spec, backend.BACKEND)
+
+
+def launch_groups(
+    spec: GroupKernelSpec,
+    inputs: Sequence[mx.array],
+    output_shapes: Sequence[tuple[int, ...]],
+    output_dtypes: Sequence[mx.Dtype],
+    groups: int,
+    dtype: mx.Dtype,
+) -> list[mx.array]:
+    """Launch ``groups`` threadgroups of ``spec.threads`` threads.
+
+    Tests replace this function (module attribute) with a CPU emulation of the
+    Metal form; the wrappers always call it through the module.
+
+    Args:
+        spec: Kernel contract.
+        inputs: Inputs in the spec's order.
+        output_shapes: Output shapes.
+        output_dtypes: Output dtypes.
+        groups: Number of threadgroups (at least 1).
+        dtype: The template type ``T`` (the element type of the model's arrays).
+
+    Returns:
+        The kernel's outputs.
+    """
+    kernel = group_kernel_for(spec)
+    if kernel is None:
+        raise RuntimeError(f"kernel {spec.base} unavailable on this mlx build")
+    return kernel(
+        inputs=list(inputs),
+        output_shapes=[tuple(s) for s in output_shapes],
+        output_dtypes=list(output_dtypes),
+        grid=(groups * spec.threads, 1, 1),
+        threadgroup=(spec.threads, 1, 1),
+        template=[("T", dtype)],
+        stream=mx.gpu,
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def int_params(*values: int) -> mx.array:
+    """Runtime integer scalars of a launch as an int32 array (memoised, immutable)."""
+    return mx.array(list(values), dtype=mx.int32)
+
+
+@functools.lru_cache(maxsize=512)
+def float_params(*values: float) -> mx.array:
+    """Runtime float scalars of a launch as a float32 array (memoised, immutable)."""
+    return mx.array(list(values), dtype=mx.float32)

@@ -1,0 +1,543 @@
+"""Compile checks and a CPU run of the threadgroup kernels (``dflash.metal.groups``).
+
+The companion of :mod:`.compile_check` and :mod:`.metal_emulator` (which serve the
+flat copy kernels of ``dflash.metal.sources``) for the verify kernels.
+
+The verify kernels cooperate inside a threadgroup (threadgroup memory, barriers),
+so the thread-by-thread driver of :mod:`.metal_emulator` cannot run them. This
+module does the same three jobs for them:
+
+* :func:`metal_unit` writes the Metal source ``mx.fast.metal_kernel`` generates
+  (``header``, ``template <typename T> [[kernel]] void ...`` with ``device`` /
+  ``constant`` buffers by mlx's 8-element rule and the thread-position attributes
+  the source mentions, in mlx's order), and :func:`check_metal` syntax-checks it
+  with g++ against :data:`METAL_SHIM` (``-Wall -Wextra -Werror``);
+* :func:`cuda_unit` writes the source ``mx.fast.cuda_kernel`` generates (mlx's
+  default header, ``namespace mlx::core::cu``, ``__global__``, ``using T = ...``),
+  and :func:`check_cuda` compiles it to PTX with nvcc (sm_90), against the same
+  stand-in for mlx's device header as :mod:`.compile_check`;
+* :class:`GroupEmulator` compiles the Metal units with a driver that runs every
+  threadgroup's threads as coroutines (``ucontext``) on one CPU thread: each runs
+  until it reaches a barrier or returns, and the group moves on when all of them
+  are at the barrier. Threadgroup arrays become function statics (one copy,
+  shared by the group; groups run one after another). A barrier that some threads
+  of a group never reach (they returned) is reported as an error, as is a write
+  past the end of an output (canary bytes).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from dflash.metal.groups import GroupKernelSpec
+from dflash.metal.sources import CUDA, METAL
+
+from .compile_check import (
+    CUDA_SHIM,
+    CompileResult,
+    find_compiler,
+    run_compiler,
+)
+
+__all__ = [
+    "CompileResult",
+    "GroupEmulator",
+    "check_cuda",
+    "check_metal",
+    "cuda_unit",
+    "find_compiler",
+    "metal_unit",
+]
+
+# Element type names mlx writes into generated signatures.
+METAL_TYPES = {
+    mx.float32: "float",
+    mx.float16: "float16_t",
+    mx.bfloat16: "bfloat16_t",
+    mx.int32: "int32_t",
+    mx.uint32: "uint32_t",
+    mx.uint8: "uint8_t",
+}
+CUDA_TYPES = {
+    mx.float32: "float",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.int32: "int32_t",
+    mx.uint32: "uint32_t",
+    mx.uint8: "uint8_t",
+}
+_NAMED = {"int32": mx.int32, "uint32": mx.uint32, "float32": mx.float32}
+TEMPLATE_TYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+# The thread-position attributes mlx's metal_kernel adds when the source names them,
+# in mlx's order (mlx/backend/common/metal_kernel.cpp).
+METAL_ATTRIBUTES: tuple[tuple[str, str], ...] = (
+    ("thread_index_in_threadgroup", "uint"),
+    ("thread_position_in_grid", "uint3"),
+    ("thread_position_in_threadgroup", "uint3"),
+    ("threadgroup_position_in_grid", "uint3"),
+    ("threads_per_threadgroup", "uint3"),
+)
+# What the emulator passes for each attribute: (lid, group, threads) -> C++ expr.
+_ATTRIBUTE_VALUES = {
+    "thread_index_in_threadgroup": "lid",
+    "thread_position_in_grid": "uint3{group * threads + lid, 0u, 0u}",
+    "thread_position_in_threadgroup": "uint3{lid, 0u, 0u}",
+    "threadgroup_position_in_grid": "uint3{group, 0u, 0u}",
+    "threads_per_threadgroup": "uint3{threads, 0u, 0u}",
+}
+
+# C++ stand-in for the metal_stdlib pieces the bodies use. No <cmath>: its global
+# double overloads would make the float calls below ambiguous.
+METAL_SHIM = r"""
+#include <cstdint>
+#include <cstring>
+#define device
+#define constant
+#define thread
+// Threadgroup storage: one static copy, shared by the threads of the running group.
+#define threadgroup static
+typedef unsigned int uint;
+struct uint3 {
+  uint x;
+  uint y;
+  uint z;
+};
+typedef _Float16 half;
+typedef half float16_t;
+// bfloat16 as Metal's bfloat: float conversions round to nearest even.
+struct bfloat16_t {
+  uint16_t bits;
+  bfloat16_t() = default;
+  bfloat16_t(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      bits = uint16_t((u >> 16) | 0x40u);
+    } else {
+      bits = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+  }
+  operator float() const {
+    uint32_t u = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+namespace metal {
+enum class mem_flags { mem_none, mem_device, mem_threadgroup };
+void threadgroup_barrier(mem_flags flags);
+inline float exp(float x) { return __builtin_expf(x); }
+inline float tanh(float x) { return __builtin_tanhf(x); }
+inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+inline float fmax(float a, float b) { return __builtin_fmaxf(a, b); }
+}  // namespace metal
+using namespace metal;
+"""
+
+# mlx's CUDA default header (mlx/backend/cuda/custom_kernel.cpp, 0.32.4).
+CUDA_DEFAULT_HEADER = """
+#include "mlx/backend/cuda/device/utils.cuh"
+
+#include <cooperative_groups.h>
+
+#define inf cuda::std::numeric_limits<float>::infinity()
+
+"""
+
+CANARY_BYTES = 4096
+CANARY = 0xA5
+
+
+def element_dtype(kind: str, dtype: mx.Dtype) -> mx.Dtype:
+    """The dtype of an argument declared ``kind`` when ``T`` is ``dtype``."""
+    return dtype if kind == "T" else _NAMED[kind]
+
+
+def type_suffix(dtype: mx.Dtype) -> str:
+    """The part of a kernel name mlx derives from the template type."""
+    return METAL_TYPES[dtype]
+
+
+def metal_kernel_name(spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
+    """Host name of the instantiated Metal kernel (mlx appends the template)."""
+    return f"custom_kernel_{spec.name(METAL)}_{type_suffix(dtype)}"
+
+
+def metal_attributes(source: str) -> list[tuple[str, str]]:
+    """The attributes mlx adds to the signature for ``source``, in mlx's order."""
+    return [(name, kind) for name, kind in METAL_ATTRIBUTES if name in source]
+
+
+def metal_unit(
+    spec: GroupKernelSpec, dtype: mx.Dtype, small: Optional[Sequence[str]] = None
+) -> str:
+    """The Metal source mlx generates for ``spec`` at template type ``dtype``.
+
+    Args:
+        spec: Kernel contract.
+        dtype: The template type ``T``.
+        small: Inputs bound as ``constant`` (fewer than 8 elements); default the
+            spec's ``small_inputs``.
+
+    Returns:
+        Header, the templated ``[[kernel]]`` function and its instantiation.
+    """
+    small = spec.small_inputs if small is None else tuple(small)
+    name = metal_kernel_name(spec, dtype)
+    source = spec.source(METAL)
+    lines = ["template <typename T>", f"[[kernel]] void {name}("]
+    index = 0
+    for arg, kind in zip(spec.input_names, spec.input_types):
+        space = "constant" if arg in small else "device"
+        ctype = METAL_TYPES[element_dtype(kind, dtype)]
+        lines.append(f"  const {space} {ctype}* {arg} [[buffer({index})]],")
+        index += 1
+    for arg, kind in zip(spec.output_names, spec.output_types):
+        ctype = METAL_TYPES[element_dtype(kind, dtype)]
+        lines.append(f"  device {ctype}* {arg} [[buffer({index})]],")
+        index += 1
+    attributes = metal_attributes(source)
+    for i, (attr, kind) in enumerate(attributes):
+        end = "," if i < len(attributes) - 1 else ") {"
+        lines.append(f"  {kind} {attr} [[{attr}]]{end}")
+    if not attributes:
+        lines[-1] = lines[-1].rstrip(",") + ") {"
+    instance = f"{name}<{METAL_TYPES[dtype]}>"
+    return (
+        spec.header(METAL)
+        + "\n".join(lines)
+        + "\n"
+        + source
+        + "\n}\n"
+        + f'\ntemplate [[host_name("{name}")]] [[kernel]] decltype({instance}) {instance};\n'
+    )
+
+
+def cuda_unit(
+    spec: GroupKernelSpec, dtype: mx.Dtype, default_header: bool = True
+) -> str:
+    """The CUDA source mlx generates for ``spec`` at template type ``dtype``.
+
+    Args:
+        spec: Kernel contract.
+        dtype: The template type ``T``.
+        default_header: Whether to start with mlx's default header (its includes).
+    """
+    name = f"custom_kernel_{spec.name(CUDA)}_{type_suffix(dtype)}"
+    args = [
+        f"    const {CUDA_TYPES[element_dtype(kind, dtype)]}* {arg}"
+        for arg, kind in zip(spec.input_names, spec.input_types)
+    ]
+    args += [
+        f"    {CUDA_TYPES[element_dtype(kind, dtype)]}* {arg}"
+        for arg, kind in zip(spec.output_names, spec.output_types)
+    ]
+    return (
+        (CUDA_DEFAULT_HEADER if default_header else "")
+        + spec.header(CUDA)
+        + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+        + f"__global__ void {name}(\n"
+        + ",\n".join(args)
+        + ") {\n"
+        + f"  using T = {CUDA_TYPES[dtype]};\n\n"
+        + spec.source(CUDA)
+        + "\n}\n\n} // namespace mlx::core::cu\n"
+    )
+
+
+def _metal_file(specs: Sequence[GroupKernelSpec], every_space: bool = False) -> str:
+    """One C++ file of every Metal unit, each in its own namespace (the headers'
+    helper functions repeat). With ``every_space``, each spec also appears with every
+    input in ``constant`` (what mlx binds for inputs of fewer than 8 elements)."""
+    parts = [METAL_SHIM]
+    for i, spec in enumerate(specs):
+        variants = [("", None)] + ([("_tiny", spec.input_names)] if every_space else [])
+        for suffix, small in variants:
+            for dtype in TEMPLATE_TYPES:
+                parts.append(f"namespace unit{i}{suffix}_{type_suffix(dtype)} {{\n")
+                parts.append(metal_unit(spec, dtype, small))
+                parts.append("}\n")
+    return "\n".join(parts)
+
+
+def check_metal(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str = "g++"):
+    """Syntax-check every Metal unit as C++ (g++ ``-fsyntax-only -Werror``)."""
+    source = Path(workdir) / "group_bodies.cpp"
+    source.write_text(_metal_file(specs, every_space=True))
+    command = [compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Wextra", "-Werror"]
+    command += ["-Wno-attributes", "-Wno-unused-parameter", str(source)]
+    return run_compiler(command, Path(workdir))
+
+
+def check_cuda(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str = "nvcc"):
+    """Compile every CUDA unit to PTX (sm_90) inside mlx's generated signature.
+
+    The units share one nvcc run, each in its own namespace after mlx's default
+    header (NVRTC compiles each alone; the namespaces keep their helpers apart).
+    """
+    workdir = Path(workdir)
+    header = workdir / "include/mlx/backend/cuda/device/utils.cuh"
+    header.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(CUDA_SHIM, header)
+    parts = [CUDA_DEFAULT_HEADER]
+    for i, spec in enumerate(specs):
+        for dtype in TEMPLATE_TYPES:
+            parts.append(f"namespace unit{i}_{type_suffix(dtype)} {{\n")
+            parts.append(cuda_unit(spec, dtype, default_header=False))
+            parts.append("}\n")
+    source = workdir / "group_bodies.cu"
+    source.write_text("\n".join(parts))
+    command = [compiler, "-std=c++17", "-arch=sm_90", "-ptx", "-Werror=all-warnings"]
+    command += ["-I", str(workdir / "include"), "-o", str(workdir / "group_bodies.ptx")]
+    return run_compiler(command + [str(source)], workdir)
+
+
+# ----------------------------------------------------------------- emulator
+
+# Host headers come before the shim: its address-space macros must not reach them.
+_DRIVER_INCLUDES = """
+#include <ucontext.h>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <string>
+#include <vector>
+"""
+
+_DRIVER = r"""
+namespace {
+enum State { READY, WAITING, DONE };
+ucontext_t scheduler;
+std::vector<ucontext_t> contexts;
+std::vector<State> states;
+std::vector<std::vector<char>> stacks;
+uint current = 0;
+std::function<void(uint)> run_thread;
+
+void trampoline() {
+  run_thread(current);
+  states[current] = DONE;
+}
+
+std::vector<char> slurp(const char* path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<char>(std::istreambuf_iterator<char>(in), {});
+}
+
+// Runs one threadgroup: every thread until a barrier or its end, round after round.
+// Returns false if some threads ended while others wait at a barrier.
+bool run_group(uint threads) {
+  contexts.assign(threads, ucontext_t());
+  states.assign(threads, READY);
+  stacks.resize(threads);
+  for (uint t = 0; t < threads; ++t) {
+    stacks[t].resize(1 << 16);
+    getcontext(&contexts[t]);
+    contexts[t].uc_stack.ss_sp = stacks[t].data();
+    contexts[t].uc_stack.ss_size = stacks[t].size();
+    contexts[t].uc_link = &scheduler;
+    makecontext(&contexts[t], trampoline, 0);
+  }
+  while (true) {
+    for (uint t = 0; t < threads; ++t) {
+      if (states[t] == READY) {
+        current = t;
+        swapcontext(&scheduler, &contexts[t]);
+      }
+    }
+    uint waiting = 0, done = 0;
+    for (uint t = 0; t < threads; ++t) {
+      waiting += states[t] == WAITING;
+      done += states[t] == DONE;
+    }
+    if (done == threads) {
+      return true;
+    }
+    if (done > 0) {
+      return false;
+    }
+    for (uint t = 0; t < threads; ++t) {
+      states[t] = READY;
+    }
+  }
+}
+}  // namespace
+
+void metal::threadgroup_barrier(mem_flags) {
+  states[current] = WAITING;
+  swapcontext(&contexts[current], &scheduler);
+}
+
+static int finish(char** argv, std::vector<std::vector<char>>& outs,
+                  const std::vector<size_t>& sizes, int first_out) {
+  for (size_t i = 0; i < outs.size(); ++i) {
+    for (size_t b = sizes[i]; b < outs[i].size(); ++b) {
+      if (static_cast<unsigned char>(outs[i][b]) != CANARY) {
+        std::fprintf(stderr, "output %zu written past its end\n", i);
+        return 3;
+      }
+    }
+    std::ofstream out(argv[first_out + 2 * i], std::ios::binary);
+    out.write(outs[i].data(), sizes[i]);
+  }
+  return 0;
+}
+
+// argv: key groups threads n_in in_path... n_out (out_path out_bytes)...
+int main(int argc, char** argv) {
+  (void)argc;
+  const std::string key = argv[1];
+  const uint groups = uint(std::strtoul(argv[2], nullptr, 10));
+  const uint threads = uint(std::strtoul(argv[3], nullptr, 10));
+  const int n_in = std::atoi(argv[4]);
+  std::vector<std::vector<char>> ins;
+  for (int i = 0; i < n_in; ++i) {
+    ins.push_back(slurp(argv[5 + i]));
+  }
+  const int n_out = std::atoi(argv[5 + n_in]);
+  const int first_out = 6 + n_in;
+  std::vector<std::vector<char>> outs;
+  std::vector<size_t> sizes;
+  for (int i = 0; i < n_out; ++i) {
+    sizes.push_back(std::strtoull(argv[first_out + 2 * i + 1], nullptr, 10));
+    outs.emplace_back(sizes.back() + CANARY_BYTES, char(CANARY));
+  }
+__CASES__
+  std::fprintf(stderr, "unknown kernel %s\n", key.c_str());
+  return 2;
+}
+"""
+
+
+def _driver_case(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
+    space = f"unit{index}_{type_suffix(dtype)}"
+    name = metal_kernel_name(spec, dtype)
+    args = []
+    for i, kind in enumerate(spec.input_types):
+        ctype = METAL_TYPES[element_dtype(kind, dtype)]
+        args.append(f"reinterpret_cast<const {ctype}*>(ins[{i}].data())")
+    for i, kind in enumerate(spec.output_types):
+        ctype = METAL_TYPES[element_dtype(kind, dtype)]
+        args.append(f"reinterpret_cast<{ctype}*>(outs[{i}].data())")
+    args += [_ATTRIBUTE_VALUES[a] for a, _ in metal_attributes(spec.source(METAL))]
+    call = f"{space}::{name}<{METAL_TYPES[dtype]}>({', '.join(args)})"
+    return (
+        f'  if (key == "{name}") {{\n'
+        f"    for (uint group = 0; group < groups; ++group) {{\n"
+        f"      run_thread = [&](uint lid) {{ {call}; }};\n"
+        f"      if (!run_group(threads)) {{\n"
+        f'        std::fprintf(stderr, "group %u: threads ended before a barrier\\n", group);\n'
+        f"        return 4;\n      }}\n    }}\n"
+        f"    return finish(argv, outs, sizes, first_out);\n  }}\n"
+    )
+
+
+def _host(array: mx.array) -> np.ndarray:
+    """Bytes of ``array`` as a numpy array (bfloat16 seen as uint16)."""
+    if array.dtype == mx.bfloat16:
+        array = array.view(mx.uint16)
+    return np.ascontiguousarray(np.asarray(array))
+
+
+class GroupEmulator:
+    """Runs the Metal units of threadgroup kernels on the CPU through g++.
+
+    Use :meth:`launch` in place of ``dflash.metal.groups.launch_groups`` (with
+    ``dflash.metal.backend.BACKEND`` set to ``"metal"``).
+
+    Args:
+        workdir: Directory for the source and binary.
+        specs: Kernel specs to compile.
+        compiler: C++ compiler.
+    """
+
+    def __init__(
+        self, workdir: Path, specs: Sequence[GroupKernelSpec], compiler: str = "g++"
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.specs = list(specs)
+        self.binary = self.workdir / "group_emulator"
+        self.launches = 0
+        cases = "".join(
+            _driver_case(i, spec, dtype)
+            for i, spec in enumerate(self.specs)
+            for dtype in TEMPLATE_TYPES
+        )
+        driver = _DRIVER.replace("__CASES__", cases)
+        driver = driver.replace("CANARY_BYTES", str(CANARY_BYTES))
+        driver = driver.replace("CANARY", str(CANARY))
+        source = self.workdir / "group_emulator.cpp"
+        source.write_text(_DRIVER_INCLUDES + _metal_file(self.specs) + driver)
+        command = [
+            compiler,
+            "-std=c++17",
+            "-O1",
+            "-Wno-attributes",
+            "-o",
+            str(self.binary),
+        ]
+        self.build = run_compiler(command + [str(source)], self.workdir)
+
+    def launch(
+        self,
+        spec: GroupKernelSpec,
+        inputs: Sequence[mx.array],
+        output_shapes: Sequence[tuple[int, ...]],
+        output_dtypes: Sequence[mx.Dtype],
+        groups: int,
+        dtype: mx.Dtype,
+    ) -> list[mx.array]:
+        """Same contract as ``dflash.metal.groups.launch_groups``, run on the CPU."""
+        if not self.build.ok:
+            raise RuntimeError(f"emulator did not build:\n{self.build.log}")
+        if spec not in self.specs:
+            raise RuntimeError(f"emulator was not built with {spec.base}")
+        self.launches += 1
+        with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
+            argv = [str(self.binary), metal_kernel_name(spec, dtype), str(groups)]
+            argv += [str(spec.threads), str(len(inputs))]
+            for i, (kind, array) in enumerate(zip(spec.input_types, inputs)):
+                want = element_dtype(kind, dtype)
+                if array.dtype != want:
+                    raise TypeError(
+                        f"input {spec.input_names[i]} is {array.dtype}, kernel expects {want}"
+                    )
+                path = Path(tmp) / f"in{i}.bin"
+                _host(array).tofile(path)
+                argv.append(str(path))
+            argv.append(str(len(output_shapes)))
+            for i, (shape, out_dtype) in enumerate(zip(output_shapes, output_dtypes)):
+                argv += [str(Path(tmp) / f"out{i}.bin")]
+                argv += [str(int(np.prod(shape)) * out_dtype.size)]
+            done = subprocess.run(argv, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"emulated {spec.base} failed: {done.stderr}")
+            outs = []
+            for i, (shape, out_dtype) in enumerate(zip(output_shapes, output_dtypes)):
+                raw = out_dtype if out_dtype != mx.bfloat16 else mx.uint16
+                host = np.fromfile(Path(tmp) / f"out{i}.bin", dtype=_numpy(raw))
+                out = mx.array(host.reshape(shape))
+                outs.append(out.view(mx.bfloat16) if out_dtype == mx.bfloat16 else out)
+            return outs
+
+
+def _numpy(dtype: mx.Dtype):
+    return {
+        mx.float32: np.float32,
+        mx.float16: np.float16,
+        mx.uint16: np.uint16,
+        mx.int32: np.int32,
+        mx.uint32: np.uint32,
+        mx.uint8: np.uint8,
+    }[dtype]

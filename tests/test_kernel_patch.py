@@ -1,0 +1,353 @@
+"""The verify kernels installed into a model: routing, reversibility, bit-exact agreement.
+
+With :class:`dflash.kernel_patch.KernelPatch` on, our plain decoding
+(``dflash.generate_step``: one query per attention call) and DFlash decoding
+(``dflash_generate_step``: verify blocks) give every token the same log-probabilities
+bit for bit. Against mlx-lm's own plain decoding (its caches and attention) the
+float32 outputs agree; in bfloat16 they part at near-ties (printed with margins).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from conftest import tiny_model
+from mlx_lm.generate import generate_step as mlx_generate_step
+from test_dflash_loop import random_drafter
+
+from dflash import dflash_generate_step, kernel_patch
+from dflash.cache import SpeculativeCheckpoint, make_prompt_cache
+from dflash.drafter import DraftAttention
+from dflash.generation import generate_step
+from dflash.kernel_patch import KernelPatch, supports
+from dflash.metal import attention
+
+
+def _f32(array: mx.array) -> np.ndarray:
+    return np.asarray(array.astype(mx.float32))
+
+
+def _plain_and_speculative(target, drafter, prompt, tokens: int):
+    plain = list(generate_step(prompt, target, max_tokens=tokens))
+    spec = list(dflash_generate_step(prompt, target, drafter, max_tokens=tokens))
+    return plain, spec
+
+
+@pytest.mark.parametrize(
+    "arch, dtype, block, bits",
+    [
+        ("muse_glimmer", mx.float32, 8, None),
+        ("muse_glimmer", mx.bfloat16, 16, None),
+        ("muse_glimmer", mx.bfloat16, 8, 4),
+        ("gemma3_text", mx.float32, 5, 8),
+        ("qwen3", mx.float16, 8, None),
+    ],
+)
+def test_plain_and_speculative_logits_agree_bitwise(arch, dtype, block, bits) -> None:
+    target = tiny_model(arch, seed=1, window=16)
+    target.set_dtype(dtype)
+    if bits:
+        nn.quantize(target, group_size=32, bits=bits)
+    drafter = random_drafter(target, seed=11, block_size=block)
+    drafter.set_dtype(dtype)
+    prompt = mx.random.randint(0, 250, (19,))
+    with KernelPatch(target, drafter):
+        plain, spec = _plain_and_speculative(target, drafter, prompt, 30)
+    assert [int(t) for t, _ in plain] == [int(t) for t, _, _ in spec]
+    for index, ((_, want), (_, got, _)) in enumerate(zip(plain, spec)):
+        assert np.array_equal(_f32(want), _f32(got)), f"token {index}"
+
+
+def _first_divergence(reference, ours):
+    for index, ((want, want_lp), (got, got_lp)) in enumerate(zip(reference, ours)):
+        if int(want) != int(got):
+            top = np.sort(_f32(want_lp))[::-1]
+            return index, float(top[0] - top[1])
+    return None, None
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("seed", range(2))
+def test_divergences_from_mlx_lm_are_near_ties(dtype, seed) -> None:
+    """Our patched plain decoding vs mlx-lm's: equal, or parted at a near-tie."""
+    target = tiny_model("muse_glimmer", seed=seed, window=16)
+    target.set_dtype(dtype)
+    prompt = mx.random.randint(0, 250, (19,))
+    reference = list(mlx_generate_step(prompt, target, max_tokens=40))
+    with KernelPatch(target):
+        ours = list(generate_step(prompt, target, max_tokens=40))
+    index, margin = _first_divergence(reference, ours)
+    if index is None:
+        return
+    # A near-tie: mlx-lm's top two log-probabilities within two ulps of the dtype there.
+    limit = 1e-4 if dtype == mx.float32 else 2 * 2.0**-8 * 8
+    print(
+        f"{dtype} seed {seed}: parted from mlx-lm at token {index}, margin {margin:.3g}"
+    )
+    assert margin <= limit, (index, margin)
+
+
+@pytest.mark.parametrize("arch", kernel_patch.SUPPORTED_ARCHITECTURES)
+def test_patched_forward_matches_mlx_attention(arch) -> None:
+    """Prefill, a checkpointed verify block and decode steps: close to mlx's attention."""
+    target = tiny_model(arch, seed=2, window=16)
+    prompt = mx.random.randint(0, 250, (1, 40))
+    block = mx.random.randint(0, 250, (1, 7))
+    outs = {}
+    for patched in (False, True):
+        cache = make_prompt_cache(target)
+        patch = KernelPatch(target).install() if patched else None
+        try:
+            logits = [
+                target(prompt[:, :30], cache=cache),
+                target(prompt[:, 30:], cache=cache),
+            ]
+            with SpeculativeCheckpoint.begin(cache, 7) as checkpoint:
+                logits.append(target(block, cache=cache))
+                checkpoint.commit(3)
+            for token in (5, 9, 77):
+                logits.append(target(mx.array([[token]]), cache=cache))
+        finally:
+            if patch is not None:
+                patch.uninstall()
+        outs[patched] = [_f32(x) for x in logits]
+    for want, got in zip(outs[False], outs[True]):
+        np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
+
+
+def test_verify_block_is_read_beside_the_ring(monkeypatch) -> None:
+    """A held-back verify block is read from the checkpoint, the ring as before it."""
+    seen = []
+    original = kernel_patch.small_query_attention
+
+    def spy(queries, plane, block_keys=None, block_values=None, **kwargs):
+        seen.append((plane, block_keys, kwargs))
+        return original(queries, plane, block_keys, block_values, **kwargs)
+
+    monkeypatch.setattr(kernel_patch, "small_query_attention", spy)
+    target = tiny_model("muse_glimmer", seed=3, window=16)
+    cache = make_prompt_cache(target)
+    with KernelPatch(target):
+        target(mx.random.randint(0, 250, (1, 29)), cache=cache)
+        seen.clear()
+        with SpeculativeCheckpoint.begin(cache, 6) as checkpoint:
+            target(mx.random.randint(0, 250, (1, 6)), cache=cache)
+            checkpoint.commit(2)
+    kinds = [layer.self_attn.layer_type for layer in target.layers]
+    assert len(seen) == len(kinds)
+    for kind, (plane, block_keys, kwargs) in zip(kinds, seen):
+        assert kwargs["query_start"] == 29
+        if kind == "sliding_attention":
+            # The full 16-row ring, untouched, then the 6 held-back rows.
+            assert (plane.length, plane.origin_logical, block_keys.shape[2]) == (
+                16,
+                13,
+                6,
+            )
+            assert plane.origin_physical == 13 % 16
+            assert kwargs["window"] == 16
+        else:
+            # A growing plane holds the written block (rows past len are its undo).
+            assert (plane.length, block_keys) == (35, None)
+            assert kwargs["window"] is None
+
+
+def test_prefill_chunks_keep_mlx_attention(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(
+        kernel_patch, "small_query_attention", lambda *a, **k: calls.append(a) or None
+    )
+    target = tiny_model("muse_glimmer", seed=3, window=16)
+    cache = make_prompt_cache(target)
+    with KernelPatch(target, max_queries=8):
+        target(mx.random.randint(0, 250, (1, 9)), cache=cache)
+    assert calls == []
+
+
+def test_uninstall_restores_classes_and_module() -> None:
+    target = tiny_model("muse_glimmer", seed=4, window=16)
+    drafter = random_drafter(target, seed=14)
+    module = sys.modules[type(target).__module__]
+    function = module.scaled_dot_product_attention
+    probe = KernelPatch(target, drafter)
+    classes = [type(m) for m in probe.attention_modules() + probe.matmul_modules()]
+    prompt = mx.random.randint(0, 250, (1, 20))
+    before = _f32(target(prompt))
+    other = tiny_model("muse_glimmer", seed=5, window=16)
+    with KernelPatch(target, drafter) as patch:
+        assert patch.installed
+        assert module.scaled_dot_product_attention is not function
+        with KernelPatch(other):
+            pass
+        # The other model's uninstall leaves this model's hook in place.
+        assert module.scaled_dot_product_attention is not function
+        with pytest.raises(RuntimeError, match="already"):
+            KernelPatch(target).install()
+    assert module.scaled_dot_product_attention is function
+    modules = patch.attention_modules() + patch.matmul_modules()
+    assert [type(m) for m in modules] == classes
+    assert not any("_dflash_route" in vars(m) for m in modules)
+    assert np.array_equal(_f32(target(prompt)), before)
+
+
+def test_unpatched_models_keep_mlx_attention(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(
+        kernel_patch, "small_query_attention", lambda *a, **k: calls.append(a)
+    )
+    patched = tiny_model("muse_glimmer", seed=6, window=16)
+    plain = tiny_model("muse_glimmer", seed=7, window=16)
+    with KernelPatch(patched, use_kernel=False):
+        plain(mx.random.randint(0, 250, (1, 5)), cache=make_prompt_cache(plain))
+    assert calls == []
+
+
+def test_unsupported_architecture_is_refused() -> None:
+    target = tiny_model("gpt_oss", seed=0, window=16)
+    assert not supports(target)
+    with pytest.raises(ValueError, match="gpt_oss"):
+        KernelPatch(target)
+
+
+def test_drafter_attention_matches_its_own() -> None:
+    """The drafter's in-place route equals its own forward within float tolerance."""
+    target = tiny_model("muse_glimmer", seed=8, window=16)
+    drafter = random_drafter(target, seed=18, block_size=8)
+    prompt = mx.random.randint(0, 250, (30,))
+    runs = {}
+    for patched in (False, True):
+        patch = KernelPatch(target, drafter).install() if patched else None
+        try:
+            runs[patched] = [
+                _f32(lp)
+                for _, lp, _ in dflash_generate_step(
+                    prompt, target, drafter, max_tokens=20
+                )
+            ]
+        finally:
+            if patch is not None:
+                patch.uninstall()
+    assert len(runs[True]) == len(runs[False])
+    for want, got in zip(runs[False], runs[True]):
+        np.testing.assert_allclose(got, want, atol=5e-4, rtol=5e-4)
+    assert any(isinstance(m, DraftAttention) for m in drafter.modules())
+
+
+def test_kernel_route_uses_the_kernel_form(monkeypatch) -> None:
+    """``use_kernel`` reaches the attention call (True: the kernel path is taken)."""
+    taken = []
+
+    def kernel(*args):
+        taken.append(args)
+        return attention.reference_attention(*args)
+
+    monkeypatch.setattr(attention, "kernel_attention", kernel)
+    monkeypatch.setattr(attention.backend, "BACKEND", "metal")
+    target = tiny_model("muse_glimmer", seed=9, window=16)
+    with KernelPatch(target, use_kernel=True, matmul=False):
+        target(mx.random.randint(0, 250, (1, 4)), cache=make_prompt_cache(target))
+    assert len(taken) == len(target.layers)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_matmuls_take_the_small_row_route(monkeypatch, bits) -> None:
+    """Every Linear / QuantizedLinear of a decode step or verify block; not a prefill."""
+    calls = []
+    original = kernel_patch.small_row_matmul
+
+    def spy(x, weight, *args, **kwargs):
+        calls.append((x.shape[0], kwargs["bits"]))
+        return original(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_patch, "small_row_matmul", spy)
+    target = tiny_model("muse_glimmer", seed=12, window=16)
+    if bits:
+        nn.quantize(target, group_size=32, bits=bits)
+    linears = len(KernelPatch(target).matmul_modules())
+    cache = make_prompt_cache(target)
+    with KernelPatch(target, max_queries=16):
+        target(mx.random.randint(0, 250, (1, 20)), cache=cache)
+        assert calls == []
+        target(mx.random.randint(0, 250, (1, 16)), cache=cache)
+        target(mx.random.randint(0, 250, (1, 1)), cache=cache)
+    assert calls == [(16, bits)] * linears + [(1, bits)] * linears
+
+
+def test_matmul_only_patch_keeps_attention(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(
+        kernel_patch, "small_query_attention", lambda *a, **k: calls.append(a)
+    )
+    target = tiny_model("gpt_oss", seed=0, window=16)
+    with KernelPatch(target, attention=False) as patch:
+        out = target(mx.random.randint(0, 250, (1, 3)), cache=make_prompt_cache(target))
+        assert patch.installed
+    mx.eval(out)
+    assert calls == []
+
+
+def test_generators_install_the_kernels_on_the_env_switch(monkeypatch) -> None:
+    """``DFLASH_VERIFY_KERNELS=1``: both generators patch the model while they run."""
+    monkeypatch.setenv(kernel_patch.VERIFY_KERNELS_ENV, "1")
+    target = tiny_model("muse_glimmer", seed=21, window=16)
+    drafter = random_drafter(target, seed=22, block_size=6)
+    prompt = mx.random.randint(0, 250, (17,))
+    seen = []
+    steps = generate_step(prompt, target, max_tokens=20)
+    for _ in steps:
+        seen.append(kernel_patch.is_patched(target))
+    plain_run = list(generate_step(prompt, target, max_tokens=20))
+    spec_run = list(dflash_generate_step(prompt, target, drafter, max_tokens=20))
+    assert all(seen) and not kernel_patch.is_patched(target)
+    for (_, want), (_, got, _) in zip(plain_run, spec_run):
+        assert np.array_equal(_f32(want), _f32(got))
+
+
+@pytest.mark.parametrize(
+    "env, use_kernel, kernels_env, expected",
+    [
+        (None, None, True, False),  # CPU: never by default
+        ("1", None, True, True),
+        ("0", True, True, True),  # an explicit argument wins
+        ("0", None, True, False),
+        (None, False, True, False),
+        ("yes", None, False, True),
+    ],
+)
+def test_wanted_follows_argument_then_env(
+    monkeypatch, env, use_kernel, kernels_env, expected
+):
+    if env is None:
+        monkeypatch.delenv(kernel_patch.VERIFY_KERNELS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(kernel_patch.VERIFY_KERNELS_ENV, env)
+    monkeypatch.setattr(kernel_patch.backend, "KERNELS_ENABLED", kernels_env)
+    monkeypatch.setattr(kernel_patch.backend, "BACKEND", None)
+    target = tiny_model("muse_glimmer", seed=23, window=16)
+    assert kernel_patch.wanted(target, use_kernel) is expected
+    assert not kernel_patch.wanted(tiny_model("gpt_oss", seed=0), True)
+
+
+def test_default_table_and_dflash_kernels_switch(monkeypatch) -> None:
+    """On a GPU backend the table decides; ``DFLASH_KERNELS=0`` turns the default off."""
+    monkeypatch.delenv(kernel_patch.VERIFY_KERNELS_ENV, raising=False)
+    monkeypatch.setattr(kernel_patch.backend, "BACKEND", "cuda")
+    monkeypatch.setattr(kernel_patch.backend, "gpu_is_default", lambda: True)
+    monkeypatch.setitem(kernel_patch.VERIFY_KERNELS_BY_DEFAULT, "cuda", True)
+    target = tiny_model("muse_glimmer", seed=24, window=16)
+    assert kernel_patch.wanted(target)
+    monkeypatch.setattr(kernel_patch.backend, "KERNELS_ENABLED", False)
+    assert not kernel_patch.wanted(target)
+
+
+def test_verify_kernels_leaves_a_patched_model_alone() -> None:
+    target = tiny_model("muse_glimmer", seed=25, window=16)
+    with KernelPatch(target) as outer:
+        with kernel_patch.verify_kernels(target, use_kernel=True) as inner:
+            assert inner is None and outer.installed
+        assert kernel_patch.is_patched(target)
+    assert not kernel_patch.is_patched(target)

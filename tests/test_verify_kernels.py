@@ -1,0 +1,626 @@
+"""Verify kernels: small-query attention over the planes (reference, Metal body, CUDA twin).
+
+What is proven where:
+
+* CPU (CI): the pure-MLX reference against a float64 softmax oracle over random
+  shapes, dtypes, ring rotations and fill levels, windows, growing planes and query
+  counts; the reference is batch-invariant bit for bit (a verify call vs each query
+  alone with the plane advanced, the block held back or already written) and does
+  not see the ring's seam; a window off by one fails the oracle (negative control);
+  bad arguments raise before anything runs.
+* Metal: the body compiles (g++ against a Metal shim, ``-Werror``) inside the
+  signature mlx generates, and runs on the CPU (threadgroups as coroutines) through
+  the public wrapper: close to the reference, and batch-invariant bit for bit.
+* CUDA: the twin compiles to PTX (nvcc, when installed). Tests marked ``cuda`` run it
+  on an NVIDIA GPU: against the oracle and the reference, batch-invariant and
+  seam-blind bit for bit, at Muse Glimmer's shapes too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.attention_cases import (
+    TOLERANCE,
+    Case,
+    bits,
+    build,
+    cases,
+    close_to_oracle,
+    one_query_routes,
+)
+from support.group_emulator import GroupEmulator, check_cuda, check_metal, find_compiler
+
+from dflash.metal import attention, backend, groups
+from dflash.metal.attention import KeyPlane, small_query_attention
+
+GXX = find_compiler("g++")
+NVCC = find_compiler("nvcc")
+needs_gxx = pytest.mark.skipif(GXX is None, reason="g++ not installed")
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
+cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
+
+
+def _verify_cases(**kwargs):
+    """Verify-shaped cases (the block holds every query), causal."""
+    return cases(allow_non_causal=False, **kwargs).filter(
+        lambda c: c.block == c.queries
+    )
+
+
+def assert_batch_invariant(case: Case, use_kernel) -> None:
+    """Every row of a verify call equals, bit for bit, that query run alone later."""
+    built = build(case)
+    together = built.attend(use_kernel)
+    for index in range(case.queries):
+        for name, route in one_query_routes(built, index).items():
+            alone = route.attend(use_kernel)
+            want = bits(together[:, :, index : index + 1])
+            assert np.array_equal(bits(alone), want), (name, index, case)
+
+
+# ------------------------------------------------------------- reference (CPU)
+
+
+@settings(max_examples=80, deadline=None)
+@given(cases())
+def test_reference_matches_float_oracle(case: Case) -> None:
+    built = build(case)
+    assert close_to_oracle(built, built.attend(False)), case
+
+
+@settings(max_examples=40, deadline=None)
+@given(_verify_cases(max_queries=20))
+def test_reference_is_batch_invariant(case: Case) -> None:
+    assert_batch_invariant(case, False)
+
+
+@settings(max_examples=30, deadline=None)
+@given(cases(), st.integers(1, 200))
+def test_reference_does_not_see_the_seam(case: Case, turn: int) -> None:
+    """The same logical rows at another rotation give the same bits."""
+    built = build(case)
+    rotated = build(
+        dataclasses.replace(
+            case, origin_physical=(case.origin_physical + turn) % case.capacity
+        )
+    )
+    assert np.array_equal(bits(built.attend(False)), bits(rotated.attend(False)))
+
+
+@pytest.mark.parametrize("shift", [-1, 1])
+@pytest.mark.parametrize("seed", range(4))
+def test_window_off_by_one_fails_the_oracle(shift: int, seed: int) -> None:
+    """Negative control: the oracle tells a window one key too wide or narrow apart."""
+    case = Case(
+        batch=1, kv_heads=2, group=2, dim=32, dtype=mx.float32, ring=True, capacity=12,
+        history=40, block=6, queries=6, origin_physical=5, window=12, causal=True,
+        softcap=None, chunk=4, seed=seed,
+    )  # fmt: skip
+    built = build(case)
+    out = built.attend(False)
+    assert close_to_oracle(built, out)
+    assert not close_to_oracle(built, out, window=case.window + shift)
+
+
+def test_chunk_changes_bits_not_values() -> None:
+    """Different chunk sizes are different (fixed) orders: close, each invariant."""
+    case = Case(
+        1, 2, 4, 64, mx.float32, True, 64, 300, 16, 16, 7, 64, True, None, 16, 3
+    )
+    built = build(case)
+    small = built.attend(False, chunk=4)
+    large = built.attend(False, chunk=256)
+    assert close_to_oracle(built, small) and close_to_oracle(built, large)
+
+
+def _plane(c=8, d=16, dtype=mx.float32):
+    return KeyPlane(
+        mx.zeros((1, 2, c, d), dtype), mx.zeros((1, 2, c, d), dtype), 4, 10, 3
+    )
+
+
+_Q = mx.zeros((1, 4, 2, 16))
+_BK = mx.zeros((1, 2, 2, 16))
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: small_query_attention(_Q[0], _plane(), scale=1.0), "queries must be"),
+        (lambda: small_query_attention(_Q, _plane(d=8), scale=1.0), "does not fit"),
+        (
+            lambda: small_query_attention(_Q.astype(mx.int32), _plane(), scale=1.0),
+            "dtype",
+        ),
+        (
+            lambda: small_query_attention(_Q, _plane(dtype=mx.float16), scale=1.0),
+            "float16",
+        ),
+        (
+            lambda: small_query_attention(mx.zeros((1, 3, 2, 16)), _plane(), scale=1.0),
+            "multiple",
+        ),
+        (lambda: small_query_attention(_Q, _plane(), _BK, scale=1.0), "together"),
+        (
+            lambda: small_query_attention(_Q, _plane(), _BK, _BK[:, :1], scale=1.0),
+            "shape",
+        ),
+        (lambda: small_query_attention(_Q, _plane(), scale=float("nan")), "scale"),
+        (
+            lambda: small_query_attention(_Q, _plane(), scale=1.0, softcap=-1.0),
+            "softcap",
+        ),
+        (lambda: small_query_attention(_Q, _plane(), scale=1.0, window=0), "window"),
+        (lambda: small_query_attention(_Q, _plane(), scale=1.0, chunk=0), "chunk"),
+        (
+            lambda: small_query_attention(
+                _Q, dataclasses.replace(_plane(), length=9), scale=1.0
+            ),
+            "exceeds",
+        ),
+        (
+            lambda: small_query_attention(
+                _Q, dataclasses.replace(_plane(), origin_physical=8), scale=1.0
+            ),
+            "origin_physical",
+        ),
+        (
+            lambda: small_query_attention(_Q, _plane(), scale=1.0, query_start=13),
+            "end at 13",
+        ),
+        # No window: the query needs every key from 0, but the plane starts at 10.
+        (lambda: small_query_attention(_Q, _plane(), scale=1.0), "oldest live row"),
+        (
+            lambda: small_query_attention(_Q, _plane(), scale=1.0, window=4),
+            "oldest live row",
+        ),
+    ],
+)
+def test_bad_arguments_raise(call, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_use_kernel_true_without_gpu_raises(monkeypatch) -> None:
+    monkeypatch.setattr(backend, "BACKEND", None)
+    with pytest.raises(RuntimeError, match="use_kernel=True"):
+        small_query_attention(_Q, _plane(), scale=1.0, window=3, use_kernel=True)
+
+
+def test_default_on_cpu_is_the_reference(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(groups, "launch_groups", lambda *a, **k: calls.append(a))
+    case = Case(1, 1, 2, 16, mx.float32, True, 8, 20, 3, 3, 2, 8, True, None, 4, 0)
+    built = build(case)
+    if backend.BACKEND is None or not backend.gpu_is_default():
+        built.attend(None)
+        assert calls == []
+
+
+# ------------------------------------------------------------- Metal, on the CPU
+
+
+@needs_gxx
+def test_metal_bodies_compile(tmp_path: Path) -> None:
+    result = check_metal(attention.SPECS, tmp_path, GXX)
+    assert result.ok, f"{result.command}\n{result.log}"
+
+
+@needs_nvcc
+def test_cuda_bodies_compile(tmp_path: Path) -> None:
+    result = check_cuda(attention.SPECS, tmp_path, NVCC)
+    assert result.ok, f"{result.command}\n{result.log}"
+
+
+def _broken():
+    body = attention.ATTEND_CHUNKS.body.replace(
+        "scores[r][k] = w;", "scores[r][k] = ww;"
+    )
+    assert body != attention.ATTEND_CHUNKS.body
+    return dataclasses.replace(attention.ATTEND_CHUNKS, body=body)
+
+
+@needs_gxx
+def test_broken_body_fails_the_metal_check(tmp_path: Path) -> None:
+    assert not check_metal([_broken()], tmp_path, GXX).ok
+
+
+@needs_nvcc
+def test_broken_body_fails_the_cuda_check(tmp_path: Path) -> None:
+    assert not check_cuda([_broken()], tmp_path, NVCC).ok
+
+
+def test_backends_share_one_body() -> None:
+    for spec in attention.SPECS:
+        for name in ("metal", "cuda"):
+            assert spec.source(name) == groups.PROLOGUES[name] + spec.body
+            assert spec.header(name) == groups.HEADERS[name] + spec.helpers
+    # Prologues name the thread and group index only; headers hold macros only.
+    for prologue in groups.PROLOGUES.values():
+        assert prologue.count(";") == 2 and "params" not in prologue
+    for header in groups.HEADERS.values():
+        assert all(line.startswith("#define") for line in header.strip().splitlines())
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    if GXX is None:
+        pytest.skip("g++ not installed")
+    emu = GroupEmulator(tmp_path_factory.mktemp("group_emulator"), attention.SPECS, GXX)
+    assert emu.build.ok, emu.build.log
+    return emu
+
+
+@pytest.fixture
+def metal_on_cpu(emulator, monkeypatch):
+    """Route the wrapper's kernel path through the emulated Metal bodies."""
+    monkeypatch.setattr(backend, "BACKEND", "metal")
+    monkeypatch.setattr(groups, "launch_groups", emulator.launch)
+    return emulator
+
+
+_SMALL = dict(dims=(16, 24, 64, 128), chunks=(3, 16, 64, 256))
+# The emulator fixture is shared on purpose: it only swaps the launch function.
+_SHARED = [HealthCheck.function_scoped_fixture]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=_SHARED)
+@given(case=cases(max_queries=12, **_SMALL))
+def test_metal_body_matches_reference(metal_on_cpu, case: Case) -> None:
+    built = build(case)
+    before = metal_on_cpu.launches
+    kernel = built.attend(True)
+    assert metal_on_cpu.launches == before + 2
+    reference = built.attend(False)
+    got = np.asarray(kernel.astype(mx.float32))
+    want = np.asarray(reference.astype(mx.float32))
+    assert np.all(
+        np.abs(got - want) <= TOLERANCE[case.dtype] * (1 + np.abs(want))
+    ), case
+    assert close_to_oracle(built, kernel), case
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=_SHARED)
+@given(case=_verify_cases(max_queries=8, **_SMALL))
+def test_metal_body_is_batch_invariant(metal_on_cpu, case: Case) -> None:
+    assert_batch_invariant(case, True)
+
+
+# Windows whose start crosses chunk boundaries inside the block, negative scores: the
+# verify call folds chunks that some of its queries do not see; each must be skipped
+# exactly (a rescale by a chunk's max of 0 would change bits, not values).
+_CROSSING = [
+    Case(1, 2, 2, 16, dtype, True, 10, 57, 8, 8, 4, 10, True, None, 4, seed, skew=1.5)
+    for seed, dtype in enumerate((mx.float32, mx.bfloat16, mx.float16))
+]
+
+
+@pytest.mark.parametrize("case", _CROSSING)
+def test_reference_batch_invariant_across_chunk_edges(case: Case) -> None:
+    assert_batch_invariant(case, False)
+
+
+@pytest.mark.parametrize("case", _CROSSING)
+def test_metal_body_batch_invariant_across_chunk_edges(
+    metal_on_cpu, case: Case
+) -> None:
+    assert_batch_invariant(case, True)
+
+
+def test_metal_body_sees_no_dead_row(metal_on_cpu) -> None:
+    """Dead ring rows hold NaN: a read of one would poison the output."""
+    case = Case(2, 2, 4, 32, mx.bfloat16, True, 24, 100, 9, 9, 17, 20, True, 5.0, 8, 5)
+    built = build(case)
+    out = built.attend(True)
+    assert not np.isnan(np.asarray(out.astype(mx.float32))).any()
+    assert close_to_oracle(built, out)
+
+
+# ------------------------------------------------------------------ CUDA (GPU)
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=150, deadline=None)
+@given(case=cases())
+def test_cuda_matches_oracle_and_reference(case: Case) -> None:
+    built = build(case)
+    kernel = built.attend(True)
+    assert close_to_oracle(built, kernel), case
+    with mx.stream(mx.cpu):
+        reference = built.attend(False)
+    got = np.asarray(kernel.astype(mx.float32))
+    want = np.asarray(reference.astype(mx.float32))
+    assert np.all(
+        np.abs(got - want) <= TOLERANCE[case.dtype] * (1 + np.abs(want))
+    ), case
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=60, deadline=None)
+@given(case=_verify_cases())
+def test_cuda_is_batch_invariant(case: Case) -> None:
+    assert_batch_invariant(case, True)
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=40, deadline=None)
+@given(cases(), st.integers(1, 200))
+def test_cuda_does_not_see_the_seam(case: Case, turn: int) -> None:
+    built = build(case)
+    rotated = build(
+        dataclasses.replace(
+            case, origin_physical=(case.origin_physical + turn) % case.capacity
+        )
+    )
+    assert np.array_equal(bits(built.attend(True)), bits(rotated.attend(True)))
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("ring", [True, False])
+def test_cuda_glimmer_shapes(ring: bool) -> None:
+    """16 queries, 32/2 heads x 128, bf16: a full 2,048 ring and a 4k growing plane."""
+    if ring:
+        case = Case(1, 2, 16, 128, mx.bfloat16, True, 2048, 4096, 16, 16, 777, 2048, True,
+                    None, 256, 1)  # fmt: skip
+    else:
+        case = Case(1, 2, 16, 128, mx.bfloat16, False, 4352, 4096, 16, 16, 0, None, True,
+                    None, 256, 2)  # fmt: skip
+    built = build(case)
+    out = built.attend(None)
+    assert close_to_oracle(built, out)
+    assert_batch_invariant(dataclasses.replace(case, queries=4, block=4), None)
+
+
+# ============================================================ small-row matmul
+
+from dflash.metal import qmm  # noqa: E402
+from dflash.metal.qmm import small_row_matmul  # noqa: E402
+
+_UNIT_ROUNDOFF = {mx.float32: 2.0**-24, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
+
+
+@st.composite
+def matmul_cases(draw, max_rows: int = 32, max_groups: int = 12, max_columns: int = 80):
+    """(x, weight, scales, biases, bits, group_size) in mlx's affine format, or dense."""
+    bits = draw(st.sampled_from([4, 8, None]))
+    group = draw(st.sampled_from([32, 64, 128])) if bits else None
+    depth = (group or 8) * draw(st.integers(1, max_groups))
+    rows = draw(st.integers(1, max_rows))
+    columns = draw(st.integers(1, max_columns))
+    dtype = draw(st.sampled_from(DTYPES_))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    x = mx.array(rng.standard_normal((rows, depth)).astype(np.float32)).astype(dtype)
+    dense = mx.array(rng.standard_normal((columns, depth)).astype(np.float32)).astype(
+        dtype
+    )
+    if bits is None:
+        return x, dense, None, None, None, None
+    weight, scales, biases = mx.quantize(dense, group_size=group, bits=bits)
+    return x, weight, scales, biases, bits, group
+
+
+DTYPES_ = (mx.float32, mx.bfloat16, mx.float16)
+
+
+def _matmul_oracle(x, weight, scales, biases, bits, group) -> np.ndarray:
+    """Float64 ``x @ W.T`` with ``W`` dequantized exactly (``scale * q + bias``)."""
+    xs = np.asarray(x.astype(mx.float32)).astype(np.float64)
+    if bits is None:
+        w = np.asarray(weight.astype(mx.float32)).astype(np.float64)
+    else:
+        packed = np.asarray(weight).astype(np.uint64)
+        per_word = 32 // bits
+        k = np.arange(x.shape[1])
+        q = (packed[:, k // per_word] >> ((k % per_word) * bits).astype(np.uint64)) & (
+            (1 << bits) - 1
+        )
+        s = np.asarray(scales.astype(mx.float32)).astype(np.float64)
+        b = np.asarray(biases.astype(mx.float32)).astype(np.float64)
+        w = q * np.repeat(s, group, axis=1) + np.repeat(b, group, axis=1)
+    return xs @ w.T, np.abs(xs) @ np.abs(w.T)
+
+
+def _close_to_matmul_oracle(case, out, slack: float = 1.0) -> bool:
+    want, magnitude = _matmul_oracle(*case)
+    got = np.asarray(out.astype(mx.float32)).astype(np.float64)
+    # Output rounding (half an ulp, doubled) plus float32 sums over K terms.
+    tol = 2 * _UNIT_ROUNDOFF[case[0].dtype] * np.abs(want) + 1e-6 * magnitude * slack
+    return bool(np.all(np.abs(got - want) <= tol + 1e-30))
+
+
+def _matmul(case, use_kernel, rows=slice(None)):
+    x, weight, scales, biases, bits, group = case
+    out = small_row_matmul(
+        x[rows],
+        weight,
+        scales,
+        biases,
+        bits=bits,
+        group_size=group,
+        use_kernel=use_kernel,
+    )
+    mx.eval(out)
+    return out
+
+
+def assert_matmul_batch_invariant(case, use_kernel) -> None:
+    together = _matmul(case, use_kernel)
+    rows = case[0].shape[0]
+    for row in range(rows):
+        alone = _matmul(case, use_kernel, slice(row, row + 1))
+        assert np.array_equal(bits(alone), bits(together[row : row + 1])), row
+    if rows > 2:
+        middle = _matmul(case, use_kernel, slice(1, rows - 1))
+        assert np.array_equal(bits(middle), bits(together[1 : rows - 1]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(matmul_cases())
+def test_matmul_reference_matches_float_oracle(case) -> None:
+    assert _close_to_matmul_oracle(case, _matmul(case, False))
+
+
+@settings(max_examples=40, deadline=None)
+@given(matmul_cases())
+def test_matmul_reference_is_close_to_mlx(case) -> None:
+    """mlx's own ``quantized_matmul`` / matmul: the same product (its sums differ)."""
+    x, weight, scales, biases, bits, group = case
+    if bits is None:
+        want = x @ weight.T
+    else:
+        want = mx.quantized_matmul(
+            x, weight, scales, biases, transpose=True, group_size=group, bits=bits
+        )
+    got = np.asarray(_matmul(case, False).astype(mx.float32))
+    want = np.asarray(want.astype(mx.float32))
+    scale = np.abs(want).max() + 1.0
+    # mlx's CPU kernels lose a few ulps in half precision; this bounds them loosely.
+    assert np.abs(got - want).max() <= 16 * _UNIT_ROUNDOFF[x.dtype] * scale
+
+
+@settings(max_examples=30, deadline=None)
+@given(matmul_cases(max_rows=20))
+def test_matmul_reference_is_batch_invariant(case) -> None:
+    assert_matmul_batch_invariant(case, False)
+
+
+@pytest.fixture(scope="module")
+def matmul_emulator(tmp_path_factory):
+    if GXX is None:
+        pytest.skip("g++ not installed")
+    emu = GroupEmulator(tmp_path_factory.mktemp("qmm_emulator"), qmm.SPECS, GXX)
+    assert emu.build.ok, emu.build.log
+    return emu
+
+
+@pytest.fixture
+def matmul_on_cpu(matmul_emulator, monkeypatch):
+    monkeypatch.setattr(backend, "BACKEND", "metal")
+    monkeypatch.setattr(groups, "launch_groups", matmul_emulator.launch)
+    return matmul_emulator
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=_SHARED)
+@given(case=matmul_cases(max_groups=10, max_columns=70))
+def test_metal_matmul_matches_oracle(matmul_on_cpu, case) -> None:
+    before = matmul_on_cpu.launches
+    out = _matmul(case, True)
+    assert matmul_on_cpu.launches == before + 1
+    assert _close_to_matmul_oracle(case, out)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=_SHARED)
+@given(case=matmul_cases(max_rows=20, max_groups=9, max_columns=40))
+def test_metal_matmul_is_batch_invariant(matmul_on_cpu, case) -> None:
+    assert_matmul_batch_invariant(case, True)
+
+
+@needs_gxx
+def test_matmul_metal_bodies_compile(tmp_path: Path) -> None:
+    result = check_metal(qmm.SPECS, tmp_path, GXX)
+    assert result.ok, f"{result.command}\n{result.log}"
+
+
+@needs_nvcc
+def test_matmul_cuda_bodies_compile(tmp_path: Path) -> None:
+    result = check_cuda(qmm.SPECS, tmp_path, NVCC)
+    assert result.ok, f"{result.command}\n{result.log}"
+
+
+def test_matmul_backends_share_one_body() -> None:
+    for spec in qmm.SPECS:
+        for name in ("metal", "cuda"):
+            assert spec.source(name) == groups.PROLOGUES[name] + spec.body
+
+
+_X = mx.zeros((2, 64))
+_W, _S, _B = mx.quantize(mx.zeros((8, 64)), group_size=32, bits=4)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: small_row_matmul(_X[0], _W, _S, _B, bits=4, group_size=32), "x must be"),
+        (lambda: small_row_matmul(_X, _W, _S, _B, bits=3, group_size=32), "bits"),
+        (lambda: small_row_matmul(_X, _W, _S, _B, bits=4, group_size=16), "group_size"),
+        (lambda: small_row_matmul(_X, _W, _S, None, bits=4, group_size=32), "biases"),
+        (lambda: small_row_matmul(_X, _W, _S, _B, bits=8, group_size=32), "elements"),
+        (lambda: small_row_matmul(_X, _W, _S[:, :1], _B, bits=4, group_size=32), "scales"),
+        (lambda: small_row_matmul(_X, _W, _S, _B.astype(mx.float16), bits=4, group_size=32),
+         "biases"),
+        (lambda: small_row_matmul(_X, _W.astype(mx.int32), _S, _B, bits=4, group_size=32),
+         "uint32"),
+        (lambda: small_row_matmul(_X, mx.zeros((8, 32)), None, None), "does not fit"),
+        (lambda: small_row_matmul(_X, mx.zeros((8, 64)), _S, None), "no scales"),
+        (lambda: small_row_matmul(_X.astype(mx.int32), mx.zeros((8, 64))), "dtype"),
+    ],
+)  # fmt: skip
+def test_matmul_bad_arguments_raise(call, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=150, deadline=None)
+@given(case=matmul_cases())
+def test_cuda_matmul_matches_oracle(case) -> None:
+    assert _close_to_matmul_oracle(case, _matmul(case, True))
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=60, deadline=None)
+@given(case=matmul_cases())
+def test_cuda_matmul_is_batch_invariant(case) -> None:
+    assert_matmul_batch_invariant(case, True)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("width", [4, 8, None])
+def test_cuda_matmul_glimmer_shapes(width) -> None:
+    """Hidden 6,656 -> 6,656 (o_proj) at 1 and 16 rows, bf16, group 64."""
+    rng = np.random.default_rng(0)
+    dense = mx.array(rng.standard_normal((6656, 6656)).astype(np.float32)).astype(
+        mx.bfloat16
+    )
+    x = mx.array(rng.standard_normal((16, 6656)).astype(np.float32)).astype(mx.bfloat16)
+    if width is None:
+        case = (x, dense, None, None, None, None)
+    else:
+        case = (x, *mx.quantize(dense, group_size=64, bits=width), width, 64)
+    assert _close_to_matmul_oracle(case, _matmul(case, True), slack=4.0)
+    together = _matmul(case, True)
+    alone = _matmul(case, True, slice(5, 6))
+    assert np.array_equal(bits(alone), bits(together[5:6]))
+
+
+# ================================================================== benchmark
+
+
+def test_benchmark_runs_on_the_cpu_with_tiny_shapes(tmp_path: Path) -> None:
+    """The CI smoke test of benchmarks/verify_kernels.py (every code path, tiny shapes)."""
+    import json
+
+    from benchmarks import verify_kernels
+
+    path = tmp_path / "verify.json"
+    assert verify_kernels.main(["--small", "--json", str(path), "--reps", "1"]) == 0
+    data = json.loads(path.read_text())
+    assert len(data["attention"]) == 16 and len(data["matmul"]) == 24
+    for row in data["attention"] + data["matmul"]:
+        assert row["sync_us"] > 0 and row["pipelined_us"] > 0
+        assert row["max_abs_diff_vs_mlx"] < 1e-3
+    assert {r["impl"] for r in data["matmul"]} == {"reference", "mlx"}
