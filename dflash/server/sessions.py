@@ -28,7 +28,7 @@ REBUILD = "rebuild"
 STAGED = (FORK, REBUILD)
 
 
-@dataclass
+@dataclass(eq=False)  # sessions are compared by identity
 class Session:
     """A prompt cache and the tokens it holds.
 
@@ -122,7 +122,8 @@ def fork(cache):
 
 def materialize(cache) -> None:
     """Evaluate every array a cache holds, so no lazy graph outlives the generation that made it
-    (arrays are bound to the thread that built them; only then can another thread read them)."""
+    (arrays are bound to the thread that built them; only then can another thread read them).
+    """
     import mlx.core as mx
 
     arrays = []
