@@ -253,11 +253,6 @@ def test_a_dflash_chat_session_continues_through_generate(
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dflash_generate_step(max_tokens=0) generates instead of only prefilling "
-    "(mlx-lm's generators yield nothing); until it does, a DFlash prompt cannot be cached",
-)
 def test_a_dflash_cached_prompt_continues_as_the_whole_prompt(
     saved_pair, tmp_path, capsys  # noqa: F811
 ):
