@@ -47,8 +47,8 @@ def assert_same_parameters(ours, theirs):
     ["generate_step", "speculative_generate_step", "stream_generate", "generate"],
 )
 def test_signatures_keep_mlx_lms_names_order_and_defaults(name):
-    # dflash.generation, not dflash: importing the CLI module rebinds dflash.generate.
-    assert_same_parameters(getattr(generation, name), getattr(MLX, name))
+    assert_same_parameters(getattr(dflash, name), getattr(MLX, name))
+    assert getattr(dflash, name) is getattr(generation, name)
 
 
 def test_dflash_generator_takes_the_speculative_order_with_the_drafter_for_the_draft():
