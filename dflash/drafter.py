@@ -933,9 +933,8 @@ class DFlashDrafter(nn.Module):
                 :func:`dflash.cache.plane.resolve_bucket_keys`).
 
         Returns:
-            A :class:`DrafterContext` with one plane per draft layer.
-
-        Shapes: none (holds (b, n_kv, rows, head_dim) K/V per layer once filled).
+            A :class:`DrafterContext` with one plane per draft layer; each plane holds
+            ``(b, n_kv, rows, head_dim)`` keys and values once filled.
         """
         cfg = self.config
         return DrafterContext(

@@ -180,6 +180,10 @@ def emit_rounds(
     live, kept = None, 0  # the round whose checkpoint is open; its rows already yielded
     try:
         live, kept = speculator.launch(last, round_size(block_size, max_tokens, 0)), 1
+        if max_tokens == 0:
+            # As mlx-lm's generators: the whole prompt is written, nothing is emitted.
+            on_first_token()
+            return
         while True:
             started = time.perf_counter()
             accepted, tokens, logprobs = live.judge()

@@ -7,11 +7,16 @@ import re
 import subprocess
 import sys
 
+import mlx.core as mx
 import pytest
+from conftest import assert_lossless
 from test_cli import ROOT, generate_main, one_error_line, saved_pair  # noqa: F401
 
 from dflash.cli import cache_prompt as cache_prompt_cli
-from dflash.cli.session import read_metadata
+from dflash.cli import chat as chat_cli
+from dflash.cli.common import load_models
+from dflash.cli.session import new_session, read_metadata, save_session
+from dflash.greedy import greedy_reference_with_margins
 
 HEAD, TAIL = "w5 w6 w7 w8 w9 w20 w21 w22", "w30 w31"
 MODES = ["plain"]
@@ -223,3 +228,39 @@ def test_cache_prompt_failures_are_one_line(
         cache_prompt(*argv)
     assert message in one_error_line(capsys.readouterr().err, "dflash-cache-prompt")
     assert not (tmp_path / "f").exists()
+
+
+def test_a_dflash_chat_session_continues_through_generate(
+    saved_pair, tmp_path, capsys  # noqa: F811
+):
+    models = load_models("test", *model_flags(saved_pair, "dflash")[1::2])
+    chat = chat_cli.Chat(
+        models,
+        chat_cli.build_parser().parse_args(["--max-tokens", "9"]),
+        new_session(models),
+    )
+    for query in ("w5 w6 w7", "w40 w41"):
+        chat.reply(query)
+    path = tmp_path / "session.safetensors"
+    save_session(str(path), chat.session, models)
+    capsys.readouterr()
+    text, prompt = generated(capsys, "--prompt", TAIL, "--prompt-cache-file", str(path))
+    assert prompt == len(TAIL.split())  # only the new tokens are prefilled
+    context = mx.array(chat.session.tokens + [int(w[1:]) for w in TAIL.split()])
+    reference, _ = greedy_reference_with_margins(models.model, context, 20, {0})
+    assert_lossless(
+        models.model, context, reference, [int(w[1:]) for w in text.split()]
+    )
+
+
+def test_a_dflash_cached_prompt_continues_as_the_whole_prompt(
+    saved_pair, tmp_path, capsys  # noqa: F811
+):
+    flags = model_flags(saved_pair, "dflash")
+    path = tmp_path / "dflash.safetensors"
+    cache_prompt(*flags, "--prompt", HEAD, "--prompt-cache-file", str(path))
+    whole, _ = generated(capsys, *flags, "--prompt", f"{HEAD} {TAIL}")
+    continued, _ = generated(
+        capsys, *flags, "--prompt", TAIL, "--prompt-cache-file", str(path)
+    )
+    assert continued == whole

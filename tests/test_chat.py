@@ -28,7 +28,7 @@ from dflash.greedy import greedy_reference_with_margins
 EOS = 0
 # Greedy continuations of these prompts on the saved pair run 400 tokens without the EOS.
 LONG_PROMPT, NEXT_PROMPT = "w3 w4", "w200 w201"
-MODES = ["plain"]
+MODES = ["plain", "dflash"]
 
 
 def model_flags(pair, mode):

@@ -12,6 +12,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..cli.common import OneLineParser, integer
@@ -263,11 +264,11 @@ def _load_scale(args: argparse.Namespace) -> Dict[str, Any]:
     )
 
     if args.block_size is not None:
-        most = drafter_block_size(args.scale)
-        if not 1 <= args.block_size <= most:
-            raise ValueError(
-                f"block size {args.block_size} is outside what the drafter serves (1..{most})"
-            )
+        # Checked before the (large) drafter is built, under the generator's rule.
+        limit = SimpleNamespace(
+            config=SimpleNamespace(block_size=drafter_block_size(args.scale))
+        )
+        check_block_size(args.block_size, limit)
     quant, seed = args.quant or "bf16", args.seed or 0
     context = args.context or DEFAULT_CONTEXT[args.scale]
     model, drafter = build_scale_pair(args.scale, quant, seed)

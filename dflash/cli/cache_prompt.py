@@ -125,8 +125,10 @@ def prefill(models, session, tokens: List[int], step: int) -> None:
         steps = dflash_generate_step(prompt, models.model, models.drafter, **common)
     else:
         steps = generate_step(prompt, models.model, **common)
-    for _ in steps:
-        raise RuntimeError("the prefill generated a token")
+    for _ in steps:  # max_tokens=0 yields nothing (mlx-lm's contract): refuse otherwise
+        raise RuntimeError(
+            "the generator produced a token with max_tokens=0; the prompt was not cached"
+        )
     print()
     session.tokens = list(tokens[: session.position])
     session.pending = list(tokens[session.position :])

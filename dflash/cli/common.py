@@ -447,13 +447,13 @@ def add_cache_flags(parser: argparse.ArgumentParser) -> None:
 
 def check_cache_flags(args: argparse.Namespace, model: Any) -> None:
     """``--max-kv-size`` / ``--kv-bits`` under the generators' own rule
-    (``dflash.generation.check_cache_options``).
+    (``dflash.inputs.check_cache_options``).
 
     Args:
         args: The parsed flags.
         model: The target model.
     """
-    from ..generation import check_cache_options
+    from ..inputs import check_cache_options
 
     check_cache_options(model, args.kv_bits, args.max_kv_size)
 
