@@ -11,6 +11,7 @@ import pytest
 from conftest import assert_lossless, greedy_reference, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_dflash_loop import MASK, random_drafter
 
 import dflash.cache.caches as caches_module
 import dflash.cache.plane as plane_module
@@ -18,10 +19,8 @@ import dflash.drafter as drafter_module
 from dflash import dflash_generate_step
 from dflash.cache import GrowingKVCache, RingKVCache, SpeculativeCheckpoint
 from dflash.cache.plane import KEY_BUCKET, bucketable, resolve_bucket_keys
-from dflash.drafter import DFlashDrafter, DrafterConfig
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
-MASK = 255
 
 
 def rows(rng, count, dtype=mx.float32):
@@ -233,31 +232,6 @@ def test_commit_under_bucketed_keys_equals_sequential_append(
         np.testing.assert_array_equal(bits(got), bits(want))
 
 
-def tiny_drafter(target, sliding_window=16, block_size=8, is_causal=None, seed=7):
-    layers = len(target.layers)
-    config = DrafterConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        layer_types=("sliding_attention", "full_attention"),
-        sliding_window=sliding_window,
-        block_size=block_size,
-        mask_token_id=MASK,
-        target_layer_ids=(1, layers // 2, layers - 1),
-        is_causal=is_causal,
-    )
-    mx.random.seed(seed)
-    drafter = DFlashDrafter(config)
-    mx.eval(drafter.parameters())
-    drafter.bind(target)
-    return drafter
-
-
 @pytest.fixture(scope="module")
 def glimmer16():
     return tiny_model("muse_glimmer", seed=0, window=16)
@@ -273,7 +247,9 @@ def glimmer16():
 def test_drafter_logits_with_bucketed_context_equal_unbucketed(
     glimmer16, chunks, block, sliding_window, is_causal
 ):
-    drafter = tiny_drafter(glimmer16, sliding_window, is_causal=is_causal)
+    drafter = random_drafter(
+        glimmer16, sliding_window=sliding_window, is_causal=is_causal
+    )
     width = len(drafter.config.target_layer_ids) * glimmer16.args.hidden_size
     features = mx.random.normal((1, sum(chunks), width), key=mx.random.key(5))
     plain, bucketed = drafter.make_context(False), drafter.make_context(True)
@@ -299,7 +275,7 @@ def test_dflash_greedy_output_is_lossless_with_bucketed_keys(
     """With bucketing forced on everywhere (target planes and drafter context), DFlash's
     greedy output equals the target's own greedy output and the unbucketed run."""
     target = tiny_model(arch, seed=0, window=window)
-    drafter = tiny_drafter(target, block_size=8)
+    drafter = random_drafter(target, block_size=8)
     prompt = mx.random.randint(0, 250, (prompt_len,), key=mx.random.key(prompt_len))
     reference = greedy_reference(target, prompt, 70)
 
