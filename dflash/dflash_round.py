@@ -64,6 +64,8 @@ class DFlashSpeculator:
         self.context = context
         self.taps = taps
         self.sampling = sampling
+        # A settled round whose target rows are committed after the next draft is started.
+        self.unsettled: Optional[Tuple[DFlashRound, int]] = None
 
     def prefill(self, tokens: mx.array, step: int, progress, total: int) -> None:
         """Write prompt tokens to the target's caches and their features to the context.
@@ -104,22 +106,38 @@ class DFlashSpeculator:
     def launch(self, last: int, size: int) -> DFlashRound:
         """Draft ``size - 1`` tokens and verify ``[last, drafts]``; nothing waits."""
         block, q = mx.array([last], mx.uint32), None
-        if size > 1:
-            drafts, q = self.draft(last, size)
-            # The drafter runs while the host builds the verify graph on its output.
-            mx.async_eval(drafts if q is None else [drafts, q])
-            block = mx.concatenate([block, drafts])
+        try:
+            if size > 1:
+                drafts, q = self.draft(last, size)
+                # The drafter runs while the host commits and builds the verify graph.
+                mx.async_eval(drafts if q is None else [drafts, q])
+                block = mx.concatenate([block, drafts])
+        finally:
+            self.commit_target()
         return DFlashRound(self.model, self.cache, self.taps, block, q, self.sampling)
 
     def settle(self, round_: DFlashRound, rows: int) -> None:
-        """Commit ``rows`` block rows and feed their target features to the drafter."""
-        round_.keep(rows)
+        """Keep ``rows`` block rows: the drafter's context now, the target's at launch.
+
+        The drafter reads only its context, so the next draft can start before the
+        target's commit; :meth:`launch` (or :meth:`close`) commits it right after.
+        """
+        self.commit_target()  # a round settled twice without a launch between
         features = round_.features[:, :rows]
         self.drafter.append_context(self.context, features, round_.position)
         self.sampling.extend(round_.block[:rows])
+        self.unsettled = (round_, rows)
+
+    def commit_target(self) -> None:
+        """Commit the target rows of the last settled round, if not done yet."""
+        if self.unsettled is not None:
+            round_, rows = self.unsettled
+            self.unsettled = None
+            round_.keep(rows)
 
     def close(self) -> None:
-        """Nothing to do: :meth:`settle` keeps the context at the cache's position."""
+        """Commit what :meth:`settle` left for the target's caches."""
+        self.commit_target()
 
 
 def session_context(drafter, prompt_cache) -> Any:
@@ -223,7 +241,7 @@ def dflash_generate_step(
     progress = prompt_progress_callback or (lambda *_: None)
     sampling = Sampling(sampler, logits_processors, prompt[:-1])
     with (
-        TargetTaps(model, drafter.config.target_layer_ids) as taps,
+        TargetTaps(model, drafter.config.target_layer_ids, start_early=True) as taps,
         mx.stream(stream),
         verify_kernels(model, drafter),
     ):

@@ -45,12 +45,18 @@ class TargetTaps:
     mean. Use as a context manager or call :meth:`attach` / :meth:`detach`.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int]) -> None:
+    def __init__(
+        self, model: nn.Module, layer_ids: Sequence[int], start_early: bool = False
+    ) -> None:
         """Validate ``layer_ids`` against the model's decoder layers.
 
         Args:
             model: The target mlx-lm model.
             layer_ids: Decoder layer indices to tap, in concatenation order.
+            start_early: Start each tapped output on the device (``mx.async_eval``) as
+                soon as its graph is built, so the device runs the first layers of a
+                forward while Python still builds the later ones (the loop's verify is
+                bound by host graph building as much as by the device).
 
         Raises:
             ValueError: an id is outside ``[0, len(model.layers))`` or the list is
@@ -69,6 +75,7 @@ class TargetTaps:
             )
         self._records: Dict[int, mx.array] = {}
         self._attached = False
+        self.start_early = start_early
 
     def attach(self) -> None:
         """Swap each tapped layer's class for a recording subclass.
@@ -84,7 +91,7 @@ class TargetTaps:
             raise RuntimeError(f"layers {busy} are already tapped")
         for index in unique:
             layer = self.layers[index]
-            layer.__class__ = _recording_class(type(layer), self._records, index)
+            layer.__class__ = _recording_class(type(layer), self, index)
         self._attached = True
 
     def detach(self) -> None:
@@ -126,13 +133,16 @@ class TargetTaps:
         self.detach()
 
 
-def _recording_class(base: type, records: Dict[int, mx.array], index: int) -> type:
-    """A subclass of ``base`` whose ``__call__`` also stores its output."""
+def _recording_class(base: type, taps: TargetTaps, index: int) -> type:
+    """A subclass of ``base`` whose ``__call__`` also stores its output in ``taps``."""
 
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         out = base.__call__(self, *args, **kwargs)
         # Some layer types return (hidden, extras); the hidden state comes first.
-        records[index] = out[0] if isinstance(out, tuple) else out
+        hidden = out[0] if isinstance(out, tuple) else out
+        taps._records[index] = hidden
+        if taps.start_early:
+            mx.async_eval(hidden)
         return out
 
     return type(

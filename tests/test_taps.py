@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import mlx.core as mx
-from conftest import tiny_model
 import pytest
+from conftest import tiny_model
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama, muse_glimmer
 from mlx_lm.models.base import create_attention_mask
@@ -121,3 +121,27 @@ def test_context_manager_detaches_on_error():
         with TargetTaps(model, (0,)):
             raise KeyError("boom")
     assert type(model.layers[0]) is muse_glimmer.DecoderLayer
+
+
+def test_start_early_launches_each_tapped_output_and_keeps_the_values(monkeypatch):
+    model = build("muse_glimmer")
+    ids = (5, 1, 3)
+    with TargetTaps(model, ids) as taps:
+        want_logits = model(TOKENS)
+        want = taps.pop()
+    started = []
+    real_async_eval = mx.async_eval
+
+    def recording_async_eval(*arrays):
+        started.extend(arrays)
+        real_async_eval(*arrays)
+
+    monkeypatch.setattr("dflash.taps.mx.async_eval", recording_async_eval)
+    with TargetTaps(model, ids, start_early=True) as taps:
+        logits = model(TOKENS)
+        got = taps.pop()
+    # One launch per tapped layer, in layer order, each the recorded hidden state.
+    assert len(started) == len(ids)
+    assert all(a.shape == (1, TOKENS.shape[1], 64) for a in started)
+    assert mx.array_equal(got, want).item()
+    assert mx.array_equal(logits, want_logits).item()

@@ -1,0 +1,244 @@
+"""Where a DFlash round's host time goes, measured inside the real loop.
+
+Runs ``dflash_generate_step`` on the scale pair (random Muse Glimmer target, full-size
+random drafter) under a REPLAY profile and time-stamps each round's host phases:
+
+* ``wait``: inside :meth:`VerifyRound.judge` (the one host sync: the device is busy);
+* ``settle``: commit of the kept rows, drafter context append, sampling history;
+* ``draft``: building the drafter graph; ``draft_launch``: starting it (``mx.async_eval``);
+* ``verify_graph``: the target forward's Python (52 layers, caches, taps);
+* ``verify_accept``: the acceptance rule's graph;
+* ``verify_launch``: ``mx.async_eval`` of the verify (on CUDA this encodes every kernel);
+* ``other``: the rest of the round (yields, stats, the consumer).
+
+The device runs the drafter from the end of ``draft`` and the verify after it, so the host
+work not hidden by the device is ``round - wait``. With ``--profile N`` the run is also put
+under cProfile and the ``N`` costliest functions (own time) are listed.
+
+Run (from the repository root)::
+
+    python -m benchmarks.round_profile --scale full --quant bf16 --context 4096 \\
+        --tau 2,6 --max-tokens 160 --json docs/benchmarks/round-profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import itertools
+import json
+import pstats
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List
+
+import mlx.core as mx
+
+from dflash import dflash_round, rounds
+from dflash.bench.replay import ReplayDrafter
+from dflash.bench.report import environment
+from dflash.bench.scale import build_scale_pair, scale_prompts
+from dflash.dflash_round import DFlashSpeculator, dflash_generate_step
+from dflash.greedy import greedy_reference
+from dflash.taps import TargetTaps
+
+PHASES = (
+    "wait",
+    "settle",
+    "draft",
+    "draft_launch",
+    "verify_graph",
+    "verify_accept",
+    "verify_launch",
+)
+
+
+class PhaseClock:
+    """Accumulates host seconds per phase for the current round."""
+
+    def __init__(self) -> None:
+        self.current: Dict[str, float] = {}
+        self.rounds: List[Dict[str, float]] = []
+        self.round_start: float = 0.0
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.current[phase] = self.current.get(phase, 0.0) + seconds
+
+    def next_round(self) -> None:
+        now = time.perf_counter()
+        if self.round_start:
+            self.current["round"] = now - self.round_start
+            self.rounds.append(self.current)
+        self.current, self.round_start = {}, now
+
+
+def _timed(clock: PhaseClock, phase: str, function):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            clock.add(phase, time.perf_counter() - start)
+
+    return wrapper
+
+
+@contextmanager
+def instrumented(clock: PhaseClock, model) -> Iterator[None]:
+    """Wrap the loop's phases with timers; everything is restored on exit."""
+    saved = []
+
+    def patch(owner, name, replacement):
+        saved.append((owner, name, owner.__dict__[name]))
+        setattr(owner, name, replacement)
+
+    judge = rounds.VerifyRound.judge
+
+    def timed_judge(self):
+        clock.next_round()  # a round runs from one judge to the next
+        start = time.perf_counter()
+        out = judge(self)
+        clock.add("wait", time.perf_counter() - start)
+        return out
+
+    patch(rounds.VerifyRound, "judge", timed_judge)
+    patch(DFlashSpeculator, "settle", _timed(clock, "settle", DFlashSpeculator.settle))
+    patch(DFlashSpeculator, "draft", _timed(clock, "draft", DFlashSpeculator.draft))
+    model_type = type(model)
+    patch(model_type, "__call__", _timed(clock, "verify_graph", model_type.__call__))
+    sampling_type = dflash_round.Sampling
+    patch(
+        sampling_type,
+        "accept",
+        _timed(clock, "verify_accept", sampling_type.accept),
+    )
+    rounds.mx = _Proxy(mx, async_eval=_timed(clock, "verify_launch", mx.async_eval))
+    dflash_round.mx = _Proxy(
+        mx, async_eval=_timed(clock, "draft_launch", mx.async_eval)
+    )
+    try:
+        yield
+    finally:
+        rounds.mx = dflash_round.mx = mx
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+@contextmanager
+def taps_starting_early(start_early: bool) -> Iterator[None]:
+    """Make the DFlash loop's taps start tapped outputs early (or not) for A/B runs."""
+
+    class Taps(TargetTaps):
+        def __init__(self, model, layer_ids, **_ignored):
+            super().__init__(model, layer_ids, start_early=start_early)
+
+    dflash_round.TargetTaps = Taps
+    try:
+        yield
+    finally:
+        dflash_round.TargetTaps = TargetTaps
+
+
+class _Proxy:
+    """``mlx.core`` with some attributes replaced (only the rounds module sees it)."""
+
+    def __init__(self, module, **overrides) -> None:
+        self._module = module
+        self._overrides = overrides
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._overrides:
+            return self._overrides[name]
+        return getattr(self._module, name)
+
+
+def summarize(rounds_: List[Dict[str, float]], skip: int) -> Dict[str, Any]:
+    """Median milliseconds per phase over the rounds after ``skip`` warm-up rounds."""
+    kept = rounds_[skip:]
+    out: Dict[str, Any] = {"rounds": len(kept)}
+    for phase in PHASES + ("round",):
+        values = [1e3 * r.get(phase, 0.0) for r in kept]
+        out[phase] = round(statistics.median(values), 3) if values else None
+    if kept:
+        host = [1e3 * (r["round"] - r.get("wait", 0.0)) for r in kept]
+        known = [1e3 * sum(r.get(p, 0.0) for p in PHASES if p != "wait") for r in kept]
+        out["host_not_waiting"] = round(statistics.median(host), 3)
+        out["other"] = round(statistics.median(h - k for h, k in zip(host, known)), 3)
+    return out
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    model, drafter = build_scale_pair(args.scale, args.quant, seed=0)
+    prompt = scale_prompts(model, args.context, 1, seed=0)[0]
+    continuation = greedy_reference(model, prompt, args.max_tokens)
+    block = drafter.config.block_size
+    report: Dict[str, Any] = {
+        "environment": environment("python -m benchmarks.round_profile"),
+        "scale": args.scale,
+        "quant": args.quant,
+        "context": args.context,
+        "taus": args.tau,
+        "block_size": block,
+        "max_tokens": args.max_tokens,
+        "runs": [],
+    }
+
+    def generate(replay) -> List[int]:
+        steps = dflash_generate_step(
+            prompt, model, replay, block_size=block, max_tokens=args.max_tokens
+        )
+        return [token for token, _, _ in steps]
+
+    variants = {"on": [True], "off": [False], "both": [True, False]}[args.start_early]
+    for tau in args.tau:
+        replay = ReplayDrafter(drafter, tau)
+        replay.sequence = prompt.tolist() + continuation
+        generate(replay)  # warm-up (kernels, graphs)
+        for _, early in itertools.product(range(args.runs), variants):
+            clock = PhaseClock()
+            with instrumented(clock, model), taps_starting_early(early):
+                tokens = generate(replay)
+            result = {"tau": tau, "start_early": early}
+            result.update(summarize(clock.rounds, args.skip))
+            result["lossless"] = tokens == continuation[: len(tokens)]
+            report["runs"].append(result)
+            print(json.dumps(result), flush=True)
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        generate(replay)
+        profiler.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
+        stats.print_stats(args.profile)
+        report["profile"] = text.getvalue()
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.round_profile")
+    parser.add_argument("--scale", choices=("full", "tiny"), default="tiny")
+    parser.add_argument("--quant", choices=("bf16", "4bit"), default="bf16")
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument(
+        "--tau", type=lambda text: [int(t) for t in text.split(",")], default=[6]
+    )
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--skip", type=int, default=3, help="warm-up rounds per run")
+    parser.add_argument("--start-early", choices=("on", "off", "both"), default="on")
+    parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    report = run(args)
+    if report.get("profile"):
+        print(report["profile"])
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The round profilers: host phases of a real tiny generation, device-timeline arithmetic."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks import round_profile, round_timeline
+
+
+def test_round_profile_times_every_phase_of_a_lossless_tiny_run(tmp_path):
+    args = argparse.Namespace(
+        scale="tiny",
+        quant="bf16",
+        context=48,
+        tau=[3],
+        max_tokens=40,
+        runs=1,
+        skip=2,
+        start_early="both",
+        profile=5,
+        json=None,
+    )
+    report = round_profile.run(args)
+    assert [r["start_early"] for r in report["runs"]] == [True, False]
+    for result in report["runs"]:
+        assert result["lossless"]
+        assert result["rounds"] >= 5
+        for phase in round_profile.PHASES:
+            assert result[phase] is not None and result[phase] >= 0
+        # Host time outside the sync is made of the timed phases plus a small rest.
+        assert result["round"] >= result["wait"]
+        assert result["host_not_waiting"] >= result["verify_graph"]
+    assert "ncalls" in report["profile"]
+    json.dumps(report)
+
+
+intervals = st.lists(
+    st.tuples(st.integers(0, 1000), st.integers(0, 50)).map(
+        lambda p: (p[0], p[0] + p[1])
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(intervals)
+def test_busy_time_is_the_measure_of_the_union_and_gaps_fill_the_span(spans):
+    spans = sorted(spans)
+    busy, gaps = round_timeline.union_busy(spans)
+    covered = set()
+    for start, end in spans:
+        covered.update(range(start, end))
+    assert busy == len(covered)
+    if spans:
+        span = max(e for _, e in spans) - spans[0][0]
+        assert busy + sum(gaps) == span
+        assert all(g > 0 for g in gaps)
+
+
+def test_kernel_intervals_keep_device_work_only_and_rank_kernels():
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "cat": "kernel", "ts": 5, "dur": 2, "name": "gemm"},
+            {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 9, "name": "host"},
+            {"ph": "X", "cat": "gpu_memcpy", "ts": 1, "dur": 1, "name": "copy"},
+            {"ph": "X", "cat": "kernel", "ts": 9, "dur": 3, "name": "gemm"},
+            {"ph": "i", "cat": "kernel", "ts": 3, "name": "marker"},
+        ]
+    }
+    kernels = round_timeline.kernel_intervals(trace)
+    assert kernels == [("copy", 1.0, 2.0), ("gemm", 5.0, 7.0), ("gemm", 9.0, 12.0)]
+    top = round_timeline.top_kernels(kernels, 1)
+    assert top == [{"name": "gemm", "total_us": 5.0, "calls": 2}]
