@@ -35,15 +35,12 @@ from support.attention_cases import (
     close_to_oracle,
     one_query_routes,
 )
-from support.group_emulator import GroupEmulator, check_cuda, check_metal, find_compiler
+from support.compilers import GXX, NVCC, built_emulator, needs_gxx, needs_nvcc
+from support.group_emulator import GroupEmulator, check_cuda, check_metal
 
 from dflash.metal import attention, backend, groups
 from dflash.metal.attention import KeyPlane, small_query_attention
 
-GXX = find_compiler("g++")
-NVCC = find_compiler("nvcc")
-needs_gxx = pytest.mark.skipif(GXX is None, reason="g++ not installed")
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
 
 
@@ -249,21 +246,23 @@ def test_backends_share_one_body() -> None:
         assert all(line.startswith("#define") for line in header.strip().splitlines())
 
 
+def _route_groups(monkeypatch, emulator: GroupEmulator) -> GroupEmulator:
+    """Route the wrappers' threadgroup kernel paths through the emulated Metal bodies."""
+    monkeypatch.setattr(backend, "BACKEND", "metal")
+    monkeypatch.setattr(groups, "launch_groups", emulator.launch)
+    return emulator
+
+
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    if GXX is None:
-        pytest.skip("g++ not installed")
-    emu = GroupEmulator(tmp_path_factory.mktemp("group_emulator"), attention.SPECS, GXX)
-    assert emu.build.ok, emu.build.log
-    return emu
+    return built_emulator(
+        GroupEmulator, tmp_path_factory, "group_emulator", attention.SPECS
+    )
 
 
 @pytest.fixture
 def metal_on_cpu(emulator, monkeypatch):
-    """Route the wrapper's kernel path through the emulated Metal bodies."""
-    monkeypatch.setattr(backend, "BACKEND", "metal")
-    monkeypatch.setattr(groups, "launch_groups", emulator.launch)
-    return emulator
+    return _route_groups(monkeypatch, emulator)
 
 
 _SMALL = dict(dims=(16, 24, 64, 128), chunks=(3, 16, 64, 256))
@@ -497,18 +496,12 @@ def test_matmul_reference_is_batch_invariant(case) -> None:
 
 @pytest.fixture(scope="module")
 def matmul_emulator(tmp_path_factory):
-    if GXX is None:
-        pytest.skip("g++ not installed")
-    emu = GroupEmulator(tmp_path_factory.mktemp("qmm_emulator"), qmm.SPECS, GXX)
-    assert emu.build.ok, emu.build.log
-    return emu
+    return built_emulator(GroupEmulator, tmp_path_factory, "qmm_emulator", qmm.SPECS)
 
 
 @pytest.fixture
 def matmul_on_cpu(matmul_emulator, monkeypatch):
-    monkeypatch.setattr(backend, "BACKEND", "metal")
-    monkeypatch.setattr(groups, "launch_groups", matmul_emulator.launch)
-    return matmul_emulator
+    return _route_groups(monkeypatch, matmul_emulator)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=_SHARED)

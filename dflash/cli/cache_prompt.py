@@ -20,10 +20,10 @@ from .common import (
     OneLineParser,
     add_cache_flags,
     check_cache_flags,
+    entry_point,
     integer,
     load_models,
     read_prompt,
-    run_cli,
 )
 from .session import new_session, save_session
 
@@ -152,14 +152,7 @@ def run(args: argparse.Namespace) -> None:
     save_session(args.prompt_cache_file, session, models)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    """Entry point of ``dflash-cache-prompt``: one line and a non-zero exit on any failure.
-
-    Args:
-        argv: The flags (default ``sys.argv[1:]``).
-    """
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    run_cli(PROG, run, args)
+main = entry_point(PROG, build_parser, run)
 
 
 if __name__ == "__main__":

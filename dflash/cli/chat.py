@@ -34,11 +34,11 @@ from .common import (
     add_sampling_flags,
     check_block_size,
     check_cache_flags,
+    entry_point,
     integer,
     load_models,
     make_cli_sampler,
     names_of,
-    run_cli,
 )
 from .session import (
     Session,
@@ -363,14 +363,7 @@ def _save(args: argparse.Namespace, chat: Chat) -> None:
         print(f"{PROG}: session saved to {args.save_session}", file=sys.stderr)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    """Entry point of ``dflash-chat``: one line and a non-zero exit on any failure.
-
-    Args:
-        argv: The flags (default ``sys.argv[1:]``).
-    """
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    run_cli(PROG, run, args)
+main = entry_point(PROG, build_parser, run)
 
 
 if __name__ == "__main__":

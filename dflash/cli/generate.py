@@ -24,12 +24,12 @@ from .common import (
     add_sampling_flags,
     check_block_size,
     check_cache_flags,
+    entry_point,
     integer,
     load_models,
     make_cli_sampler,
     names_of,
     read_prompt,
-    run_cli,
 )
 from .session import check_names, load_session, read_metadata
 
@@ -279,14 +279,7 @@ def run(args: argparse.Namespace) -> None:
         _print_statistics(response, stats, rounds)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    """Entry point of ``dflash-generate``: one line and a non-zero exit on any failure.
-
-    Args:
-        argv: The flags (default ``sys.argv[1:]``).
-    """
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    run_cli(PROG, run, args)
+main = entry_point(PROG, build_parser, run)
 
 
 if __name__ == "__main__":
