@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -88,16 +88,29 @@ def build_kernel(
     """
     if backend is None:
         return None
-    common = dict(
+    return make_kernel(
+        backend,
         name=spec.name(backend),
         input_names=list(spec.input_names),
         output_names=list(spec.output_names),
         source=spec.source(backend),
     )
+
+
+def make_kernel(backend: str, **fields: Any) -> Optional[Kernel]:
+    """``mx.fast.metal_kernel`` or ``mx.fast.cuda_kernel`` for ``backend``.
+
+    Args:
+        backend: ``"metal"`` or ``"cuda"``.
+        **fields: The kernel's name, input and output names, source (and header).
+
+    Returns:
+        The kernel callable, or None when mlx cannot build it here.
+    """
     try:
         if backend == METAL:
-            return mx.fast.metal_kernel(**common)
-        return mx.fast.cuda_kernel(**common)
+            return mx.fast.metal_kernel(**fields)
+        return mx.fast.cuda_kernel(**fields)
     except RuntimeError:
         return None
 

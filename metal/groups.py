@@ -123,19 +123,14 @@ def build_group_kernel(
     """
     if backend_name is None:
         return None
-    common = dict(
+    return backend.make_kernel(
+        backend_name,
         name=spec.name(backend_name),
         input_names=list(spec.input_names),
         output_names=list(spec.output_names),
         source=spec.source(backend_name),
         header=spec.header(backend_name),
     )
-    try:
-        if backend_name == METAL:
-            return mx.fast.metal_kernel(**common)
-        return mx.fast.cuda_kernel(**common)
-    except RuntimeError:
-        return None
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,10 +5,10 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_lossless, greedy_reference, tiny_model
+from conftest import assert_lossless, greedy_reference, tiny_drafter_config, tiny_model
 
 from dflash import GenerationStats, dflash_generate_step
-from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.drafter import DFlashDrafter
 from dflash.sampling import make_sampler
 from dflash.verify.acceptance import rejection_accept
 
@@ -17,24 +17,11 @@ MASK = 255
 
 def random_drafter(target, seed=7, block_size=8, **overrides):
     layers = len(target.layers)
-    fields = dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        layer_types=("sliding_attention", "full_attention"),
-        sliding_window=16,
-        block_size=block_size,
-        mask_token_id=MASK,
-        target_layer_ids=(1, layers // 2, layers - 1),
-    )
-    fields.update(overrides)
+    taps = (1, layers // 2, layers - 1)
+    fields = dict(block_size=block_size, mask_token_id=MASK, target_layer_ids=taps)
+    config = tiny_drafter_config(**{**fields, **overrides})
     mx.random.seed(seed)
-    drafter = DFlashDrafter(DrafterConfig(**fields))
+    drafter = DFlashDrafter(config)
     mx.eval(drafter.parameters())
     drafter.bind(target)
     return drafter

@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import greedy_reference, save_target, tiny_model
+from conftest import greedy_reference, save_target, tiny_drafter_config, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
@@ -83,16 +83,9 @@ def tiny_drafter(kind: str) -> DFlashDrafter:
         )
     elif kind == "dflash":
         extras = dict(architecture=ARCH_DFLASH, is_causal=None, vocab_size=VOCAB)
-    config = DrafterConfig(
+    config = tiny_drafter_config(
         hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-        rms_norm_eps=1e-5,
         rope_theta=50000.0,
-        layer_types=("sliding_attention", "full_attention"),
         sliding_window=8,
         block_size=4,
         mask_token_id=MASK,

@@ -62,6 +62,14 @@ def assert_batch_invariant(case: Case, use_kernel) -> None:
             assert np.array_equal(bits(alone), want), (name, index, case)
 
 
+def assert_seamless(case: Case, turn: int, use_kernel) -> None:
+    """The same logical rows with the ring turned by ``turn`` give the same bits."""
+    origin = (case.origin_physical + turn) % case.capacity
+    rotated = build(dataclasses.replace(case, origin_physical=origin))
+    want = bits(build(case).attend(use_kernel))
+    assert np.array_equal(want, bits(rotated.attend(use_kernel)))
+
+
 # ------------------------------------------------------------- reference (CPU)
 
 
@@ -82,13 +90,7 @@ def test_reference_is_batch_invariant(case: Case) -> None:
 @given(cases(), st.integers(1, 200))
 def test_reference_does_not_see_the_seam(case: Case, turn: int) -> None:
     """The same logical rows at another rotation give the same bits."""
-    built = build(case)
-    rotated = build(
-        dataclasses.replace(
-            case, origin_physical=(case.origin_physical + turn) % case.capacity
-        )
-    )
-    assert np.array_equal(bits(built.attend(False)), bits(rotated.attend(False)))
+    assert_seamless(case, turn, False)
 
 
 @pytest.mark.parametrize("shift", [-1, 1])
@@ -202,18 +204,6 @@ def test_default_on_cpu_is_the_reference(monkeypatch) -> None:
 
 
 # ------------------------------------------------------------- Metal, on the CPU
-
-
-@needs_gxx
-def test_metal_bodies_compile(tmp_path: Path) -> None:
-    result = check_metal(attention.SPECS, tmp_path, GXX)
-    assert result.ok, f"{result.command}\n{result.log}"
-
-
-@needs_nvcc
-def test_cuda_bodies_compile(tmp_path: Path) -> None:
-    result = check_cuda(attention.SPECS, tmp_path, NVCC)
-    assert result.ok, f"{result.command}\n{result.log}"
 
 
 def _broken():
@@ -355,13 +345,7 @@ def test_cuda_is_batch_invariant(case: Case) -> None:
 @settings(max_examples=40, deadline=None)
 @given(cases(), st.integers(1, 200))
 def test_cuda_does_not_see_the_seam(case: Case, turn: int) -> None:
-    built = build(case)
-    rotated = build(
-        dataclasses.replace(
-            case, origin_physical=(case.origin_physical + turn) % case.capacity
-        )
-    )
-    assert np.array_equal(bits(built.attend(True)), bits(rotated.attend(True)))
+    assert_seamless(case, turn, True)
 
 
 @pytest.mark.cuda
@@ -519,15 +503,21 @@ def test_metal_matmul_is_batch_invariant(matmul_on_cpu, case) -> None:
     assert_matmul_batch_invariant(case, True)
 
 
+# Both kernel families, each in mlx's generated signature (Metal as C++, CUDA to PTX).
+FAMILIES = {"attention": attention.SPECS, "matmul": qmm.SPECS}
+
+
 @needs_gxx
-def test_matmul_metal_bodies_compile(tmp_path: Path) -> None:
-    result = check_metal(qmm.SPECS, tmp_path, GXX)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_metal_bodies_compile(tmp_path: Path, family: str) -> None:
+    result = check_metal(FAMILIES[family], tmp_path, GXX)
     assert result.ok, f"{result.command}\n{result.log}"
 
 
 @needs_nvcc
-def test_matmul_cuda_bodies_compile(tmp_path: Path) -> None:
-    result = check_cuda(qmm.SPECS, tmp_path, NVCC)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_cuda_bodies_compile(tmp_path: Path, family: str) -> None:
+    result = check_cuda(FAMILIES[family], tmp_path, NVCC)
     assert result.ok, f"{result.command}\n{result.log}"
 
 

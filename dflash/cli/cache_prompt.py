@@ -10,15 +10,15 @@ is DFlash-decoded. As in mlx-lm, with a chat template the prompt is the user mes
 """
 
 import argparse
-import sys
 import time
-from typing import List, Optional
+from typing import List
 
 import mlx.core as mx
 
 from .common import (
     OneLineParser,
     add_cache_flags,
+    add_model_flag,
     check_cache_flags,
     entry_point,
     integer,
@@ -41,10 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         The parser.
     """
     parser = OneLineParser(prog=PROG, description=DESCRIPTION)
-    parser.add_argument(
-        "--model",
-        help="local path or Hugging Face repo of the model (default: the bundled demo pair)",
-    )
+    add_model_flag(parser)
     add_cache_flags(parser)
     parser.add_argument(
         "--prompt-cache-file",

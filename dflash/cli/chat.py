@@ -31,6 +31,8 @@ from .common import (
     Models,
     OneLineParser,
     add_cache_flags,
+    add_drafter_flags,
+    add_model_flag,
     add_sampling_flags,
     check_block_size,
     check_cache_flags,
@@ -66,10 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
         The parser.
     """
     parser = OneLineParser(prog=PROG, description=DESCRIPTION)
-    parser.add_argument(
-        "--model",
-        help="local path or Hugging Face repo of the model (default: the bundled demo pair)",
-    )
+    add_model_flag(parser)
     add_sampling_flags(parser, full=False)
     parser.add_argument(
         "--seed", type=integer(0), default=DEFAULT_SEED, help="PRNG seed"
@@ -93,15 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="system prompt, sent once at the session start",
     )
-    parser.add_argument(
-        "--drafter", help="path or repo of a DFlash drafter for --model"
-    )
-    parser.add_argument(
-        "--block-size",
-        type=integer(1),
-        default=None,
-        help="DFlash block size, 1 up to the drafter's (default: the drafter's)",
-    )
+    add_drafter_flags(parser)
     parser.add_argument(
         "--load-session", metavar="FILE", help="continue a saved session"
     )

@@ -460,6 +460,36 @@ def add_sampling_flags(parser: argparse.ArgumentParser, full: bool = True) -> No
         )
 
 
+def add_model_flag(
+    parser: argparse.ArgumentParser,
+    text: str = "local path or Hugging Face repo of the model (default: the bundled demo pair)",
+) -> None:
+    """``--model``: the target, a local directory or a hub repo id (none: the demo pair).
+
+    Args:
+        parser: The parser to extend.
+        text: The flag's help text.
+    """
+    parser.add_argument("--model", help=text)
+
+
+def add_drafter_flags(parser: argparse.ArgumentParser) -> None:
+    """``--drafter`` and ``--block-size``: the DFlash drafter and its block size.
+
+    Args:
+        parser: The parser to extend.
+    """
+    parser.add_argument(
+        "--drafter", help="path or repo of a DFlash drafter for --model"
+    )
+    parser.add_argument(
+        "--block-size",
+        type=integer(1),
+        default=None,
+        help="DFlash block size, 1 up to the drafter's (default: the drafter's)",
+    )
+
+
 def add_cache_flags(parser: argparse.ArgumentParser) -> None:
     """mlx-lm's KV-cache flags, checked by :func:`check_cache_flags`."""
     parser.add_argument(

@@ -9,7 +9,6 @@ with the acceptance statistics of a speculative run before ``Peak memory``.
 
 import argparse
 import itertools
-import sys
 from typing import List, Optional
 
 import mlx.core as mx
@@ -21,6 +20,8 @@ from .common import (
     OneLineParser,
     acceptance_lines,
     add_cache_flags,
+    add_drafter_flags,
+    add_model_flag,
     add_sampling_flags,
     check_block_size,
     check_cache_flags,
@@ -54,9 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
         The parser.
     """
     parser = OneLineParser(prog=PROG, description=DESCRIPTION)
-    parser.add_argument(
-        "--model",
-        help="local path or Hugging Face repo of the target model "
+    add_model_flag(
+        parser,
+        "local path or Hugging Face repo of the target model "
         "(default: the bundled demo pair, target and drafter)",
     )
     parser.add_argument(
@@ -115,15 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="draft tokens per round with --draft-model",
     )
-    parser.add_argument(
-        "--drafter", help="path or repo of a DFlash drafter for --model"
-    )
-    parser.add_argument(
-        "--block-size",
-        type=integer(1),
-        default=None,
-        help="DFlash block size, 1 up to the drafter's (default: the drafter's)",
-    )
+    add_drafter_flags(parser)
     return parser
 
 
