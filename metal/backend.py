@@ -177,17 +177,45 @@ def launch(
     Returns:
         The kernel's outputs.
     """
-    kernel = kernel_for(spec)
-    if kernel is None:
-        raise RuntimeError(f"kernel {spec.base} unavailable on this mlx build")
-    return kernel(
-        inputs=list(inputs),
-        output_shapes=[tuple(s) for s in output_shapes],
+    return call_kernel(
+        kernel_for(spec),
+        spec.base,
+        inputs,
+        output_shapes,
         output_dtypes=[word] * len(output_shapes),
         grid=(total, 1, 1),
         threadgroup=(min(THREADGROUP, total), 1, 1),
         template=[("T", word)],
-        stream=mx.gpu,
+    )
+
+
+def call_kernel(
+    kernel: Optional[Kernel],
+    name: str,
+    inputs: Sequence[mx.array],
+    output_shapes: Sequence[tuple[int, ...]],
+    **launch: Any,
+) -> list[mx.array]:
+    """Run a built kernel on the GPU stream.
+
+    Args:
+        kernel: The kernel, or None when this mlx build could not make it.
+        name: The kernel's name, for the error.
+        inputs: Inputs in the spec's order.
+        output_shapes: Output shapes.
+        **launch: ``output_dtypes``, ``grid``, ``threadgroup``, ``template``.
+
+    Returns:
+        The kernel's outputs.
+
+    Raises:
+        RuntimeError: There is no kernel.
+    """
+    if kernel is None:
+        raise RuntimeError(f"kernel {name} unavailable on this mlx build")
+    output_shapes = [tuple(s) for s in output_shapes]
+    return kernel(
+        inputs=list(inputs), output_shapes=output_shapes, stream=mx.gpu, **launch
     )
 
 

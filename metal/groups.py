@@ -163,17 +163,15 @@ def launch_groups(
     Returns:
         The kernel's outputs.
     """
-    kernel = group_kernel_for(spec)
-    if kernel is None:
-        raise RuntimeError(f"kernel {spec.base} unavailable on this mlx build")
-    return kernel(
-        inputs=list(inputs),
-        output_shapes=[tuple(s) for s in output_shapes],
+    return backend.call_kernel(
+        group_kernel_for(spec),
+        spec.base,
+        inputs,
+        output_shapes,
         output_dtypes=list(output_dtypes),
         grid=(groups * spec.threads, 1, 1),
         threadgroup=(spec.threads, 1, 1),
         template=[("T", dtype)],
-        stream=mx.gpu,
     )
 
 

@@ -62,6 +62,14 @@ def assert_batch_invariant(case: Case, use_kernel) -> None:
             assert np.array_equal(bits(alone), want), (name, index, case)
 
 
+def assert_near_reference(built, kernel: mx.array) -> None:
+    """``kernel`` is within the dtype's tolerance of the reference route's output."""
+    got = np.asarray(kernel.astype(mx.float32))
+    want = np.asarray(built.attend(False).astype(mx.float32))
+    tolerance = TOLERANCE[built.case.dtype] * (1 + np.abs(want))
+    assert np.all(np.abs(got - want) <= tolerance), built.case
+
+
 def assert_seamless(case: Case, turn: int, use_kernel) -> None:
     """The same logical rows with the ring turned by ``turn`` give the same bits."""
     origin = (case.origin_physical + turn) % case.capacity
@@ -267,12 +275,7 @@ def test_metal_body_matches_reference(metal_on_cpu, case: Case) -> None:
     before = metal_on_cpu.launches
     kernel = built.attend(True)
     assert metal_on_cpu.launches == before + 2
-    reference = built.attend(False)
-    got = np.asarray(kernel.astype(mx.float32))
-    want = np.asarray(reference.astype(mx.float32))
-    assert np.all(
-        np.abs(got - want) <= TOLERANCE[case.dtype] * (1 + np.abs(want))
-    ), case
+    assert_near_reference(built, kernel)
     assert close_to_oracle(built, kernel), case
 
 
@@ -324,12 +327,7 @@ def test_cuda_matches_oracle_and_reference(case: Case) -> None:
     kernel = built.attend(True)
     assert close_to_oracle(built, kernel), case
     with mx.stream(mx.cpu):
-        reference = built.attend(False)
-    got = np.asarray(kernel.astype(mx.float32))
-    want = np.asarray(reference.astype(mx.float32))
-    assert np.all(
-        np.abs(got - want) <= TOLERANCE[case.dtype] * (1 + np.abs(want))
-    ), case
+        assert_near_reference(built, kernel)
 
 
 @pytest.mark.cuda

@@ -69,6 +69,27 @@ __CASES__
 """
 
 
+def buffer_args(input_types: Sequence[str], output_types: Sequence[str]) -> list[str]:
+    """A kernel call's buffer arguments: each input's and output's bytes as its C++ type.
+
+    Args:
+        input_types: The C++ element type of each input, in order.
+        output_types: The C++ element type of each output, in order.
+
+    Returns:
+        One argument expression a buffer.
+    """
+    args = [
+        f"reinterpret_cast<const {ctype}*>(ins[{i}].data())"
+        for i, ctype in enumerate(input_types)
+    ]
+    args += [
+        f"reinterpret_cast<{ctype}*>(outs[{i}].data())"
+        for i, ctype in enumerate(output_types)
+    ]
+    return args
+
+
 def driver_main(
     params: Sequence[str], cases: str, canary_bytes: int, canary: int
 ) -> str:

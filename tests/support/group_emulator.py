@@ -44,7 +44,7 @@ from .compile_check import (
 )
 from .compile_check import METAL_SHIM as SHARED_METAL_SHIM
 from .compile_check import CompileResult, find_compiler, run_compiler
-from .driver import DRIVER_INCLUDES, driver_main
+from .driver import DRIVER_INCLUDES, buffer_args, driver_main
 
 __all__ = [
     "CompileResult",
@@ -346,13 +346,11 @@ void metal::threadgroup_barrier(mem_flags) {
 def _driver_case(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
     space = f"unit{index}_{type_suffix(dtype)}"
     name = metal_kernel_name(spec, dtype)
-    args = []
-    for i, kind in enumerate(spec.input_types):
-        ctype = METAL_TYPES[element_dtype(kind, dtype)]
-        args.append(f"reinterpret_cast<const {ctype}*>(ins[{i}].data())")
-    for i, kind in enumerate(spec.output_types):
-        ctype = METAL_TYPES[element_dtype(kind, dtype)]
-        args.append(f"reinterpret_cast<{ctype}*>(outs[{i}].data())")
+    ctypes = [
+        [METAL_TYPES[element_dtype(kind, dtype)] for kind in kinds]
+        for kinds in (spec.input_types, spec.output_types)
+    ]
+    args = buffer_args(*ctypes)
     args += [_ATTRIBUTE_VALUES[a] for a, _ in metal_attributes(spec.source(METAL))]
     call = f"{space}::{name}<{METAL_TYPES[dtype]}>({', '.join(args)})"
     return (

@@ -30,7 +30,7 @@ from .compile_check import (
     metal_translation_unit,
     run_compiler,
 )
-from .driver import DRIVER_INCLUDES, driver_main
+from .driver import DRIVER_INCLUDES, buffer_args, driver_main
 
 _NUMPY_TYPES = {
     mx.uint16: np.uint16,
@@ -45,12 +45,10 @@ CANARY_BYTE = 0xA5
 
 def _driver_case(spec: KernelSpec, word: mx.Dtype) -> str:
     name = metal_kernel_name(spec, word)
-    args = []
-    for i, arg in enumerate(spec.input_names):
-        ctype = METAL_TYPES[input_dtype(arg, word)]
-        args.append(f"reinterpret_cast<const {ctype}*>(ins[{i}].data())")
-    for i, _ in enumerate(spec.output_names):
-        args.append(f"reinterpret_cast<{METAL_TYPES[word]}*>(outs[{i}].data())")
+    args = buffer_args(
+        [METAL_TYPES[input_dtype(arg, word)] for arg in spec.input_names],
+        [METAL_TYPES[word]] * len(spec.output_names),
+    )
     call = f"{name}<{METAL_TYPES[word]}>({', '.join(args)}, uint3{{g, 0u, 0u}})"
     return (
         f'  if (key == "{name}") {{\n'
