@@ -113,6 +113,18 @@ def tiny_model(arch: str, seed: int = 0, window: Optional[int] = 16, **overrides
     return model
 
 
+# The DFlash2 fields of a tiny drafter (candidate selector and causal conv) over a
+# 256-token vocabulary.
+TINY_DFLASH2 = dict(
+    architecture="DFlash2DraftModel",
+    conv_kernel_size=2,
+    conv_group_size=16,
+    selector_rank=8,
+    selector_top_k=5,
+    vocab_size=256,
+)
+
+
 def tiny_drafter_config(**fields):
     """A tiny DFlash drafter config: two layers (sliding, full) at the tiny models' width.
 

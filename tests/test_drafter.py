@@ -7,7 +7,7 @@ import dataclasses
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import tiny_drafter_config, tiny_model
+from conftest import TINY_DFLASH2, tiny_drafter_config, tiny_model
 from mlx.utils import tree_flatten
 from mlx_lm.models import muse_glimmer, qwen3
 
@@ -45,14 +45,7 @@ def tiny_config(**overrides) -> DrafterConfig:
     return tiny_drafter_config(**{**fields, **overrides})
 
 
-DFLASH2 = dict(
-    architecture=ARCH_DFLASH2,
-    conv_kernel_size=2,
-    conv_group_size=16,
-    selector_rank=8,
-    selector_top_k=5,
-    vocab_size=VOCAB,
-)
+DFLASH2 = dict(TINY_DFLASH2, architecture=ARCH_DFLASH2, vocab_size=VOCAB)
 
 
 def make_drafter(target, seed: int = 3, **overrides) -> DFlashDrafter:

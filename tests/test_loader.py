@@ -21,7 +21,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import greedy_reference, save_target, tiny_drafter_config, tiny_model
+from conftest import (
+    TINY_DFLASH2,
+    greedy_reference,
+    save_target,
+    tiny_drafter_config,
+    tiny_model,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
@@ -71,16 +77,8 @@ def target():
 def tiny_drafter(kind: str) -> DFlashDrafter:
     extras = {}
     if kind == "dflash2":
-        extras = dict(
-            architecture=ARCH_DFLASH2,
-            conv_kernel_size=2,
-            conv_group_size=16,
-            selector_rank=8,
-            selector_top_k=4,
-            vocab_size=VOCAB,
-            output_multiplier=0.25,
-            final_logit_softcapping=15.0,
-        )
+        extras = dict(TINY_DFLASH2, selector_top_k=4, vocab_size=VOCAB)
+        extras.update(output_multiplier=0.25, final_logit_softcapping=15.0)
     elif kind == "dflash":
         extras = dict(architecture=ARCH_DFLASH, is_causal=None, vocab_size=VOCAB)
     config = tiny_drafter_config(
