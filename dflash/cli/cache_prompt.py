@@ -19,9 +19,9 @@ from .common import (
     OneLineParser,
     add_cache_flags,
     add_model_flag,
+    add_prefill_flag,
     check_cache_flags,
     entry_point,
-    integer,
     load_models,
     read_prompt,
 )
@@ -54,12 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--drafter", help="a DFlash drafter for --model: its context is cached too"
     )
-    parser.add_argument(
-        "--prefill-step-size",
-        type=integer(1),
-        default=2048,
-        help="prompt tokens per forward",
-    )
+    add_prefill_flag(parser)
     return parser
 
 

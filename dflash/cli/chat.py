@@ -33,6 +33,7 @@ from .common import (
     add_cache_flags,
     add_drafter_flags,
     add_model_flag,
+    add_prefill_flag,
     add_sampling_flags,
     check_block_size,
     check_cache_flags,
@@ -74,12 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed", type=integer(0), default=DEFAULT_SEED, help="PRNG seed"
     )
     add_cache_flags(parser)
-    parser.add_argument(
-        "--prefill-step-size",
-        type=integer(1),
-        default=2048,
-        help="prompt tokens per forward",
-    )
+    add_prefill_flag(parser)
     parser.add_argument(
         "--max-tokens",
         "-m",

@@ -490,6 +490,18 @@ def add_drafter_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_prefill_flag(
+    parser: argparse.ArgumentParser, text: str = "prompt tokens per forward"
+) -> None:
+    """``--prefill-step-size`` (mlx-lm's default, 2048).
+
+    Args:
+        parser: The parser to extend.
+        text: The flag's help text.
+    """
+    parser.add_argument("--prefill-step-size", type=integer(1), default=2048, help=text)
+
+
 def add_cache_flags(parser: argparse.ArgumentParser) -> None:
     """mlx-lm's KV-cache flags, checked by :func:`check_cache_flags`."""
     parser.add_argument(

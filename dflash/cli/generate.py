@@ -22,6 +22,7 @@ from .common import (
     add_cache_flags,
     add_drafter_flags,
     add_model_flag,
+    add_prefill_flag,
     add_sampling_flags,
     check_block_size,
     check_cache_flags,
@@ -96,12 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="'True' echoes the prompt and prints statistics, 'False' only the text",
     )
-    parser.add_argument(
-        "--prefill-step-size",
-        type=integer(1),
-        default=2048,
-        help="prompt tokens per forward",
-    )
+    add_prefill_flag(parser)
     parser.add_argument(
         "--prompt-cache-file",
         default=None,
