@@ -377,69 +377,80 @@ def _max_of(rows: list[dict], key: str) -> float:
     return max(row[key]["median"] for row in rows)
 
 
+# Each table: its header and alignment rows.
+_CHECKPOINT_HEADER = (
+    "| context | route | checkpoint ms, median over kept | max over kept | "
+    "checkpoint launches (kept 0 / 1 / B) |",
+    "|---:|---|---:|---:|---|",
+)
+_ROUND_HEADER = (
+    "| context | route | round ms kept=0 | kept=1 | kept=B | max over kept | "
+    "plain forward's cache work | launches kept=0 / 1 / B | commit alloc MiB |",
+    "|---:|---|---:|---:|---:|---:|---:|---|---:|",
+)
+_VERIFY_HEADER = (
+    "| context | mode | verify kept=1 | verify kept=B | plain forward | forward "
+    "launches | checkpoint (max over kept) / verify | cache round (max) / verify |",
+    "|---:|---|---:|---:|---:|---:|---:|---:|",
+)
+
+
+def _over_kept(rows: list[dict], block: int, cell, sep: str = " / ") -> str:
+    """``cell(row)`` at kept = 0, 1 and the whole block, joined by ``sep``."""
+    return sep.join(cell(rows[k]) for k in (0, 1, block))
+
+
 def _checkpoint_rows(report: dict) -> list[str]:
     """What undoing a block costs per round: the old ops vs the wired checkpoint."""
-    lines = [
-        "| context | route | checkpoint ms, median over kept | max over kept | "
-        "checkpoint launches (kept 0 / 1 / B) |",
-        "|---:|---|---:|---:|---|",
-    ]
     block = report["meta"]["geometry"]["block"]
+    body = []
     for result in report["ops"]:
         rows = result["per_kept"]
         cost = [r["retain_ms"]["median"] + r["restore_ms"]["median"] for r in rows]
-        launches = " / ".join(
-            str(rows[k]["retain_launches"] + rows[k]["restore_launches"])
-            for k in (0, 1, block)
+        launches = _over_kept(
+            rows, block, lambda r: str(r["retain_launches"] + r["restore_launches"])
         )
-        lines.append(
+        body.append(
             f"| {result['context']:,} | reference ops: retain + restore, host sync "
             f"| {statistics.median(cost):.3f} | {max(cost):.3f} | {launches} |"
         )
     for result in report["cache"]:
         rows = result["per_kept"]
-        launches = " / ".join(
-            str(rows[k]["launches"] - rows[k]["plain_launches"]) for k in (0, 1, block)
+        launches = _over_kept(
+            rows, block, lambda r: str(r["launches"] - r["plain_launches"])
         )
-        lines.append(
+        body.append(
             f"| {result['context']:,} | wired cache, {result['mode']}: round - plain "
             f"| {_median_of(rows, 'checkpoint_ms'):.3f} | {_max_of(rows, 'checkpoint_ms'):.3f} "
             f"| {launches} |"
         )
-    return lines
+    return [*_CHECKPOINT_HEADER, *body]
+
+
+def _round_row(result: dict, block: int) -> str:
+    """One route's round: its time at each kept count, launches and allocation."""
+    rows = result["per_kept"]
+    plain = f"{_median_of(rows, 'plain_ms'):.3f}" if "plain_ms" in rows[0] else "—"
+    launches = _over_kept(rows, block, lambda r: str(r["launches"]))
+    alloc = max(r["allocated_bytes"] for r in rows) / 2**20
+    times = _over_kept(rows, block, lambda r: f"{r['round_ms']['median']:.3f}", " | ")
+    return (
+        f"| {result['context']:,} | {result['mode']} | {times} | "
+        f"{_max_of(rows, 'round_ms'):.3f} | {plain} | {launches} | {alloc:.2f} |"
+    )
 
 
 def _round_rows(report: dict) -> list[str]:
     """All the cache work of a round."""
-    lines = [
-        "| context | route | round ms kept=0 | kept=1 | kept=B | max over kept | "
-        "plain forward's cache work | launches kept=0 / 1 / B | commit alloc MiB |",
-        "|---:|---|---:|---:|---:|---:|---:|---|---:|",
-    ]
     block = report["meta"]["geometry"]["block"]
-    for result in report["ops"] + report["cache"]:
-        rows = result["per_kept"]
-        plain = f"{_median_of(rows, 'plain_ms'):.3f}" if "plain_ms" in rows[0] else "—"
-        launches = " / ".join(str(rows[k]["launches"]) for k in (0, 1, block))
-        alloc = max(r["allocated_bytes"] for r in rows) / 2**20
-        times = " | ".join(
-            f"{rows[k]['round_ms']['median']:.3f}" for k in (0, 1, block)
-        )
-        lines.append(
-            f"| {result['context']:,} | {result['mode']} | {times} | "
-            f"{_max_of(rows, 'round_ms'):.3f} | {plain} | {launches} | {alloc:.2f} |"
-        )
-    return lines
+    results = report["ops"] + report["cache"]
+    return [*_ROUND_HEADER, *(_round_row(result, block) for result in results)]
 
 
 def _verify_rows(report: dict) -> list[str]:
     """The verify forward, and the cache round as a share of it."""
-    lines = [
-        "| context | mode | verify kept=1 | verify kept=B | plain forward | forward "
-        "launches | checkpoint (max over kept) / verify | cache round (max) / verify |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
     block = report["meta"]["geometry"]["block"]
+    body = []
     for result in report["verify"]:
         verify = result[f"verify_ms_kept_{block}"]["median"]
         cache = [
@@ -454,13 +465,13 @@ def _verify_rows(report: dict) -> list[str]:
                 f"{100 * _max_of(rows, key) / verify:.1f} %"
                 for key in ("checkpoint_ms", "round_ms")
             ]
-        lines.append(
+        body.append(
             f"| {result['context']:,} | {result['mode']} | "
             f"{result['verify_ms_kept_1']['median']:.2f} | {verify:.2f} | "
             f"{result['plain_forward_ms']['median']:.2f} | {result['forward_launches']} | "
             f"{shares[0]} | {shares[1]} |"
         )
-    return lines
+    return [*_VERIFY_HEADER, *body]
 
 
 def markdown(report: dict) -> str:

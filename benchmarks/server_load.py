@@ -17,9 +17,7 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -27,8 +25,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import List, Optional
 
-ROOT = Path(__file__).resolve().parent.parent
-LISTENING = re.compile(r"at http://([^:\s]+):(\d+)")
+from tests.support.server_process import ServerProcess
+
 MODES = ("dflash", "plain")
 
 
@@ -62,44 +60,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--out", help="write OUT.json and OUT.md")
     parser.add_argument("--note", help="a line about the code measured, for the report")
     return parser.parse_args(argv)
-
-
-class Server:
-    """A dflash-server subprocess on a free loopback port."""
-
-    def __init__(self, flags: List[str]):
-        command = [
-            sys.executable,
-            "-m",
-            "dflash.server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-        ]
-        self.process = subprocess.Popen(
-            command + ["--log-level", "WARNING", *flags],
-            cwd=ROOT,
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
-        )
-        self.banner = ""
-        for line in self.process.stderr:
-            match = LISTENING.search(line)
-            if match:
-                self.banner = line.strip()
-                self.url = f"http://{match.group(1)}:{match.group(2)}"
-                break
-        else:
-            raise RuntimeError(f"the server did not start (exit {self.process.wait()})")
-        threading.Thread(
-            target=lambda: [None for _ in self.process.stderr], daemon=True
-        ).start()
-
-    def close(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
 
 
 def stream_chat(client, url: str, messages, max_tokens: int) -> dict:
@@ -173,7 +133,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         flags.append("--no-drafter")
     elif args.block_size:
         flags += ["--block-size", str(args.block_size)]
-    server = Server(flags)
+    # No start-up limit: a large --model may take long to load.
+    server = ServerProcess(*flags, timeout=float("inf"))
     try:
         import httpx
 

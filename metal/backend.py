@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -88,16 +88,29 @@ def build_kernel(
     """
     if backend is None:
         return None
-    common = dict(
+    return make_kernel(
+        backend,
         name=spec.name(backend),
         input_names=list(spec.input_names),
         output_names=list(spec.output_names),
         source=spec.source(backend),
     )
+
+
+def make_kernel(backend: str, **fields: Any) -> Optional[Kernel]:
+    """``mx.fast.metal_kernel`` or ``mx.fast.cuda_kernel`` for ``backend``.
+
+    Args:
+        backend: ``"metal"`` or ``"cuda"``.
+        **fields: The kernel's name, input and output names, source (and header).
+
+    Returns:
+        The kernel callable, or None when mlx cannot build it here.
+    """
     try:
         if backend == METAL:
-            return mx.fast.metal_kernel(**common)
-        return mx.fast.cuda_kernel(**common)
+            return mx.fast.metal_kernel(**fields)
+        return mx.fast.cuda_kernel(**fields)
     except RuntimeError:
         return None
 
@@ -164,17 +177,45 @@ def launch(
     Returns:
         The kernel's outputs.
     """
-    kernel = kernel_for(spec)
-    if kernel is None:
-        raise RuntimeError(f"kernel {spec.base} unavailable on this mlx build")
-    return kernel(
-        inputs=list(inputs),
-        output_shapes=[tuple(s) for s in output_shapes],
+    return call_kernel(
+        kernel_for(spec),
+        spec.base,
+        inputs,
+        output_shapes,
         output_dtypes=[word] * len(output_shapes),
         grid=(total, 1, 1),
         threadgroup=(min(THREADGROUP, total), 1, 1),
         template=[("T", word)],
-        stream=mx.gpu,
+    )
+
+
+def call_kernel(
+    kernel: Optional[Kernel],
+    name: str,
+    inputs: Sequence[mx.array],
+    output_shapes: Sequence[tuple[int, ...]],
+    **launch: Any,
+) -> list[mx.array]:
+    """Run a built kernel on the GPU stream.
+
+    Args:
+        kernel: The kernel, or None when this mlx build could not make it.
+        name: The kernel's name, for the error.
+        inputs: Inputs in the spec's order.
+        output_shapes: Output shapes.
+        **launch: ``output_dtypes``, ``grid``, ``threadgroup``, ``template``.
+
+    Returns:
+        The kernel's outputs.
+
+    Raises:
+        RuntimeError: There is no kernel.
+    """
+    if kernel is None:
+        raise RuntimeError(f"kernel {name} unavailable on this mlx build")
+    output_shapes = [tuple(s) for s in output_shapes]
+    return kernel(
+        inputs=list(inputs), output_shapes=output_shapes, stream=mx.gpu, **launch
     )
 
 

@@ -123,19 +123,14 @@ def build_group_kernel(
     """
     if backend_name is None:
         return None
-    common = dict(
+    return backend.make_kernel(
+        backend_name,
         name=spec.name(backend_name),
         input_names=list(spec.input_names),
         output_names=list(spec.output_names),
         source=spec.source(backend_name),
         header=spec.header(backend_name),
     )
-    try:
-        if backend_name == METAL:
-            return mx.fast.metal_kernel(**common)
-        return mx.fast.cuda_kernel(**common)
-    except RuntimeError:
-        return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,17 +163,15 @@ def launch_groups(
     Returns:
         The kernel's outputs.
     """
-    kernel = group_kernel_for(spec)
-    if kernel is None:
-        raise RuntimeError(f"kernel {spec.base} unavailable on this mlx build")
-    return kernel(
-        inputs=list(inputs),
-        output_shapes=[tuple(s) for s in output_shapes],
+    return backend.call_kernel(
+        group_kernel_for(spec),
+        spec.base,
+        inputs,
+        output_shapes,
         output_dtypes=list(output_dtypes),
         grid=(groups * spec.threads, 1, 1),
         threadgroup=(spec.threads, 1, 1),
         template=[("T", dtype)],
-        stream=mx.gpu,
     )
 
 

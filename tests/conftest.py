@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from mlx.utils import tree_flatten
 
+from dflash.bench.scale_target import GEOMETRIES
 from dflash.greedy import (  # noqa: F401 (re-exported to the tests)
     greedy_reference,
     mlx_lm_generate_module,
@@ -21,13 +22,14 @@ settings.register_profile(
 settings.load_profile("ci")
 
 _TINY_ARGS = {
+    # The bench's tiny Muse Glimmer layers, with a smaller vocabulary and the window and
+    # positions left to tiny_model / mlx-lm.
     "muse_glimmer": dict(
-        hidden_size=64,
-        num_hidden_layers=8,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        {
+            key: value
+            for key, value in GEOMETRIES["tiny"].items()
+            if key not in ("sliding_window", "max_position_embeddings")
+        },
         vocab_size=256,
     ),
     "gemma3_text": dict(
@@ -111,7 +113,47 @@ def tiny_model(arch: str, seed: int = 0, window: Optional[int] = 16, **overrides
     return model
 
 
-def assert_lossless(model, prompt: mx.array, reference: Sequence[int], output: Sequence[int]):
+# The DFlash2 fields of a tiny drafter (candidate selector and causal conv) over a
+# 256-token vocabulary.
+TINY_DFLASH2 = dict(
+    architecture="DFlash2DraftModel",
+    conv_kernel_size=2,
+    conv_group_size=16,
+    selector_rank=8,
+    selector_top_k=5,
+    vocab_size=256,
+)
+
+
+def tiny_drafter_config(**fields):
+    """A tiny DFlash drafter config: two layers (sliding, full) at the tiny models' width.
+
+    Args:
+        **fields: ``DrafterConfig`` fields that replace the defaults (the taps,
+            ``target_layer_ids``, are required).
+    """
+    from dflash.drafter import DrafterConfig
+
+    defaults = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=96,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=16,
+        block_size=8,
+        mask_token_id=255,
+    )
+    return DrafterConfig(**{**defaults, **fields})
+
+
+def assert_lossless(
+    model, prompt: mx.array, reference: Sequence[int], output: Sequence[int]
+):
     """``output`` equals ``reference``, except after a near-tie (top-2 margin < 1e-4).
 
     A mismatch at a near-tie is reported (printed) and ends the comparison there, since the
@@ -145,13 +187,17 @@ def tiny_tokenizer(vocab_size: int = 256):
     backend = Tokenizer(models.WordLevel(vocab, unk_token="w1"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.decoder = decoders.WordPiece(prefix="##")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="w0", unk_token="w1")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="w0", unk_token="w1"
+    )
 
 
 def save_target(model, path):
     """Save a tiny target as an mlx-lm model folder (weights, config, tiny tokenizer)."""
     path.mkdir(parents=True)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    mx.save_safetensors(
+        str(path / "model.safetensors"), dict(tree_flatten(model.parameters()))
+    )
     config = {k: v for k, v in vars(model.args).items() if not k.startswith("_")}
     (path / "config.json").write_text(json.dumps(config))
     tiny_tokenizer().save_pretrained(str(path))

@@ -5,10 +5,16 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_lossless, greedy_reference, tiny_model
+from conftest import (
+    TINY_DFLASH2,
+    assert_lossless,
+    greedy_reference,
+    tiny_drafter_config,
+    tiny_model,
+)
 
 from dflash import GenerationStats, dflash_generate_step
-from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.drafter import DFlashDrafter
 from dflash.sampling import make_sampler
 from dflash.verify.acceptance import rejection_accept
 
@@ -17,24 +23,11 @@ MASK = 255
 
 def random_drafter(target, seed=7, block_size=8, **overrides):
     layers = len(target.layers)
-    fields = dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        layer_types=("sliding_attention", "full_attention"),
-        sliding_window=16,
-        block_size=block_size,
-        mask_token_id=MASK,
-        target_layer_ids=(1, layers // 2, layers - 1),
-    )
-    fields.update(overrides)
+    taps = (1, layers // 2, layers - 1)
+    fields = dict(block_size=block_size, mask_token_id=MASK, target_layer_ids=taps)
+    config = tiny_drafter_config(**{**fields, **overrides})
     mx.random.seed(seed)
-    drafter = DFlashDrafter(DrafterConfig(**fields))
+    drafter = DFlashDrafter(config)
     mx.eval(drafter.parameters())
     drafter.bind(target)
     return drafter
@@ -193,14 +186,6 @@ def test_bad_block_size_and_empty_prompt_are_refused():
 # ------------------------------------------------------------ temperature > 0, every length
 B = 4
 LENGTHS = [1, 2, B - 1, B, B + 1, 3 * B + 2]
-DFLASH2 = dict(
-    architecture="DFlash2DraftModel",
-    conv_kernel_size=2,
-    conv_group_size=16,
-    selector_rank=8,
-    selector_top_k=5,
-    vocab_size=256,
-)
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +194,7 @@ def sampled_setup():
     draft = tiny_model("muse_glimmer", seed=3, window=16, num_hidden_layers=3)
     drafters = {
         "dflash": random_drafter(target, seed=4, block_size=B),
-        "dflash2": random_drafter(target, seed=5, block_size=B, **DFLASH2),
+        "dflash2": random_drafter(target, seed=5, block_size=B, **TINY_DFLASH2),
     }
     prompt = mx.random.randint(0, 250, (19,))
     reference = greedy_reference(target, prompt, max(LENGTHS))

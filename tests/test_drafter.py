@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 
 import mlx.core as mx
-from conftest import tiny_model
 import numpy as np
 import pytest
+from conftest import TINY_DFLASH2, tiny_drafter_config, tiny_model
 from mlx.utils import tree_flatten
 from mlx_lm.models import muse_glimmer, qwen3
 
@@ -31,38 +31,21 @@ def muse_target() -> muse_glimmer.Model:
 
 def qwen3_target() -> qwen3.Model:
     return tiny_model(
-        "qwen3", seed=12, num_hidden_layers=8, tie_word_embeddings=False, max_position_embeddings=512
+        "qwen3",
+        seed=12,
+        num_hidden_layers=8,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
     )
 
 
 def tiny_config(**overrides) -> DrafterConfig:
-    fields = dict(
-        hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        layer_types=("sliding_attention", "full_attention"),
-        sliding_window=WINDOW,
-        block_size=4,
-        mask_token_id=MASK,
-        target_layer_ids=TAPS,
-    )
-    fields.update(overrides)
-    return DrafterConfig(**fields)
+    fields = dict(hidden_size=HIDDEN, sliding_window=WINDOW, block_size=4)
+    fields.update(mask_token_id=MASK, target_layer_ids=TAPS)
+    return tiny_drafter_config(**{**fields, **overrides})
 
 
-DFLASH2 = dict(
-    architecture=ARCH_DFLASH2,
-    conv_kernel_size=2,
-    conv_group_size=16,
-    selector_rank=8,
-    selector_top_k=5,
-    vocab_size=VOCAB,
-)
+DFLASH2 = dict(TINY_DFLASH2, architecture=ARCH_DFLASH2, vocab_size=VOCAB)
 
 
 def make_drafter(target, seed: int = 3, **overrides) -> DFlashDrafter:

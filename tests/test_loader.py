@@ -21,7 +21,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import greedy_reference, save_target, tiny_model
+from conftest import (
+    TINY_DFLASH2,
+    greedy_reference,
+    save_target,
+    tiny_drafter_config,
+    tiny_model,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
@@ -71,28 +77,13 @@ def target():
 def tiny_drafter(kind: str) -> DFlashDrafter:
     extras = {}
     if kind == "dflash2":
-        extras = dict(
-            architecture=ARCH_DFLASH2,
-            conv_kernel_size=2,
-            conv_group_size=16,
-            selector_rank=8,
-            selector_top_k=4,
-            vocab_size=VOCAB,
-            output_multiplier=0.25,
-            final_logit_softcapping=15.0,
-        )
+        extras = dict(TINY_DFLASH2, selector_top_k=4, vocab_size=VOCAB)
+        extras.update(output_multiplier=0.25, final_logit_softcapping=15.0)
     elif kind == "dflash":
         extras = dict(architecture=ARCH_DFLASH, is_causal=None, vocab_size=VOCAB)
-    config = DrafterConfig(
+    config = tiny_drafter_config(
         hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=96,
-        rms_norm_eps=1e-5,
         rope_theta=50000.0,
-        layer_types=("sliding_attention", "full_attention"),
         sliding_window=8,
         block_size=4,
         mask_token_id=MASK,

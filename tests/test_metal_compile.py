@@ -28,8 +28,8 @@ from support.compile_check import (
     check_cuda,
     check_metal,
     check_specs,
-    find_compiler,
 )
+from support.compilers import GXX, NVCC, built_emulator, needs_gxx, needs_nvcc
 from support.kernel_cases import (
     OPS,
     Case,
@@ -42,11 +42,6 @@ from support.metal_emulator import MetalEmulator
 
 from dflash.metal import backend, restore_rows, retain_rows
 from dflash.metal.sources import BACKENDS, PROLOGUES, RING_WRITE, restore_spec
-
-GXX = find_compiler("g++")
-NVCC = find_compiler("nvcc")
-needs_gxx = pytest.mark.skipif(GXX is None, reason="g++ not installed")
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 
 EXAMPLES = 40
 
@@ -103,10 +98,7 @@ def test_broken_cuda_body_fails(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MetalEmulator]:
     """Route the wrappers' kernel paths through the Metal bodies on the CPU."""
-    if GXX is None:
-        pytest.skip("g++ not installed")
-    emu = MetalEmulator(tmp_path_factory.mktemp("metal_emu"), check_specs(), GXX)
-    assert emu.build.ok, emu.build.log
+    emu = built_emulator(MetalEmulator, tmp_path_factory, "metal_emu", check_specs())
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(backend, "BACKEND", "metal")
         patch.setattr(backend, "launch", emu.launch)

@@ -43,6 +43,20 @@ def counting(monkeypatch):
         monkeypatch.undo()
 
 
+def count_rounds(monkeypatch, steps, stats, rounds: int):
+    """Run ``steps`` for ``rounds`` more rounds under :func:`counting`, then close it.
+
+    Returns:
+        ``(counts, rounds run)``.
+    """
+    first = stats.rounds
+    with counting(monkeypatch) as counts:
+        while stats.rounds < first + rounds:
+            next(steps)
+    steps.close()
+    return counts, stats.rounds - first
+
+
 @pytest.fixture(scope="module")
 def models():
     target = tiny_model("muse_glimmer", seed=0, window=16)  # rings wrap during the run
@@ -82,12 +96,7 @@ def test_a_round_waits_for_the_device_once(models, monkeypatch, kind, rule):
     stats = dflash.GenerationStats(4)
     steps = generator(kind, models, SAMPLERS[rule](), stats)
     next(steps)  # prefill and the first round (the prompt check reads ids back once)
-    first = stats.rounds
-    with counting(monkeypatch) as counts:
-        while stats.rounds < first + 12:
-            next(steps)
-    steps.close()
-    rounds = stats.rounds - first
+    counts, rounds = count_rounds(monkeypatch, steps, stats, 12)
     assert counts["syncs"] + counts["evals"] == rounds, counts
     # Each round starts its graph without waiting (drafts, then verify and acceptance).
     assert counts["async_evals"] >= rounds, counts
@@ -107,10 +116,5 @@ def test_sliding_draft_rings_add_the_caches_retain(monkeypatch):
         prompt, target, draft, num_draft_tokens=3, max_tokens=-1, stats=stats
     )
     next(steps)
-    first = stats.rounds
-    with counting(monkeypatch) as counts:
-        while stats.rounds < first + 8:
-            next(steps)
-    steps.close()
-    rounds = stats.rounds - first
+    counts, rounds = count_rounds(monkeypatch, steps, stats, 8)
     assert counts["syncs"] == rounds and counts["evals"] <= rounds, counts

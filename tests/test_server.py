@@ -8,24 +8,14 @@ import threading
 import httpx
 import openai
 import pytest
-from test_server_support import (
-    CHAT_TEMPLATE,
-    ServerProcess,
-    chat_tokens,
-    reference,
-    wait_idle,
-    with_template,
-)
+import test_server_support as support
 
 import dflash
-from dflash import demo
 
-pytestmark = pytest.mark.skipif(
-    not demo.demo_available(), reason="demo pair not installed"
-)
+pytestmark = support.needs_demo
 
 TOKENS = 10
-# Small DFlash blocks keep the CPU runs short; the reference uses the same.
+# Small DFlash blocks keep the CPU runs short; the support.reference uses the same.
 BLOCK = 4
 CHATS = [
     [{"role": "user", "content": "def fibonacci(n):"}],
@@ -38,14 +28,13 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def pair():
-    model, tokenizer, drafter = dflash.load_demo()
-    return model, with_template(tokenizer), drafter
+    return support.demo_pair()
 
 
 @pytest.fixture(scope="module")
 def server():
-    process = ServerProcess(
-        "--chat-template", CHAT_TEMPLATE, "--block-size", str(BLOCK)
+    process = support.ServerProcess(
+        "--chat-template", support.CHAT_TEMPLATE, "--block-size", str(BLOCK)
     )
     yield process
     process.close()
@@ -58,8 +47,8 @@ def client(server):
 
 def expected_chat(pair, messages, max_tokens=TOKENS, **kwargs):
     model, tokenizer, drafter = pair
-    tokens = chat_tokens(tokenizer, messages)
-    return reference(
+    tokens = support.chat_tokens(tokenizer, messages)
+    return support.reference(
         model,
         tokenizer,
         tokens,
@@ -108,7 +97,7 @@ def test_chat_streamed_equals_non_streamed_equals_generate(pair, client, message
     assert chunks[-1].choices == [] and usage is not None
     assert usage.completion_tokens == whole.usage.completion_tokens
     assert usage.prompt_tokens == whole.usage.prompt_tokens
-    assert whole.usage.prompt_tokens == len(chat_tokens(pair[1], messages))
+    assert whole.usage.prompt_tokens == len(support.chat_tokens(pair[1], messages))
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == (
         whole.choices[0].finish_reason
     )
@@ -128,7 +117,7 @@ def test_completions_streamed_equals_non_streamed_equals_generate(pair, client, 
         )
     )
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
-    want = reference(
+    want = support.reference(
         model,
         tokenizer,
         tokenizer.encode(text),
@@ -185,7 +174,7 @@ def test_logprobs_are_the_greedy_choices(client):
 def test_stop_strings_cut_the_text_streamed_or_not(pair, client):
     messages = CHATS[1]
     full = expected_chat(pair, messages, max_tokens=12)
-    assert "\n" in full, "the reference needs a newline for this test"
+    assert "\n" in full, "the support.reference needs a newline for this test"
     cut = full.split("\n")[0]
     whole = client.chat.completions.create(
         model="demo", messages=messages, max_tokens=12, temperature=0, stop=["\n"]
@@ -351,7 +340,7 @@ def test_eight_concurrent_clients_each_get_their_own_answer(pair, server):
 
 
 def test_disconnect_mid_stream_stops_generation_and_next_request_is_right(pair, server):
-    before = wait_idle(server.url)
+    before = support.wait_idle(server.url)
     messages = [{"role": "user", "content": "def quicksort(items):"}]
     body = {"messages": messages, "max_tokens": 400, "stream": True}
     with httpx.stream(
@@ -360,7 +349,7 @@ def test_disconnect_mid_stream_stops_generation_and_next_request_is_right(pair, 
         lines = response.iter_lines()
         received = [next(lines) for _ in range(3)]
     assert all(line.startswith("data: ") or not line for line in received)
-    after = wait_idle(server.url)
+    after = support.wait_idle(server.url)
     assert after["cancelled"] == before["cancelled"] + 1
     assert after["generated_tokens"] - before["generated_tokens"] < 400
     # The same conversation again, and another one: both equal fresh generation.
@@ -430,7 +419,7 @@ def test_logit_bias_and_penalties_reach_the_sampler(pair, client):
     processors = make_logits_processors(
         repetition_penalty=1.3, repetition_context_size=8
     )
-    want = reference(
+    want = support.reference(
         model,
         tokenizer,
         prompt,
@@ -491,7 +480,7 @@ def test_dflash_continuation_prefills_only_the_new_tokens(pair, server):
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(
         prompt + generated
     )
-    want = reference(
+    want = support.reference(
         model, tokenizer, longer, TOKENS, drafter=drafter, block_size=BLOCK
     )
     assert second["choices"][0]["text"] == want

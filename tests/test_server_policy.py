@@ -4,7 +4,7 @@ results, token counts from a real chat template on the demo tokenizer."""
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_server_support import CHAT_TEMPLATE, chat_tokens, with_template
+from test_server_support import CHAT_TEMPLATE, chat_tokens, needs_demo, with_template
 
 from dflash import demo
 from dflash.server.policy import (
@@ -17,9 +17,7 @@ from dflash.server.policy import (
     shift_raw,
 )
 
-pytestmark = pytest.mark.skipif(
-    not demo.demo_available(), reason="demo pair not installed"
-)
+pytestmark = needs_demo
 
 
 @pytest.fixture(scope="module")

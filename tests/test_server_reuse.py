@@ -5,20 +5,12 @@ its new tokens, reports them as cached, and still answers what a fresh generatio
 import httpx
 import openai
 import pytest
-from test_server_support import (
-    CHAT_TEMPLATE,
-    ServerProcess,
-    chat_tokens,
-    reference,
-    with_template,
-)
+import test_server_support as support
 
 import dflash
 from dflash import demo
 
-pytestmark = pytest.mark.skipif(
-    not demo.demo_available(), reason="demo pair not installed"
-)
+pytestmark = support.needs_demo
 
 TOKENS = 8
 TARGET = str(demo.DEMO_DIR / "target")
@@ -27,8 +19,10 @@ TARGET = str(demo.DEMO_DIR / "target")
 @pytest.fixture(scope="module")
 def plain():
     model, tokenizer, _ = dflash.load_demo()
-    process = ServerProcess("--no-drafter", "--chat-template", CHAT_TEMPLATE)
-    yield process, (model, with_template(tokenizer), {})
+    process = support.ServerProcess(
+        "--no-drafter", "--chat-template", support.CHAT_TEMPLATE
+    )
+    yield process, (model, support.with_template(tokenizer), {})
     process.close()
 
 
@@ -38,10 +32,15 @@ def classic():
 
     model, tokenizer = load(TARGET)
     draft, _ = load(TARGET)
-    process = ServerProcess(
-        "--model", TARGET, "--draft-model", TARGET, "--chat-template", CHAT_TEMPLATE
+    process = support.ServerProcess(
+        "--model",
+        TARGET,
+        "--draft-model",
+        TARGET,
+        "--chat-template",
+        support.CHAT_TEMPLATE,
     )
-    yield process, (model, with_template(tokenizer), {"draft_model": draft})
+    yield process, (model, support.with_template(tokenizer), {"draft_model": draft})
     process.close()
 
 
@@ -60,7 +59,7 @@ def check_conversation(server, pair):
         {"role": "user", "content": "def fibonacci(n):"},
     ]
     first, _ = ask(server, messages)
-    first_prompt = chat_tokens(tokenizer, messages)
+    first_prompt = support.chat_tokens(tokenizer, messages)
     assert first.usage.prompt_tokens == len(first_prompt)
     messages += [
         {"role": "assistant", "content": first.choices[0].message.content},
@@ -70,9 +69,9 @@ def check_conversation(server, pair):
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= len(first_prompt), "turn 2 did not reuse turn 1's prompt"
     assert headers["x-cached-tokens"] == str(cached)
-    prompt = chat_tokens(tokenizer, messages)
+    prompt = support.chat_tokens(tokenizer, messages)
     assert second.usage.prompt_tokens == len(prompt)
-    fresh = reference(model, tokenizer, prompt, TOKENS, **kwargs)
+    fresh = support.reference(model, tokenizer, prompt, TOKENS, **kwargs)
     assert second.choices[0].message.content == fresh
     # The same request again (a regeneration) reuses all but the last prompt token.
     again, _ = ask(server, messages)
@@ -98,7 +97,9 @@ def test_completions_continuing_a_prompt_prefill_only_the_new_tokens(plain):
     longer = ids + tokenizer.encode(first["choices"][0]["text"]) + more
     second = httpx.post(url, json={"prompt": longer, "max_tokens": TOKENS}).json()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(ids)
-    assert second["choices"][0]["text"] == reference(model, tokenizer, longer, TOKENS)
+    assert second["choices"][0]["text"] == support.reference(
+        model, tokenizer, longer, TOKENS
+    )
 
 
 def test_other_conversations_keep_their_own_sessions(plain):
@@ -110,9 +111,9 @@ def test_other_conversations_keep_their_own_sessions(plain):
     # Both are still cached: repeating either reuses all but its last token.
     for messages in (a, b):
         response, _ = ask(server, messages)
-        prompt = chat_tokens(tokenizer, messages)
+        prompt = support.chat_tokens(tokenizer, messages)
         assert response.usage.prompt_tokens_details.cached_tokens == len(prompt) - 1
-        assert response.choices[0].message.content == reference(
+        assert response.choices[0].message.content == support.reference(
             model, tokenizer, prompt, TOKENS
         )
 
@@ -130,4 +131,6 @@ def test_a_disconnected_stream_leaves_a_session_that_continues_correctly(plain):
         server.base_url + "/completions", json={"prompt": prompt, "max_tokens": TOKENS}
     ).json()
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) - 1
-    assert again["choices"][0]["text"] == reference(model, tokenizer, prompt, TOKENS)
+    assert again["choices"][0]["text"] == support.reference(
+        model, tokenizer, prompt, TOKENS
+    )

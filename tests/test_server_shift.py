@@ -7,22 +7,11 @@ import time
 import httpx
 import openai
 import pytest
-from test_server_support import (
-    CHAT_TEMPLATE,
-    ServerProcess,
-    chat_tokens,
-    reference,
-    wait_idle,
-    with_template,
-)
+import test_server_support as support
 
-import dflash
-from dflash import demo
 from dflash.server.policy import chat_turns, shift_chat
 
-pytestmark = pytest.mark.skipif(
-    not demo.demo_available(), reason="demo pair not installed"
-)
+pytestmark = support.needs_demo
 
 MAX_CONTEXT = 160
 TOKENS = 8
@@ -30,7 +19,7 @@ KEEP = 4
 FLAGS = [
     "--no-drafter",
     "--chat-template",
-    CHAT_TEMPLATE,
+    support.CHAT_TEMPLATE,
     "--max-context",
     str(MAX_CONTEXT),
 ]
@@ -39,13 +28,12 @@ FLAGS += ["--prefill-step-size", "32", "--raw-keep-tokens", str(KEEP)]
 
 @pytest.fixture(scope="module")
 def pair():
-    model, tokenizer, _ = dflash.load_demo()
-    return model, with_template(tokenizer)
+    return support.demo_pair()[:2]
 
 
 @pytest.fixture(scope="module")
 def server():
-    process = ServerProcess(*FLAGS)
+    process = support.ServerProcess(*FLAGS)
     yield process
     process.close()
 
@@ -53,7 +41,7 @@ def server():
 @pytest.fixture(scope="module")
 def one_slot():
     """A server whose queue holds one waiting request."""
-    process = ServerProcess("--no-drafter", "--queue-size", "1")
+    process = support.ServerProcess("--no-drafter", "--queue-size", "1")
     yield process
     process.close()
 
@@ -61,7 +49,7 @@ def one_slot():
 @pytest.fixture(scope="module")
 def fresh():
     """A second server with the same flags: what a fresh server answers."""
-    process = ServerProcess(*FLAGS)
+    process = support.ServerProcess(*FLAGS)
     yield process
     process.close()
 
@@ -95,7 +83,7 @@ def test_a_long_conversation_shifts_whole_turns_and_answers_as_a_fresh_server(
     model, tokenizer = pair
 
     def count(messages):
-        return len(chat_tokens(tokenizer, messages))
+        return len(support.chat_tokens(tokenizer, messages))
 
     messages = [{"role": "system", "content": "You write short Python functions."}]
     previous_dropped, previous_epoch = 0, 0
@@ -113,8 +101,8 @@ def test_a_long_conversation_shifts_whole_turns_and_answers_as_a_fresh_server(
         assert shift.messages[0]["role"] == "system"  # system content always kept
         kept = chat_turns(shift.messages)
         assert len(kept) == len(chat_turns(messages)) - dropped  # whole turns only
-        want = reference(
-            model, tokenizer, chat_tokens(tokenizer, shift.messages), TOKENS
+        want = support.reference(
+            model, tokenizer, support.chat_tokens(tokenizer, shift.messages), TOKENS
         )
         assert reply == want
         if dropped > previous_dropped:
@@ -156,7 +144,7 @@ def test_raw_prompt_keeps_the_prefix_and_the_newest_suffix(pair, server):
     assert response.status_code == 200
     assert response.headers["x-context-dropped-tokens"] == str(len(ids) - len(kept))
     assert response.json()["usage"]["prompt_tokens"] == len(kept)
-    assert response.json()["choices"][0]["text"] == reference(
+    assert response.json()["choices"][0]["text"] == support.reference(
         model, tokenizer, kept, TOKENS
     )
 
@@ -166,7 +154,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_a_disconnect_frees_the_wo
 ):
     model, tokenizer = pair
     server = one_slot
-    wait_idle(server.url)
+    support.wait_idle(server.url)
     # A generation that only the client's disconnect ends (the end-of-text token is banned).
     long_body = {
         "prompt": "def main():\n",
@@ -209,7 +197,7 @@ def test_a_full_queue_answers_429_with_retry_after_and_a_disconnect_frees_the_wo
     waiter.join(120)  # leaving the stream disconnected the long request
     response = queued_answer["response"]
     assert response.status_code == 200
-    assert response.json()["choices"][0]["text"] == reference(
+    assert response.json()["choices"][0]["text"] == support.reference(
         model, tokenizer, prompt, TOKENS
     )
     health = httpx.get(server.url + "/health").json()

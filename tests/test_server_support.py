@@ -1,19 +1,22 @@
 """Helpers of the server tests: a real dflash-server in a subprocess (or in this process on a
 thread), the test chat template, and in-process reference generation. No tests here."""
 
-import os
-import re
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import List, Optional
 
-import dflash
+import pytest
+from support.server_process import (  # noqa: F401 (re-exported to the tests)
+    ServerProcess,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
+import dflash
+from dflash import demo
+
+needs_demo = pytest.mark.skipif(
+    not demo.demo_available(), reason="demo pair not installed"
+)
 
 # A small real chat template: system, user, assistant (with tool calls) and tool messages.
 CHAT_TEMPLATE = (
@@ -29,74 +32,6 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}# assistant:\n{%- endif -%}"
 )
-
-_LISTENING = re.compile(r"at http://([^:\s]+):(\d+)")
-
-
-class ServerProcess:
-    """``python -m dflash.server`` on a free loopback port, stopped by :meth:`close`.
-
-    Args:
-        args: Extra flags.
-        timeout: Seconds to wait for the server to listen.
-    """
-
-    def __init__(self, *args: str, timeout: float = 180.0):
-        command = [
-            sys.executable,
-            "-m",
-            "dflash.server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-        ]
-        command += ["--log-level", "WARNING", *args]
-        self.process = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.log: List[str] = []
-        self.url = self._wait_listening(timeout)
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _wait_listening(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            line = self.process.stderr.readline()
-            if not line:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"the server exited: {''.join(self.log)}")
-                continue
-            self.log.append(line)
-            match = _LISTENING.search(line)
-            if match:
-                return f"http://{match.group(1)}:{match.group(2)}"
-        self.close()
-        raise RuntimeError(
-            f"the server did not start in {timeout} s: {''.join(self.log)}"
-        )
-
-    def _drain(self) -> None:
-        for line in self.process.stderr:
-            self.log.append(line)
-
-    @property
-    def base_url(self) -> str:
-        return self.url + "/v1"
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
 
 
 class InProcessServer:
@@ -136,6 +71,16 @@ def with_template(tokenizer, template: str = CHAT_TEMPLATE):
     tokenizer._tokenizer.chat_template = template
     tokenizer.has_chat_template = True
     return tokenizer
+
+
+def demo_pair():
+    """The bundled demo pair, its tokenizer given the test chat template.
+
+    Returns:
+        ``(model, tokenizer, drafter)``.
+    """
+    model, tokenizer, drafter = dflash.load_demo()
+    return model, with_template(tokenizer), drafter
 
 
 def chat_tokens(tokenizer, messages, tools=None) -> List[int]:

@@ -10,22 +10,14 @@ import httpx
 import mlx.core as mx
 import numpy as np
 import pytest
+import test_server_support as support
 from conftest import assert_lossless, tiny_model, tiny_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from test_dflash_loop import random_drafter
-from test_server_support import (
-    CHAT_TEMPLATE,
-    InProcessServer,
-    chat_tokens,
-    reference,
-    snapshot_sessions,
-    with_template,
-)
 
 import dflash
-from dflash import demo
 from dflash.cache import make_prompt_cache
 from dflash.server.policy import shift_chat
 from dflash.server.protocol import TEXT, GenerationRequest
@@ -39,10 +31,6 @@ from dflash.server.worker import (
     Started,
     StopText,
     Worker,
-)
-
-needs_demo = pytest.mark.skipif(
-    not demo.demo_available(), reason="demo pair not installed"
 )
 
 MAX_CONTEXT = 160
@@ -91,7 +79,7 @@ def conversation_up_to_a_shift(server, tokenizer):
     """Talk until the next turn would shift; returns ``(messages, that turn's shift)``."""
 
     def count(messages):
-        return len(chat_tokens(tokenizer, messages))
+        return len(support.chat_tokens(tokenizer, messages))
 
     messages = [{"role": "system", "content": "You write short Python functions."}]
     for index in range(40):
@@ -109,22 +97,27 @@ def conversation_up_to_a_shift(server, tokenizer):
 
 @pytest.fixture(scope="module", params=["plain", "dflash"])
 def live(request):
-    flags = ["--chat-template", CHAT_TEMPLATE, "--max-context", str(MAX_CONTEXT)]
+    flags = [
+        "--chat-template",
+        support.CHAT_TEMPLATE,
+        "--max-context",
+        str(MAX_CONTEXT),
+    ]
     flags += ["--prefill-step-size", "16", "--block-size", "4"]
     if request.param == "plain":
         flags.append("--no-drafter")
-    server = InProcessServer(flags)
+    server = support.InProcessServer(flags)
     yield server, request.param
     server.close()
 
 
-@needs_demo
+@support.needs_demo
 def test_a_failed_rebuild_leaves_the_live_sessions_bitwise_unchanged(live):
     server, mode = live
     engine = server.worker.engine
-    tokenizer = with_template(engine.tokenizer)
+    tokenizer = support.with_template(engine.tokenizer)
     messages, shift = conversation_up_to_a_shift(server, tokenizer)
-    before = snapshot_sessions(settled(server.worker))
+    before = support.snapshot_sessions(settled(server.worker))
     epochs = {session.epoch for session in server.worker.pool.sessions}
     model = engine.model
     engine.model = FaultyModel(model, 2, _raise)
@@ -135,7 +128,7 @@ def test_a_failed_rebuild_leaves_the_live_sessions_bitwise_unchanged(live):
         engine.model = model
     assert failed.status_code == 500
     assert "injected rebuild failure" in failed.json()["error"]["message"]
-    assert snapshot_sessions(settled(server.worker)) == before
+    assert support.snapshot_sessions(settled(server.worker)) == before
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     # The same request now succeeds: a shift, answered as a fresh generation would.
     again = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
@@ -143,8 +136,12 @@ def test_a_failed_rebuild_leaves_the_live_sessions_bitwise_unchanged(live):
     assert again.headers["x-context-dropped-turns"] == str(shift.dropped_turns)
     assert int(again.headers["x-context-epoch"]) == max(epochs | {0}) + 1
     kwargs = {"drafter": engine.drafter, "block_size": 4} if mode == "dflash" else {}
-    want = reference(
-        model, tokenizer, chat_tokens(tokenizer, shift.messages), TOKENS, **kwargs
+    want = support.reference(
+        model,
+        tokenizer,
+        support.chat_tokens(tokenizer, shift.messages),
+        TOKENS,
+        **kwargs,
     )
     assert again.json()["choices"][0]["message"]["content"] == want
 
@@ -160,16 +157,16 @@ def _raw_request(url: str, body: bytes) -> socket.socket:
     return sock
 
 
-@needs_demo
+@support.needs_demo
 def test_a_client_leaving_during_the_rebuild_leaves_the_live_sessions_unchanged(live):
     import json
 
     server, _ = live
     worker = server.worker
     engine = worker.engine
-    tokenizer = with_template(engine.tokenizer)
+    tokenizer = support.with_template(engine.tokenizer)
     messages, _ = conversation_up_to_a_shift(server, tokenizer)
-    before = snapshot_sessions(settled(worker))
+    before = support.snapshot_sessions(settled(worker))
     cancelled_before = worker.stats["cancelled"]
     reached = threading.Event()
 
@@ -194,13 +191,19 @@ def test_a_client_leaving_during_the_rebuild_leaves_the_live_sessions_unchanged(
             time.sleep(0.01)
     finally:
         engine.model = model
-    assert snapshot_sessions(settled(worker)) == before
+    assert support.snapshot_sessions(settled(worker)) == before
 
 
-@needs_demo
+@support.needs_demo
 def test_the_error_policy_refuses_a_request_that_does_not_fit():
-    flags = ["--chat-template", CHAT_TEMPLATE, "--max-context", "64", "--no-drafter"]
-    server = InProcessServer(flags + ["--context-policy", "error"])
+    flags = [
+        "--chat-template",
+        support.CHAT_TEMPLATE,
+        "--max-context",
+        "64",
+        "--no-drafter",
+    ]
+    server = support.InProcessServer(flags + ["--context-policy", "error"])
     try:
         long = [{"role": "user", "content": "x = 1\n" * 40}]
         body = {"messages": long, "max_tokens": 8}

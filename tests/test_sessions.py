@@ -8,8 +8,6 @@ drafter context) exactly there, so the next turn, given only its new tokens, con
 same conversation as mlx-lm's own.
 """
 
-from types import SimpleNamespace
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache as mlx_make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
-from test_dflash_loop import MASK, random_drafter
+from test_dflash_loop import MASK, OracleDrafter, random_drafter
 
 import dflash
 from dflash.taps import TargetTaps
@@ -27,26 +25,14 @@ MLX = mlx_lm_generate_module()
 BLOCK = 4
 
 
-class TranscriptDrafter:
+class TranscriptDrafter(OracleDrafter):
     """Proposes the target's own continuation from a transcript the test keeps, wrong at every
     ``miss``-th absolute position, so rounds both accept and reject drafts."""
 
     def __init__(self, layer_ids, miss):
+        super().__init__([], BLOCK, layer_ids)
         self.transcript = []
         self.miss = miss
-        self.config = SimpleNamespace(
-            block_size=BLOCK,
-            mask_token_id=MASK,
-            target_layer_ids=layer_ids,
-            has_candidate_selector=False,
-        )
-
-    def make_context(self, bucket_keys=None):
-        return SimpleNamespace(offset=0)
-
-    def append_context(self, context, target_hidden, start_position):
-        assert start_position == context.offset, "the context must grow contiguously"
-        context.offset += target_hidden.shape[1]
 
     def __call__(self, block_tokens, context):
         size = block_tokens.shape[1]

@@ -35,15 +35,12 @@ from support.attention_cases import (
     close_to_oracle,
     one_query_routes,
 )
-from support.group_emulator import GroupEmulator, check_cuda, check_metal, find_compiler
+from support.compilers import GXX, NVCC, built_emulator, needs_gxx, needs_nvcc
+from support.group_emulator import GroupEmulator, check_cuda, check_metal
 
 from dflash.metal import attention, backend, groups
 from dflash.metal.attention import KeyPlane, small_query_attention
 
-GXX = find_compiler("g++")
-NVCC = find_compiler("nvcc")
-needs_gxx = pytest.mark.skipif(GXX is None, reason="g++ not installed")
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not installed")
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
 
 
@@ -63,6 +60,22 @@ def assert_batch_invariant(case: Case, use_kernel) -> None:
             alone = route.attend(use_kernel)
             want = bits(together[:, :, index : index + 1])
             assert np.array_equal(bits(alone), want), (name, index, case)
+
+
+def assert_near_reference(built, kernel: mx.array) -> None:
+    """``kernel`` is within the dtype's tolerance of the reference route's output."""
+    got = np.asarray(kernel.astype(mx.float32))
+    want = np.asarray(built.attend(False).astype(mx.float32))
+    tolerance = TOLERANCE[built.case.dtype] * (1 + np.abs(want))
+    assert np.all(np.abs(got - want) <= tolerance), built.case
+
+
+def assert_seamless(case: Case, turn: int, use_kernel) -> None:
+    """The same logical rows with the ring turned by ``turn`` give the same bits."""
+    origin = (case.origin_physical + turn) % case.capacity
+    rotated = build(dataclasses.replace(case, origin_physical=origin))
+    want = bits(build(case).attend(use_kernel))
+    assert np.array_equal(want, bits(rotated.attend(use_kernel)))
 
 
 # ------------------------------------------------------------- reference (CPU)
@@ -85,13 +98,7 @@ def test_reference_is_batch_invariant(case: Case) -> None:
 @given(cases(), st.integers(1, 200))
 def test_reference_does_not_see_the_seam(case: Case, turn: int) -> None:
     """The same logical rows at another rotation give the same bits."""
-    built = build(case)
-    rotated = build(
-        dataclasses.replace(
-            case, origin_physical=(case.origin_physical + turn) % case.capacity
-        )
-    )
-    assert np.array_equal(bits(built.attend(False)), bits(rotated.attend(False)))
+    assert_seamless(case, turn, False)
 
 
 @pytest.mark.parametrize("shift", [-1, 1])
@@ -207,18 +214,6 @@ def test_default_on_cpu_is_the_reference(monkeypatch) -> None:
 # ------------------------------------------------------------- Metal, on the CPU
 
 
-@needs_gxx
-def test_metal_bodies_compile(tmp_path: Path) -> None:
-    result = check_metal(attention.SPECS, tmp_path, GXX)
-    assert result.ok, f"{result.command}\n{result.log}"
-
-
-@needs_nvcc
-def test_cuda_bodies_compile(tmp_path: Path) -> None:
-    result = check_cuda(attention.SPECS, tmp_path, NVCC)
-    assert result.ok, f"{result.command}\n{result.log}"
-
-
 def _broken():
     body = attention.ATTEND_CHUNKS.body.replace(
         "scores[r][k] = w;", "scores[r][k] = ww;"
@@ -249,21 +244,23 @@ def test_backends_share_one_body() -> None:
         assert all(line.startswith("#define") for line in header.strip().splitlines())
 
 
+def _route_groups(monkeypatch, emulator: GroupEmulator) -> GroupEmulator:
+    """Route the wrappers' threadgroup kernel paths through the emulated Metal bodies."""
+    monkeypatch.setattr(backend, "BACKEND", "metal")
+    monkeypatch.setattr(groups, "launch_groups", emulator.launch)
+    return emulator
+
+
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    if GXX is None:
-        pytest.skip("g++ not installed")
-    emu = GroupEmulator(tmp_path_factory.mktemp("group_emulator"), attention.SPECS, GXX)
-    assert emu.build.ok, emu.build.log
-    return emu
+    return built_emulator(
+        GroupEmulator, tmp_path_factory, "group_emulator", attention.SPECS
+    )
 
 
 @pytest.fixture
 def metal_on_cpu(emulator, monkeypatch):
-    """Route the wrapper's kernel path through the emulated Metal bodies."""
-    monkeypatch.setattr(backend, "BACKEND", "metal")
-    monkeypatch.setattr(groups, "launch_groups", emulator.launch)
-    return emulator
+    return _route_groups(monkeypatch, emulator)
 
 
 _SMALL = dict(dims=(16, 24, 64, 128), chunks=(3, 16, 64, 256))
@@ -278,12 +275,7 @@ def test_metal_body_matches_reference(metal_on_cpu, case: Case) -> None:
     before = metal_on_cpu.launches
     kernel = built.attend(True)
     assert metal_on_cpu.launches == before + 2
-    reference = built.attend(False)
-    got = np.asarray(kernel.astype(mx.float32))
-    want = np.asarray(reference.astype(mx.float32))
-    assert np.all(
-        np.abs(got - want) <= TOLERANCE[case.dtype] * (1 + np.abs(want))
-    ), case
+    assert_near_reference(built, kernel)
     assert close_to_oracle(built, kernel), case
 
 
@@ -335,12 +327,7 @@ def test_cuda_matches_oracle_and_reference(case: Case) -> None:
     kernel = built.attend(True)
     assert close_to_oracle(built, kernel), case
     with mx.stream(mx.cpu):
-        reference = built.attend(False)
-    got = np.asarray(kernel.astype(mx.float32))
-    want = np.asarray(reference.astype(mx.float32))
-    assert np.all(
-        np.abs(got - want) <= TOLERANCE[case.dtype] * (1 + np.abs(want))
-    ), case
+        assert_near_reference(built, kernel)
 
 
 @pytest.mark.cuda
@@ -356,13 +343,7 @@ def test_cuda_is_batch_invariant(case: Case) -> None:
 @settings(max_examples=40, deadline=None)
 @given(cases(), st.integers(1, 200))
 def test_cuda_does_not_see_the_seam(case: Case, turn: int) -> None:
-    built = build(case)
-    rotated = build(
-        dataclasses.replace(
-            case, origin_physical=(case.origin_physical + turn) % case.capacity
-        )
-    )
-    assert np.array_equal(bits(built.attend(True)), bits(rotated.attend(True)))
+    assert_seamless(case, turn, True)
 
 
 @pytest.mark.cuda
@@ -497,18 +478,12 @@ def test_matmul_reference_is_batch_invariant(case) -> None:
 
 @pytest.fixture(scope="module")
 def matmul_emulator(tmp_path_factory):
-    if GXX is None:
-        pytest.skip("g++ not installed")
-    emu = GroupEmulator(tmp_path_factory.mktemp("qmm_emulator"), qmm.SPECS, GXX)
-    assert emu.build.ok, emu.build.log
-    return emu
+    return built_emulator(GroupEmulator, tmp_path_factory, "qmm_emulator", qmm.SPECS)
 
 
 @pytest.fixture
 def matmul_on_cpu(matmul_emulator, monkeypatch):
-    monkeypatch.setattr(backend, "BACKEND", "metal")
-    monkeypatch.setattr(groups, "launch_groups", matmul_emulator.launch)
-    return matmul_emulator
+    return _route_groups(monkeypatch, matmul_emulator)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=_SHARED)
@@ -526,15 +501,21 @@ def test_metal_matmul_is_batch_invariant(matmul_on_cpu, case) -> None:
     assert_matmul_batch_invariant(case, True)
 
 
+# Both kernel families, each in mlx's generated signature (Metal as C++, CUDA to PTX).
+FAMILIES = {"attention": attention.SPECS, "matmul": qmm.SPECS}
+
+
 @needs_gxx
-def test_matmul_metal_bodies_compile(tmp_path: Path) -> None:
-    result = check_metal(qmm.SPECS, tmp_path, GXX)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_metal_bodies_compile(tmp_path: Path, family: str) -> None:
+    result = check_metal(FAMILIES[family], tmp_path, GXX)
     assert result.ok, f"{result.command}\n{result.log}"
 
 
 @needs_nvcc
-def test_matmul_cuda_bodies_compile(tmp_path: Path) -> None:
-    result = check_cuda(qmm.SPECS, tmp_path, NVCC)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_cuda_bodies_compile(tmp_path: Path, family: str) -> None:
+    result = check_cuda(FAMILIES[family], tmp_path, NVCC)
     assert result.ok, f"{result.command}\n{result.log}"
 
 

@@ -8,14 +8,13 @@ Any failure prints one line ``dflash-bench: error: ...`` and exits non-zero.
 
 import argparse
 import json
-import os
 import shlex
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from ..cli.common import OneLineParser, integer
+from ..cli.common import OneLineParser, flag_type, integer, run_cli
 from . import plots, scale_target
 from .measure import DEFAULT_BANDWIDTH_TBS
 from .passes import DEFAULT_PASSES, DEFAULT_SPLIT_REPS, check_block_size, run_bench
@@ -36,26 +35,12 @@ SCALE_ONLY = ("quant", "context", "num_prompts", "seed")
 PAIR_ONLY = ("model", "drafter", "prompts", "limit", "draft_model")
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number > 0, got {text!r}"
-        ) from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
-    return value
-
-
-def _integers(text: str) -> List[int]:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers such as 2,4,6,8, got {text!r}"
-        ) from None
-    return values
+# A bandwidth may be any number above 0; the replay taus are a comma-separated list.
+_positive_float = flag_type(float, "a number > 0", lambda value: value > 0)
+_integers = flag_type(
+    lambda text: [int(part) for part in text.split(",")],
+    "comma-separated integers such as 2,4,6,8",
+)
 
 
 def _modes(text: str) -> List[str]:
@@ -374,27 +359,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     return report
 
 
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Entry point of ``dflash-bench``: one line and a non-zero exit on any failure.
 
     Args:
         argv: The flags (default ``sys.argv[1:]``).
     """
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
-    args.command = shlex.join([PROG, *(sys.argv[1:] if argv is None else argv)])
-    try:
-        run(args)
-    except KeyboardInterrupt:
-        sys.exit(130)
-    except BrokenPipeError:
-        # A reader that stopped early (``| head``): leave quietly, as Python's docs advise.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
-    except Exception as error:  # the CLI's contract: one clear line, no traceback
-        print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
-        sys.exit(1)
+    args.command = shlex.join([PROG, *argv])
+    run_cli(PROG, run, args)

@@ -48,14 +48,21 @@ def write_plots(report: Dict[str, Any], folder: Path) -> List[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     speculative = {n: m for n, m in report["modes"].items() if "tau" in m}
     paths = [folder / name for name in PLOT_FILES]
-    _acceptance(plt, speculative, paths[0])
-    _histogram(plt, speculative, paths[1])
-    _speed(plt, report["modes"], paths[2])
+    plots = [
+        (_acceptance, speculative),
+        (_histogram, speculative),
+        (_speed, report["modes"]),
+    ]
+    for (draw, modes), path in zip(plots, paths):
+        figure, axis = plt.subplots(figsize=(7, 4))
+        draw(axis, modes)
+        figure.tight_layout()
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
     return paths
 
 
-def _acceptance(plt, modes: Dict[str, Any], path: Path) -> None:
-    figure, axis = plt.subplots(figsize=(7, 4))
+def _acceptance(axis, modes: Dict[str, Any]) -> None:
     for name, mode in modes.items():
         curve = mode["position_acceptance"]
         axis.plot(range(1, len(curve) + 1), curve, marker="o", label=name)
@@ -67,13 +74,9 @@ def _acceptance(plt, modes: Dict[str, Any], path: Path) -> None:
     )
     if modes:
         axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
 
 
-def _histogram(plt, modes: Dict[str, Any], path: Path) -> None:
-    figure, axis = plt.subplots(figsize=(7, 4))
+def _histogram(axis, modes: Dict[str, Any]) -> None:
     width = 0.8 / max(len(modes), 1)
     for slot, (name, mode) in enumerate(modes.items()):
         counts = mode["histogram"]
@@ -87,13 +90,9 @@ def _histogram(plt, modes: Dict[str, Any], path: Path) -> None:
     )
     if modes:
         axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
 
 
-def _speed(plt, modes: Dict[str, Any], path: Path) -> None:
-    figure, axis = plt.subplots(figsize=(7, 4))
+def _speed(axis, modes: Dict[str, Any]) -> None:
     names = list(modes)
     for slot, name in enumerate(names):
         values = [v for v in modes[name]["tokens_per_s"]["per_pass"] if v is not None]
@@ -105,6 +104,3 @@ def _speed(plt, modes: Dict[str, Any], path: Path) -> None:
     axis.set(
         ylabel="decode tokens/s", title="Tokens/s per mode (bar: median; dots: passes)"
     )
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)

@@ -10,20 +10,20 @@ is DFlash-decoded. As in mlx-lm, with a chat template the prompt is the user mes
 """
 
 import argparse
-import sys
 import time
-from typing import List, Optional
+from typing import List
 
 import mlx.core as mx
 
 from .common import (
     OneLineParser,
     add_cache_flags,
+    add_model_flag,
+    add_prefill_flag,
     check_cache_flags,
-    integer,
+    entry_point,
     load_models,
     read_prompt,
-    run_cli,
 )
 from .session import new_session, save_session
 
@@ -41,10 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
         The parser.
     """
     parser = OneLineParser(prog=PROG, description=DESCRIPTION)
-    parser.add_argument(
-        "--model",
-        help="local path or Hugging Face repo of the model (default: the bundled demo pair)",
-    )
+    add_model_flag(parser)
     add_cache_flags(parser)
     parser.add_argument(
         "--prompt-cache-file",
@@ -57,12 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--drafter", help="a DFlash drafter for --model: its context is cached too"
     )
-    parser.add_argument(
-        "--prefill-step-size",
-        type=integer(1),
-        default=2048,
-        help="prompt tokens per forward",
-    )
+    add_prefill_flag(parser)
     return parser
 
 
@@ -152,14 +144,7 @@ def run(args: argparse.Namespace) -> None:
     save_session(args.prompt_cache_file, session, models)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    """Entry point of ``dflash-cache-prompt``: one line and a non-zero exit on any failure.
-
-    Args:
-        argv: The flags (default ``sys.argv[1:]``).
-    """
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    run_cli(PROG, run, args)
+main = entry_point(PROG, build_parser, run)
 
 
 if __name__ == "__main__":

@@ -31,14 +31,17 @@ from .common import (
     Models,
     OneLineParser,
     add_cache_flags,
+    add_drafter_flags,
+    add_model_flag,
+    add_prefill_flag,
     add_sampling_flags,
     check_block_size,
     check_cache_flags,
+    entry_point,
     integer,
     load_models,
     make_cli_sampler,
     names_of,
-    run_cli,
 )
 from .session import (
     Session,
@@ -66,21 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         The parser.
     """
     parser = OneLineParser(prog=PROG, description=DESCRIPTION)
-    parser.add_argument(
-        "--model",
-        help="local path or Hugging Face repo of the model (default: the bundled demo pair)",
-    )
+    add_model_flag(parser)
     add_sampling_flags(parser, full=False)
     parser.add_argument(
         "--seed", type=integer(0), default=DEFAULT_SEED, help="PRNG seed"
     )
     add_cache_flags(parser)
-    parser.add_argument(
-        "--prefill-step-size",
-        type=integer(1),
-        default=2048,
-        help="prompt tokens per forward",
-    )
+    add_prefill_flag(parser)
     parser.add_argument(
         "--max-tokens",
         "-m",
@@ -93,15 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="system prompt, sent once at the session start",
     )
-    parser.add_argument(
-        "--drafter", help="path or repo of a DFlash drafter for --model"
-    )
-    parser.add_argument(
-        "--block-size",
-        type=integer(1),
-        default=None,
-        help="DFlash block size, 1 up to the drafter's (default: the drafter's)",
-    )
+    add_drafter_flags(parser)
     parser.add_argument(
         "--load-session", metavar="FILE", help="continue a saved session"
     )
@@ -363,14 +350,7 @@ def _save(args: argparse.Namespace, chat: Chat) -> None:
         print(f"{PROG}: session saved to {args.save_session}", file=sys.stderr)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    """Entry point of ``dflash-chat``: one line and a non-zero exit on any failure.
-
-    Args:
-        argv: The flags (default ``sys.argv[1:]``).
-    """
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    run_cli(PROG, run, args)
+main = entry_point(PROG, build_parser, run)
 
 
 if __name__ == "__main__":

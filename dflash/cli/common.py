@@ -6,6 +6,7 @@ run quietly.
 """
 
 import argparse
+import math
 import os
 import sys
 from contextlib import contextmanager
@@ -29,6 +30,36 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+def flag_type(
+    convert: Callable[[str], Any],
+    wanted: str,
+    accept: Optional[Callable[[Any], bool]] = None,
+) -> Callable[[str], Any]:
+    """An argparse type whose error says what was expected: ``expected <wanted>, got ...``.
+
+    Args:
+        convert: Turns the text into the value (``ValueError`` for text it cannot read).
+        wanted: What the flag takes, e.g. ``"an integer >= 1"``.
+        accept: Whether a converted value is in range (default: every value).
+
+    Returns:
+        The parse function.
+    """
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {wanted}, got {text!r}"
+            ) from None
+        if accept is not None and not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text}")
+        return value
+
+    return parse
+
+
 def integer(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer ``>= minimum``, with a message saying what was expected.
 
@@ -38,21 +69,7 @@ def integer(minimum: int) -> Callable[[str], int]:
     Returns:
         The parse function.
     """
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected an integer >= {minimum}, got {text!r}"
-            ) from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(
-                f"expected an integer >= {minimum}, got {text}"
-            )
-        return value
-
-    return parse
+    return flag_type(int, f"an integer >= {minimum}", lambda value: value >= minimum)
 
 
 def number(minimum: Optional[float] = None) -> Callable[[str], float]:
@@ -64,22 +81,10 @@ def number(minimum: Optional[float] = None) -> Callable[[str], float]:
     Returns:
         The parse function.
     """
-    wanted = "a number" if minimum is None else f"a number >= {minimum:g}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected {wanted}, got {text!r}"
-            ) from None
-        if value != value or value in (float("inf"), float("-inf")):
-            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text}")
-        if minimum is not None and value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text}")
-        return value
-
-    return parse
+    if minimum is None:
+        return flag_type(float, "a number", math.isfinite)
+    wanted = f"a number >= {minimum:g}"
+    return flag_type(float, wanted, lambda v: math.isfinite(v) and v >= minimum)
 
 
 def one_line(error: BaseException) -> str:
@@ -122,6 +127,33 @@ def run_cli(prog: str, function: Callable[[argparse.Namespace], Any], args) -> N
     except Exception as error:  # the contract: one clear line, no traceback
         print(f"{prog}: error: {one_line(error)}", file=sys.stderr)
         sys.exit(EXIT_ERROR)
+
+
+def entry_point(
+    prog: str,
+    build_parser: Callable[[], argparse.ArgumentParser],
+    function: Callable[[argparse.Namespace], Any],
+) -> Callable[[Optional[List[str]]], None]:
+    """The ``main(argv=None)`` of a CLI: parse the flags, then :func:`run_cli` the body.
+
+    Args:
+        prog: The program name for the error line.
+        build_parser: Makes the CLI's parser.
+        function: The body, called with the parsed flags.
+
+    Returns:
+        ``main``, whose ``argv`` defaults to ``sys.argv[1:]``.
+    """
+
+    def main(argv: Optional[List[str]] = None) -> None:
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        run_cli(prog, function, args)
+
+    main.__doc__ = (
+        f"Entry point of ``{prog}``: one line and a non-zero exit on any failure.\n\n"
+        "Args:\n    argv: The flags (default ``sys.argv[1:]``).\n"
+    )
+    return main
 
 
 # -- models -------------------------------------------------------------------------------
@@ -426,6 +458,48 @@ def add_sampling_flags(parser: argparse.ArgumentParser, full: bool = True) -> No
             default=1,
             help="minimum tokens to keep for min-p sampling",
         )
+
+
+def add_model_flag(
+    parser: argparse.ArgumentParser,
+    text: str = "local path or Hugging Face repo of the model (default: the bundled demo pair)",
+) -> None:
+    """``--model``: the target, a local directory or a hub repo id (none: the demo pair).
+
+    Args:
+        parser: The parser to extend.
+        text: The flag's help text.
+    """
+    parser.add_argument("--model", help=text)
+
+
+def add_drafter_flags(parser: argparse.ArgumentParser) -> None:
+    """``--drafter`` and ``--block-size``: the DFlash drafter and its block size.
+
+    Args:
+        parser: The parser to extend.
+    """
+    parser.add_argument(
+        "--drafter", help="path or repo of a DFlash drafter for --model"
+    )
+    parser.add_argument(
+        "--block-size",
+        type=integer(1),
+        default=None,
+        help="DFlash block size, 1 up to the drafter's (default: the drafter's)",
+    )
+
+
+def add_prefill_flag(
+    parser: argparse.ArgumentParser, text: str = "prompt tokens per forward"
+) -> None:
+    """``--prefill-step-size`` (mlx-lm's default, 2048).
+
+    Args:
+        parser: The parser to extend.
+        text: The flag's help text.
+    """
+    parser.add_argument("--prefill-step-size", type=integer(1), default=2048, help=text)
 
 
 def add_cache_flags(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,6 @@ with the acceptance statistics of a speculative run before ``Peak memory``.
 
 import argparse
 import itertools
-import sys
 from typing import List, Optional
 
 import mlx.core as mx
@@ -21,15 +20,18 @@ from .common import (
     OneLineParser,
     acceptance_lines,
     add_cache_flags,
+    add_drafter_flags,
+    add_model_flag,
+    add_prefill_flag,
     add_sampling_flags,
     check_block_size,
     check_cache_flags,
+    entry_point,
     integer,
     load_models,
     make_cli_sampler,
     names_of,
     read_prompt,
-    run_cli,
 )
 from .session import check_names, load_session, read_metadata
 
@@ -54,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         The parser.
     """
     parser = OneLineParser(prog=PROG, description=DESCRIPTION)
-    parser.add_argument(
-        "--model",
-        help="local path or Hugging Face repo of the target model "
+    add_model_flag(
+        parser,
+        "local path or Hugging Face repo of the target model "
         "(default: the bundled demo pair, target and drafter)",
     )
     parser.add_argument(
@@ -95,12 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="'True' echoes the prompt and prints statistics, 'False' only the text",
     )
-    parser.add_argument(
-        "--prefill-step-size",
-        type=integer(1),
-        default=2048,
-        help="prompt tokens per forward",
-    )
+    add_prefill_flag(parser)
     parser.add_argument(
         "--prompt-cache-file",
         default=None,
@@ -115,15 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="draft tokens per round with --draft-model",
     )
-    parser.add_argument(
-        "--drafter", help="path or repo of a DFlash drafter for --model"
-    )
-    parser.add_argument(
-        "--block-size",
-        type=integer(1),
-        default=None,
-        help="DFlash block size, 1 up to the drafter's (default: the drafter's)",
-    )
+    add_drafter_flags(parser)
     return parser
 
 
@@ -279,14 +268,7 @@ def run(args: argparse.Namespace) -> None:
         _print_statistics(response, stats, rounds)
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    """Entry point of ``dflash-generate``: one line and a non-zero exit on any failure.
-
-    Args:
-        argv: The flags (default ``sys.argv[1:]``).
-    """
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    run_cli(PROG, run, args)
+main = entry_point(PROG, build_parser, run)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from typing import List, Optional
 from ..cli.common import (
     OneLineParser,
     add_cache_flags,
+    add_prefill_flag,
     check_block_size,
     check_cache_flags,
     integer,
@@ -132,12 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=512,
         help="default maximum tokens to generate (512)",
     )
-    add(
-        "--prefill-step-size",
-        type=integer(1),
-        default=2048,
-        help="prompt tokens per prefill forward (2048)",
-    )
+    add_prefill_flag(parser, "prompt tokens per prefill forward (2048)")
     add(
         "--prompt-cache-size",
         type=integer(1),

@@ -41,10 +41,10 @@ from dflash.metal.sources import CUDA, METAL
 
 from .compile_check import (
     CUDA_SHIM,
-    CompileResult,
-    find_compiler,
-    run_compiler,
 )
+from .compile_check import METAL_SHIM as SHARED_METAL_SHIM
+from .compile_check import CompileResult, find_compiler, run_compiler
+from .driver import DRIVER_INCLUDES, buffer_args, driver_main
 
 __all__ = [
     "CompileResult",
@@ -94,44 +94,16 @@ _ATTRIBUTE_VALUES = {
     "threads_per_threadgroup": "uint3{threads, 0u, 0u}",
 }
 
-# C++ stand-in for the metal_stdlib pieces the bodies use. No <cmath>: its global
+# The shared Metal shim, plus what the threadgroup bodies use. No <cmath>: its global
 # double overloads would make the float calls below ambiguous.
-METAL_SHIM = r"""
-#include <cstdint>
-#include <cstring>
-#define device
-#define constant
-#define thread
+METAL_SHIM = (
+    f"""
+#include "{SHARED_METAL_SHIM}"
 // Threadgroup storage: one static copy, shared by the threads of the running group.
+#undef threadgroup
 #define threadgroup static
-typedef unsigned int uint;
-struct uint3 {
-  uint x;
-  uint y;
-  uint z;
-};
-typedef _Float16 half;
-typedef half float16_t;
-// bfloat16 as Metal's bfloat: float conversions round to nearest even.
-struct bfloat16_t {
-  uint16_t bits;
-  bfloat16_t() = default;
-  bfloat16_t(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-      bits = uint16_t((u >> 16) | 0x40u);
-    } else {
-      bits = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
-  }
-  operator float() const {
-    uint32_t u = uint32_t(bits) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-};
+"""
+    + r"""
 namespace metal {
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
 void threadgroup_barrier(mem_flags flags);
@@ -142,6 +114,7 @@ inline float fmax(float a, float b) { return __builtin_fmaxf(a, b); }
 }  // namespace metal
 using namespace metal;
 """
+)
 
 # mlx's CUDA default header (mlx/backend/cuda/custom_kernel.cpp, 0.32.4).
 CUDA_DEFAULT_HEADER = """
@@ -303,16 +276,9 @@ def check_cuda(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str = 
 
 # ----------------------------------------------------------------- emulator
 
-# Host headers come before the shim: its address-space macros must not reach them.
-_DRIVER_INCLUDES = """
-#include <ucontext.h>
-#include <cstdio>
-#include <cstdlib>
-#include <fstream>
+# The coroutine scheduler's headers; the shared host headers come before the shim.
+_DRIVER_INCLUDES = DRIVER_INCLUDES + """#include <ucontext.h>
 #include <functional>
-#include <iterator>
-#include <string>
-#include <vector>
 """
 
 _DRIVER = r"""
@@ -328,11 +294,6 @@ std::function<void(uint)> run_thread;
 void trampoline() {
   run_thread(current);
   states[current] = DONE;
-}
-
-std::vector<char> slurp(const char* path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::vector<char>(std::istreambuf_iterator<char>(in), {});
 }
 
 // Runs one threadgroup: every thread until a barrier or its end, round after round.
@@ -379,57 +340,17 @@ void metal::threadgroup_barrier(mem_flags) {
   swapcontext(&contexts[current], &scheduler);
 }
 
-static int finish(char** argv, std::vector<std::vector<char>>& outs,
-                  const std::vector<size_t>& sizes, int first_out) {
-  for (size_t i = 0; i < outs.size(); ++i) {
-    for (size_t b = sizes[i]; b < outs[i].size(); ++b) {
-      if (static_cast<unsigned char>(outs[i][b]) != CANARY) {
-        std::fprintf(stderr, "output %zu written past its end\n", i);
-        return 3;
-      }
-    }
-    std::ofstream out(argv[first_out + 2 * i], std::ios::binary);
-    out.write(outs[i].data(), sizes[i]);
-  }
-  return 0;
-}
-
-// argv: key groups threads n_in in_path... n_out (out_path out_bytes)...
-int main(int argc, char** argv) {
-  (void)argc;
-  const std::string key = argv[1];
-  const uint groups = uint(std::strtoul(argv[2], nullptr, 10));
-  const uint threads = uint(std::strtoul(argv[3], nullptr, 10));
-  const int n_in = std::atoi(argv[4]);
-  std::vector<std::vector<char>> ins;
-  for (int i = 0; i < n_in; ++i) {
-    ins.push_back(slurp(argv[5 + i]));
-  }
-  const int n_out = std::atoi(argv[5 + n_in]);
-  const int first_out = 6 + n_in;
-  std::vector<std::vector<char>> outs;
-  std::vector<size_t> sizes;
-  for (int i = 0; i < n_out; ++i) {
-    sizes.push_back(std::strtoull(argv[first_out + 2 * i + 1], nullptr, 10));
-    outs.emplace_back(sizes.back() + CANARY_BYTES, char(CANARY));
-  }
-__CASES__
-  std::fprintf(stderr, "unknown kernel %s\n", key.c_str());
-  return 2;
-}
 """
 
 
 def _driver_case(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
     space = f"unit{index}_{type_suffix(dtype)}"
     name = metal_kernel_name(spec, dtype)
-    args = []
-    for i, kind in enumerate(spec.input_types):
-        ctype = METAL_TYPES[element_dtype(kind, dtype)]
-        args.append(f"reinterpret_cast<const {ctype}*>(ins[{i}].data())")
-    for i, kind in enumerate(spec.output_types):
-        ctype = METAL_TYPES[element_dtype(kind, dtype)]
-        args.append(f"reinterpret_cast<{ctype}*>(outs[{i}].data())")
+    ctypes = [
+        [METAL_TYPES[element_dtype(kind, dtype)] for kind in kinds]
+        for kinds in (spec.input_types, spec.output_types)
+    ]
+    args = buffer_args(*ctypes)
     args += [_ATTRIBUTE_VALUES[a] for a, _ in metal_attributes(spec.source(METAL))]
     call = f"{space}::{name}<{METAL_TYPES[dtype]}>({', '.join(args)})"
     return (
@@ -474,9 +395,9 @@ class GroupEmulator:
             for i, spec in enumerate(self.specs)
             for dtype in TEMPLATE_TYPES
         )
-        driver = _DRIVER.replace("__CASES__", cases)
-        driver = driver.replace("CANARY_BYTES", str(CANARY_BYTES))
-        driver = driver.replace("CANARY", str(CANARY))
+        driver = _DRIVER + driver_main(
+            ("groups", "threads"), cases, CANARY_BYTES, CANARY
+        )
         source = self.workdir / "group_emulator.cpp"
         source.write_text(_DRIVER_INCLUDES + _metal_file(self.specs) + driver)
         command = [

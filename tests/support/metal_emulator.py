@@ -30,6 +30,7 @@ from .compile_check import (
     metal_translation_unit,
     run_compiler,
 )
+from .driver import DRIVER_INCLUDES, buffer_args, driver_main
 
 _NUMPY_TYPES = {
     mx.uint16: np.uint16,
@@ -44,75 +45,16 @@ CANARY_BYTE = 0xA5
 
 def _driver_case(spec: KernelSpec, word: mx.Dtype) -> str:
     name = metal_kernel_name(spec, word)
-    args = []
-    for i, arg in enumerate(spec.input_names):
-        ctype = METAL_TYPES[input_dtype(arg, word)]
-        args.append(f"reinterpret_cast<const {ctype}*>(ins[{i}].data())")
-    for i, _ in enumerate(spec.output_names):
-        args.append(f"reinterpret_cast<{METAL_TYPES[word]}*>(outs[{i}].data())")
+    args = buffer_args(
+        [METAL_TYPES[input_dtype(arg, word)] for arg in spec.input_names],
+        [METAL_TYPES[word]] * len(spec.output_names),
+    )
     call = f"{name}<{METAL_TYPES[word]}>({', '.join(args)}, uint3{{g, 0u, 0u}})"
     return (
         f'  if (key == "{name}") {{\n'
         f"    for (uint g = 0; g < threads; ++g) {{\n      {call};\n    }}\n"
         f"    return finish(argv, outs, sizes, first_out);\n  }}\n"
     )
-
-
-# Host headers come before the shim: its empty address-space macros must not
-# reach the C library's own declarations.
-_DRIVER_INCLUDES = """#include <cstdio>
-#include <cstdlib>
-#include <fstream>
-#include <iterator>
-#include <string>
-#include <vector>
-"""
-
-_DRIVER_MAIN = r"""
-static std::vector<char> slurp(const char* path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::vector<char>(std::istreambuf_iterator<char>(in), {});
-}
-
-// Outputs carry CANARY bytes past their end; a body that writes past its
-// output (e.g. a missing bound check on a rounded-up grid) fails the run.
-static int finish(char** argv, std::vector<std::vector<char>>& outs,
-                  const std::vector<size_t>& sizes, int first_out) {
-  for (size_t i = 0; i < outs.size(); ++i) {
-    for (size_t b = sizes[i]; b < outs[i].size(); ++b) {
-      if (static_cast<unsigned char>(outs[i][b]) != CANARY) {
-        std::fprintf(stderr, "output %zu written past its end\n", i);
-        return 3;
-      }
-    }
-    std::ofstream out(argv[first_out + 2 * i], std::ios::binary);
-    out.write(outs[i].data(), sizes[i]);
-  }
-  return 0;
-}
-
-// argv: key threads n_in in_path... n_out (out_path out_bytes)...
-int main(int argc, char** argv) {
-  const std::string key = argv[1];
-  const uint threads = uint(std::strtoul(argv[2], nullptr, 10));
-  const int n_in = std::atoi(argv[3]);
-  std::vector<std::vector<char>> ins;
-  for (int i = 0; i < n_in; ++i) {
-    ins.push_back(slurp(argv[4 + i]));
-  }
-  const int n_out = std::atoi(argv[4 + n_in]);
-  const int first_out = 5 + n_in;
-  std::vector<std::vector<char>> outs;
-  std::vector<size_t> sizes;
-  for (int i = 0; i < n_out; ++i) {
-    sizes.push_back(std::strtoull(argv[first_out + 2 * i + 1], nullptr, 10));
-    outs.emplace_back(sizes.back() + CANARY_BYTES, char(CANARY));
-  }
-__CASES__
-  std::fprintf(stderr, "unknown kernel %s\n", key.c_str());
-  return 2;
-}
-"""
 
 
 class MetalEmulator:
@@ -142,12 +84,10 @@ class MetalEmulator:
         self.launches = 0
         source = self.workdir / "metal_emulator.cpp"
         cases = "".join(_driver_case(s, w) for s in specs for w in WORDS)
-        main = _DRIVER_MAIN.replace("__CASES__", cases)
-        main = main.replace("CANARY_BYTES", str(CANARY_WORDS * 8))
-        main = main.replace("CANARY", str(CANARY_BYTE))
+        main = driver_main(("threads",), cases, CANARY_WORDS * 8, CANARY_BYTE)
         units = [metal_translation_unit(s, w) for s in specs for w in WORDS]
         source.write_text(
-            _DRIVER_INCLUDES + f'#include "{METAL_SHIM}"\n' + "\n".join(units) + main
+            DRIVER_INCLUDES + f'#include "{METAL_SHIM}"\n' + "\n".join(units) + main
         )
         command = [compiler, "-std=c++17", "-O1", "-Wno-attributes"]
         command += ["-o", str(self.binary), str(source)]

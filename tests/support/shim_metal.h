@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 // Address-space and function qualifiers are no-ops on the host.
 #define device
@@ -20,12 +21,29 @@ struct uint3 {
   uint z;
 };
 
-// Element types mlx names in generated signatures (unused by the copy
-// kernels, which see words, but kept so any dtype signature parses).
+// Element types mlx names in generated signatures (the copy kernels see words;
+// the threadgroup kernels compute in them).
 typedef _Float16 half;
 typedef half float16_t;
+// bfloat16 as Metal's bfloat: float conversions round to nearest even.
 struct bfloat16_t {
   uint16_t bits;
+  bfloat16_t() = default;
+  bfloat16_t(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+      bits = uint16_t((u >> 16) | 0x40u);
+    } else {
+      bits = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+  }
+  operator float() const {
+    uint32_t u = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
 };
 
 namespace metal {}
