@@ -169,10 +169,31 @@ def summarize(rounds_: List[Dict[str, float]], skip: int) -> Dict[str, Any]:
     return out
 
 
-def run(args: argparse.Namespace) -> Dict[str, Any]:
+def scale_parser(prog: str, scale: str, context: int, max_tokens: int):
+    """The flags both round profilers take: the scale pair, the prompt, the budget."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--scale", choices=("full", "tiny"), default=scale)
+    parser.add_argument("--quant", choices=("bf16", "4bit"), default="bf16")
+    parser.add_argument("--context", type=int, default=context)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--json", default=None)
+    return parser
+
+
+def scale_run(args: argparse.Namespace):
+    """The scale pair, one seeded prompt and the target's greedy continuation of it.
+
+    Returns:
+        ``(model, drafter, prompt, continuation)``.
+    """
     model, drafter = build_scale_pair(args.scale, args.quant, seed=0)
     prompt = scale_prompts(model, args.context, 1, seed=0)[0]
     continuation = greedy_reference(model, prompt, args.max_tokens)
+    return model, drafter, prompt, continuation
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    model, drafter, prompt, continuation = scale_run(args)
     block = drafter.config.block_size
     report: Dict[str, Any] = {
         "environment": environment("python -m benchmarks.round_profile"),
@@ -218,19 +239,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.round_profile")
-    parser.add_argument("--scale", choices=("full", "tiny"), default="tiny")
-    parser.add_argument("--quant", choices=("bf16", "4bit"), default="bf16")
-    parser.add_argument("--context", type=int, default=64)
+    parser = scale_parser("python -m benchmarks.round_profile", "tiny", 64, 96)
     parser.add_argument(
         "--tau", type=lambda text: [int(t) for t in text.split(",")], default=[6]
     )
-    parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--skip", type=int, default=3, help="warm-up rounds per run")
     parser.add_argument("--start-early", choices=("on", "off", "both"), default="on")
     parser.add_argument("--profile", type=int, default=0, metavar="N")
-    parser.add_argument("--json", default=None)
     args = parser.parse_args()
     report = run(args)
     if report.get("profile"):

@@ -24,11 +24,10 @@ import time
 from collections import defaultdict
 from typing import Any, Dict, List, Sequence, Tuple
 
+from benchmarks.round_profile import scale_parser, scale_run
 from dflash.bench.replay import ReplayDrafter
 from dflash.bench.report import environment
-from dflash.bench.scale import build_scale_pair, scale_prompts
 from dflash.dflash_round import dflash_generate_step
-from dflash.greedy import greedy_reference
 
 Interval = Tuple[float, float]
 
@@ -85,9 +84,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.init()
-    model, drafter = build_scale_pair(args.scale, args.quant, seed=0)
-    prompt = scale_prompts(model, args.context, 1, seed=0)[0]
-    continuation = greedy_reference(model, prompt, args.max_tokens)
+    model, drafter, prompt, continuation = scale_run(args)
     block = drafter.config.block_size
     replay = ReplayDrafter(drafter, args.tau)
     replay.sequence = prompt.tolist() + continuation
@@ -156,14 +153,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.round_timeline")
-    parser.add_argument("--scale", choices=("full", "tiny"), default="full")
-    parser.add_argument("--quant", choices=("bf16", "4bit"), default="bf16")
-    parser.add_argument("--context", type=int, default=4096)
+    parser = scale_parser("python -m benchmarks.round_timeline", "full", 4096, 160)
     parser.add_argument("--tau", type=int, default=6)
-    parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--json", default=None)
     args = parser.parse_args()
     report = run(args)
     text = json.dumps(report, indent=1)

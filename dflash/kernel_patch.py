@@ -220,36 +220,34 @@ def _unhook_module(name: str) -> None:
 _SUBCLASSES: Dict[tuple, type] = {}
 
 
-def _routed_class(base: type) -> type:
-    """A subclass of ``base`` whose calls run with this module's route active."""
-    key = ("routed", base)
+def _swapped_class(kind: str, base: type, call) -> type:
+    """The subclass of ``base`` whose ``__call__`` is ``call`` (built once per pair)."""
+    key = (kind, base)
     if key not in _SUBCLASSES:
-
-        def __call__(self, *args, **kwargs):
-            token = _ACTIVE.set(self._dflash_route)
-            try:
-                return base.__call__(self, *args, **kwargs)
-            finally:
-                _ACTIVE.reset(token)
-
         _SUBCLASSES[key] = type(
             f"Kernel{base.__name__}",
             (base,),
-            {"__call__": __call__, _ORIGINAL_CLASS: base},
+            {"__call__": call, _ORIGINAL_CLASS: base},
         )
     return _SUBCLASSES[key]
+
+
+def _routed_class(base: type) -> type:
+    """A subclass of ``base`` whose calls run with this module's route active."""
+
+    def __call__(self, *args, **kwargs):
+        token = _ACTIVE.set(self._dflash_route)
+        try:
+            return base.__call__(self, *args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+
+    return _swapped_class("routed", base, __call__)
 
 
 def _draft_class(base: type) -> type:
     """A subclass of the drafter's attention that attends its planes in place."""
-    key = ("draft", base)
-    if key not in _SUBCLASSES:
-        _SUBCLASSES[key] = type(
-            f"Kernel{base.__name__}",
-            (base,),
-            {"__call__": _draft_attention, _ORIGINAL_CLASS: base},
-        )
-    return _SUBCLASSES[key]
+    return _swapped_class("draft", base, _draft_attention)
 
 
 def _draft_attention(self, x: mx.array, plane, rope: nn.Module, start: int) -> mx.array:
@@ -289,14 +287,7 @@ def _draft_attention(self, x: mx.array, plane, rope: nn.Module, start: int) -> m
 
 def _matmul_class(base: type) -> type:
     """A subclass of ``nn.Linear`` / ``nn.QuantizedLinear`` using the small-row matmul."""
-    key = ("matmul", base)
-    if key not in _SUBCLASSES:
-        _SUBCLASSES[key] = type(
-            f"Kernel{base.__name__}",
-            (base,),
-            {"__call__": _linear_call, _ORIGINAL_CLASS: base},
-        )
-    return _SUBCLASSES[key]
+    return _swapped_class("matmul", base, _linear_call)
 
 
 def _linear_call(self, x: mx.array) -> mx.array:
