@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     decode_s = judged[-1] - judged[0] if len(judged) > 1 else wall
     first, last = kernels[0][1], kernels[-1][2]
     span = [(s, e) for _, s, e in kernels]
-    busy, gaps = union_busy(span)
+    busy, _ = union_busy(span)
     # The prefill is one long busy stretch at the start; measure the decode tail only.
     tail_start = last - 1e6 * decode_s
     tail = [(s, e) for s, e in span if s >= tail_start]
