@@ -28,11 +28,12 @@ import cProfile
 import io
 import itertools
 import json
+import os
 import pstats
 import statistics
 import time
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 
 import mlx.core as mx
 
@@ -41,6 +42,7 @@ from dflash.bench.replay import ReplayDrafter
 from dflash.bench.report import environment
 from dflash.bench.scale import build_scale_pair, scale_prompts
 from dflash.dflash_round import DFlashSpeculator, dflash_generate_step
+from dflash.folded_attention import FOLDED_ENV
 from dflash.greedy import greedy_reference
 from dflash.taps import TargetTaps
 
@@ -141,6 +143,21 @@ def taps_starting_early(start_early: bool) -> Iterator[None]:
         dflash_round.TargetTaps = TargetTaps
 
 
+@contextmanager
+def folded_route(folded: Optional[bool]) -> Iterator[None]:
+    """Force the folded block attention on or off (None: the default) for A/B runs."""
+    saved = os.environ.get(FOLDED_ENV)
+    if folded is not None:
+        os.environ[FOLDED_ENV] = "1" if folded else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(FOLDED_ENV, None)
+        else:
+            os.environ[FOLDED_ENV] = saved
+
+
 class _Proxy:
     """``mlx.core`` with some attributes replaced (only the rounds module sees it)."""
 
@@ -212,16 +229,23 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         )
         return [token for token, _, _ in steps]
 
-    variants = {"on": [True], "off": [False], "both": [True, False]}[args.start_early]
+    arms = {"on": [True], "off": [False], "both": [True, False], None: [None]}
+    variants = list(itertools.product(arms[args.start_early], arms[args.folded]))
     for tau in args.tau:
         replay = ReplayDrafter(drafter, tau)
         replay.sequence = prompt.tolist() + continuation
-        generate(replay)  # warm-up (kernels, graphs)
-        for _, early in itertools.product(range(args.runs), variants):
+        for _, folded in variants:
+            with folded_route(folded):
+                generate(replay)  # warm-up (kernels, graphs, attention plans)
+        for _, (early, folded) in itertools.product(range(args.runs), variants):
             clock = PhaseClock()
-            with instrumented(clock, model), taps_starting_early(early):
+            with (
+                instrumented(clock, model),
+                taps_starting_early(early),
+                folded_route(folded),
+            ):
                 tokens = generate(replay)
-            result = {"tau": tau, "start_early": early}
+            result = {"tau": tau, "start_early": early, "folded": folded}
             result.update(summarize(clock.rounds, args.skip))
             result["lossless"] = tokens == continuation[: len(tokens)]
             report["runs"].append(result)
@@ -246,6 +270,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--skip", type=int, default=3, help="warm-up rounds per run")
     parser.add_argument("--start-early", choices=("on", "off", "both"), default="on")
+    parser.add_argument(
+        "--folded",
+        choices=("on", "off", "both"),
+        default=None,
+        help="folded block attention (default: the backend's default)",
+    )
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     args = parser.parse_args()
     report = run(args)

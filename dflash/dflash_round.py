@@ -22,7 +22,7 @@ from .inputs import (
     check_cache_options,
     resolve_block_size,
 )
-from .kernel_patch import verify_kernels
+from .kernel_patch import attention_route, verify_kernels
 from .rounds import VerifyRound, emit_rounds, prefill
 from .sampling import LogitsProcessor, Sampler, Sampling, log_normalize
 from .stats import GenerationStats
@@ -244,6 +244,7 @@ def dflash_generate_step(
         TargetTaps(model, drafter.config.target_layer_ids, start_early=True) as taps,
         mx.stream(stream),
         verify_kernels(model, drafter),
+        attention_route(model),
     ):
         speculator = DFlashSpeculator(
             model, drafter, prompt_cache, context, taps, sampling

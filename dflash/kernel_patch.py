@@ -46,6 +46,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import folded_attention as folded
 from .cache.checkpoint import DEFERRED, RingPlaneCheckpoint
 from .cache.plane import KvPlane, RingPlane
 from .metal import backend, qmm
@@ -177,11 +178,17 @@ def _key_source(cache: KvPlane, keys: mx.array, values: mx.array, count: int, wi
 
 
 class _ModuleHook:
-    """The dispatcher installed as a model module's ``scaled_dot_product_attention``."""
+    """The dispatcher installed as a model module's ``scaled_dot_product_attention``.
+
+    A routed call (inside a :class:`KernelPatch`) tries the kernel route first; then,
+    while some :func:`attention_route` holds the module, a block forward the folded
+    form serves takes it; everything else calls mlx-lm's function unchanged.
+    """
 
     def __init__(self, original: Callable) -> None:
         self.original = original
         self.users = 0
+        self.folded_users = 0
 
     def __call__(self, queries, keys, values, cache, scale, mask, sinks=None):
         route = _ACTIVE.get()
@@ -189,6 +196,8 @@ class _ModuleHook:
             out = route.attend(queries, keys, values, cache, scale, mask)
             if out is not None:
                 return out
+        if self.folded_users and folded.serves(queries, keys, values, mask, sinks):
+            return folded.folded_attention(queries, keys, values, scale, mask)
         return self.original(
             queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks
         )
@@ -197,20 +206,26 @@ class _ModuleHook:
 _HOOKS: Dict[str, _ModuleHook] = {}
 
 
-def _hook_module(name: str) -> None:
+def _hook_module(name: str, folded_route: bool = False) -> None:
     module = sys.modules[name]
     hook = _HOOKS.get(name)
     if hook is None:
         hook = _ModuleHook(module.scaled_dot_product_attention)
         _HOOKS[name] = hook
         module.scaled_dot_product_attention = hook
-    hook.users += 1
+    if folded_route:
+        hook.folded_users += 1
+    else:
+        hook.users += 1
 
 
-def _unhook_module(name: str) -> None:
+def _unhook_module(name: str, folded_route: bool = False) -> None:
     hook = _HOOKS[name]
-    hook.users -= 1
-    if hook.users == 0:
+    if folded_route:
+        hook.folded_users -= 1
+    else:
+        hook.users -= 1
+    if hook.users == 0 and hook.folded_users == 0:
         sys.modules[name].scaled_dot_product_attention = hook.original
         del _HOOKS[name]
 
@@ -577,3 +592,53 @@ def verify_kernels(
         return
     with KernelPatch(model, drafter, use_kernel=use_kernel or None) as patch:
         yield patch
+
+
+def folded_wanted(model: nn.Module, use_folded: Optional[bool] = None) -> bool:
+    """Whether :func:`attention_route` installs the folded route for ``model``.
+
+    Args:
+        model: The target (or draft model).
+        use_folded: True / False decide; None asks ``DFLASH_FOLDED_ATTENTION``, then
+            :data:`dflash.folded_attention.FOLDED_BY_DEFAULT` for this backend (with the
+            GPU as the default device).
+
+    Returns:
+        The decision (False for an architecture :func:`supports` refuses).
+    """
+    if not supports(model):
+        return False
+    if use_folded is not None:
+        return bool(use_folded)
+    return folded.wanted(backend.BACKEND if backend.gpu_is_default() else None)
+
+
+@contextlib.contextmanager
+def attention_route(
+    model: nn.Module, use_folded: Optional[bool] = None
+) -> Iterator[bool]:
+    """Send ``model``'s block forwards to :func:`~dflash.folded_attention.folded_attention`.
+
+    While the ``with`` block runs, ``model``'s architecture module calls go through the
+    dispatcher: attention of 2 to 32 queries over at least
+    :data:`~dflash.folded_attention.MIN_KEYS` keys (verify and draft blocks) takes the
+    folded form; decode steps and prompt chunks keep mlx-lm's. Leaving restores the
+    module function (unless a :class:`KernelPatch` still holds it).
+
+    Args:
+        model: The target.
+        use_folded: As for :func:`folded_wanted`.
+
+    Yields:
+        Whether the route is installed.
+    """
+    if not folded_wanted(model, use_folded):
+        yield False
+        return
+    attention = type(target_layers(model)[0].self_attn)
+    name = getattr(attention, _ORIGINAL_CLASS, attention).__module__
+    _hook_module(name, folded_route=True)
+    try:
+        yield True
+    finally:
+        _unhook_module(name, folded_route=True)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks import round_profile, round_timeline
+from dflash.folded_attention import FOLDED_ENV
 
 
 def test_round_profile_times_every_phase_of_a_lossless_tiny_run(tmp_path):
@@ -21,11 +23,15 @@ def test_round_profile_times_every_phase_of_a_lossless_tiny_run(tmp_path):
         runs=1,
         skip=2,
         start_early="both",
+        folded="both",
         profile=5,
         json=None,
     )
+    before = os.environ.get(FOLDED_ENV)
     report = round_profile.run(args)
-    assert [r["start_early"] for r in report["runs"]] == [True, False]
+    arms = [(r["start_early"], r["folded"]) for r in report["runs"]]
+    assert arms == [(True, True), (True, False), (False, True), (False, False)]
+    assert os.environ.get(FOLDED_ENV) == before
     for result in report["runs"]:
         assert result["lossless"]
         assert result["rounds"] >= 5

@@ -22,6 +22,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generation_stream
 
 from .. import SpeculativeCheckpoint, TargetTaps, make_prompt_cache
+from ..kernel_patch import attention_route
 from .replay import ReplayDrafter
 from .runs import close, consume
 from .scale_target import parameter_bytes, step_read_bytes
@@ -127,7 +128,10 @@ def _split(model, drafter, prompt, continuation, block_size, reps, replay_tau):
         out["drafter_replay_ms"] = median_ms(draft(replay), reps)
     drafts = (list(continuation) + [0] * block_size)[: block_size - 1]
     verify_block = mx.array([[last] + drafts], mx.uint32)
-    with TargetTaps(model, drafter.config.target_layer_ids) as taps:
+    with (
+        TargetTaps(model, drafter.config.target_layer_ids) as taps,
+        attention_route(model),
+    ):
 
         def verify() -> None:
             checkpoint = SpeculativeCheckpoint.begin(cache, block_size)
