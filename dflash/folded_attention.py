@@ -40,8 +40,7 @@ MIN_KEYS = int(os.environ.get("DFLASH_FOLDED_MIN_KEYS", "4096"))
 
 # Whether attention_route installs the folded route when nobody says, per backend.
 # CUDA: measured faster for 16 queries from 4k keys on (one H200, mlx 0.32.4; see
-# MIN_KEYS). Metal and the CPU: not
-# measured, so mlx's fused attention stays.
+# MIN_KEYS). Metal and the CPU: not measured, so mlx's fused attention stays.
 FOLDED_BY_DEFAULT = {"cuda": True, "metal": False}
 FOLDED_ENV = "DFLASH_FOLDED_ATTENTION"
 
@@ -67,7 +66,7 @@ def _mask_5d(mask: mx.array, heads: int, kv_heads: int) -> Optional[mx.array]:
 
 
 def _causal_mask(queries: int, keys: int) -> mx.array:
-    """mlx-lm's ``"causal"``: query ``i`` (at key position ``keys - queries + i``) sees keys up to it.
+    """mlx-lm's ``"causal"``: query ``i`` sits at key position ``keys - queries + i``.
 
     Shapes: returns bool ``(S, L)``.
     """
@@ -112,6 +111,7 @@ def serves(
     return (
         isinstance(mask, mx.array)
         and _mask_5d(mask, heads, keys.shape[1]) is not None
+        and (mask.ndim < 4 or mask.shape[0] in (1, batch))
         and mask.shape[-2] in (1, count)
         and mask.shape[-1] in (1, keys.shape[2])
     )

@@ -93,7 +93,9 @@ def test_folded_attention_keeps_the_mask_negative_control():
         (dict(sinks=True), "attention sinks"),
         (dict(key_dtype=mx.float16), "keys in another dtype"),
         (dict(mask_shape=(1, 3, 4, 64)), "a head axis that is neither 1 nor Hq"),
-        (dict(mask_shape=(2, 4, 64)), "a 3-D mask of another batch"),
+        (dict(mask_shape=(2, 4, 64)), "a 3-D mask whose head axis is 2"),
+        (dict(mask_shape=(3, 1, 4, 64)), "a mask of another batch"),
+        (dict(mask_shape=(1, 1, 5, 64)), "a mask of another query count"),
     ],
 )
 def test_serves_refuses_calls_it_does_not_take(change, reason):
