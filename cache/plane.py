@@ -16,14 +16,13 @@ stacked in one buffer ``kv`` of shape ``(2, ...)``, so storing a chunk is one la
 one staging-shadow launch builds both K and V; ``keys`` / ``values`` are views of its halves.
 """
 
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from ..metal.backend import BACKEND
+from ..metal.backend import BACKEND, env_switch
 from ..metal.ring import ShadowStager, ring_write
 from ..metal.sources import CUDA
 from . import gate
@@ -48,12 +47,8 @@ BUCKET_KEYS_ENV = "DFLASH_BUCKET_KEYS"
 
 
 def _bucket_keys_by_default() -> bool:
-    told = os.environ.get(BUCKET_KEYS_ENV, "").strip().lower()
-    if told in {"0", "false", "off", "no"}:
-        return False
-    if told in {"1", "true", "on", "yes"}:
-        return True
-    return BACKEND == CUDA
+    told = env_switch(BUCKET_KEYS_ENV)
+    return BACKEND == CUDA if told is None else told
 
 
 BUCKET_KEYS_BY_DEFAULT: bool = _bucket_keys_by_default()

@@ -28,6 +28,8 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
+from .metal.backend import env_switch
+
 # Block forwards the route serves: verify and draft blocks, not decode steps (mlx's
 # vector kernel) nor prompt chunks.
 MIN_QUERIES = 2
@@ -181,9 +183,5 @@ def wanted(backend_name: Optional[str], use_folded: Optional[bool] = None) -> bo
     """
     if use_folded is not None:
         return bool(use_folded)
-    value = os.environ.get(FOLDED_ENV, "").strip().lower()
-    if value in {"1", "true", "on", "yes"}:
-        return True
-    if value in {"0", "false", "off", "no"}:
-        return False
-    return FOLDED_BY_DEFAULT.get(backend_name or "", False)
+    told = env_switch(FOLDED_ENV)
+    return FOLDED_BY_DEFAULT.get(backend_name or "", False) if told is None else told

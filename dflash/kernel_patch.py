@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional
@@ -524,12 +523,7 @@ VERIFY_KERNELS_ENV = "DFLASH_VERIFY_KERNELS"
 
 def _env_switch() -> Optional[bool]:
     """``DFLASH_VERIFY_KERNELS``: ``1`` forces the install, ``0`` forbids it, unset: None."""
-    value = os.environ.get(VERIFY_KERNELS_ENV, "").strip().lower()
-    if value in {"1", "true", "on", "yes"}:
-        return True
-    if value in {"0", "false", "off", "no"}:
-        return False
-    return None
+    return backend.env_switch(VERIFY_KERNELS_ENV)
 
 
 def wanted(model: nn.Module, use_kernel: Optional[bool] = None) -> bool:

@@ -47,15 +47,25 @@ def _detect_backend() -> Optional[str]:
 
 BACKEND: Optional[str] = _detect_backend()
 
+
+def env_switch(name: str) -> Optional[bool]:
+    """An on/off environment switch: ``1/true/on/yes`` True, ``0/false/off/no`` False.
+
+    Returns:
+        None when ``name`` is unset or holds anything else (the caller's default applies).
+    """
+    value = os.environ.get(name, "").strip().lower()
+    if value in {"1", "true", "on", "yes"}:
+        return True
+    if value in {"0", "false", "off", "no"}:
+        return False
+    return None
+
+
 # ``DFLASH_KERNELS=0`` makes every default (``use_kernel=None``) pick the pure-MLX
 # reference; an explicit ``use_kernel=True`` still launches the kernel.
 KERNELS_ENV = "DFLASH_KERNELS"
-KERNELS_ENABLED: bool = os.environ.get(KERNELS_ENV, "1").strip().lower() not in {
-    "0",
-    "false",
-    "off",
-    "no",
-}
+KERNELS_ENABLED: bool = env_switch(KERNELS_ENV) is not False
 
 
 # What ``use_kernel=None`` picks for the staging shadow, per backend (the module docstring
