@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from dflash.bench.report import environment
 from dflash.cache.plane import KEY_BUCKET, bucket_end
-from dflash.folded_attention import folded_attention
+from dflash.folded_attention import causal_block_mask, folded_attention
 
 
 def plane_slices(heads_kv: int, rows: int, dim: int, calls: int, dtype):
@@ -37,12 +37,6 @@ def plane_slices(heads_kv: int, rows: int, dim: int, calls: int, dtype):
         out.append((kv[0, :, :, :rows], kv[1, :, :, :rows]))
     mx.eval(out)
     return out
-
-
-def block_mask(count: int, live: int, rows: int) -> mx.array:
-    """Queries at the last ``count`` live positions; rows past ``live`` hidden (bucketing)."""
-    query_pos = mx.arange(live - count, live)[:, None]
-    return mx.arange(rows)[None] <= query_pos
 
 
 def time_form(form, queries, kv, scale, mask, reps: int) -> float:
@@ -77,7 +71,7 @@ def measure(args: argparse.Namespace) -> List[Dict[str, Any]]:
                 mx.random.normal((1, args.heads, count, args.dim)).astype(dtype)
                 for _ in range(args.calls)
             ]
-            mask = block_mask(count, live, rows)
+            mask = causal_block_mask(count, live, rows)
             mx.eval(queries, mask)
             scale = args.dim**-0.5
             a = folded_attention(queries[0], *kv[0], scale, mask)

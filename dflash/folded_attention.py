@@ -10,7 +10,7 @@ GPU's matrix units.
 mlx's fused attention on CUDA serves 16 queries through cuDNN, which parallelises
 over (head, query tile) only: 32 query heads of one 16-query tile each walk all
 ``L`` keys, so one call over 32k keys costs far more than the bytes it reads. The
-folded form is the route :func:`attention_route` installs on CUDA for the block
+folded form is the route :func:`dflash.kernel_patch.attention_route` installs on CUDA for the block
 forwards where it measured faster (:data:`FOLDED_BY_DEFAULT`,
 ``benchmarks/attention_route.py``, ``docs/benchmarks/``). It is plain mlx ops: the
 CPU runs the same code in tests.
@@ -47,33 +47,43 @@ FOLDED_BY_DEFAULT = {"cuda": True, "metal": False}
 FOLDED_ENV = "DFLASH_FOLDED_ATTENTION"
 
 
-def _mask_5d(mask: mx.array, heads: int, kv_heads: int) -> Optional[mx.array]:
-    """``mask`` broadcastable to scores ``(B, Hkv, G, S, L)``, or None if it cannot be.
+def _mask_fits(shape: tuple, batch: int, heads: int, count: int, length: int) -> bool:
+    """Whether a mask of ``shape`` broadcasts to ``(B, Hq, S, L)`` in a way the fold keeps.
 
-    mlx-lm's masks broadcast to ``(B, Hq, S, L)``: 2-D ``(S, L)``, or 4-D with a head
-    axis of 1 or ``Hq``.
+    mlx-lm's masks: 2-D ``(S, L)``; 3-D ``(H, S, L)``; 4-D ``(B, H, S, L)``; with ``H`` 1
+    or ``Hq`` (numpy broadcasting, sizes 1 allowed). Other ranks keep mlx's attention.
     """
+    if not 2 <= len(shape) <= 4:
+        return False
+    if shape[-1] not in (1, length) or shape[-2] not in (1, count):
+        return False
+    if len(shape) >= 3 and shape[-3] not in (1, heads):
+        return False
+    return len(shape) < 4 or shape[0] in (1, batch)
+
+
+def _mask_5d(mask: mx.array, heads: int, kv_heads: int) -> mx.array:
+    """A mask :func:`_mask_fits` accepts, broadcastable to scores ``(B, Hkv, G, S, L)``."""
     if mask.ndim <= 2:
         return mask
     if mask.ndim == 3:
         mask = mask[None]
-    if mask.ndim != 4:
-        return None
     if mask.shape[1] == 1:
         return mask[:, :, None]
-    if mask.shape[1] == heads:
-        group = heads // kv_heads
-        return mask.reshape(mask.shape[0], kv_heads, group, *mask.shape[2:])
-    return None
+    group = heads // kv_heads
+    return mask.reshape(mask.shape[0], kv_heads, group, *mask.shape[2:])
 
 
-def _causal_mask(queries: int, keys: int) -> mx.array:
-    """mlx-lm's ``"causal"``: query ``i`` sits at key position ``keys - queries + i``.
+def causal_block_mask(count: int, live: int, rows: int) -> mx.array:
+    """Queries at the last ``count`` of ``live`` positions over ``rows >= live`` key rows.
 
-    Shapes: returns bool ``(S, L)``.
+    Query ``i`` sits at position ``live - count + i`` and sees keys up to it; rows past
+    ``live`` (a bucket's tail) are hidden. mlx-lm's ``"causal"`` is ``live == rows``.
+
+    Shapes: returns bool ``(S, rows)``.
     """
-    rows = mx.arange(keys - queries, keys)[:, None]
-    return mx.arange(keys)[None] <= rows
+    positions = mx.arange(live - count, live)[:, None]
+    return mx.arange(rows)[None] <= positions
 
 
 def serves(
@@ -110,12 +120,8 @@ def serves(
         return False
     if mask is None or (isinstance(mask, str) and mask == "causal"):
         return True
-    return (
-        isinstance(mask, mx.array)
-        and _mask_5d(mask, heads, keys.shape[1]) is not None
-        and (mask.ndim < 4 or mask.shape[0] in (1, batch))
-        and mask.shape[-2] in (1, count)
-        and mask.shape[-1] in (1, keys.shape[2])
+    return isinstance(mask, mx.array) and _mask_fits(
+        tuple(mask.shape), batch, heads, count, keys.shape[2]
     )
 
 
@@ -157,7 +163,7 @@ def folded_attention(
         batch, kv_heads, group, count, length
     )
     if isinstance(mask, str):
-        mask = _causal_mask(count, length)
+        mask = causal_block_mask(count, length, length)
     if mask is not None:
         mask = _mask_5d(mask, heads, kv_heads)
         if mask.dtype == mx.bool_:

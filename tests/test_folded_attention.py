@@ -96,6 +96,8 @@ def test_folded_attention_keeps_the_mask_negative_control():
         (dict(mask_shape=(2, 4, 64)), "a 3-D mask whose head axis is 2"),
         (dict(mask_shape=(3, 1, 4, 64)), "a mask of another batch"),
         (dict(mask_shape=(1, 1, 5, 64)), "a mask of another query count"),
+        (dict(mask_shape=(64,)), "a 1-D mask"),
+        (dict(mask_shape=(1, 1, 1, 4, 64)), "a 5-D mask"),
     ],
 )
 def test_serves_refuses_calls_it_does_not_take(change, reason):
