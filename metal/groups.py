@@ -82,6 +82,10 @@ class GroupKernelSpec:
         threads: Threads per threadgroup the body is written for.
         small_inputs: Inputs that always hold fewer than 8 elements (mlx binds
             them in Metal's ``constant`` address space).
+        backends: The backends the body is written for (a body using tensor-core
+            instructions is CUDA's alone).
+        shared_memory: Dynamic shared memory per threadgroup in bytes (CUDA's
+            ``extern __shared__``; 0: none).
     """
 
     base: str
@@ -93,6 +97,8 @@ class GroupKernelSpec:
     body: str
     threads: int
     small_inputs: tuple[str, ...] = ()
+    backends: tuple[str, ...] = (METAL, CUDA)
+    shared_memory: int = 0
 
     def header(self, backend_name: str) -> str:
         """The ``header=`` text for ``backend_name``: its macros, then the helpers."""
@@ -119,10 +125,14 @@ def build_group_kernel(
         backend_name: ``"metal"``, ``"cuda"`` or None.
 
     Returns:
-        The callable from ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``, or None.
+        The callable from ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``, or None
+        (also for a backend the spec's body is not written for).
     """
-    if backend_name is None:
+    if backend_name is None or backend_name not in spec.backends:
         return None
+    fields = {}
+    if spec.shared_memory:
+        fields["shared_memory"] = spec.shared_memory
     return backend.make_kernel(
         backend_name,
         name=spec.name(backend_name),
@@ -130,6 +140,7 @@ def build_group_kernel(
         output_names=list(spec.output_names),
         source=spec.source(backend_name),
         header=spec.header(backend_name),
+        **fields,
     )
 
 

@@ -252,10 +252,12 @@ def check_metal(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str =
 
 
 def check_cuda(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str = "nvcc"):
-    """Compile every CUDA unit to PTX (sm_90) inside mlx's generated signature.
+    """Compile every CUDA unit for sm_90 inside mlx's generated signature.
 
     The units share one nvcc run, each in its own namespace after mlx's default
     header (NVRTC compiles each alone; the namespaces keep their helpers apart).
+    The output is a cubin, so ptxas also checks the inline PTX (tensor-core
+    instructions) of the bodies that have some.
     """
     workdir = Path(workdir)
     header = workdir / "include/mlx/backend/cuda/device/utils.cuh"
@@ -269,8 +271,13 @@ def check_cuda(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str = 
             parts.append("}\n")
     source = workdir / "group_bodies.cu"
     source.write_text("\n".join(parts))
-    command = [compiler, "-std=c++17", "-arch=sm_90", "-ptx", "-Werror=all-warnings"]
-    command += ["-I", str(workdir / "include"), "-o", str(workdir / "group_bodies.ptx")]
+    command = [compiler, "-std=c++17", "-arch=sm_90", "-cubin", "-Werror=all-warnings"]
+    command += [
+        "-I",
+        str(workdir / "include"),
+        "-o",
+        str(workdir / "group_bodies.cubin"),
+    ]
     return run_compiler(command + [str(source)], workdir)
 
 
