@@ -43,7 +43,9 @@ from dflash.bench.report import environment
 from dflash.bench.scale import build_scale_pair, scale_prompts
 from dflash.dflash_round import DFlashSpeculator, dflash_generate_step
 from dflash.folded_attention import FOLDED_ENV
+from dflash.generation import generate_step
 from dflash.greedy import greedy_reference
+from dflash.kernel_patch import VERIFY_KERNELS_ENV
 from dflash.taps import TargetTaps
 
 PHASES = (
@@ -158,6 +160,37 @@ def folded_route(folded: Optional[bool]) -> Iterator[None]:
             os.environ[FOLDED_ENV] = saved
 
 
+# ``--kernels`` arms and the ``DFLASH_VERIFY_KERNELS`` value each sets (None: the default).
+KERNEL_ARMS = {
+    "default": None,
+    "off": "0",
+    "attention": "attention",
+    "matmul": "matmul",
+    "all": "1",
+}
+
+
+@contextmanager
+def env_value(name: str, value: Optional[str]) -> Iterator[None]:
+    """Set environment variable ``name`` to ``value`` for the block (None: leave it)."""
+    saved = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
+def our_plain_tokens(model, prompt: mx.array, max_tokens: int) -> List[int]:
+    """Our own plain greedy decoding (the verify kernels the environment asks for)."""
+    steps = generate_step(prompt, model, max_tokens=max_tokens)
+    return [int(token) for token, _ in steps]
+
+
 class _Proxy:
     """``mlx.core`` with some attributes replaced (only the rounds module sees it)."""
 
@@ -230,24 +263,43 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         return [token for token, _, _ in steps]
 
     arms = {"on": [True], "off": [False], "both": [True, False], None: [None]}
-    variants = list(itertools.product(arms[args.start_early], arms[args.folded]))
+    variants = list(
+        itertools.product(arms[args.start_early], arms[args.folded], args.kernels)
+    )
+    # Each kernel arm's own plain decoding: what its speculative output must equal.
+    plain = {"default": continuation}
+    for kernels in args.kernels:
+        if kernels != "default":
+            with env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[kernels]):
+                plain[kernels] = our_plain_tokens(model, prompt, args.max_tokens)
+    report["plain_equals_mlx_lm"] = {
+        arm: tokens == continuation for arm, tokens in plain.items()
+    }
     for tau in args.tau:
         replay = ReplayDrafter(drafter, tau)
-        replay.sequence = prompt.tolist() + continuation
-        for _, folded in variants:
-            with folded_route(folded):
+        for _, folded, kernels in variants:
+            replay.sequence = prompt.tolist() + plain[kernels]
+            with (
+                folded_route(folded),
+                env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[kernels]),
+            ):
                 generate(replay)  # warm-up (kernels, graphs, attention plans)
-        for _, (early, folded) in itertools.product(range(args.runs), variants):
+        for _, (early, folded, kernels) in itertools.product(
+            range(args.runs), variants
+        ):
             clock = PhaseClock()
+            replay.sequence = prompt.tolist() + plain[kernels]
             with (
                 instrumented(clock, model),
                 taps_starting_early(early),
                 folded_route(folded),
+                env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[kernels]),
             ):
                 tokens = generate(replay)
             result = {"tau": tau, "start_early": early, "folded": folded}
+            result["kernels"] = kernels
             result.update(summarize(clock.rounds, args.skip))
-            result["lossless"] = tokens == continuation[: len(tokens)]
+            result["lossless"] = tokens == plain[kernels][: len(tokens)]
             report["runs"].append(result)
             print(json.dumps(result), flush=True)
     if args.profile:
@@ -260,6 +312,16 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         stats.print_stats(args.profile)
         report["profile"] = text.getvalue()
     return report
+
+
+def _kernel_arms(text: str) -> List[str]:
+    arms = [arm.strip() for arm in text.split(",")]
+    unknown = [arm for arm in arms if arm not in KERNEL_ARMS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown kernel arm(s) {', '.join(unknown)}; choose from {', '.join(KERNEL_ARMS)}"
+        )
+    return arms
 
 
 def main() -> None:
@@ -275,6 +337,12 @@ def main() -> None:
         choices=("on", "off", "both"),
         default=None,
         help="folded block attention (default: the backend's default)",
+    )
+    parser.add_argument(
+        "--kernels",
+        type=_kernel_arms,
+        default=["default"],
+        help="comma list of verify-kernel arms: " + ", ".join(KERNEL_ARMS),
     )
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     args = parser.parse_args()

@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -513,44 +514,78 @@ class KernelPatch:
         self.uninstall()
 
 
-# Whether the generators install the verify kernels when nobody says (``use_kernel=None``),
-# per backend. Off until a GPU run of ``benchmarks/verify_kernels.py`` (and the speed
-# benchmark's verify forward) shows them faster there; the CPU never installs them by
-# default (its reference forms only serve tests).
-VERIFY_KERNELS_BY_DEFAULT: Dict[str, bool] = {"metal": False, "cuda": False}
+# Which parts of the verify kernels the generators install when nobody says
+# (``use_kernel=None``), per backend: off until a GPU run of ``benchmarks/verify_kernels.py``
+# and the round profile (``--kernels``) shows a part faster there; the CPU never installs
+# them by default (its reference forms only serve tests).
+VERIFY_KERNEL_PARTS: Tuple[str, ...] = ("attention", "matmul")
+VERIFY_KERNELS_BY_DEFAULT: Dict[str, Tuple[str, ...]] = {"metal": (), "cuda": ()}
 VERIFY_KERNELS_ENV = "DFLASH_VERIFY_KERNELS"
 
 
-def _env_switch() -> Optional[bool]:
-    """``DFLASH_VERIFY_KERNELS``: ``1`` forces the install, ``0`` forbids it, unset: None."""
-    return backend.env_switch(VERIFY_KERNELS_ENV)
+def _env_parts() -> Optional[Tuple[str, ...]]:
+    """``DFLASH_VERIFY_KERNELS``: ``1`` every part, ``0`` none, or a comma list of parts.
+
+    Returns:
+        The parts, or None when the variable is unset or empty.
+
+    Raises:
+        ValueError: The value is neither an on/off word nor a list of known parts.
+    """
+    switch = backend.env_switch(VERIFY_KERNELS_ENV)
+    if switch is not None:
+        return VERIFY_KERNEL_PARTS if switch else ()
+    text = os.environ.get(VERIFY_KERNELS_ENV, "").strip().lower()
+    if not text:
+        return None
+    parts = tuple(part.strip() for part in text.split(","))
+    unknown = [part for part in parts if part not in VERIFY_KERNEL_PARTS]
+    if unknown:
+        raise ValueError(
+            f"{VERIFY_KERNELS_ENV}={text!r}: expected 0, 1 or a comma list of "
+            f"{', '.join(VERIFY_KERNEL_PARTS)}"
+        )
+    return tuple(part for part in VERIFY_KERNEL_PARTS if part in parts)
 
 
-def wanted(model: nn.Module, use_kernel: Optional[bool] = None) -> bool:
-    """Whether :func:`verify_kernels` installs the kernels for ``model``.
+def wanted_parts(
+    model: nn.Module, use_kernel: Optional[bool] = None
+) -> Tuple[str, ...]:
+    """Which verify-kernel parts :func:`verify_kernels` installs for ``model``.
 
     Args:
         model: The target.
-        use_kernel: True / False decide; None asks ``DFLASH_VERIFY_KERNELS`` (``1`` / ``0``),
-            then ``DFLASH_KERNELS=0`` (off), then :data:`VERIFY_KERNELS_BY_DEFAULT` for this
-            backend (with the GPU as the default device).
+        use_kernel: True (every part) / False (none) decide; None asks
+            ``DFLASH_VERIFY_KERNELS``, then ``DFLASH_KERNELS=0`` (none), then
+            :data:`VERIFY_KERNELS_BY_DEFAULT` for this backend (with the GPU as the
+            default device).
 
     Returns:
-        The decision (always False for an architecture :func:`supports` refuses).
+        A sub-tuple of :data:`VERIFY_KERNEL_PARTS` (empty for an architecture
+        :func:`supports` refuses).
+
+    Raises:
+        ValueError: ``DFLASH_VERIFY_KERNELS`` holds something else.
     """
     if not supports(model):
-        return False
+        return ()
     if use_kernel is not None:
-        return use_kernel
-    switch = _env_switch()
-    if switch is not None:
-        return switch
-    return (
+        return VERIFY_KERNEL_PARTS if use_kernel else ()
+    parts = _env_parts()
+    if parts is not None:
+        return parts
+    if (
         backend.KERNELS_ENABLED
         and backend.BACKEND is not None
         and backend.gpu_is_default()
-        and VERIFY_KERNELS_BY_DEFAULT.get(backend.BACKEND, False)
-    )
+    ):
+        return VERIFY_KERNELS_BY_DEFAULT.get(backend.BACKEND, ())
+    return ()
+
+
+def wanted(model: nn.Module, use_kernel: Optional[bool] = None) -> bool:
+    """Whether :func:`verify_kernels` installs any part for ``model`` (see :func:`wanted_parts`)."""
+    return bool(wanted_parts(model, use_kernel))
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -581,10 +616,17 @@ def verify_kernels(
     Yields:
         The installed patch, or None when nothing was installed.
     """
-    if is_patched(model) or not wanted(model, use_kernel):
+    parts = () if is_patched(model) else wanted_parts(model, use_kernel)
+    if not parts:
         yield None
         return
-    with KernelPatch(model, drafter, use_kernel=use_kernel or None) as patch:
+    with KernelPatch(
+        model,
+        drafter,
+        use_kernel=use_kernel or None,
+        attention="attention" in parts,
+        matmul="matmul" in parts,
+    ) as patch:
         yield patch
 
 

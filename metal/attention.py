@@ -41,7 +41,7 @@ from typing import Optional
 import mlx.core as mx
 import numpy as np
 
-from . import backend, groups
+from . import backend, groups, tensor_attention
 from .groups import GroupKernelSpec, float_params, int_params
 
 # Keys per chunk: the unit of the fixed reduction order (absolute positions).
@@ -733,6 +733,19 @@ FOLD_CHUNKS = GroupKernelSpec(
 SPECS = (ATTEND_CHUNKS, FOLD_CHUNKS)
 
 
+# ``DFLASH_TENSOR_CORES=0`` keeps CUDA on the scalar body (for comparisons); otherwise
+# the tensor-core form takes every call it serves (:mod:`.tensor_attention`).
+TENSOR_CORES_ENV = "DFLASH_TENSOR_CORES"
+TENSOR_CORES: bool = backend.env_switch(TENSOR_CORES_ENV) is not False
+
+
+def uses_tensor_cores(plan: Plan, dtype: mx.Dtype) -> bool:
+    """Whether the kernel form of ``plan`` runs the tensor-core chunk pass."""
+    return TENSOR_CORES and tensor_attention.tensor_serves(
+        plan.dim, plan.chunk, dtype, backend.BACKEND
+    )
+
+
 def kernel_serves(plan: Plan) -> bool:
     """Whether the kernel's compile-time limits cover ``plan``."""
     # head_dim >= 8 keeps every T array at 8+ elements: mlx binds smaller inputs in
@@ -751,6 +764,9 @@ def kernel_attention(
 ) -> mx.array:
     """The custom-kernel form (two launches); same contract as the reference.
 
+    The chunk pass is the tensor-core one where it serves (CUDA, 16-bit types, see
+    :func:`uses_tensor_cores`), else the scalar body; the fold is shared.
+
     Shapes: queries ``(B, Hq, S, D)``; returns ``(B, Hq, S, D)``.
     """
     if not kernel_serves(plan):
@@ -766,7 +782,14 @@ def kernel_attention(
     if plan.capacity == 0:
         keys, values = block_keys, block_values
     group = plan.heads // plan.kv_heads
-    row_blocks = -(-group * plan.queries // ROWS)
+    if uses_tensor_cores(plan, dtype):
+        spec, rows_per_group = (
+            tensor_attention.attend_spec(plan.dim),
+            tensor_attention.ROWS,
+        )
+    else:
+        spec, rows_per_group = ATTEND_CHUNKS, ROWS
+    row_blocks = -(-group * plan.queries // rows_per_group)
     ints = int_params(
         plan.batch, plan.heads, plan.kv_heads, plan.queries, plan.dim,
         max(plan.capacity, 1), plan.block, plan.query_start, plan.origin_logical,
@@ -776,7 +799,7 @@ def kernel_attention(
     floats = float_params(float(scale), float(softcap or 0.0))
     rows = (plan.batch, plan.heads, plan.queries)
     stats, weighted = groups.launch_groups(
-        ATTEND_CHUNKS,
+        spec,
         [queries, keys, values, block_keys, block_values, ints, floats],
         [rows + (plan.chunks, 2), rows + (plan.chunks, plan.dim)],
         [mx.float32, mx.float32],

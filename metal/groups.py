@@ -86,6 +86,7 @@ class GroupKernelSpec:
             instructions is CUDA's alone).
         shared_memory: Dynamic shared memory per threadgroup in bytes (CUDA's
             ``extern __shared__``; 0: none).
+        dtypes: The template types ``T`` the body is written for.
     """
 
     base: str
@@ -99,6 +100,7 @@ class GroupKernelSpec:
     small_inputs: tuple[str, ...] = ()
     backends: tuple[str, ...] = (METAL, CUDA)
     shared_memory: int = 0
+    dtypes: tuple[mx.Dtype, ...] = (mx.float32, mx.float16, mx.bfloat16)
 
     def header(self, backend_name: str) -> str:
         """The ``header=`` text for ``backend_name``: its macros, then the helpers."""

@@ -337,11 +337,41 @@ def test_default_table_and_dflash_kernels_switch(monkeypatch) -> None:
     monkeypatch.delenv(kernel_patch.VERIFY_KERNELS_ENV, raising=False)
     monkeypatch.setattr(kernel_patch.backend, "BACKEND", "cuda")
     monkeypatch.setattr(kernel_patch.backend, "gpu_is_default", lambda: True)
-    monkeypatch.setitem(kernel_patch.VERIFY_KERNELS_BY_DEFAULT, "cuda", True)
+    monkeypatch.setitem(kernel_patch.VERIFY_KERNELS_BY_DEFAULT, "cuda", ("attention",))
     target = tiny_model("muse_glimmer", seed=24, window=16)
-    assert kernel_patch.wanted(target)
+    assert kernel_patch.wanted_parts(target) == ("attention",)
     monkeypatch.setattr(kernel_patch.backend, "KERNELS_ENABLED", False)
     assert not kernel_patch.wanted(target)
+
+
+@pytest.mark.parametrize(
+    "env, parts",
+    [
+        ("attention", ("attention",)),
+        ("matmul", ("matmul",)),
+        ("matmul, attention", ("attention", "matmul")),
+        ("on", ("attention", "matmul")),
+        ("off", ()),
+    ],
+)
+def test_env_picks_the_parts(monkeypatch, env, parts) -> None:
+    monkeypatch.setenv(kernel_patch.VERIFY_KERNELS_ENV, env)
+    target = tiny_model("muse_glimmer", seed=26, window=16)
+    assert kernel_patch.wanted_parts(target) == parts
+    with kernel_patch.verify_kernels(target) as patch:
+        assert (patch is not None) is bool(parts)
+        if patch is not None:
+            assert (patch.attention, patch.matmul) == (
+                "attention" in parts,
+                "matmul" in parts,
+            )
+
+
+def test_env_with_an_unknown_part_raises(monkeypatch) -> None:
+    monkeypatch.setenv(kernel_patch.VERIFY_KERNELS_ENV, "attention,qmm")
+    target = tiny_model("muse_glimmer", seed=27, window=16)
+    with pytest.raises(ValueError, match="DFLASH_VERIFY_KERNELS='attention,qmm'"):
+        kernel_patch.wanted_parts(target)
 
 
 def test_verify_kernels_leaves_a_patched_model_alone() -> None:

@@ -6,11 +6,14 @@ import argparse
 import json
 import os
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks import round_profile, round_timeline
+from dflash import kernel_patch
 from dflash.folded_attention import FOLDED_ENV
+from dflash.kernel_patch import VERIFY_KERNELS_ENV
 
 
 def test_round_profile_times_every_phase_of_a_lossless_tiny_run(tmp_path):
@@ -24,6 +27,7 @@ def test_round_profile_times_every_phase_of_a_lossless_tiny_run(tmp_path):
         skip=2,
         start_early="both",
         folded="both",
+        kernels=["default"],
         profile=5,
         json=None,
     )
@@ -42,6 +46,38 @@ def test_round_profile_times_every_phase_of_a_lossless_tiny_run(tmp_path):
         assert result["host_not_waiting"] >= result["verify_graph"]
     assert "ncalls" in report["profile"]
     json.dumps(report)
+
+
+def test_round_profile_kernel_arms_are_lossless_against_their_own_plain_decoding():
+    """Each ``--kernels`` arm installs its parts and equals its own plain decoding."""
+    args = argparse.Namespace(
+        scale="tiny", quant="bf16", context=40, tau=[4], max_tokens=24, runs=1,
+        skip=1, start_early="on", folded=None, kernels=["off", "attention", "all"],
+        profile=0, json=None,
+    )  # fmt: skip
+    before = os.environ.get(VERIFY_KERNELS_ENV)
+    seen = []
+    real = kernel_patch.KernelPatch.install
+
+    def install(self):
+        seen.append((self.attention, self.matmul))
+        return real(self)
+
+    kernel_patch.KernelPatch.install = install
+    try:
+        report = round_profile.run(args)
+    finally:
+        kernel_patch.KernelPatch.install = real
+    assert os.environ.get(VERIFY_KERNELS_ENV) == before
+    assert [r["kernels"] for r in report["runs"]] == ["off", "attention", "all"]
+    assert all(r["lossless"] for r in report["runs"])
+    assert (True, False) in seen and (True, True) in seen and (False, True) not in seen
+    assert set(report["plain_equals_mlx_lm"]) == {"default", "off", "attention", "all"}
+
+
+def test_round_profile_refuses_an_unknown_kernel_arm():
+    with pytest.raises(argparse.ArgumentTypeError, match="qmm"):
+        round_profile._kernel_arms("off,qmm")
 
 
 intervals = st.lists(

@@ -265,7 +265,7 @@ def check_cuda(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str = 
     shutil.copyfile(CUDA_SHIM, header)
     parts = [CUDA_DEFAULT_HEADER]
     for i, spec in enumerate(specs):
-        for dtype in TEMPLATE_TYPES:
+        for dtype in spec.dtypes:
             parts.append(f"namespace unit{i}_{type_suffix(dtype)} {{\n")
             parts.append(cuda_unit(spec, dtype, default_header=False))
             parts.append("}\n")

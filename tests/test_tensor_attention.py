@@ -1,0 +1,191 @@
+"""The tensor-core chunk pass of the small-query attention (CUDA, 16-bit types).
+
+What is proven where:
+
+* CPU (CI): the body compiles to a cubin for every served head dim (nvcc + ptxas, so
+  the inline PTX is checked too) and a wrong tensor-core instruction fails that check
+  (negative control); which calls the form serves; the launch geometry (one
+  threadgroup per batch x KV head x chunk x 64 query rows) and that the fold is the
+  scalar form's; the spec is never built for Metal.
+* CUDA (tests marked ``cuda``, on an NVIDIA GPU): against the float64 oracle and the
+  reference over random shapes, 16-bit dtypes, ring rotations and fill levels, windows
+  and soft-caps; batch-invariant and seam-blind bit for bit; Muse Glimmer's shapes;
+  the scalar CUDA body still right with the tensor cores switched off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.attention_cases import Case, build, cases, close_to_oracle
+from support.compilers import NVCC, needs_nvcc
+from support.group_emulator import check_cuda
+from test_verify_kernels import (
+    assert_batch_invariant,
+    assert_near_reference,
+    assert_seamless,
+)
+
+from dflash.metal import attention, groups, tensor_attention
+from dflash.metal.groups import build_group_kernel
+
+cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
+
+SERVED_DIMS = (16, 32, 48, 64, 80, 128)
+SERVED_CHUNKS = (64, 256)
+SERVED_DTYPES = (mx.bfloat16, mx.float16)
+
+
+def served_cases(**kwargs):
+    return cases(dims=SERVED_DIMS, dtypes=SERVED_DTYPES, chunks=SERVED_CHUNKS, **kwargs)
+
+
+def glimmer_case(ring: bool, queries: int = 16) -> Case:
+    """32 query / 2 KV heads x 128, bf16: a full 2,048 ring or a 4k growing plane."""
+    if ring:
+        return Case(1, 2, 16, 128, mx.bfloat16, True, 2048, 4096, queries, queries,
+                    777, 2048, True, None, 256, 1)  # fmt: skip
+    return Case(1, 2, 16, 128, mx.bfloat16, False, 4352, 4096, queries, queries, 0,
+                None, True, None, 256, 2)  # fmt: skip
+
+
+# ------------------------------------------------------------------ CPU (CI)
+
+
+@needs_nvcc
+def test_bodies_compile_for_every_served_dim(tmp_path: Path) -> None:
+    specs = [tensor_attention.attend_spec(dim) for dim in SERVED_DIMS]
+    result = check_cuda(specs, tmp_path, NVCC)
+    assert result.ok, f"{result.command}\n{result.log}"
+
+
+@needs_nvcc
+def test_a_wrong_tensor_core_instruction_fails_the_check(tmp_path: Path) -> None:
+    """Negative control: ptxas sees the inline PTX (an m16n8k15 mma does not exist)."""
+    spec = tensor_attention.attend_spec(64)
+    helpers = spec.helpers.replace(
+        "m16n8k16.row.col.f32.bf16", "m16n8k15.row.col.f32.bf16"
+    )
+    assert helpers != spec.helpers
+    broken = dataclasses.replace(spec, helpers=helpers)
+    assert not check_cuda([broken], tmp_path, NVCC).ok
+
+
+@pytest.mark.parametrize(
+    "dim, chunk, dtype, backend_name, served",
+    [
+        (128, 256, mx.bfloat16, "cuda", True),
+        (128, 64, mx.float16, "cuda", True),
+        (16, 256, mx.bfloat16, "cuda", True),
+        (128, 256, mx.float32, "cuda", False),
+        (24, 256, mx.bfloat16, "cuda", False),
+        (256, 256, mx.bfloat16, "cuda", False),
+        (128, 16, mx.bfloat16, "cuda", False),
+        (128, 96, mx.bfloat16, "cuda", False),
+        (128, 256, mx.bfloat16, "metal", False),
+        (128, 256, mx.bfloat16, None, False),
+    ],
+)
+def test_which_calls_the_tensor_cores_serve(dim, chunk, dtype, backend_name, served):
+    assert tensor_attention.tensor_serves(dim, chunk, dtype, backend_name) is served
+
+
+def test_the_spec_is_cuda_only() -> None:
+    spec = tensor_attention.attend_spec(128)
+    assert spec.backends == ("cuda",)
+    assert build_group_kernel(spec, "metal") is None
+    assert spec.shared_memory == tensor_attention.shared_bytes(128) > 48 * 1024
+
+
+def _captured_launches(monkeypatch, case: Case, switch: bool = True) -> list:
+    """Run ``case`` through the kernel wrapper as CUDA would, recording each launch."""
+    launches = []
+
+    def fake(spec, inputs, shapes, dtypes, count, dtype):
+        launches.append((spec, count, [tuple(s) for s in shapes]))
+        return [mx.zeros(s, dtype=d) for s, d in zip(shapes, dtypes)]
+
+    monkeypatch.setattr(attention.backend, "BACKEND", "cuda")
+    monkeypatch.setattr(attention, "TENSOR_CORES", switch)
+    monkeypatch.setattr(groups, "launch_groups", fake)
+    build(case).attend(True)
+    return launches
+
+
+def test_launch_geometry_at_glimmer_shapes(monkeypatch) -> None:
+    """16 queries x 16 grouped heads = 256 rows = 4 blocks of 64, over 17 chunks."""
+    launches = _captured_launches(monkeypatch, glimmer_case(ring=False))
+    (spec, count, shapes), (fold, _, _) = launches
+    assert spec is tensor_attention.attend_spec(128)
+    plan_chunks = shapes[0][3]
+    assert plan_chunks == 17
+    assert count == 1 * 2 * plan_chunks * 4
+    assert fold is attention.FOLD_CHUNKS
+
+
+def test_switch_off_keeps_the_scalar_body(monkeypatch) -> None:
+    launches = _captured_launches(monkeypatch, glimmer_case(ring=False), switch=False)
+    assert launches[0][0] is attention.ATTEND_CHUNKS
+    assert launches[0][1] == 1 * 2 * 17 * 16  # 16-row blocks
+
+
+# ------------------------------------------------------------------ CUDA (GPU)
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=150, deadline=None)
+@given(case=served_cases())
+def test_cuda_tensor_form_matches_oracle_and_reference(case: Case) -> None:
+    built = build(case)
+    plan_dtype = case.dtype
+    assert tensor_attention.tensor_serves(case.dim, case.chunk, plan_dtype, "cuda")
+    kernel = built.attend(True)
+    assert close_to_oracle(built, kernel), case
+    with mx.stream(mx.cpu):
+        assert_near_reference(built, kernel)
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=60, deadline=None)
+@given(case=served_cases(allow_non_causal=False).filter(lambda c: c.block == c.queries))
+def test_cuda_tensor_form_is_batch_invariant(case: Case) -> None:
+    assert_batch_invariant(case, True)
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=40, deadline=None)
+@given(served_cases(), st.integers(1, 200))
+def test_cuda_tensor_form_does_not_see_the_seam(case: Case, turn: int) -> None:
+    assert_seamless(case, turn, True)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("ring", [True, False])
+def test_cuda_tensor_form_at_glimmer_shapes(ring: bool) -> None:
+    case = glimmer_case(ring)
+    built = build(case)
+    assert close_to_oracle(built, built.attend(True))
+    assert_batch_invariant(case, True)
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=40, deadline=None)
+@given(case=served_cases())
+def test_cuda_scalar_body_still_matches_the_oracle(case: Case) -> None:
+    saved = attention.TENSOR_CORES
+    attention.TENSOR_CORES = False
+    try:
+        built = build(case)
+        assert close_to_oracle(built, built.attend(True)), case
+    finally:
+        attention.TENSOR_CORES = saved
