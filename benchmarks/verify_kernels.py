@@ -116,6 +116,41 @@ def time_op(fn: Callable[[], mx.array], reps: int, batch: int) -> dict:
     }
 
 
+def device_time(fn: Callable[[], mx.array], reps: int) -> dict:
+    """Device time per call from CUPTI (through ``torch.profiler``): kernels only.
+
+    Host overhead (Python, mlx's graph, launches) is not in it, unlike ``pipelined``.
+    Needs PyTorch with CUDA in this interpreter.
+    """
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    mx.eval(fn())
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            mx.eval(fn())
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as handle:
+            events = json.load(handle).get("traceEvents", [])
+    kernels: dict = {}
+    for event in events:
+        if event.get("ph") == "X" and event.get("cat") == "kernel":
+            name = event.get("name", "?")[:80]
+            kernels.setdefault(name, []).append(float(event.get("dur", 0.0)))
+    total = sum(sum(d) for d in kernels.values())
+    return {
+        "device_us": total / reps,
+        "kernels_per_call": sum(len(d) for d in kernels.values()) / reps,
+        "device_kernels_us": {
+            name: round(statistics.median(d), 2) for name, d in kernels.items()
+        },
+    }
+
+
 class Report:
     """Rows of results, written to JSON after every one."""
 
@@ -257,12 +292,24 @@ def bench_attention(setup: Setup, report: Report, args) -> None:
                     * setup.dtype.size,
                     "max_abs_diff_vs_mlx": float(diff),
                 }
-                timing = time_op(ours, args.reps, args.batch)
-                report.add(
-                    "attention", {**base, "impl": _form(args.use_kernel), **timing}
-                )
-                timing = time_op(theirs, args.reps, args.batch)
-                report.add("attention", {**base, "impl": name, **timing})
+                arms = [(_form(args.use_kernel), ours, True), (name, theirs, True)]
+                if attention.uses_tensor_cores(
+                    attention.make_plan(
+                        queries, plane, block_k, block_v, window=kwargs["window"],
+                        causal=True, query_start=None, chunk=attention.CHUNK,
+                    ),
+                    setup.dtype,
+                ) and args.use_kernel is not False:  # fmt: skip
+                    arms.insert(1, ("kernel (scalar body)", ours, False))
+                for impl, fn, tensor_cores in arms:
+                    saved, attention.TENSOR_CORES = attention.TENSOR_CORES, tensor_cores
+                    try:
+                        timing = time_op(fn, args.reps, args.batch)
+                        if args.device_time:
+                            timing.update(device_time(fn, args.reps))
+                    finally:
+                        attention.TENSOR_CORES = saved
+                    report.add("attention", {**base, "impl": impl, **timing})
 
 
 # -------------------------------------------------------------------- matmul
@@ -325,6 +372,8 @@ def bench_matmul(setup: Setup, report: Report, args) -> None:
                 }
                 for impl, fn in ((_form(args.use_kernel), ours), ("mlx", theirs)):
                     timing = time_op(fn, args.reps, args.batch)
+                    if args.device_time:
+                        timing.update(device_time(fn, args.reps))
                     ratio = timing["pipelined_us"] / base["bound_us"]
                     report.add("matmul", {**base, "impl": impl, **timing,
                                           "pipelined_over_bound": ratio})  # fmt: skip
@@ -350,6 +399,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         "--skip-lm-head", action="store_true", help="skip the 202k-column head"
     )
     parser.add_argument("--only", choices=("attention", "matmul"), help="one section")
+    parser.add_argument(
+        "--device-time",
+        action="store_true",
+        help="also the kernels' device time per call (CUPTI via torch.profiler; CUDA)",
+    )
     parser.add_argument(
         "--use-kernel",
         choices=("auto", "kernel", "reference"),

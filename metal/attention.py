@@ -269,9 +269,8 @@ def make_plan(
             f"the query at position {start} sees keys from {first} on, but the plane's "
             f"oldest live row is at {origin_logical} (evicted or never written)"
         )
-    last = max(
-        visible_bounds(start + i, width, causal, key_end)[1] for i in range(count)
-    )
+    # The last visible key never decreases with the query's position.
+    _, last = visible_bounds(start + count - 1, width, causal, key_end)
     chunk_first = first // chunk
     return Plan(
         batch, heads, plane.keys.shape[1], count, dim, capacity, block, start,
