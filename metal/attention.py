@@ -664,8 +664,11 @@ ATTEND_CHUNKS_BODY = (
 """
 )
 
-# Pass 2: one thread per output element (row, d): fold the chunks in ascending
-# order, skipping the ones the row does not see (sum 0). params: total, dim, n_chunks.
+# Pass 2: one thread per output element (row, d): the chunks' maximum M over the ones the
+# row sees (sum > 0), then sum and weighted values rescaled by exp(m_u - M), added in
+# ascending chunk order; a chunk the row does not see adds an exact zero. No load depends
+# on an earlier iteration, so unrolled loops keep many loads in flight (a chain of
+# dependent loads per chunk cost ~0.5 us a chunk on an H200). params: total, dim, n_chunks.
 FOLD_CHUNKS_BODY = """
   const int total_threads = fold_params[0];
   const int dim = fold_params[1];
@@ -676,31 +679,27 @@ FOLD_CHUNKS_BODY = """
   }
   const int qrow = gid / dim;
   const int d = gid % dim;
-  float m = 0.0f;
+  const int base = qrow * n_chunks;
+  float top = 0.0f;
+  int seen = 0;
+  DFL_UNROLL8
+  for (int u = 0; u < n_chunks; ++u) {
+    const float l_u = part_stats[(base + u) * 2 + 1];
+    const float m_u = part_stats[(base + u) * 2];
+    const bool take = l_u > 0.0f;
+    top = take ? (seen != 0 ? DFL_FMAX(top, m_u) : m_u) : top;
+    seen = seen | int(take);
+  }
   float l = 0.0f;
   float acc = 0.0f;
-  int started = 0;
+  DFL_UNROLL8
   for (int u = 0; u < n_chunks; ++u) {
-    const int at = qrow * n_chunks + u;
-    const float l_u = part_stats[at * 2 + 1];
-    if (!(l_u > 0.0f)) {
-      continue;
-    }
-    const float m_u = part_stats[at * 2];
-    const float a_u = part_values[at * dim + d];
-    if (started == 0) {
-      m = m_u;
-      l = l_u;
-      acc = a_u;
-      started = 1;
-      continue;
-    }
-    const float top = DFL_FMAX(m, m_u);
-    const float alpha = DFL_EXP(m - top);
-    const float beta = DFL_EXP(m_u - top);
-    l = DFL_FMA(l, alpha, l_u * beta);
-    acc = DFL_FMA(acc, alpha, a_u * beta);
-    m = top;
+    const float l_u = part_stats[(base + u) * 2 + 1];
+    const float m_u = part_stats[(base + u) * 2];
+    const float a_u = part_values[(base + u) * dim + d];
+    const float w = l_u > 0.0f ? DFL_EXP(m_u - top) : 0.0f;
+    l = DFL_FMA(l_u, w, l);
+    acc = DFL_FMA(a_u, w, acc);
   }
   out[gid] = T(acc / l);
 """

@@ -9,7 +9,8 @@ backend, everything else is one text shared by both:
 * a **header** (``header=`` of ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel``)
   defining the macros ``DFL_SHARED`` (threadgroup / ``__shared__`` storage),
   ``DFL_BARRIER()``, ``DFL_FN`` (helper-function qualifier) and the float maths
-  ``DFL_EXP``, ``DFL_TANH``, ``DFL_FMA``, ``DFL_FMAX``; after it comes the kernel's
+  ``DFL_EXP``, ``DFL_TANH``, ``DFL_FMA``, ``DFL_FMAX`` and ``DFL_UNROLL8`` (unroll the
+  next loop by 8 where the compiler takes the hint); after it comes the kernel's
   shared helper functions (index arithmetic only, no pointers);
 * a **prologue** of two statements: ``lid`` (thread index in its threadgroup) and
   ``group`` (threadgroup index in the grid);
@@ -43,6 +44,7 @@ HEADERS: dict[str, str] = {
 #define DFL_TANH(x) tanh(x)
 #define DFL_FMA(a, b, c) fma(a, b, c)
 #define DFL_FMAX(a, b) fmax(a, b)
+#define DFL_UNROLL8
 """,
     CUDA: """
 #define DFL_SHARED __shared__
@@ -52,6 +54,7 @@ HEADERS: dict[str, str] = {
 #define DFL_TANH(x) tanhf(x)
 #define DFL_FMA(a, b, c) fmaf(a, b, c)
 #define DFL_FMAX(a, b) fmaxf(a, b)
+#define DFL_UNROLL8 _Pragma("unroll 8")
 """,
 }
 

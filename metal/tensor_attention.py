@@ -8,34 +8,37 @@ What differs is how a chunk is attended, because the scalar body cannot meet the
 issue's goal (16 queries x 16 query heads per KV head over 4k keys is ~1 GFLOP,
 18 us at the H200's float32 peak; ``docs/verify-kernels-analysis.md``):
 
-* one threadgroup of 4 warps per (batch, KV head, chunk, 64 query rows); each
-  warp owns 16 rows (one ``m16`` tile); the grouped query heads of a KV head are
-  its rows, so the chunk's keys are read once for all of them;
-* the chunk's keys and values are staged in tiles of 64 keys through shared
-  memory with ``cp.async`` (two stages: the next tile loads while this one is
-  used), rows read where they lie in the ring or the held-back block, positions
-  outside the live range filled with zeros;
+* one threadgroup of 8 warps per (batch, KV head, chunk, 32 query rows): warp
+  ``w`` takes the 16 rows of row tile ``w % 2`` (one ``m16`` tile) against key tile
+  ``w / 2`` (64 keys) of the chunk, so every warp does one tile and the chain a
+  threadgroup waits on is one tile long; the grouped query heads of a KV head are
+  the rows, so a key is read once for 32 of them;
+* the whole chunk (up to 4 tiles of keys and values) is staged in shared memory
+  with ``cp.async``, rows read where they lie in the ring or the held-back block,
+  positions outside the live range filled with zeros;
 * scores ``Q K^T`` and weighted values ``P V`` come from ``mma.sync`` m16n8k16
   (bfloat16 / float16 inputs, float32 accumulators); ``K`` and ``V`` fragments
   from ``ldmatrix`` (``V`` transposed on the fly);
-* the softmax runs online over the chunk's tiles in float32: per row the tile's
-  maximum over the keys the row sees, the running maximum, rescale, ``exp``.
-  Weights are rounded to the input type for ``P V`` and the row sum adds the
-  rounded weights, so the normalisation matches what was multiplied.
+* per warp, the softmax of its tile in float32 (the tile's row maxima over the keys
+  a row sees, ``exp``); weights are rounded to the input type for ``P V`` and the
+  row sum adds the rounded weights, so the normalisation matches what was
+  multiplied. The four tiles' partials then meet in shared memory and are combined
+  in ascending tile order against their maximum, as the fold combines chunks.
 
 **Batch invariance.** A row's result is produced by the same instruction sequence
 whatever the other rows are: the chunk's tiles are fixed by absolute position and
 all of them are processed, the tensor core computes each output element from its
 own row and column only, the row maxima and sums are reduced in a fixed order
-inside a quad (thread-local in key order, then lanes ``xor 1``, ``xor 2``), and
-the chunks are folded by the shared fold. Rows of the tile that hold no query
+inside a quad (thread-local in key order, then lanes ``xor 1``, ``xor 2``), the
+tiles of a chunk are combined in tile order, and the chunks are folded by the
+shared fold. Rows of the tile that hold no query
 are zeros and written nowhere. So a 16-query verify gives each row the bits of a
 one-query step through this form. It is not bit-equal to the scalar kernel or the
 reference (different summation grouping, weights rounded for ``P V``); it is
 within the dtype's tolerance of them.
 
 Served: CUDA, bfloat16 / float16, head dim a multiple of 16 up to 128, a chunk
-that is a multiple of 64 keys (the default 256). Everything else takes the
+of 64, 128, 192 or 256 keys (the default is 256). Everything else takes the
 scalar kernel. There is no Metal body (``simdgroup_matrix`` would be its
 counterpart); Metal keeps the scalar kernel.
 """
@@ -50,12 +53,13 @@ import mlx.core as mx
 from .groups import GroupKernelSpec
 from .sources import CUDA
 
-# Query rows per threadgroup (4 warps x one m16 tile each) and keys per staged tile.
-ROWS = 64
-WARPS = 4
-THREADS = 32 * WARPS
+# A threadgroup: 32 query rows (two m16 tiles) x one chunk of up to KEY_SPLIT tiles of
+# TILE keys; one warp per (row tile, key tile), so 8 warps and one tile each.
+ROWS = 32
 TILE = 64
-STAGES = 2
+KEY_SPLIT = 4
+WARPS = 2 * KEY_SPLIT
+THREADS = 32 * WARPS
 # Shared-memory row pitch: 8 elements of padding keep ldmatrix's eight 16-byte rows
 # on distinct banks and every row 16-byte aligned for cp.async.
 PAD = 8
@@ -141,7 +145,7 @@ def _body(dim: int) -> str:
   constexpr int ROWS = {ROWS};
   constexpr int THREADS = {THREADS};
   constexpr int TILE = {TILE};
-  constexpr int STAGES = {STAGES};
+  constexpr int KEY_SPLIT = {KEY_SPLIT};
   constexpr int PITCH = DIM + {PAD};
 """
     return constants + r"""
@@ -182,49 +186,45 @@ def _body(dim: int) -> str:
   const int chunk_start = (chunk_first + u) * chunk;
   const int ring_end = origin_logical + ring_len;
   const int key_end = ring_end + n_block;
+  const int n_tiles = chunk / TILE;
 
   extern __shared__ __align__(16) unsigned char dfl_smem[];
   T* k_tiles = reinterpret_cast<T*>(dfl_smem);
-  T* v_tiles = k_tiles + STAGES * TILE * PITCH;
+  T* v_tiles = k_tiles + KEY_SPLIT * TILE * PITCH;
 
-  // Stage tile t's keys and values (zeros outside the live positions).
-  auto load_tile = [&](int t, int stage) {
-    const int tile_start = chunk_start + t * TILE;
-    for (int idx = int(lid); idx < TILE * VECTORS; idx += THREADS) {
-      const int r = idx / VECTORS;
-      const int c = (idx % VECTORS) * 8;
-      const int pos = tile_start + r;
-      const bool live = pos >= origin_logical && pos < key_end;
-      const T* k_src = keys;
-      const T* v_src = values;
-      if (live) {
-        const int off = dfl_row_offset(pos, bh, DIM, cap, n_block, origin_logical,
-                                       origin_physical, ring_end);
-        k_src = (pos < ring_end ? keys : block_keys) + off + c;
-        v_src = (pos < ring_end ? values : block_values) + off + c;
-      }
-      const int at = (stage * TILE + r) * PITCH + c;
-      dfl_cp_async16(k_tiles + at, k_src, live);
-      dfl_cp_async16(v_tiles + at, v_src, live);
+  // Stage the chunk's keys and values (zeros outside the live positions).
+  for (int idx = int(lid); idx < n_tiles * TILE * VECTORS; idx += THREADS) {
+    const int r = idx / VECTORS;
+    const int c = (idx % VECTORS) * 8;
+    const int pos = chunk_start + r;
+    const bool live = pos >= origin_logical && pos < key_end;
+    const T* k_src = keys;
+    const T* v_src = values;
+    if (live) {
+      const int off = dfl_row_offset(pos, bh, DIM, cap, n_block, origin_logical,
+                                     origin_physical, ring_end);
+      k_src = (pos < ring_end ? keys : block_keys) + off + c;
+      v_src = (pos < ring_end ? values : block_values) + off + c;
     }
-    dfl_cp_async_commit();
-  };
+    dfl_cp_async16(k_tiles + r * PITCH + c, k_src, live);
+    dfl_cp_async16(v_tiles + r * PITCH + c, v_src, live);
+  }
+  dfl_cp_async_commit();
 
-  const int n_tiles = chunk / TILE;
-  load_tile(0, 0);
-
+  // Warp w: rows (w % 2) * 16 .. of the block, keys (w / 2) * TILE .. of the chunk.
   const int warp = int(lid) / 32;
   const int lane = int(lid) % 32;
   const int gid = lane >> 2;
   const int tig = lane & 3;
-  // This thread's two rows of the warp's m16 tile: gid and gid + 8.
+  const int row_tile = warp % 2;
+  const int key_tile = warp / 2;
   int row[2];
   bool row_ok[2];
   int first[2];
   int last[2];
   int qrow[2];
   for (int i = 0; i < 2; ++i) {
-    row[i] = rb * ROWS + warp * 16 + gid + 8 * i;
+    row[i] = rb * ROWS + row_tile * 16 + gid + 8 * i;
     row_ok[i] = row[i] < head_rows;
     const int r = row_ok[i] ? row[i] : 0;
     qrow[i] = (b * n_heads + h * group_size + r / n_queries) * n_queries + r % n_queries;
@@ -236,22 +236,24 @@ def _body(dim: int) -> str:
       last[i] = dfl_last_key(qpos, window, causal, key_end);
     }
   }
-  const bool warp_active = rb * ROWS + warp * 16 < head_rows;
+  const bool warp_active =
+      rb * ROWS + row_tile * 16 < head_rows && key_tile < n_tiles;
 
-  // Query fragments (A of the scores), zero for rows that hold no query.
+  // Query fragments (A of the scores), zero for rows that hold no query; loaded
+  // while the chunk streams in.
   uint32_t q_frag[KSTEPS][4];
   for (int ks = 0; ks < KSTEPS; ++ks) {
     for (int j = 0; j < 4; ++j) {
       const int i = j & 1;
       const int d = ks * 16 + tig * 2 + (j >> 1) * 8;
-      q_frag[ks][j] = row_ok[i]
+      q_frag[ks][j] = warp_active && row_ok[i]
           ? *reinterpret_cast<const uint32_t*>(queries + qrow[i] * DIM + d)
           : 0u;
     }
   }
 
-  float m_run[2] = {NEG_INF, NEG_INF};
-  float l_run[2] = {0.0f, 0.0f};
+  float m_tile[2] = {NEG_INF, NEG_INF};
+  float l_tile[2] = {0.0f, 0.0f};
   float acc[DIM_TILES][4];
   for (int dt = 0; dt < DIM_TILES; ++dt) {
     for (int j = 0; j < 4; ++j) {
@@ -259,129 +261,146 @@ def _body(dim: int) -> str:
     }
   }
 
-  for (int t = 0; t < n_tiles; ++t) {
-    if (t + 1 < n_tiles) {
-      load_tile(t + 1, (t + 1) % STAGES);
-      dfl_cp_async_wait<1>();
-    } else {
-      dfl_cp_async_wait<0>();
-    }
-    __syncthreads();
-    const T* k_tile = k_tiles + (t % STAGES) * TILE * PITCH;
-    const T* v_tile = v_tiles + (t % STAGES) * TILE * PITCH;
-    if (warp_active) {
-      // Scores of the warp's 16 rows against the tile's 64 keys.
-      float s[KEY_TILES][4];
-      for (int j = 0; j < KEY_TILES; ++j) {
-        for (int e = 0; e < 4; ++e) {
-          s[j][e] = 0.0f;
-        }
-      }
-      for (int ks = 0; ks < KSTEPS; ++ks) {
-        for (int j = 0; j < KEY_TILES; j += 2) {
-          // Matrices: keys j*8.. x dims lo/hi, keys (j+1)*8.. x dims lo/hi.
-          const int mi = lane >> 3;
-          const int key = (j + (mi >> 1)) * 8 + (lane & 7);
-          const int d = ks * 16 + (mi & 1) * 8;
-          uint32_t kf[4];
-          dfl_ldmatrix_x4(kf, k_tile + key * PITCH + d);
-          dfl_mma(s[j], q_frag[ks], kf[0], kf[1], queries);
-          dfl_mma(s[j + 1], q_frag[ks], kf[2], kf[3], queries);
-        }
-      }
-      // Scale, soft-cap, hide what a row does not see; the tile's row maxima.
-      const int tile_start = chunk_start + t * TILE;
-      float tile_max[2] = {NEG_INF, NEG_INF};
-      for (int j = 0; j < KEY_TILES; ++j) {
-        for (int e = 0; e < 4; ++e) {
-          const int i = e >> 1;
-          const int pos = tile_start + j * 8 + tig * 2 + (e & 1);
-          float score = s[j][e] * scale;
-          if (softcap > 0.0f) {
-            score = softcap * tanhf(score / softcap);
-          }
-          const bool seen = pos >= first[i] && pos <= last[i];
-          s[j][e] = seen ? score : NEG_INF;
-          tile_max[i] = fmaxf(tile_max[i], s[j][e]);
-        }
-      }
-      float alpha[2];
-      for (int i = 0; i < 2; ++i) {
-        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
-        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
-        const float top = fmaxf(m_run[i], tile_max[i]);
-        // Nothing seen yet (top is -inf): keep the state as it is.
-        alpha[i] = top == NEG_INF ? 1.0f : expf(m_run[i] - top);
-        m_run[i] = top;
-      }
-      // Weights, rounded to T (A of the weighted values); row sums of the rounded ones.
-      uint32_t p_frag[KEY_TILES][2];
-      float row_sum[2] = {0.0f, 0.0f};
-      for (int j = 0; j < KEY_TILES; ++j) {
-        for (int i = 0; i < 2; ++i) {
-          float w[2];
-          for (int e = 0; e < 2; ++e) {
-            const float x = s[j][2 * i + e];
-            w[e] = m_run[i] == NEG_INF || x == NEG_INF ? 0.0f : expf(x - m_run[i]);
-          }
-          float lo, hi;
-          p_frag[j][i] = dfl_pack(w[0], w[1], lo, hi, queries);
-          row_sum[i] += lo;
-          row_sum[i] += hi;
-        }
-      }
-      for (int i = 0; i < 2; ++i) {
-        row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
-        row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
-        l_run[i] = l_run[i] * alpha[i] + row_sum[i];
-      }
-      for (int dt = 0; dt < DIM_TILES; ++dt) {
-        acc[dt][0] *= alpha[0];
-        acc[dt][1] *= alpha[0];
-        acc[dt][2] *= alpha[1];
-        acc[dt][3] *= alpha[1];
-      }
-      // Weighted values: 16 keys per k-step; V fragments transposed by ldmatrix.
-      for (int kk = 0; kk < TILE / 16; ++kk) {
-        const uint32_t p_a[4] = {p_frag[2 * kk][0], p_frag[2 * kk][1],
-                                 p_frag[2 * kk + 1][0], p_frag[2 * kk + 1][1]};
-        for (int dt = 0; dt < DIM_TILES; dt += 2) {
-          // Matrices: keys lo/hi x dims dt*8.., keys lo/hi x dims (dt+1)*8...
-          const int mi = lane >> 3;
-          const int key = kk * 16 + (mi & 1) * 8 + (lane & 7);
-          const int d = (dt + (mi >> 1)) * 8;
-          uint32_t vf[4];
-          dfl_ldmatrix_x4_trans(vf, v_tile + key * PITCH + d);
-          dfl_mma(acc[dt], p_a, vf[0], vf[1], queries);
-          dfl_mma(acc[dt + 1], p_a, vf[2], vf[3], queries);
-        }
+  dfl_cp_async_wait<0>();
+  __syncthreads();
+  if (warp_active) {
+    const T* k_tile = k_tiles + key_tile * TILE * PITCH;
+    const T* v_tile = v_tiles + key_tile * TILE * PITCH;
+    // Scores of the warp's 16 rows against its 64 keys.
+    float s[KEY_TILES][4];
+    for (int j = 0; j < KEY_TILES; ++j) {
+      for (int e = 0; e < 4; ++e) {
+        s[j][e] = 0.0f;
       }
     }
-    __syncthreads();
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+      for (int j = 0; j < KEY_TILES; j += 2) {
+        // Matrices: keys j*8.. x dims lo/hi, keys (j+1)*8.. x dims lo/hi.
+        const int mi = lane >> 3;
+        const int key = (j + (mi >> 1)) * 8 + (lane & 7);
+        const int d = ks * 16 + (mi & 1) * 8;
+        uint32_t kf[4];
+        dfl_ldmatrix_x4(kf, k_tile + key * PITCH + d);
+        dfl_mma(s[j], q_frag[ks], kf[0], kf[1], queries);
+        dfl_mma(s[j + 1], q_frag[ks], kf[2], kf[3], queries);
+      }
+    }
+    // Scale, soft-cap, hide what a row does not see; the tile's row maxima.
+    const int tile_start = chunk_start + key_tile * TILE;
+    for (int j = 0; j < KEY_TILES; ++j) {
+      for (int e = 0; e < 4; ++e) {
+        const int i = e >> 1;
+        const int pos = tile_start + j * 8 + tig * 2 + (e & 1);
+        float score = s[j][e] * scale;
+        if (softcap > 0.0f) {
+          score = softcap * tanhf(score / softcap);
+        }
+        const bool seen = pos >= first[i] && pos <= last[i];
+        s[j][e] = seen ? score : NEG_INF;
+        m_tile[i] = fmaxf(m_tile[i], s[j][e]);
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      m_tile[i] = fmaxf(m_tile[i], __shfl_xor_sync(0xffffffffu, m_tile[i], 1));
+      m_tile[i] = fmaxf(m_tile[i], __shfl_xor_sync(0xffffffffu, m_tile[i], 2));
+    }
+    // Weights, rounded to T (A of the weighted values); row sums of the rounded ones.
+    uint32_t p_frag[KEY_TILES][2];
+    for (int j = 0; j < KEY_TILES; ++j) {
+      for (int i = 0; i < 2; ++i) {
+        float w[2];
+        for (int e = 0; e < 2; ++e) {
+          const float x = s[j][2 * i + e];
+          w[e] = x == NEG_INF ? 0.0f : expf(x - m_tile[i]);
+        }
+        float lo, hi;
+        p_frag[j][i] = dfl_pack(w[0], w[1], lo, hi, queries);
+        l_tile[i] += lo;
+        l_tile[i] += hi;
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      l_tile[i] += __shfl_xor_sync(0xffffffffu, l_tile[i], 1);
+      l_tile[i] += __shfl_xor_sync(0xffffffffu, l_tile[i], 2);
+    }
+    // Weighted values: 16 keys per k-step; V fragments transposed by ldmatrix.
+    for (int kk = 0; kk < TILE / 16; ++kk) {
+      const uint32_t p_a[4] = {p_frag[2 * kk][0], p_frag[2 * kk][1],
+                               p_frag[2 * kk + 1][0], p_frag[2 * kk + 1][1]};
+      for (int dt = 0; dt < DIM_TILES; dt += 2) {
+        // Matrices: keys lo/hi x dims dt*8.., keys lo/hi x dims (dt+1)*8...
+        const int mi = lane >> 3;
+        const int key = kk * 16 + (mi & 1) * 8 + (lane & 7);
+        const int d = (dt + (mi >> 1)) * 8;
+        uint32_t vf[4];
+        dfl_ldmatrix_x4_trans(vf, v_tile + key * PITCH + d);
+        dfl_mma(acc[dt], p_a, vf[0], vf[1], queries);
+        dfl_mma(acc[dt + 1], p_a, vf[2], vf[3], queries);
+      }
+    }
   }
+  __syncthreads();  // the tiles are read; their memory holds the warps' partials now
 
-  // The chunk's statistics and weighted values of this thread's rows.
+  // Each warp's tile partial: statistics and weighted values of its 16 rows.
+  float* part_acc = reinterpret_cast<float*>(dfl_smem);
+  float* part_stat = part_acc + 2 * KEY_SPLIT * 16 * DIM;
   for (int i = 0; i < 2; ++i) {
-    if (!row_ok[i]) {
-      continue;
-    }
-    const int at = qrow[i] * n_chunks + u;
+    const int at = warp * 16 + gid + 8 * i;
     if (tig == 0) {
-      part_stats[at * 2] = m_run[i];
-      part_stats[at * 2 + 1] = l_run[i];
+      part_stat[at * 2] = m_tile[i];
+      part_stat[at * 2 + 1] = l_tile[i];
     }
     for (int dt = 0; dt < DIM_TILES; ++dt) {
       const int d = dt * 8 + tig * 2;
-      part_values[at * DIM + d] = acc[dt][2 * i];
-      part_values[at * DIM + d + 1] = acc[dt][2 * i + 1];
+      part_acc[at * DIM + d] = acc[dt][2 * i];
+      part_acc[at * DIM + d + 1] = acc[dt][2 * i + 1];
+    }
+  }
+  __syncthreads();
+
+  // The chunk's partial per row: key tiles combined in ascending order against their
+  // maximum (a tile the row does not see adds an exact zero).
+  for (int idx = int(lid); idx < ROWS * DIM; idx += THREADS) {
+    const int local = idx / DIM;
+    const int d = idx % DIM;
+    const int r = rb * ROWS + local;
+    if (r >= head_rows) {
+      continue;
+    }
+    const int tile_row = local % 16;
+    const int rows_warp = local / 16;
+    float top = NEG_INF;
+    for (int k = 0; k < n_tiles; ++k) {
+      top = fmaxf(top, part_stat[((k * 2 + rows_warp) * 16 + tile_row) * 2]);
+    }
+    float l = 0.0f;
+    float a = 0.0f;
+    for (int k = 0; k < n_tiles; ++k) {
+      const int at = (k * 2 + rows_warp) * 16 + tile_row;
+      const float l_k = part_stat[at * 2 + 1];
+      const float w = l_k > 0.0f ? expf(part_stat[at * 2] - top) : 0.0f;
+      l = fmaf(l_k, w, l);
+      a = fmaf(part_acc[at * DIM + d], w, a);
+    }
+    const int q = (b * n_heads + h * group_size + r / n_queries) * n_queries + r % n_queries;
+    const int at = q * n_chunks + u;
+    part_values[at * DIM + d] = a;
+    if (d == 0) {
+      part_stats[at * 2] = top;
+      part_stats[at * 2 + 1] = l;
     }
   }
 """
 
 
 def shared_bytes(dim: int) -> int:
-    """Dynamic shared memory of one threadgroup: both stages of keys and values."""
-    return 2 * STAGES * TILE * (dim + PAD) * 2
+    """Dynamic shared memory of one threadgroup: a whole chunk of keys and values.
+
+    The warps' partials reuse it afterwards (they need less).
+    """
+    tiles = 2 * KEY_SPLIT * TILE * (dim + PAD) * 2
+    partials = 4 * WARPS * 16 * (dim + 2)
+    return max(tiles, partials)
 
 
 @functools.lru_cache(maxsize=None)
@@ -418,4 +437,5 @@ def tensor_serves(
         and dim % 16 == 0
         and 16 <= dim <= MAX_DIM
         and chunk % TILE == 0
+        and chunk <= KEY_SPLIT * TILE
     )

@@ -87,6 +87,7 @@ def test_a_wrong_tensor_core_instruction_fails_the_check(tmp_path: Path) -> None
         (256, 256, mx.bfloat16, "cuda", False),
         (128, 16, mx.bfloat16, "cuda", False),
         (128, 96, mx.bfloat16, "cuda", False),
+        (128, 512, mx.bfloat16, "cuda", False),
         (128, 256, mx.bfloat16, "metal", False),
         (128, 256, mx.bfloat16, None, False),
     ],
@@ -118,13 +119,13 @@ def _captured_launches(monkeypatch, case: Case, switch: bool = True) -> list:
 
 
 def test_launch_geometry_at_glimmer_shapes(monkeypatch) -> None:
-    """16 queries x 16 grouped heads = 256 rows = 4 blocks of 64, over 17 chunks."""
+    """16 queries x 16 grouped heads = 256 rows = 8 blocks of 32, over 17 chunks."""
     launches = _captured_launches(monkeypatch, glimmer_case(ring=False))
     (spec, count, shapes), (fold, _, _) = launches
     assert spec is tensor_attention.attend_spec(128)
     plan_chunks = shapes[0][3]
     assert plan_chunks == 17
-    assert count == 1 * 2 * plan_chunks * 4
+    assert count == 1 * 2 * plan_chunks * 8
     assert fold is attention.FOLD_CHUNKS
 
 
