@@ -33,7 +33,7 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
-from dflash.metal import attention, backend, qmm
+from dflash.metal import attention, backend, qmm, tensor_attention
 from dflash.metal.attention import KeyPlane, small_query_attention
 from dflash.metal.qmm import small_row_matmul
 
@@ -292,23 +292,32 @@ def bench_attention(setup: Setup, report: Report, args) -> None:
                     * setup.dtype.size,
                     "max_abs_diff_vs_mlx": float(diff),
                 }
-                arms = [(_form(args.use_kernel), ours, True), (name, theirs, True)]
-                if attention.uses_tensor_cores(
-                    attention.make_plan(
-                        queries, plane, block_k, block_v, window=kwargs["window"],
-                        causal=True, query_start=None, chunk=attention.CHUNK,
-                    ),
-                    setup.dtype,
-                ) and args.use_kernel is not False:  # fmt: skip
-                    arms.insert(1, ("kernel (scalar body)", ours, False))
-                for impl, fn, tensor_cores in arms:
-                    saved, attention.TENSOR_CORES = attention.TENSOR_CORES, tensor_cores
+                # Our arms: (label, tensor cores on, layout); mlx's arm last.
+                arms = [(_form(args.use_kernel), True, attention.TENSOR_LAYOUT)]
+                plan = attention.make_plan(
+                    queries, plane, block_k, block_v, window=kwargs["window"],
+                    causal=True, query_start=None, chunk=attention.CHUNK,
+                )  # fmt: skip
+                if args.use_kernel is not False and attention.uses_tensor_cores(
+                    plan, setup.dtype
+                ):
+                    arms = [
+                        (f"kernel (tensor, {layout.name})", True, layout)
+                        for layout in tensor_attention.LAYOUTS.values()
+                    ] + [("kernel (scalar body)", False, attention.TENSOR_LAYOUT)]
+                arms.append((name, None, None))
+                for impl, tensor_cores, layout in arms:
+                    fn = theirs if tensor_cores is None else ours
+                    saved = attention.TENSOR_CORES, attention.TENSOR_LAYOUT
+                    if tensor_cores is not None:
+                        attention.TENSOR_CORES = tensor_cores
+                        attention.TENSOR_LAYOUT = layout
                     try:
                         timing = time_op(fn, args.reps, args.batch)
                         if args.device_time:
                             timing.update(device_time(fn, args.reps))
                     finally:
-                        attention.TENSOR_CORES = saved
+                        attention.TENSOR_CORES, attention.TENSOR_LAYOUT = saved
                     report.add("attention", {**base, "impl": impl, **timing})
 
 

@@ -735,12 +735,14 @@ SPECS = (ATTEND_CHUNKS, FOLD_CHUNKS)
 # the tensor-core form takes every call it serves (:mod:`.tensor_attention`).
 TENSOR_CORES_ENV = "DFLASH_TENSOR_CORES"
 TENSOR_CORES: bool = backend.env_switch(TENSOR_CORES_ENV) is not False
+# Which tensor-core layout this process runs (``DFLASH_TENSOR_LAYOUT``, read once).
+TENSOR_LAYOUT: tensor_attention.Layout = tensor_attention.layout_from_env()
 
 
 def uses_tensor_cores(plan: Plan, dtype: mx.Dtype) -> bool:
     """Whether the kernel form of ``plan`` runs the tensor-core chunk pass."""
     return TENSOR_CORES and tensor_attention.tensor_serves(
-        plan.dim, plan.chunk, dtype, backend.BACKEND
+        plan.dim, plan.chunk, dtype, backend.BACKEND, TENSOR_LAYOUT
     )
 
 
@@ -781,10 +783,8 @@ def kernel_attention(
         keys, values = block_keys, block_values
     group = plan.heads // plan.kv_heads
     if uses_tensor_cores(plan, dtype):
-        spec, rows_per_group = (
-            tensor_attention.attend_spec(plan.dim),
-            tensor_attention.ROWS,
-        )
+        spec = tensor_attention.attend_spec(plan.dim, TENSOR_LAYOUT)
+        rows_per_group = TENSOR_LAYOUT.rows
     else:
         spec, rows_per_group = ATTEND_CHUNKS, ROWS
     row_blocks = -(-group * plan.queries // rows_per_group)

@@ -46,6 +46,8 @@ counterpart); Metal keeps the scalar kernel.
 from __future__ import annotations
 
 import functools
+import os
+from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
@@ -53,13 +55,55 @@ import mlx.core as mx
 from .groups import GroupKernelSpec
 from .sources import CUDA
 
-# A threadgroup: 32 query rows (two m16 tiles) x one chunk of up to KEY_SPLIT tiles of
-# TILE keys; one warp per (row tile, key tile), so 8 warps and one tile each.
-ROWS = 32
 TILE = 64
+# split: a threadgroup is 32 query rows (two m16 tiles) x one chunk of up to KEY_SPLIT
+# tiles; one warp per (row tile, key tile), so 8 warps and one tile each.
 KEY_SPLIT = 4
-WARPS = 2 * KEY_SPLIT
-THREADS = 32 * WARPS
+# stream: a threadgroup is 64 query rows (4 warps x one m16 tile) streaming the chunk's
+# tiles through STAGES buffers, each warp folding them in order (online softmax).
+STAGES = 2
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a threadgroup of the chunk pass is cut.
+
+    Attributes:
+        name: ``"split"`` or ``"stream"``.
+        rows: Query rows per threadgroup.
+        threads: Threads per threadgroup.
+        max_chunk: Largest chunk (keys) it takes.
+    """
+
+    name: str
+    rows: int
+    threads: int
+    max_chunk: int
+
+
+SPLIT = Layout("split", 32, 32 * 2 * KEY_SPLIT, KEY_SPLIT * TILE)
+STREAM = Layout("stream", 64, 32 * 4, 1 << 30)
+LAYOUTS = {layout.name: layout for layout in (SPLIT, STREAM)}
+# The two layouts sum in different orders (different bits, each batch-invariant), so a
+# process uses one: ``DFLASH_TENSOR_LAYOUT`` or the measured default.
+LAYOUT_ENV = "DFLASH_TENSOR_LAYOUT"
+DEFAULT_LAYOUT = "stream"
+
+
+def layout_from_env() -> Layout:
+    """The layout ``DFLASH_TENSOR_LAYOUT`` names, else :data:`DEFAULT_LAYOUT`.
+
+    Raises:
+        ValueError: The variable names no layout.
+    """
+    name = os.environ.get(LAYOUT_ENV, "").strip().lower() or DEFAULT_LAYOUT
+    if name not in LAYOUTS:
+        raise ValueError(
+            f"{LAYOUT_ENV}={name!r}: expected one of {', '.join(sorted(LAYOUTS))}"
+        )
+    return LAYOUTS[name]
+
+
 # Shared-memory row pitch: 8 elements of padding keep ldmatrix's eight 16-byte rows
 # on distinct banks and every row 16-byte aligned for cp.async.
 PAD = 8
@@ -138,12 +182,12 @@ DFL_FN uint32_t dfl_pack(float a, float b, float& lo, float& hi, const __half*) 
 """
 
 
-def _body(dim: int) -> str:
-    """The kernel body for head dim ``dim`` (a compile-time constant)."""
+def _split_body(dim: int) -> str:
+    """The ``split`` layout's body for head dim ``dim`` (a compile-time constant)."""
     constants = f"""
   constexpr int DIM = {dim};
-  constexpr int ROWS = {ROWS};
-  constexpr int THREADS = {THREADS};
+  constexpr int ROWS = {SPLIT.rows};
+  constexpr int THREADS = {SPLIT.threads};
   constexpr int TILE = {TILE};
   constexpr int KEY_SPLIT = {KEY_SPLIT};
   constexpr int PITCH = DIM + {PAD};
@@ -393,23 +437,274 @@ def _body(dim: int) -> str:
 """
 
 
-def shared_bytes(dim: int) -> int:
-    """Dynamic shared memory of one threadgroup: a whole chunk of keys and values.
+def _stream_body(dim: int) -> str:
+    """The ``stream`` layout's body for head dim ``dim`` (a compile-time constant)."""
+    constants = f"""
+  constexpr int DIM = {dim};
+  constexpr int ROWS = {STREAM.rows};
+  constexpr int THREADS = {STREAM.threads};
+  constexpr int TILE = {TILE};
+  constexpr int STAGES = {STAGES};
+  constexpr int PITCH = DIM + {PAD};
+"""
+    return constants + r"""
+  constexpr int KSTEPS = DIM / 16;     // k-steps of the scores over the head dim
+  constexpr int KEY_TILES = TILE / 8;  // n-tiles of the scores (8 keys each)
+  constexpr int DIM_TILES = DIM / 8;   // n-tiles of the weighted values
+  constexpr int VECTORS = DIM / 8;     // 16-byte vectors per key row
+  const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
 
-    The warps' partials reuse it afterwards (they need less).
+  const int n_heads = params[1];
+  const int n_kv = params[2];
+  const int n_queries = params[3];
+  const int cap = params[5];
+  const int n_block = params[6];
+  const int query_start = params[7];
+  const int origin_logical = params[8];
+  const int origin_physical = params[9];
+  const int ring_len = params[10];
+  const int window = params[11];
+  const int causal = params[12];
+  const int chunk = params[13];
+  const int chunk_first = params[14];
+  const int n_chunks = params[15];
+  const int row_blocks = params[16];
+  const float scale = fparams[0];
+  const float softcap = fparams[1];
+
+  const int group_size = n_heads / n_kv;
+  const int head_rows = group_size * n_queries;
+  int rest = int(group);
+  const int rb = rest % row_blocks;
+  rest = rest / row_blocks;
+  const int u = rest % n_chunks;
+  rest = rest / n_chunks;
+  const int h = rest % n_kv;
+  const int b = rest / n_kv;
+  const int bh = b * n_kv + h;
+  const int chunk_start = (chunk_first + u) * chunk;
+  const int ring_end = origin_logical + ring_len;
+  const int key_end = ring_end + n_block;
+
+  extern __shared__ __align__(16) unsigned char dfl_smem[];
+  T* k_tiles = reinterpret_cast<T*>(dfl_smem);
+  T* v_tiles = k_tiles + STAGES * TILE * PITCH;
+
+  // Stage tile t's keys and values (zeros outside the live positions).
+  auto load_tile = [&](int t, int stage) {
+    const int tile_start = chunk_start + t * TILE;
+    for (int idx = int(lid); idx < TILE * VECTORS; idx += THREADS) {
+      const int r = idx / VECTORS;
+      const int c = (idx % VECTORS) * 8;
+      const int pos = tile_start + r;
+      const bool live = pos >= origin_logical && pos < key_end;
+      const T* k_src = keys;
+      const T* v_src = values;
+      if (live) {
+        const int off = dfl_row_offset(pos, bh, DIM, cap, n_block, origin_logical,
+                                       origin_physical, ring_end);
+        k_src = (pos < ring_end ? keys : block_keys) + off + c;
+        v_src = (pos < ring_end ? values : block_values) + off + c;
+      }
+      const int at = (stage * TILE + r) * PITCH + c;
+      dfl_cp_async16(k_tiles + at, k_src, live);
+      dfl_cp_async16(v_tiles + at, v_src, live);
+    }
+    dfl_cp_async_commit();
+  };
+
+  const int n_tiles = chunk / TILE;
+  load_tile(0, 0);
+
+  const int warp = int(lid) / 32;
+  const int lane = int(lid) % 32;
+  const int gid = lane >> 2;
+  const int tig = lane & 3;
+  // This thread's two rows of the warp's m16 tile: gid and gid + 8.
+  int row[2];
+  bool row_ok[2];
+  int first[2];
+  int last[2];
+  int qrow[2];
+  for (int i = 0; i < 2; ++i) {
+    row[i] = rb * ROWS + warp * 16 + gid + 8 * i;
+    row_ok[i] = row[i] < head_rows;
+    const int r = row_ok[i] ? row[i] : 0;
+    qrow[i] = (b * n_heads + h * group_size + r / n_queries) * n_queries + r % n_queries;
+    first[i] = 1;
+    last[i] = 0;
+    if (row_ok[i]) {
+      const int qpos = query_start + r % n_queries;
+      first[i] = dfl_first_key(qpos, window);
+      last[i] = dfl_last_key(qpos, window, causal, key_end);
+    }
+  }
+  const bool warp_active = rb * ROWS + warp * 16 < head_rows;
+
+  // Query fragments (A of the scores), zero for rows that hold no query.
+  uint32_t q_frag[KSTEPS][4];
+  for (int ks = 0; ks < KSTEPS; ++ks) {
+    for (int j = 0; j < 4; ++j) {
+      const int i = j & 1;
+      const int d = ks * 16 + tig * 2 + (j >> 1) * 8;
+      q_frag[ks][j] = row_ok[i]
+          ? *reinterpret_cast<const uint32_t*>(queries + qrow[i] * DIM + d)
+          : 0u;
+    }
+  }
+
+  float m_run[2] = {NEG_INF, NEG_INF};
+  float l_run[2] = {0.0f, 0.0f};
+  float acc[DIM_TILES][4];
+  for (int dt = 0; dt < DIM_TILES; ++dt) {
+    for (int j = 0; j < 4; ++j) {
+      acc[dt][j] = 0.0f;
+    }
+  }
+
+  for (int t = 0; t < n_tiles; ++t) {
+    if (t + 1 < n_tiles) {
+      load_tile(t + 1, (t + 1) % STAGES);
+      dfl_cp_async_wait<1>();
+    } else {
+      dfl_cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* k_tile = k_tiles + (t % STAGES) * TILE * PITCH;
+    const T* v_tile = v_tiles + (t % STAGES) * TILE * PITCH;
+    if (warp_active) {
+      // Scores of the warp's 16 rows against the tile's 64 keys.
+      float s[KEY_TILES][4];
+      for (int j = 0; j < KEY_TILES; ++j) {
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] = 0.0f;
+        }
+      }
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        for (int j = 0; j < KEY_TILES; j += 2) {
+          // Matrices: keys j*8.. x dims lo/hi, keys (j+1)*8.. x dims lo/hi.
+          const int mi = lane >> 3;
+          const int key = (j + (mi >> 1)) * 8 + (lane & 7);
+          const int d = ks * 16 + (mi & 1) * 8;
+          uint32_t kf[4];
+          dfl_ldmatrix_x4(kf, k_tile + key * PITCH + d);
+          dfl_mma(s[j], q_frag[ks], kf[0], kf[1], queries);
+          dfl_mma(s[j + 1], q_frag[ks], kf[2], kf[3], queries);
+        }
+      }
+      // Scale, soft-cap, hide what a row does not see; the tile's row maxima.
+      const int tile_start = chunk_start + t * TILE;
+      float tile_max[2] = {NEG_INF, NEG_INF};
+      for (int j = 0; j < KEY_TILES; ++j) {
+        for (int e = 0; e < 4; ++e) {
+          const int i = e >> 1;
+          const int pos = tile_start + j * 8 + tig * 2 + (e & 1);
+          float score = s[j][e] * scale;
+          if (softcap > 0.0f) {
+            score = softcap * tanhf(score / softcap);
+          }
+          const bool seen = pos >= first[i] && pos <= last[i];
+          s[j][e] = seen ? score : NEG_INF;
+          tile_max[i] = fmaxf(tile_max[i], s[j][e]);
+        }
+      }
+      float alpha[2];
+      for (int i = 0; i < 2; ++i) {
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+        const float top = fmaxf(m_run[i], tile_max[i]);
+        // Nothing seen yet (top is -inf): keep the state as it is.
+        alpha[i] = top == NEG_INF ? 1.0f : expf(m_run[i] - top);
+        m_run[i] = top;
+      }
+      // Weights, rounded to T (A of the weighted values); row sums of the rounded ones.
+      uint32_t p_frag[KEY_TILES][2];
+      float row_sum[2] = {0.0f, 0.0f};
+      for (int j = 0; j < KEY_TILES; ++j) {
+        for (int i = 0; i < 2; ++i) {
+          float w[2];
+          for (int e = 0; e < 2; ++e) {
+            const float x = s[j][2 * i + e];
+            w[e] = m_run[i] == NEG_INF || x == NEG_INF ? 0.0f : expf(x - m_run[i]);
+          }
+          float lo, hi;
+          p_frag[j][i] = dfl_pack(w[0], w[1], lo, hi, queries);
+          row_sum[i] += lo;
+          row_sum[i] += hi;
+        }
+      }
+      for (int i = 0; i < 2; ++i) {
+        row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
+        row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
+        l_run[i] = l_run[i] * alpha[i] + row_sum[i];
+      }
+      for (int dt = 0; dt < DIM_TILES; ++dt) {
+        acc[dt][0] *= alpha[0];
+        acc[dt][1] *= alpha[0];
+        acc[dt][2] *= alpha[1];
+        acc[dt][3] *= alpha[1];
+      }
+      // Weighted values: 16 keys per k-step; V fragments transposed by ldmatrix.
+      for (int kk = 0; kk < TILE / 16; ++kk) {
+        const uint32_t p_a[4] = {p_frag[2 * kk][0], p_frag[2 * kk][1],
+                                 p_frag[2 * kk + 1][0], p_frag[2 * kk + 1][1]};
+        for (int dt = 0; dt < DIM_TILES; dt += 2) {
+          // Matrices: keys lo/hi x dims dt*8.., keys lo/hi x dims (dt+1)*8...
+          const int mi = lane >> 3;
+          const int key = kk * 16 + (mi & 1) * 8 + (lane & 7);
+          const int d = (dt + (mi >> 1)) * 8;
+          uint32_t vf[4];
+          dfl_ldmatrix_x4_trans(vf, v_tile + key * PITCH + d);
+          dfl_mma(acc[dt], p_a, vf[0], vf[1], queries);
+          dfl_mma(acc[dt + 1], p_a, vf[2], vf[3], queries);
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  // The chunk's statistics and weighted values of this thread's rows.
+  for (int i = 0; i < 2; ++i) {
+    if (!row_ok[i]) {
+      continue;
+    }
+    const int at = qrow[i] * n_chunks + u;
+    if (tig == 0) {
+      part_stats[at * 2] = m_run[i];
+      part_stats[at * 2 + 1] = l_run[i];
+    }
+    for (int dt = 0; dt < DIM_TILES; ++dt) {
+      const int d = dt * 8 + tig * 2;
+      part_values[at * DIM + d] = acc[dt][2 * i];
+      part_values[at * DIM + d + 1] = acc[dt][2 * i + 1];
+    }
+  }
+"""
+
+
+def shared_bytes(dim: int, layout: Layout) -> int:
+    """Dynamic shared memory of one threadgroup.
+
+    ``split``: a whole chunk of keys and values (the warps' partials reuse it);
+    ``stream``: ``STAGES`` tiles of keys and values.
     """
-    tiles = 2 * KEY_SPLIT * TILE * (dim + PAD) * 2
-    partials = 4 * WARPS * 16 * (dim + 2)
-    return max(tiles, partials)
+    if layout is SPLIT:
+        tiles = 2 * KEY_SPLIT * TILE * (dim + PAD) * 2
+        partials = 4 * (layout.threads // 32) * 16 * (dim + 2)
+        return max(tiles, partials)
+    return 2 * STAGES * TILE * (dim + PAD) * 2
+
+
+_BODIES = {"split": _split_body, "stream": _stream_body}
 
 
 @functools.lru_cache(maxsize=None)
-def attend_spec(dim: int) -> GroupKernelSpec:
-    """The chunk pass for head dim ``dim`` (built once per dim)."""
+def attend_spec(dim: int, layout: Layout = STREAM) -> GroupKernelSpec:
+    """The chunk pass for head dim ``dim`` in ``layout`` (built once per pair)."""
     from .attention import ATTENTION_HELPERS
 
     return GroupKernelSpec(
-        base=f"attend_chunks_mma{dim}",
+        base=f"attend_chunks_{layout.name}{dim}",
         input_names=(
             "queries", "keys", "values", "block_keys", "block_values", "params",
             "fparams",
@@ -418,17 +713,21 @@ def attend_spec(dim: int) -> GroupKernelSpec:
         output_names=("part_stats", "part_values"),
         output_types=("float32", "float32"),
         helpers=ATTENTION_HELPERS + TENSOR_HELPERS,
-        body=_body(dim),
-        threads=THREADS,
+        body=_BODIES[layout.name](dim),
+        threads=layout.threads,
         small_inputs=("fparams",),
         backends=(CUDA,),
-        shared_memory=shared_bytes(MAX_DIM),
+        shared_memory=shared_bytes(MAX_DIM, layout),
         dtypes=DTYPES,
     )  # fmt: skip
 
 
 def tensor_serves(
-    dim: int, chunk: int, dtype: mx.Dtype, backend_name: Optional[str]
+    dim: int,
+    chunk: int,
+    dtype: mx.Dtype,
+    backend_name: Optional[str],
+    layout: Layout = STREAM,
 ) -> bool:
     """Whether the tensor-core form takes a call of this shape on ``backend_name``."""
     return (
@@ -437,5 +736,5 @@ def tensor_serves(
         and dim % 16 == 0
         and 16 <= dim <= MAX_DIM
         and chunk % TILE == 0
-        and chunk <= KEY_SPLIT * TILE
+        and chunk <= layout.max_chunk
     )

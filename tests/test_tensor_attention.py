@@ -57,9 +57,22 @@ def glimmer_case(ring: bool, queries: int = 16) -> Case:
 # ------------------------------------------------------------------ CPU (CI)
 
 
+LAYOUTS = sorted(tensor_attention.LAYOUTS)
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout(request, monkeypatch):
+    """Each tensor-core layout in turn, as the process's layout."""
+    chosen = tensor_attention.LAYOUTS[request.param]
+    monkeypatch.setattr(attention, "TENSOR_LAYOUT", chosen)
+    return chosen
+
+
 @needs_nvcc
-def test_bodies_compile_for_every_served_dim(tmp_path: Path) -> None:
-    specs = [tensor_attention.attend_spec(dim) for dim in SERVED_DIMS]
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_bodies_compile_for_every_served_dim(tmp_path: Path, name: str) -> None:
+    layout = tensor_attention.LAYOUTS[name]
+    specs = [tensor_attention.attend_spec(dim, layout) for dim in SERVED_DIMS]
     result = check_cuda(specs, tmp_path, NVCC)
     assert result.ok, f"{result.command}\n{result.log}"
 
@@ -67,7 +80,7 @@ def test_bodies_compile_for_every_served_dim(tmp_path: Path) -> None:
 @needs_nvcc
 def test_a_wrong_tensor_core_instruction_fails_the_check(tmp_path: Path) -> None:
     """Negative control: ptxas sees the inline PTX (an m16n8k15 mma does not exist)."""
-    spec = tensor_attention.attend_spec(64)
+    spec = tensor_attention.attend_spec(64, tensor_attention.SPLIT)
     helpers = spec.helpers.replace(
         "m16n8k16.row.col.f32.bf16", "m16n8k15.row.col.f32.bf16"
     )
@@ -87,20 +100,41 @@ def test_a_wrong_tensor_core_instruction_fails_the_check(tmp_path: Path) -> None
         (256, 256, mx.bfloat16, "cuda", False),
         (128, 16, mx.bfloat16, "cuda", False),
         (128, 96, mx.bfloat16, "cuda", False),
-        (128, 512, mx.bfloat16, "cuda", False),
+        (128, 512, mx.bfloat16, "cuda", False),  # split: 4 tiles at most
         (128, 256, mx.bfloat16, "metal", False),
         (128, 256, mx.bfloat16, None, False),
     ],
 )
 def test_which_calls_the_tensor_cores_serve(dim, chunk, dtype, backend_name, served):
-    assert tensor_attention.tensor_serves(dim, chunk, dtype, backend_name) is served
+    split = tensor_attention.SPLIT
+    assert (
+        tensor_attention.tensor_serves(dim, chunk, dtype, backend_name, split) is served
+    )
 
 
-def test_the_spec_is_cuda_only() -> None:
-    spec = tensor_attention.attend_spec(128)
-    assert spec.backends == ("cuda",)
+def test_the_stream_layout_takes_longer_chunks() -> None:
+    assert tensor_attention.tensor_serves(128, 512, mx.bfloat16, "cuda")
+    assert not tensor_attention.tensor_serves(128, 480, mx.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_the_spec_is_cuda_only(name: str) -> None:
+    layout = tensor_attention.LAYOUTS[name]
+    spec = tensor_attention.attend_spec(128, layout)
+    assert spec.backends == ("cuda",) and spec.threads == layout.threads
     assert build_group_kernel(spec, "metal") is None
-    assert spec.shared_memory == tensor_attention.shared_bytes(128) > 48 * 1024
+    assert spec.shared_memory == tensor_attention.shared_bytes(128, layout) > 48 * 1024
+
+
+def test_the_layout_comes_from_the_env(monkeypatch) -> None:
+    monkeypatch.delenv(tensor_attention.LAYOUT_ENV, raising=False)
+    default = tensor_attention.LAYOUTS[tensor_attention.DEFAULT_LAYOUT]
+    assert tensor_attention.layout_from_env() is default
+    monkeypatch.setenv(tensor_attention.LAYOUT_ENV, "Split")
+    assert tensor_attention.layout_from_env() is tensor_attention.SPLIT
+    monkeypatch.setenv(tensor_attention.LAYOUT_ENV, "tiles")
+    with pytest.raises(ValueError, match="DFLASH_TENSOR_LAYOUT='tiles'"):
+        tensor_attention.layout_from_env()
 
 
 def _captured_launches(monkeypatch, case: Case, switch: bool = True) -> list:
@@ -118,14 +152,14 @@ def _captured_launches(monkeypatch, case: Case, switch: bool = True) -> list:
     return launches
 
 
-def test_launch_geometry_at_glimmer_shapes(monkeypatch) -> None:
-    """16 queries x 16 grouped heads = 256 rows = 8 blocks of 32, over 17 chunks."""
+def test_launch_geometry_at_glimmer_shapes(monkeypatch, layout) -> None:
+    """16 queries x 16 grouped heads = 256 rows in blocks of the layout's rows, 17 chunks."""
     launches = _captured_launches(monkeypatch, glimmer_case(ring=False))
     (spec, count, shapes), (fold, _, _) = launches
-    assert spec is tensor_attention.attend_spec(128)
+    assert spec is tensor_attention.attend_spec(128, layout)
     plan_chunks = shapes[0][3]
     assert plan_chunks == 17
-    assert count == 1 * 2 * plan_chunks * 8
+    assert count == 1 * 2 * plan_chunks * (256 // layout.rows)
     assert fold is attention.FOLD_CHUNKS
 
 
@@ -138,11 +172,26 @@ def test_switch_off_keeps_the_scalar_body(monkeypatch) -> None:
 # ------------------------------------------------------------------ CUDA (GPU)
 
 
+def _each_layout(check):
+    """Run ``check`` once per layout (hypothesis tests cannot take fixtures)."""
+    saved = attention.TENSOR_LAYOUT
+    try:
+        for layout in tensor_attention.LAYOUTS.values():
+            attention.TENSOR_LAYOUT = layout
+            check()
+    finally:
+        attention.TENSOR_LAYOUT = saved
+
+
 @pytest.mark.cuda
 @cuda
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(case=served_cases())
 def test_cuda_tensor_form_matches_oracle_and_reference(case: Case) -> None:
+    _each_layout(lambda: _matches_oracle_and_reference(case))
+
+
+def _matches_oracle_and_reference(case: Case) -> None:
     built = build(case)
     plan_dtype = case.dtype
     assert tensor_attention.tensor_serves(case.dim, case.chunk, plan_dtype, "cuda")
@@ -154,24 +203,24 @@ def test_cuda_tensor_form_matches_oracle_and_reference(case: Case) -> None:
 
 @pytest.mark.cuda
 @cuda
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(case=served_cases(allow_non_causal=False).filter(lambda c: c.block == c.queries))
 def test_cuda_tensor_form_is_batch_invariant(case: Case) -> None:
-    assert_batch_invariant(case, True)
+    _each_layout(lambda: assert_batch_invariant(case, True))
 
 
 @pytest.mark.cuda
 @cuda
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(served_cases(), st.integers(1, 200))
 def test_cuda_tensor_form_does_not_see_the_seam(case: Case, turn: int) -> None:
-    assert_seamless(case, turn, True)
+    _each_layout(lambda: assert_seamless(case, turn, True))
 
 
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("ring", [True, False])
-def test_cuda_tensor_form_at_glimmer_shapes(ring: bool) -> None:
+def test_cuda_tensor_form_at_glimmer_shapes(ring: bool, layout) -> None:
     case = glimmer_case(ring)
     built = build(case)
     assert close_to_oracle(built, built.attend(True))
