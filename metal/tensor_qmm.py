@@ -582,7 +582,7 @@ SPECS = tuple(MATMUL_SPECS.values()) + (REDUCE_SPEC,)
 
 
 def tensor_core_serves(
-    dtype: mx.Dtype, rows: int, depth: int, bits: Optional[int]
+    dtype: mx.Dtype, rows: int, depth: int, columns: int, bits: Optional[int]
 ) -> bool:
     """Whether the tensor-core form takes a (validated) call.
 
@@ -590,15 +590,17 @@ def tensor_core_serves(
         dtype: x's dtype.
         rows: Rows of x.
         depth: K.
+        columns: N.
         bits: 4 or 8 (affine), None (dense).
 
     Returns:
-        True for bfloat16 / float16 x, 1 to 32 rows, and K a multiple of the
-        chunk (256 affine, 64 dense).
+        True for bfloat16 / float16 x, 1 to 32 rows, at least one column, and K
+        a positive multiple of the chunk (256 affine, 64 dense).
     """
-    if dtype not in DTYPES or not 1 <= rows <= MAX_ROWS:
+    if dtype not in DTYPES or not 1 <= rows <= MAX_ROWS or columns < 1:
         return False
-    return depth % Layout(bits or 0, 1).chunk == 0
+    chunk = Layout(bits or 0, 1).chunk
+    return depth >= chunk and depth % chunk == 0
 
 
 def split_plan(depth: int, columns: int, bits: Optional[int]) -> tuple[int, int, int]:
