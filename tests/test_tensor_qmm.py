@@ -11,18 +11,20 @@ reachable on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import tensor_qmm_model as model
 from support.attention_cases import bits as raw_bits
-from support.compilers import NVCC, needs_nvcc
+from support.compilers import GXX, NVCC, needs_nvcc
 from support.group_emulator import check_cuda
+from support.tensor_qmm_emulator import TensorEmulator
 from test_verify_kernels import _close_to_matmul_oracle, _matmul_oracle
 
 from dflash.metal import qmm, tensor_qmm
@@ -314,6 +316,147 @@ def test_model_rounding_is_no_better_than_exact_sums() -> None:
         got = model.model_matmul(*case, step=step).astype(mx.float32)
         errors[name] = np.abs(np.asarray(got, np.float64) - want).sum()
     assert errors["tc"] >= errors["exact"]
+
+
+# ===================================================== the body, emulated on the CPU
+
+# Deliberate slips, each caught by one landing mode of the emulated cp.async.
+_WAIT = "dfl_wait<STAGES - 2>();"
+_ISSUE_AFTER_BARRIER = """    DFL_BARRIER();
+    // The buffer refilled here was read in the previous round (all threads are past it).
+    if (c + STAGES - 1 < c_end) {
+      issue(c + STAGES - 1, (i + STAGES - 1) % STAGES);
+    }
+"""
+_ISSUE_BEFORE_BARRIER = """    if (c + STAGES - 1 < c_end) {
+      issue(c + STAGES - 1, (i + STAGES - 1) % STAGES);
+    }
+    DFL_BARRIER();
+"""
+_A_STEP0 = "lo[mt][0], hi[mt][0], lo[mt][1], hi[mt][1], b[0], b[1]"
+
+
+def _mutant(name: str, old: str, new: str):
+    spec = tensor_qmm.MATMUL_SPECS[(4, 1)]
+    assert old in spec.body
+    return dataclasses.replace(
+        spec, base=f"{spec.base}_{name}", body=spec.body.replace(old, new)
+    )
+
+
+MUTANTS = {
+    # Computes on a chunk before its copies land: only late landing shows it.
+    "early_read": _mutant("early_read", _WAIT, "dfl_wait<STAGES - 1>();"),
+    # Refills the previous buffer while slower threads still read its scales: only
+    # landing at issue shows it.
+    "early_refill": _mutant(
+        "early_refill", _ISSUE_AFTER_BARRIER, _ISSUE_BEFORE_BARRIER
+    ),
+    # Swaps A's k halves against B's: wrong in every mode.
+    "fragments": _mutant(
+        "fragments", _A_STEP0, "lo[mt][1], hi[mt][1], lo[mt][0], hi[mt][0], b[0], b[1]"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def tensor_emulator(tmp_path_factory):
+    if GXX is None:
+        pytest.skip("g++ not installed")
+    specs = tuple(tensor_qmm.SPECS) + tuple(MUTANTS.values())
+    emulator = TensorEmulator(tmp_path_factory.mktemp("tensor_emulator"), specs, GXX)
+    assert emulator.build.ok, emulator.build.log
+    return emulator
+
+
+@pytest.fixture
+def emulated(tensor_emulator, monkeypatch):
+    """small_row_matmul on a pretend CUDA backend whose launches run the emulator."""
+    monkeypatch.setattr(qmm.backend, "BACKEND", "cuda")
+    monkeypatch.setattr(qmm.groups, "launch_groups", tensor_emulator.launch)
+    tensor_emulator.late = False
+    yield tensor_emulator
+    tensor_emulator.late = False
+
+
+_FIXTURES = [HealthCheck.function_scoped_fixture]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=_FIXTURES)
+@given(case=served_cases(max_chunks=3, max_columns=200), late=st.booleans())
+def test_emulated_body_matches_oracle(emulated, case, late) -> None:
+    """The body text itself (helpers emulated) against the float64 oracle, through
+    small_row_matmul (launch geometry, K split and its sum launch included)."""
+    emulated.late = late
+    before = emulated.launches
+    x, weight, _, _, bits, _ = case
+    _, splits, _ = split_plan(x.shape[1], weight.shape[0], bits)
+    assert _close_to_matmul_oracle(case, _kernel(case))
+    assert emulated.launches == before + (1 if splits == 1 else 2)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=_FIXTURES)
+@given(case=served_cases(max_rows=20, max_chunks=2, max_columns=140))
+def test_emulated_body_is_batch_invariant(emulated, case) -> None:
+    emulated.late = True
+    _assert_batch_invariant(case)
+
+
+def _run_spec(emulator, spec, case) -> mx.array:
+    """One launch of a 4-bit, 16-row form straight through ``spec``, K unsplit (the
+    ring of stages wraps when K holds more chunks than stages)."""
+    x, weight, scales, biases, _, group = case
+    tiles = -(-weight.shape[0] // tensor_qmm.COLUMNS)
+    chunks = x.shape[1] // Layout(4, 1).chunk
+    ints = mx.array(
+        [x.shape[0], weight.shape[0], x.shape[1], group, tiles, 1, chunks], mx.int32
+    )
+    y, _ = emulator.launch(
+        spec,
+        [x, weight, scales, biases, ints],
+        [(x.shape[0], weight.shape[0]), (1,)],
+        [x.dtype, mx.float32],
+        tiles,
+        x.dtype,
+    )
+    return y
+
+
+def _slip_shows(emulator, spec, case) -> bool:
+    """Whether a mutant body misses the oracle or the emulator refuses its run (e.g.
+    copies never waited for)."""
+    try:
+        return not _close_to_matmul_oracle(case, _run_spec(emulator, spec, case))
+    except RuntimeError:
+        return True
+
+
+@pytest.mark.parametrize(
+    "name, caught_early, caught_late",
+    [
+        ("early_read", False, True),
+        ("early_refill", True, False),
+        ("fragments", True, True),
+    ],
+)
+def test_emulator_catches_slips(
+    tensor_emulator, name, caught_early, caught_late
+) -> None:
+    """Negative controls: each deliberate slip in the body fails the oracle in the
+    landing mode meant to catch it; the body itself passes in both."""
+    rng = np.random.default_rng(6)
+    depth, columns = 1024, 300  # 4 chunks (the ring wraps), 3 column tiles
+    dense = mx.array(rng.standard_normal((columns, depth)).astype(np.float32))
+    x = mx.array(rng.standard_normal((16, depth)).astype(np.float32)).astype(
+        mx.bfloat16
+    )
+    case = (x, *mx.quantize(dense.astype(mx.bfloat16), group_size=64, bits=4), 4, 64)
+    for late, caught in ((False, caught_early), (True, caught_late)):
+        tensor_emulator.late = late
+        good = _run_spec(tensor_emulator, tensor_qmm.MATMUL_SPECS[(4, 1)], case)
+        assert _close_to_matmul_oracle(case, good)
+        assert _slip_shows(tensor_emulator, MUTANTS[name], case) is caught, (name, late)
+    tensor_emulator.late = False
 
 
 # ================================================================= on CUDA

@@ -255,9 +255,7 @@ def _unit(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
         f"namespace {_unit_name(index, dtype)} {{\n"
         f"uint4 dfl_tc_smem[{max(1, spec.shared_memory // 16)}];\n"
         f"void kernel({', '.join(args)}) {{\n"
-        f"  using T = {CTYPES[dtype]};\n"
-        + spec.source(CUDA)
-        + "\n}\n}\n"
+        f"  using T = {CTYPES[dtype]};\n" + spec.source(CUDA) + "\n}\n}\n"
     )
 
 
@@ -269,7 +267,7 @@ def _case(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
     call = f"{_unit_name(index, dtype)}::kernel({', '.join(buffer_args(*ctypes))})"
     return (
         f'  if (key == "{_unit_name(index, dtype)}") {{\n'
-        f"    dfl_late = std::getenv(\"DFL_CP_LATE\") != nullptr;\n"
+        f'    dfl_late = std::getenv("DFL_CP_LATE") != nullptr;\n'
         f"    for (uint group = 0; group < groups; ++group) {{\n"
         f"      dfl_group_now = group;\n"
         f"      dfl_reset_copies();\n"
@@ -286,7 +284,7 @@ def _case(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
 
 def _dtypes(spec: GroupKernelSpec) -> tuple[mx.Dtype, ...]:
     """The ``T`` a spec is launched with (the matmul forms: half types only)."""
-    if spec is tensor_qmm.REDUCE_SPEC:
+    if spec.input_types[0] == "float32":
         return (mx.bfloat16, mx.float16, mx.float32)
     return tensor_qmm.DTYPES
 
@@ -296,14 +294,23 @@ class TensorEmulator:
 
     Args:
         workdir: Directory for the source and binary.
+        specs: The specs to build (default: every spec of ``tensor_qmm``).
         compiler: C++ compiler.
-        late: Land ``cp.async`` copies at their wait (else at issue).
+
+    Attributes:
+        late: Land ``cp.async`` copies at their wait (else at issue); settable
+            between launches.
     """
 
-    def __init__(self, workdir: Path, compiler: str = "g++", late: bool = False) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        specs: Sequence[GroupKernelSpec] = tensor_qmm.SPECS,
+        compiler: str = "g++",
+    ) -> None:
         self.workdir = Path(workdir)
-        self.specs = list(tensor_qmm.SPECS)
-        self.late = late
+        self.specs = list(specs)
+        self.late = False
         self.binary = self.workdir / "tensor_emulator"
         self.launches = 0
         units, cases = [], []
@@ -312,7 +319,9 @@ class TensorEmulator:
                 units.append(_unit(i, spec, dtype))
                 cases.append(_case(i, spec, dtype))
         driver = _DRIVER + _GROUP_ACCESS
-        driver += driver_main(("groups", "threads"), "".join(cases), CANARY_BYTES, CANARY)
+        driver += driver_main(
+            ("groups", "threads"), "".join(cases), CANARY_BYTES, CANARY
+        )
         # The units come before the scheduler (as in the group emulator); the shim's
         # forward declarations bind them to it.
         source = self.workdir / "tensor_emulator.cpp"
@@ -341,7 +350,9 @@ class TensorEmulator:
             for i, (kind, array) in enumerate(zip(spec.input_types, inputs)):
                 want = element_dtype(kind, dtype)
                 if array.dtype != want:
-                    raise TypeError(f"input {spec.input_names[i]} is {array.dtype}, kernel expects {want}")
+                    raise TypeError(
+                        f"input {spec.input_names[i]} is {array.dtype}, kernel expects {want}"
+                    )
                 path = Path(tmp) / f"in{i}.bin"
                 # Row-contiguous, as mlx's ensure_row_contiguous hands them over.
                 _host(array).tofile(path)
@@ -352,7 +363,9 @@ class TensorEmulator:
                 argv += [str(int(np.prod(shape)) * out_dtype.size)]
             done = subprocess.run(argv, capture_output=True, text=True, env=env)
             if done.returncode != 0:
-                raise RuntimeError(f"emulated {spec.base} failed ({done.returncode}): {done.stderr}")
+                raise RuntimeError(
+                    f"emulated {spec.base} failed ({done.returncode}): {done.stderr}"
+                )
             outs = []
             for i, (shape, out_dtype) in enumerate(zip(output_shapes, output_dtypes)):
                 raw = out_dtype if out_dtype != mx.bfloat16 else mx.uint16
