@@ -264,10 +264,21 @@ def _case(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
         [CTYPES[element_dtype(kind, dtype)] for kind in kinds]
         for kinds in (spec.input_types, spec.output_types)
     ]
-    call = f"{_unit_name(index, dtype)}::kernel({', '.join(buffer_args(*ctypes))})"
+    # Inputs start ``dfl_offset`` bytes into their buffers (the files carry as many
+    # leading bytes): 2 puts every input off its 16-byte boundary.
+    args = [
+        (
+            arg.replace(".data())", ".data() + dfl_offset)", 1)
+            if i < len(ctypes[0])
+            else arg
+        )
+        for i, arg in enumerate(buffer_args(*ctypes))
+    ]
+    call = f"{_unit_name(index, dtype)}::kernel({', '.join(args)})"
     return (
         f'  if (key == "{_unit_name(index, dtype)}") {{\n'
         f'    dfl_late = std::getenv("DFL_CP_LATE") != nullptr;\n'
+        f'    const size_t dfl_offset = std::getenv("DFL_OFFSET") ? 2 : 0;\n'
         f"    for (uint group = 0; group < groups; ++group) {{\n"
         f"      dfl_group_now = group;\n"
         f"      dfl_reset_copies();\n"
@@ -300,6 +311,8 @@ class TensorEmulator:
     Attributes:
         late: Land ``cp.async`` copies at their wait (else at issue); settable
             between launches.
+        misaligned: Start every input 2 bytes past a 16-byte boundary (the body
+            then copies without ``cp.async``); settable between launches.
     """
 
     def __init__(
@@ -311,6 +324,7 @@ class TensorEmulator:
         self.workdir = Path(workdir)
         self.specs = list(specs)
         self.late = False
+        self.misaligned = False
         self.binary = self.workdir / "tensor_emulator"
         self.launches = 0
         units, cases = [], []
@@ -344,6 +358,8 @@ class TensorEmulator:
         index = self.specs.index(spec)
         self.launches += 1
         env = {"DFL_CP_LATE": "1"} if self.late else {}
+        if self.misaligned:
+            env["DFL_OFFSET"] = "1"
         with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
             argv = [str(self.binary), _unit_name(index, dtype), str(groups)]
             argv += [str(spec.threads), str(len(inputs))]
@@ -355,7 +371,9 @@ class TensorEmulator:
                     )
                 path = Path(tmp) / f"in{i}.bin"
                 # Row-contiguous, as mlx's ensure_row_contiguous hands them over.
-                _host(array).tofile(path)
+                with open(path, "wb") as out:
+                    out.write(b"\0\0" if self.misaligned else b"")
+                    out.write(_host(array).tobytes())
                 argv.append(str(path))
             argv.append(str(len(output_shapes)))
             for i, (shape, out_dtype) in enumerate(zip(output_shapes, output_dtypes)):
