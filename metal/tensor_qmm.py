@@ -303,8 +303,9 @@ _DECLARE_XS = """
 """
 
 _CLOSE_AFFINE = """
-      if ((c * CHUNK + SUB * (sc + 1)) % group_size == 0) {
-        const int gl = (SUB * sc) / group_size;
+      // Chunks start on group boundaries; groups are powers of two (shift, mask).
+      if (((SUB * (sc + 1)) & (group_size - 1)) == 0) {
+        const int gl = (SUB * sc) >> group_shift;
         #pragma unroll
         for (int t = 0; t < 4; ++t) {
           #pragma unroll
@@ -376,6 +377,8 @@ _BODY = r"""
   const int col_tiles = params[4];
   const int splits = params[5];
   const int per_split = params[6];
+  const int group_shift = params[7];
+  (void)group_shift;
   const int tile = int(group) % col_tiles;
   const int split = int(group) / col_tiles;
   const int chunks = depth / CHUNK;
@@ -636,7 +639,10 @@ def tensor_core_matmul(
     mtiles = 1 if rows <= 16 else 2
     spec = MATMUL_SPECS[(bits or 0, mtiles)]
     tiles, splits, per_split = split_plan(depth, columns, bits)
-    ints = int_params(rows, columns, depth, group_size or 0, tiles, splits, per_split)
+    shift = (group_size or 1).bit_length() - 1
+    ints = int_params(
+        rows, columns, depth, group_size or 0, tiles, splits, per_split, shift
+    )
     inputs = [x, weight, ints] if bits is None else [x, weight, scales, biases, ints]
     if splits == 1:
         shapes = [(rows, columns), (1,)]

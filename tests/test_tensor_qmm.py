@@ -419,10 +419,11 @@ def _run_spec(emulator, spec, case) -> mx.array:
     """One launch of a 4-bit, 16-row form straight through ``spec``, K unsplit (the
     ring of stages wraps when K holds more chunks than stages)."""
     x, weight, scales, biases, _, group = case
+    assert group == 64  # group_shift 6 below
     tiles = -(-weight.shape[0] // tensor_qmm.COLUMNS)
     chunks = x.shape[1] // Layout(4, 1).chunk
     ints = mx.array(
-        [x.shape[0], weight.shape[0], x.shape[1], group, tiles, 1, chunks], mx.int32
+        [x.shape[0], weight.shape[0], x.shape[1], group, tiles, 1, chunks, 6], mx.int32
     )
     y, _ = emulator.launch(
         spec,
