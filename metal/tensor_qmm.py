@@ -42,16 +42,25 @@ atomics. So each row gets the same bits alone as in any batch, in any slot.
 
 **Tiling.** A CTA of 4 warps (128 threads) covers 128 columns (32 per warp: four
 n8 tiles) and every row, over a contiguous range of 256-element chunks of K
-(64 for dense). Each chunk's weights (128 bytes per column), x rows, scales and
-biases are copied to shared memory with 16-byte ``cp.async`` (4-byte for
-scales), coalesced (8 lanes per 128-byte column run), through a ring of 2 to 4
-stages (~100 KB: two CTAs per SM); each weight byte is read from HBM once per
-call for all rows. Columns per CTA make x's share of the traffic 50 % from L2
-(x is L2-resident). When the column tiles alone give fewer than
-:data:`TARGET_GROUPS` CTAs (``N`` = 4,096 or 6,656), K is split over CTAs and a
-second small launch sums the float32 partials. Memory-bound by design: per
-16-byte weight load a lane spends ~45 ALU ops on 4-bit dequantization and
-8 mma at 16 rows; the lead's H200 run must confirm the ≤ 1.6x-bound target.
+(64 for dense). Each chunk's weights (128 bytes per column at 4 bits and dense,
+256 at 8), x rows, scales and biases are copied to shared memory with 16-byte
+``cp.async`` (4-byte for scales), coalesced (8 lanes per 128-byte column run),
+through a ring of 2 to 4 stages (:class:`Layout`; the 16-row forms take 95 to
+110 KB, two CTAs per SM); lanes then read their words conflict-free (padded
+strides). Each weight byte is read from HBM once per call for all rows; x is
+re-read from L2 per column tile (half the weight bytes at 4 bits). When the
+column tiles alone give fewer than :data:`TARGET_GROUPS` CTAs (``N`` = 4,096
+or 6,656), K is split over CTAs and a second small launch sums the float32
+partials in split order. ptxas: 96 / 114 / 88 registers (4-bit / 8-bit /
+dense, 16 rows), no spills.
+
+**Cost model** (4-bit, group 64, 16 rows): per warp and 32-element sub-chunk
+(512 weight bytes) about 110 issued instructions: 10 mma, 44 for dequantizing,
+10 for the x fragments, ~40 for the scale-and-bias step every other sub-chunk.
+On an H200 (132 SMs x 4 schedulers, ~1.98 GHz) that is ~14 us of issue for
+gate/up (66 MB of weights), about the HBM time of the same bytes: issue and
+memory are balanced, so the 1.6x-bound target is plausible, not certain; a
+measurement decides (the group step is the first thing to trim).
 """
 
 from __future__ import annotations
