@@ -213,13 +213,20 @@ DFL_FN uint32_t dfl_q8(uint32_t lo, uint32_t hi, const __half*) {
   return r;
 }
 
+// The shared-state-space address of a generic pointer into shared memory.
+DFL_FN uint32_t dfl_shared_address(const void* p) {
+  uint32_t address;
+  asm("{\n .reg .u64 a;\n cvta.to.shared.u64 a, %1;\n cvt.u32.u64 %0, a;\n}\n"
+      : "=r"(address) : "l"(p));
+  return address;
+}
+
 // 16 bytes into shared memory: cp.async (zeros when !valid), or plain 16-bit copies
 // when some pointer is not 16-byte aligned (same bytes, so the same results).
 DFL_FN void dfl_copy16(unsigned char* dst, const unsigned char* src, bool valid, bool fast) {
   if (fast) {
-    const uint32_t to = uint32_t(__cvta_generic_to_shared(dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(to), "l"(src), "r"(valid ? 16 : 0) : "memory");
+                 :: "r"(dfl_shared_address(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
   } else {
     unsigned short* d = reinterpret_cast<unsigned short*>(dst);
     const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
@@ -230,9 +237,8 @@ DFL_FN void dfl_copy16(unsigned char* dst, const unsigned char* src, bool valid,
 }
 DFL_FN void dfl_copy4(unsigned char* dst, const unsigned char* src, bool fast) {
   if (fast) {
-    const uint32_t to = uint32_t(__cvta_generic_to_shared(dst));
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n"
-                 :: "r"(to), "l"(src) : "memory");
+                 :: "r"(dfl_shared_address(dst)), "l"(src) : "memory");
   } else {
     unsigned short* d = reinterpret_cast<unsigned short*>(dst);
     const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
