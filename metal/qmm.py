@@ -30,8 +30,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import backend, groups
+from . import backend, groups, tensor_qmm
 from .groups import GroupKernelSpec, int_params
+from .sources import CUDA
 
 MAX_ROWS = 32
 ROW_BLOCK = 16
@@ -43,6 +44,9 @@ CHUNK = 256
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+# On CUDA the kernel path takes the tensor-core form (:mod:`dflash.metal.tensor_qmm`)
+# for the calls it serves; tests set this False to run the scalar kernel there too.
+TENSOR_CORES = True
 
 
 # ----------------------------------------------------------------- contract
@@ -337,6 +341,8 @@ def small_row_matmul(
         group_size: 32, 64 or 128 (quantized only).
         use_kernel: None picks the kernel on a GPU backend for at most 32 rows
             (``DFLASH_KERNELS`` not 0), else the reference; True / False force a form.
+            On CUDA the kernel is the tensor-core form for the calls it serves
+            (:func:`uses_tensor_cores`), the scalar kernel otherwise.
 
     Returns:
         ``(M, N)`` in x's dtype.
@@ -360,5 +366,33 @@ def small_row_matmul(
             raise ValueError(
                 f"the small-row kernel needs K to be a multiple of 8, got {depth}"
             )
-    form = kernel_matmul if use_kernel else reference_matmul
+    if not use_kernel:
+        form = reference_matmul
+    elif uses_tensor_cores(x.dtype, rows, depth, weight.shape[0], bits):
+        form = tensor_qmm.tensor_core_matmul
+    else:
+        form = kernel_matmul
     return form(x, weight, scales, biases, bits, group_size)
+
+
+def uses_tensor_cores(
+    dtype: mx.Dtype, rows: int, depth: int, columns: int, bits: Optional[int]
+) -> bool:
+    """Whether the kernel path of a (validated) call runs the tensor-core form.
+
+    Args:
+        dtype: x's dtype.
+        rows: Rows of x.
+        depth: K.
+        columns: N.
+        bits: 4 or 8 (affine), None (dense).
+
+    Returns:
+        True on CUDA, with :data:`TENSOR_CORES` on, for the calls
+        :func:`~dflash.metal.tensor_qmm.tensor_core_serves` takes.
+    """
+    return (
+        TENSOR_CORES
+        and backend.BACKEND == CUDA
+        and tensor_qmm.tensor_core_serves(dtype, rows, depth, columns, bits)
+    )

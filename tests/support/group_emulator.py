@@ -251,13 +251,22 @@ def check_metal(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str =
     return run_compiler(command, Path(workdir))
 
 
-def check_cuda(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str = "nvcc"):
+def check_cuda(
+    specs: Sequence[GroupKernelSpec],
+    workdir: Path,
+    compiler: str = "nvcc",
+    dtypes: Optional[Sequence[mx.Dtype]] = None,
+    flags: Sequence[str] = (),
+):
     """Compile every CUDA unit for sm_90 inside mlx's generated signature.
 
     The units share one nvcc run, each in its own namespace after mlx's default
     header (NVRTC compiles each alone; the namespaces keep their helpers apart).
     The output is a cubin, so ptxas also checks the inline PTX (tensor-core
-    instructions) of the bodies that have some.
+    instructions) of the bodies that have some. ``dtypes``: the template types
+    ``T`` to instantiate (default: each spec's own ``dtypes``; a tensor-core body has
+    no float32 form); ``flags``:
+    extra nvcc flags (e.g. ``-Xptxas -v`` for register counts).
     """
     workdir = Path(workdir)
     header = workdir / "include/mlx/backend/cuda/device/utils.cuh"
@@ -265,14 +274,14 @@ def check_cuda(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str = 
     shutil.copyfile(CUDA_SHIM, header)
     parts = [CUDA_DEFAULT_HEADER]
     for i, spec in enumerate(specs):
-        for dtype in spec.dtypes:
+        for dtype in spec.dtypes if dtypes is None else dtypes:
             parts.append(f"namespace unit{i}_{type_suffix(dtype)} {{\n")
             parts.append(cuda_unit(spec, dtype, default_header=False))
             parts.append("}\n")
     source = workdir / "group_bodies.cu"
     source.write_text("\n".join(parts))
     command = [compiler, "-std=c++17", "-arch=sm_90", "-cubin", "-Werror=all-warnings"]
-    command += [
+    command += list(flags) + [
         "-I",
         str(workdir / "include"),
         "-o",

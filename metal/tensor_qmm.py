@@ -1,0 +1,681 @@
+"""CUDA tensor-core form of the small-row matmul ``y = x @ W.T`` (1 to 32 rows).
+
+The scalar kernel of :mod:`dflash.metal.qmm` spends 16 float32 multiply-adds per
+weight on CUDA cores: about 1 TFLOP for a 16-row verify of a 52-layer model. This
+form feeds the products to the tensor cores (``mma.sync.m16n8k16``, bfloat16 or
+float16 inputs, float32 accumulation, inline PTX) and is used on CUDA for
+bfloat16 / float16 rows; everything else keeps the scalar kernel.
+
+**Served** (:func:`tensor_core_serves`): x bfloat16 or float16, 1 to 32 rows; 4- or
+8-bit affine weights (groups of 32, 64 or 128, scales and biases in x's dtype)
+with ``K % 256 == 0``, or dense weights in x's dtype with ``K % 64 == 0``; any
+``N``. Muse Glimmer's K (4,096, 6,656, 19,968) are all multiples of 256.
+
+**Arithmetic.** The quantized integers ``q`` (0..15, 0..255) are exact in both
+half types, so per group the mma computes ``dot = sum x * q`` and, with a ones
+operand, ``xsum = sum x`` (float32 accumulation); then, in float32 and in a
+fixed order, ``acc = fma(scale, dot, fma(bias, xsum, acc))``. Dense weights go
+straight to the mma, the 64-element partial sums added into ``acc``. The output
+is rounded to x's dtype once. This is not bit-equal to the reference (which
+dequantizes ``W`` to float32 and sums element by element) nor to the scalar
+kernel: the tensor cores add 16 products at a time with their own alignment and
+rounding; the results agree within the tolerance of ``tests/test_verify_kernels``.
+
+**Fragments** (PTX m16n8k16 ``.row.col``; lane = 4 gid + tig). A 32-element
+sub-chunk of K is two mma steps. Lane ``tig`` holds the 8 consecutive elements
+``8 tig .. 8 tig + 7`` of the sub-chunk (one 32-bit word of 4-bit weights, two of
+8-bit, sixteen bytes of dense or of x) and pairs them as registers
+``r_p = (e_p, e_{p+4})``, ``p = 0..3`` (low half first). Step 0 uses ``r_0, r_1``
+as ``b0, b1`` (and the same pairs of x rows ``gid`` / ``gid + 8`` as ``a0..a3``),
+step 1 uses ``r_2, r_3``. So logical k ``2 tig + h`` of step ``s`` is physical
+element ``8 tig + 2 s + 4 h`` and logical ``2 tig + 8 + h`` is ``8 tig + 2 s + 1 + 4 h``
+(:func:`physical_k`). The dot product's order of terms is free as long as A and
+B agree, and both come from the same map. A sub-chunk never straddles a group
+(groups are multiples of 32), so every mma step is within one group.
+
+**Batch invariance.** Rows are padded to 16-row m-tiles with zeros (32 rows: two
+m-tiles, the same per-tile sequence); a row's output depends only on its own A
+rows (each mma output element is its own dot product). The K split (chunks per
+CTA), the order of chunks, sub-chunks and groups, and the fixed-order sum of the
+split partials in a second launch are functions of ``K`` and ``N`` only. No
+atomics. So each row gets the same bits alone as in any batch, in any slot.
+
+**Tiling.** A CTA of 4 warps (128 threads) covers 128 columns (32 per warp: four
+n8 tiles) and every row, over a contiguous range of 256-element chunks of K
+(64 for dense). Each chunk's weights (128 bytes per column at 4 bits and dense,
+256 at 8), x rows, scales and biases are copied to shared memory with 16-byte
+``cp.async`` (4-byte for scales), coalesced (8 lanes per 128-byte column run),
+through a ring of 2 to 4 stages (:class:`Layout`; the 16-row forms take 95 to
+110 KB, two CTAs per SM); lanes then read their words conflict-free (padded
+strides). Each weight byte is read from HBM once per call for all rows; x is
+re-read from L2 per column tile (half the weight bytes at 4 bits). When the
+column tiles alone give fewer than :data:`TARGET_GROUPS` CTAs (``N`` = 4,096
+or 6,656), K is split over CTAs and a second small launch sums the float32
+partials in split order. ptxas: 96 / 114 / 88 registers (4-bit / 8-bit /
+dense, 16 rows), no spills.
+
+**Cost model** (4-bit, group 64, 16 rows): per warp and 32-element sub-chunk
+(512 weight bytes) about 110 issued instructions: 10 mma, 44 for dequantizing,
+10 for the x fragments, ~40 for the scale-and-bias step every other sub-chunk.
+On an H200 (132 SMs x 4 schedulers, ~1.98 GHz) that is ~14 us of issue for
+gate/up (66 MB of weights), about the HBM time of the same bytes: issue and
+memory are balanced, so the 1.6x-bound target is plausible, not certain; a
+measurement decides (the group step is the first thing to trim).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+
+from . import groups
+from .groups import GroupKernelSpec, int_params
+from .sources import CUDA
+
+THREADS = 128
+WARPS = THREADS // 32
+COLUMNS_PER_WARP = 32
+COLUMNS = WARPS * COLUMNS_PER_WARP
+SUB = 32
+MAX_ROWS = 32
+DTYPES = (mx.bfloat16, mx.float16)
+# CTAs a launch aims for before K is split (an H200 has 132 SMs; two CTAs fit each).
+TARGET_GROUPS = 264
+SHARED_BUDGET = 113 * 1024
+REDUCE_THREADS = 256
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Shared-memory geometry of one form (``bits`` 4, 8 or 0 for dense).
+
+    Attributes:
+        bits: 4, 8, or 0 (dense weights in x's dtype).
+        mtiles: 16-row m-tiles (1 for up to 16 rows, 2 for up to 32).
+    """
+
+    bits: int
+    mtiles: int
+
+    @property
+    def chunk(self) -> int:
+        """Elements of K per stage (128 weight bytes per column for 4-bit and dense)."""
+        return 64 if self.bits == 0 else 256
+
+    @property
+    def column_bytes(self) -> int:
+        """Weight bytes of one column per stage."""
+        return self.chunk * (16 if self.bits == 0 else self.bits) // 8
+
+    @property
+    def w_stride(self) -> int:
+        """Bytes between columns in shared memory (padded: conflict-free reads)."""
+        return self.column_bytes + {4: 16, 8: 32, 0: 64}[self.bits]
+
+    @property
+    def x_stride(self) -> int:
+        """Bytes between x rows in shared memory (padded: conflict-free 16-byte reads)."""
+        return self.chunk * 2 + 64
+
+    @property
+    def rows(self) -> int:
+        """Rows staged per chunk (zeros past the call's rows)."""
+        return 16 * self.mtiles
+
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes of one pipeline stage: weights, x rows, scales and biases."""
+        scales = 0 if self.bits == 0 else 2 * COLUMNS * 16
+        return COLUMNS * self.w_stride + self.rows * self.x_stride + scales
+
+    @property
+    def stages(self) -> int:
+        """Pipeline depth: the most stages (2 to 4) within :data:`SHARED_BUDGET`."""
+        return max(2, min(4, SHARED_BUDGET // self.stage_bytes))
+
+    @property
+    def shared_memory(self) -> int:
+        """Dynamic shared memory of the launch."""
+        return self.stages * self.stage_bytes
+
+
+def physical_k(step: int, logical: int, tig: int) -> int:
+    """The sub-chunk element that the mma's logical ``k`` stands for.
+
+    Args:
+        step: The mma step within the 32-element sub-chunk (0 or 1).
+        logical: The m16n8k16 k index of the lane's value (``2 tig``, ``2 tig + 1``,
+            ``2 tig + 8`` or ``2 tig + 9``).
+        tig: The lane's index within its quad (``lane % 4``).
+
+    Returns:
+        The element ``0..31`` of the sub-chunk.
+    """
+    second = logical >= 8
+    half = (logical - 8 * second) - 2 * tig
+    if half not in (0, 1):
+        raise ValueError(f"lane {tig} holds no logical k {logical}")
+    return 8 * tig + 2 * step + int(second) + 4 * half
+
+
+# ------------------------------------------------------------------ helpers
+
+_HELPERS = r"""
+// m16n8k16 mma, float32 accumulate: d += A * B (A rows x k, B k x columns).
+DFL_FN void dfl_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                    uint32_t b0, uint32_t b1, const __nv_bfloat16*) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+DFL_FN void dfl_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                    uint32_t b0, uint32_t b1, const __half*) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// A pair of ones (the mma operand that sums x).
+DFL_FN uint32_t dfl_ones(const __nv_bfloat16*) { return 0x3F803F80u; }
+DFL_FN uint32_t dfl_ones(const __half*) { return 0x3C003C00u; }
+
+// The 4-bit integers at bits 0-3 and 16-19 of v as an exact pair: 128 + q, less 128.
+DFL_FN uint32_t dfl_q4(uint32_t v, const __nv_bfloat16*) {
+  uint32_t r = (v & 0x000F000Fu) | 0x43004300u;
+  asm("fma.rn.bf16x2 %0, %0, %1, %2;\n" : "+r"(r) : "r"(0x3F803F80u), "r"(0xC300C300u));
+  return r;
+}
+// The same in float16: 1024 + q, less 1024.
+DFL_FN uint32_t dfl_q4(uint32_t v, const __half*) {
+  uint32_t r = (v & 0x000F000Fu) | 0x64006400u;
+  asm("fma.rn.f16x2 %0, %0, %1, %2;\n" : "+r"(r) : "r"(0x3C003C00u), "r"(0xE400E400u));
+  return r;
+}
+
+// Two bytes (lo in the low half) as an exact pair, through float32 (2^23 + q, less 2^23).
+DFL_FN float dfl_byte(uint32_t q) {
+  return __fsub_rn(__uint_as_float(0x4B000000u | q), 8388608.0f);
+}
+DFL_FN uint32_t dfl_q8(uint32_t lo, uint32_t hi, const __nv_bfloat16*) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(dfl_byte(hi)), "f"(dfl_byte(lo)));
+  return r;
+}
+DFL_FN uint32_t dfl_q8(uint32_t lo, uint32_t hi, const __half*) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(dfl_byte(hi)), "f"(dfl_byte(lo)));
+  return r;
+}
+
+// The shared-state-space address of a generic pointer into shared memory.
+DFL_FN uint32_t dfl_shared_address(const void* p) {
+  uint32_t address;
+  asm("{\n .reg .u64 a;\n cvta.to.shared.u64 a, %1;\n cvt.u32.u64 %0, a;\n}\n"
+      : "=r"(address) : "l"(p));
+  return address;
+}
+
+// 16 bytes into shared memory: cp.async (zeros when !valid), or plain 16-bit copies
+// when some pointer is not 16-byte aligned (same bytes, so the same results).
+DFL_FN void dfl_copy16(unsigned char* dst, const unsigned char* src, bool valid, bool fast) {
+  if (fast) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(dfl_shared_address(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+  } else {
+    unsigned short* d = reinterpret_cast<unsigned short*>(dst);
+    const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
+    for (int i = 0; i < 8; ++i) {
+      d[i] = valid ? s[i] : (unsigned short)0;
+    }
+  }
+}
+DFL_FN void dfl_copy4(unsigned char* dst, const unsigned char* src, bool fast) {
+  if (fast) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n"
+                 :: "r"(dfl_shared_address(dst)), "l"(src) : "memory");
+  } else {
+    unsigned short* d = reinterpret_cast<unsigned short*>(dst);
+    const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
+    d[0] = s[0];
+    d[1] = s[1];
+  }
+}
+DFL_FN void dfl_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int PENDING>
+DFL_FN void dfl_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(PENDING) : "memory"); }
+
+// Lane registers (e_p, e_{p+4}) from 16 bytes of eight 16-bit elements e_0..e_7.
+DFL_FN void dfl_pairs(uint4 v, uint32_t* r) {
+  r[0] = __byte_perm(v.x, v.z, 0x5410);
+  r[1] = __byte_perm(v.x, v.z, 0x7632);
+  r[2] = __byte_perm(v.y, v.w, 0x5410);
+  r[3] = __byte_perm(v.y, v.w, 0x7632);
+}
+"""
+
+# The lane's weight registers r_0..r_3 for n8 tile t of the sub-chunk, per form.
+_LOAD_B = {
+    4: """
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(col + (4 * sc + tig) * 4);
+        b[0] = dfl_q4(w, tag);
+        b[1] = dfl_q4(w >> 4, tag);
+        b[2] = dfl_q4(w >> 8, tag);
+        b[3] = dfl_q4(w >> 12, tag);
+""",
+    8: """
+        const uint2 w = *reinterpret_cast<const uint2*>(col + (8 * sc + 2 * tig) * 4);
+        #pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          b[p] = dfl_q8((w.x >> (8 * p)) & 0xFFu, (w.y >> (8 * p)) & 0xFFu, tag);
+        }
+""",
+    0: """
+        dfl_pairs(*reinterpret_cast<const uint4*>(col + (SUB * sc + 8 * tig) * 2), b);
+""",
+}
+
+_ISSUE_SCALES = """
+    // Scales and biases of the chunk's groups: 4-byte pieces (K / group_size is even).
+    const int pieces = per_chunk / 2;
+    for (int p = int(lid); p < COLUMNS * pieces; p += THREADS) {
+      const int cl = p / pieces;
+      const int piece = p % pieces;
+      const int n = col0 + cl < n_cols ? col0 + cl : n_cols - 1;
+      const size_t e = size_t(n) * size_t(groups_k) + size_t(c) * per_chunk + 2 * piece;
+      dfl_copy4(base + S_OFF + cl * 16 + piece * 4,
+                reinterpret_cast<const unsigned char*>(scales + e), fast);
+      dfl_copy4(base + B_OFF + cl * 16 + piece * 4,
+                reinterpret_cast<const unsigned char*>(biases + e), fast);
+    }
+"""
+
+# Affine: sums of x (ones operand) per step; the group's terms into acc at its end.
+_XSUM = """
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        dfl_mma(xs[mt], lo[mt][0], hi[mt][0], lo[mt][1], hi[mt][1], ones, ones, tag);
+        dfl_mma(xs[mt], lo[mt][2], hi[mt][2], lo[mt][3], hi[mt][3], ones, ones, tag);
+      }
+"""
+
+# Affine: the sums of x of the open group (rows gid, gid + 8 in c0/c2), and the ones.
+_DECLARE_XS = """
+  float xs[MT][4];
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      xs[mt][i] = 0.0f;
+    }
+  }
+  const uint32_t ones = dfl_ones(tag);
+"""
+
+_CLOSE_AFFINE = """
+      // Chunks start on group boundaries; groups are powers of two (shift, mask).
+      if (((SUB * (sc + 1)) & (group_size - 1)) == 0) {
+        const int gl = (SUB * sc) >> group_shift;
+        #pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          #pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int cl = warp * 32 + 8 * t + 2 * tig + j;
+            const float s = float(reinterpret_cast<const T*>(base + S_OFF + cl * 16)[gl]);
+            const float bias = float(reinterpret_cast<const T*>(base + B_OFF + cl * 16)[gl]);
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              #pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                float& a = acc[mt][t][2 * h + j];
+                a = fmaf(s, d[mt][t][2 * h + j], fmaf(bias, xs[mt][2 * h], a));
+                d[mt][t][2 * h + j] = 0.0f;
+              }
+            }
+          }
+        }
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          #pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            xs[mt][i] = 0.0f;
+          }
+        }
+      }
+"""
+
+_CLOSE_DENSE = """
+      if (sc == SUBS - 1) {
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          #pragma unroll
+          for (int t = 0; t < 4; ++t) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              acc[mt][t][i] = __fadd_rn(acc[mt][t][i], d[mt][t][i]);
+              d[mt][t][i] = 0.0f;
+            }
+          }
+        }
+      }
+"""
+
+_BODY = r"""
+  extern __shared__ uint4 dfl_tc_smem[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(dfl_tc_smem);
+  constexpr int MT = {mtiles};
+  constexpr int STAGES = {stages};
+  constexpr int CHUNK = {chunk};
+  constexpr int SUB = {sub};
+  constexpr int SUBS = CHUNK / SUB;
+  constexpr int THREADS = {threads};
+  constexpr int COLUMNS = {columns};
+  constexpr int CW = {column_bytes};
+  constexpr int SW = {w_stride};
+  constexpr int SX = {x_stride};
+  constexpr int XROWS = 16 * MT;
+  constexpr int X_OFF = COLUMNS * SW;
+  constexpr int S_OFF = X_OFF + XROWS * SX;
+  constexpr int B_OFF = S_OFF + COLUMNS * 16;
+  constexpr int STAGE_BYTES = {stage_bytes};
+  (void)B_OFF;
+  const T* tag = nullptr;
+  const int n_rows = params[0];
+  const int n_cols = params[1];
+  const int depth = params[2];
+  const int group_size = params[3];
+  const int col_tiles = params[4];
+  const int splits = params[5];
+  const int per_split = params[6];
+  const int group_shift = params[7];
+  (void)group_shift;
+  const int tile = int(group) % col_tiles;
+  const int split = int(group) / col_tiles;
+  const int chunks = depth / CHUNK;
+  const int c_begin = split * per_split;
+  const int c_end = c_begin + per_split < chunks ? c_begin + per_split : chunks;
+  const int warp = int(lid) / 32;
+  const int lane = int(lid) % 32;
+  const int gid = lane / 4;
+  const int tig = lane % 4;
+  const int col0 = tile * COLUMNS;
+  const size_t row_bytes = size_t(depth) * size_t({bits_per_element}) / 8;
+  const int groups_k = group_size > 0 ? depth / group_size : 0;
+  const int per_chunk = group_size > 0 ? CHUNK / group_size : 0;
+  (void)groups_k;
+  (void)per_chunk;
+  // cp.async needs 16-byte aligned sources (every offset below is a multiple of 16).
+  const bool fast = ((size_t(x) | size_t(weight){extra_pointers}) & size_t(15)) == 0;
+
+  auto issue = [&](int c, int buf) {
+    unsigned char* base = smem + buf * STAGE_BYTES;
+    const unsigned char* wbytes = reinterpret_cast<const unsigned char*>(weight);
+    for (int p = int(lid); p < COLUMNS * (CW / 16); p += THREADS) {
+      const int cl = p / (CW / 16);
+      const int piece = p % (CW / 16);
+      // Columns past N repeat the last one (never stored).
+      const int n = col0 + cl < n_cols ? col0 + cl : n_cols - 1;
+      dfl_copy16(base + cl * SW + piece * 16,
+                 wbytes + size_t(n) * row_bytes + size_t(c) * CW + piece * 16, true, fast);
+    }
+    const unsigned char* xbytes = reinterpret_cast<const unsigned char*>(x);
+    for (int p = int(lid); p < XROWS * (CHUNK / 8); p += THREADS) {
+      const int r = p / (CHUNK / 8);
+      const int piece = p % (CHUNK / 8);
+      const bool valid = r < n_rows;
+      const size_t offset = size_t(valid ? r : 0) * size_t(depth) * 2 + size_t(c) * CHUNK * 2;
+      dfl_copy16(base + X_OFF + r * SX + piece * 16, xbytes + offset + piece * 16, valid, fast);
+    }
+{issue_scales}
+  };
+
+  float acc[MT][4][4];
+  float d[MT][4][4];
+{declare_xs}
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      #pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        acc[mt][t][i] = 0.0f;
+        d[mt][t][i] = 0.0f;
+      }
+    }
+  }
+
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (c_begin + i < c_end) {
+      issue(c_begin + i, i);
+    }
+    dfl_commit();
+  }
+  for (int c = c_begin; c < c_end; ++c) {
+    const int i = c - c_begin;
+    dfl_wait<STAGES - 2>();
+    DFL_BARRIER();
+    // The buffer refilled here was read in the previous round (all threads are past it).
+    if (c + STAGES - 1 < c_end) {
+      issue(c + STAGES - 1, (i + STAGES - 1) % STAGES);
+    }
+    dfl_commit();
+    const unsigned char* base = smem + (i % STAGES) * STAGE_BYTES;
+    (void)base;
+    const unsigned char* wsm = base + warp * 32 * SW;
+    #pragma unroll
+    for (int sc = 0; sc < SUBS; ++sc) {
+      // x rows gid and gid + 8 of each m-tile as pairs (e_p, e_{p+4}).
+      uint32_t lo[MT][4];
+      uint32_t hi[MT][4];
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const unsigned char* row = base + X_OFF + (16 * mt + gid) * SX + (SUB * sc + 8 * tig) * 2;
+        dfl_pairs(*reinterpret_cast<const uint4*>(row), lo[mt]);
+        dfl_pairs(*reinterpret_cast<const uint4*>(row + 8 * SX), hi[mt]);
+      }
+{xsum}
+      #pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const unsigned char* col = wsm + (8 * t + gid) * SW;
+        uint32_t b[4];
+{load_b}
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          dfl_mma(d[mt][t], lo[mt][0], hi[mt][0], lo[mt][1], hi[mt][1], b[0], b[1], tag);
+          dfl_mma(d[mt][t], lo[mt][2], hi[mt][2], lo[mt][3], hi[mt][3], b[2], b[3], tag);
+        }
+      }
+{close}
+    }
+  }
+
+  // c0, c1: row gid, columns 2 tig, 2 tig + 1; c2, c3: row gid + 8.
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    #pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = 16 * mt + gid + 8 * (i / 2);
+        const int n = col0 + warp * 32 + 8 * t + 2 * tig + i % 2;
+        if (r < n_rows && n < n_cols) {
+          if (splits == 1) {
+            y[size_t(r) * n_cols + n] = T(acc[mt][t][i]);
+          } else {
+            partial[(size_t(split) * n_rows + r) * n_cols + n] = acc[mt][t][i];
+          }
+        }
+      }
+    }
+  }
+"""
+
+_REDUCE = r"""
+  // y = the split partials summed in split order, rounded once.
+  const int total = params[0];
+  const int splits = params[1];
+  const int i = int(group) * {threads} + int(lid);
+  if (i < total) {
+    float s = partial[i];
+    for (int k = 1; k < splits; ++k) {
+      s = __fadd_rn(s, partial[size_t(k) * total + i]);
+    }
+    y[i] = T(s);
+  }
+"""
+
+
+def _fill(text: str, values: dict) -> str:
+    for key, value in values.items():
+        text = text.replace("{" + key + "}", str(value))
+    return text
+
+
+def _spec(layout: Layout) -> GroupKernelSpec:
+    affine = layout.bits != 0
+    body = _fill(
+        _BODY,
+        {
+            "issue_scales": _ISSUE_SCALES if affine else "",
+            "xsum": _XSUM if affine else "",
+            "declare_xs": _DECLARE_XS if affine else "",
+            "close": _CLOSE_AFFINE if affine else _CLOSE_DENSE,
+            "load_b": _LOAD_B[layout.bits],
+            "extra_pointers": " | size_t(scales) | size_t(biases)" if affine else "",
+            "bits_per_element": layout.bits or 16,
+            "mtiles": layout.mtiles,
+            "stages": layout.stages,
+            "chunk": layout.chunk,
+            "sub": SUB,
+            "threads": THREADS,
+            "columns": COLUMNS,
+            "column_bytes": layout.column_bytes,
+            "w_stride": layout.w_stride,
+            "x_stride": layout.x_stride,
+            "stage_bytes": layout.stage_bytes,
+        },
+    )
+    name = f"tensor_{'dense' if not affine else f'q{layout.bits}'}_m{layout.mtiles}"
+    if affine:
+        inputs = ("x", "weight", "scales", "biases", "params")
+        types = ("T", "uint32", "T", "T", "int32")
+    else:
+        inputs, types = ("x", "weight", "params"), ("T", "T", "int32")
+    return GroupKernelSpec(
+        base=name,
+        input_names=inputs,
+        input_types=types,
+        output_names=("y", "partial"),
+        output_types=("T", "float32"),
+        helpers=_HELPERS,
+        body=body,
+        threads=THREADS,
+        backends=(CUDA,),
+        shared_memory=layout.shared_memory,
+        dtypes=(mx.bfloat16, mx.float16),
+    )
+
+
+LAYOUTS = {(bits, m): Layout(bits, m) for bits in (4, 8, 0) for m in (1, 2)}
+MATMUL_SPECS = {key: _spec(layout) for key, layout in LAYOUTS.items()}
+REDUCE_SPEC = GroupKernelSpec(
+    base="tensor_split_sum",
+    input_names=("partial", "params"),
+    input_types=("float32", "int32"),
+    output_names=("y",),
+    output_types=("T",),
+    helpers="",
+    body=_fill(_REDUCE, {"threads": REDUCE_THREADS}),
+    threads=REDUCE_THREADS,
+    backends=(CUDA,),
+)
+SPECS = tuple(MATMUL_SPECS.values()) + (REDUCE_SPEC,)
+
+
+# ------------------------------------------------------------------- host side
+
+
+def tensor_core_serves(
+    dtype: mx.Dtype, rows: int, depth: int, columns: int, bits: Optional[int]
+) -> bool:
+    """Whether the tensor-core form takes a (validated) call.
+
+    Args:
+        dtype: x's dtype.
+        rows: Rows of x.
+        depth: K.
+        columns: N.
+        bits: 4 or 8 (affine), None (dense).
+
+    Returns:
+        True for bfloat16 / float16 x, 1 to 32 rows, at least one column, and K
+        a positive multiple of the chunk (256 affine, 64 dense).
+    """
+    if dtype not in DTYPES or not 1 <= rows <= MAX_ROWS or columns < 1:
+        return False
+    chunk = Layout(bits or 0, 1).chunk
+    return depth >= chunk and depth % chunk == 0
+
+
+def split_plan(depth: int, columns: int, bits: Optional[int]) -> tuple[int, int, int]:
+    """``(column tiles, K splits, chunks per split)`` of a call: a function of K and N.
+
+    K is split over CTAs only when the column tiles alone give fewer than
+    :data:`TARGET_GROUPS` CTAs; every split holds at least one chunk.
+    """
+    chunks = depth // Layout(bits or 0, 1).chunk
+    tiles = -(-columns // COLUMNS)
+    want = min(chunks, max(1, -(-TARGET_GROUPS // tiles)))
+    per_split = -(-chunks // want)
+    return tiles, -(-chunks // per_split), per_split
+
+
+def tensor_core_matmul(
+    x: mx.array,
+    weight: mx.array,
+    scales: Optional[mx.array],
+    biases: Optional[mx.array],
+    bits: Optional[int],
+    group_size: Optional[int],
+) -> mx.array:
+    """The tensor-core form (one launch, two when K is split).
+
+    The caller has validated the call (``qmm._check``) and checked
+    :func:`tensor_core_serves`.
+
+    Shapes: x ``(M, K)``; returns ``(M, N)``.
+    """
+    rows, depth = x.shape
+    columns = weight.shape[0]
+    mtiles = 1 if rows <= 16 else 2
+    spec = MATMUL_SPECS[(bits or 0, mtiles)]
+    tiles, splits, per_split = split_plan(depth, columns, bits)
+    shift = (group_size or 1).bit_length() - 1
+    ints = int_params(
+        rows, columns, depth, group_size or 0, tiles, splits, per_split, shift
+    )
+    inputs = [x, weight, ints] if bits is None else [x, weight, scales, biases, ints]
+    if splits == 1:
+        shapes = [(rows, columns), (1,)]
+    else:
+        shapes = [(1,), (splits, rows, columns)]
+    y, partial = groups.launch_groups(
+        spec, inputs, shapes, [x.dtype, mx.float32], tiles * splits, x.dtype
+    )
+    if splits == 1:
+        return y
+    total = rows * columns
+    (y,) = groups.launch_groups(
+        REDUCE_SPEC,
+        [partial, int_params(total, splits)],
+        [(rows, columns)],
+        [x.dtype],
+        -(-total // REDUCE_THREADS),
+        x.dtype,
+    )
+    return y

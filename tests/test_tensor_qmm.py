@@ -1,0 +1,612 @@
+"""The CUDA tensor-core small-row matmul (``dflash.metal.tensor_qmm``).
+
+On any machine: the bodies compile for sm_90 (nvcc + ptxas, no spills), the
+host-side plan and layouts hold their invariants, and a lane-by-lane numpy model
+of the body's registers, fragment layout and summation order matches the
+float64 oracle within the tolerance of ``test_verify_kernels`` (and a model with
+mismatched A/B pairs does not). On CUDA: the kernel itself against the oracle,
+bit-for-bit batch invariance, Muse Glimmer's shapes, and the scalar kernel kept
+reachable on CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support import tensor_qmm_model as model
+from support.attention_cases import bits as raw_bits
+from support.compilers import GXX, NVCC, needs_nvcc
+from support.group_emulator import check_cuda
+from support.tensor_qmm_emulator import TensorEmulator
+from test_verify_kernels import _close_to_matmul_oracle, _matmul_oracle
+
+from dflash.metal import qmm, tensor_qmm
+from dflash.metal.qmm import small_row_matmul
+from dflash.metal.tensor_qmm import Layout, physical_k, split_plan
+
+cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
+HALF = (mx.bfloat16, mx.float16)
+SUB = tensor_qmm.SUB
+GLIMMER = ((6656, 4096), (6656, 256), (4096, 6656), (6656, 19968), (19968, 6656))
+LM_HEAD = (6656, 202048)
+
+
+@st.composite
+def served_cases(draw, max_rows: int = 32, max_chunks: int = 4, max_columns: int = 300):
+    """(x, weight, scales, biases, bits, group_size) that the tensor-core form serves."""
+    bits = draw(st.sampled_from([4, 8, None]))
+    group = draw(st.sampled_from([32, 64, 128])) if bits else None
+    chunk = Layout(bits or 0, 1).chunk
+    depth = chunk * draw(st.integers(1, max_chunks))
+    rows = draw(st.integers(1, max_rows))
+    columns = draw(st.integers(1, max_columns))
+    dtype = draw(st.sampled_from(HALF))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    x = mx.array(rng.standard_normal((rows, depth)).astype(np.float32)).astype(dtype)
+    dense = mx.array(rng.standard_normal((columns, depth)).astype(np.float32))
+    dense = dense.astype(dtype)
+    if bits is None:
+        return x, dense, None, None, None, None
+    weight, scales, biases = mx.quantize(dense, group_size=group, bits=bits)
+    return x, weight, scales, biases, bits, group
+
+
+# ================================================================ compile check
+
+
+@needs_nvcc
+def test_tensor_bodies_compile_for_sm90_without_spills(tmp_path: Path) -> None:
+    """Every matmul form in bfloat16 and float16 (ptxas checks the mma PTX) and the
+    split sum in every dtype; no form spills registers to local memory."""
+    forms = check_cuda(
+        list(tensor_qmm.MATMUL_SPECS.values()),
+        tmp_path / "forms",
+        NVCC,
+        dtypes=HALF,
+        flags=("-Xptxas", "-v"),
+    )
+    assert forms.ok, f"{forms.command}\n{forms.log}"
+    entries = re.findall(r"Compiling entry function", forms.log)
+    assert len(entries) == 2 * len(tensor_qmm.MATMUL_SPECS)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log)
+    assert len(spills) == len(entries)
+    assert all(a == "0" and b == "0" for a, b in spills), forms.log
+    reduce = check_cuda([tensor_qmm.REDUCE_SPEC], tmp_path / "reduce", NVCC)
+    assert reduce.ok, f"{reduce.command}\n{reduce.log}"
+
+
+def test_tensor_specs_are_cuda_only() -> None:
+    for spec in tensor_qmm.SPECS:
+        assert spec.backends == ("cuda",)
+    for layout, spec in zip(
+        tensor_qmm.LAYOUTS.values(), tensor_qmm.MATMUL_SPECS.values()
+    ):
+        assert spec.shared_memory == layout.shared_memory
+
+
+# ============================================================== host-side logic
+
+
+def test_physical_k_partitions_each_sub_chunk() -> None:
+    """Each mma step takes 16 distinct elements, the two steps all 32 of the sub-chunk."""
+    seen = []
+    for step in range(2):
+        elements = [
+            physical_k(step, 2 * tig + 8 * second + half, tig)
+            for tig in range(4)
+            for second in range(2)
+            for half in range(2)
+        ]
+        assert len(set(elements)) == 16
+        seen += elements
+    assert sorted(seen) == list(range(32))
+    with pytest.raises(ValueError):
+        physical_k(0, 2, 0)
+
+
+def test_lane_registers_follow_physical_k() -> None:
+    """The body's register pairs put element ``physical_k`` at each logical k, for x
+    and for 4-bit, 8-bit and dense weights alike (so A and B agree)."""
+    rng = np.random.default_rng(1)
+    dense = mx.array(rng.standard_normal((8, 256)).astype(np.float32)).astype(
+        mx.bfloat16
+    )
+    element_bits = np.asarray(dense.view(mx.uint16))
+    for bits in (4, 8, None):
+        if bits is None:
+            weight, values = dense, element_bits
+        else:
+            weight, _, _ = mx.quantize(dense, group_size=32, bits=bits)
+            values = _quantized_integers(weight, bits, 256)
+        regs = model.weight_registers(weight, bits)
+        for step in range(2):
+            logical = model.logical_operand(regs, step)
+            for k in range(16):
+                tig = (k % 8) // 2
+                want = values.reshape(8, -1, SUB)[:, :, physical_k(step, k, tig)]
+                assert np.array_equal(logical[..., k], want), (bits, step, k)
+
+
+def _quantized_integers(weight: mx.array, bits: int, depth: int) -> np.ndarray:
+    """mlx's packing read the documented way: element k in word k*bits/32, low bits first."""
+    packed = np.asarray(weight).astype(np.uint64)
+    k = np.arange(depth)
+    per_word = 32 // bits
+    shift = ((k % per_word) * bits).astype(np.uint64)
+    return (packed[:, k // per_word] >> shift) & ((1 << bits) - 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    depth=st.integers(1, 400).map(lambda c: 64 * c),
+    columns=st.integers(1, 250_000),
+    bits=st.sampled_from([4, 8, None]),
+)
+def test_split_plan_covers_k_in_nonempty_splits(depth, columns, bits) -> None:
+    """A function of (K, N) only; every split holds a chunk; together they hold K once;
+    K is split only while the column tiles are fewer than the target."""
+    chunk = Layout(bits or 0, 1).chunk
+    if depth % chunk:
+        return
+    tiles, splits, per_split = split_plan(depth, columns, bits)
+    chunks = depth // chunk
+    assert tiles * tensor_qmm.COLUMNS >= columns > (tiles - 1) * tensor_qmm.COLUMNS
+    assert (splits - 1) * per_split < chunks <= splits * per_split
+    if tiles >= tensor_qmm.TARGET_GROUPS:
+        assert splits == 1
+    else:
+        assert tiles * splits < tensor_qmm.TARGET_GROUPS + tiles
+
+
+def test_split_plan_of_glimmer_shapes() -> None:
+    """At least a CTA per SM of an H200 on every Glimmer projection at 4 bits, or
+    (k/v_proj: 26 chunks, 2 column tiles) one chunk per CTA."""
+    for depth, columns in GLIMMER + (LM_HEAD,):
+        tiles, splits, per_split = split_plan(depth, columns, 4)
+        assert tiles * splits >= 132 or per_split == 1, (depth, columns, tiles, splits)
+
+
+def test_layouts_fit_shared_memory() -> None:
+    """Every form fits an SM (227 KB per block); the 16-row forms leave room for two."""
+    for (bits, mtiles), layout in tensor_qmm.LAYOUTS.items():
+        assert 2 <= layout.stages <= 4
+        assert layout.shared_memory <= 227 * 1024
+        if mtiles == 1:
+            assert 2 * (layout.shared_memory + 1024) <= 228 * 1024, (bits, layout)
+        assert layout.w_stride % 16 == 0 and layout.x_stride % 16 == 0
+
+
+def _banks(addresses: list[int], width: int) -> bool:
+    """Whether accesses of ``width`` bytes by these lanes hit distinct banks per phase
+    (phases of 128 bytes: 32, 16 or 8 lanes)."""
+    lanes_per_phase = 128 // width
+    for first in range(0, 32, lanes_per_phase):
+        banks = []
+        for address in addresses[first : first + lanes_per_phase]:
+            banks += [(address // 4 + i) % 32 for i in range(width // 4)]
+        if len(set(banks)) != len(banks):
+            return False
+    return True
+
+
+def test_shared_memory_reads_are_conflict_free() -> None:
+    """The lanes' weight and x reads of every form (padded strides), and a negative
+    control: unpadded strides conflict."""
+    for bits, width in ((4, 4), (8, 8), (0, 16)):
+        layout = Layout(bits, 1)
+        for sc in range(layout.chunk // SUB):
+            for stride, pad_ok in (
+                (layout.w_stride, True),
+                (layout.column_bytes, False),
+            ):
+                offset = {4: 4 * (4 * sc), 8: 4 * (8 * sc), 0: 2 * SUB * sc}[bits]
+                lane_offset = {4: 4, 8: 8, 0: 16}[bits]
+                addresses = [
+                    (lane // 4) * stride + offset + (lane % 4) * lane_offset
+                    for lane in range(32)
+                ]
+                assert _banks(addresses, width) == pad_ok, (bits, sc, stride)
+            for stride, pad_ok in ((layout.x_stride, True), (2 * layout.chunk, False)):
+                addresses = [
+                    (lane // 4) * stride + 2 * (SUB * sc + 8 * (lane % 4))
+                    for lane in range(32)
+                ]
+                assert _banks(addresses, 16) == pad_ok, (bits, sc, stride)
+
+
+@pytest.mark.parametrize(
+    "dtype, rows, depth, columns, bits, served",
+    [
+        (mx.bfloat16, 16, 6656, 19968, 4, True),
+        (mx.float16, 1, 256, 1, 8, True),
+        (mx.bfloat16, 32, 64, 8, None, True),
+        (mx.bfloat16, 33, 256, 8, 4, False),
+        (mx.float32, 16, 256, 8, 4, False),
+        (mx.bfloat16, 16, 128, 8, 4, False),
+        (mx.bfloat16, 16, 320, 8, 8, False),
+        (mx.bfloat16, 16, 96, 8, None, False),
+        (mx.bfloat16, 16, 256, 0, 4, False),
+    ],
+)
+def test_tensor_core_serves(dtype, rows, depth, columns, bits, served) -> None:
+    assert tensor_qmm.tensor_core_serves(dtype, rows, depth, columns, bits) is served
+
+
+def test_small_row_matmul_picks_the_tensor_form_only_on_cuda(monkeypatch) -> None:
+    assert qmm.uses_tensor_cores(mx.bfloat16, 16, 256, 8, 4) is (
+        qmm.backend.BACKEND == "cuda"
+    )
+    monkeypatch.setattr(qmm.backend, "BACKEND", "cuda")
+    assert qmm.uses_tensor_cores(mx.bfloat16, 16, 256, 8, 4)
+    assert not qmm.uses_tensor_cores(mx.float32, 16, 256, 8, 4)
+    monkeypatch.setattr(qmm, "TENSOR_CORES", False)
+    assert not qmm.uses_tensor_cores(mx.bfloat16, 16, 256, 8, 4)
+    monkeypatch.setattr(qmm, "TENSOR_CORES", True)
+    monkeypatch.setattr(qmm.backend, "BACKEND", "metal")
+    assert not qmm.uses_tensor_cores(mx.bfloat16, 16, 256, 8, 4)
+
+
+# ================================================================ numpy model
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=served_cases(max_chunks=3, max_columns=40))
+def test_model_of_the_body_matches_oracle(case) -> None:
+    """The body's registers, fragment layout and summation order, with a pessimistic
+    tensor-core rounding, stay within the oracle's tolerance."""
+    assert _close_to_matmul_oracle(case, model.model_matmul(*case))
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=served_cases(max_rows=16, max_chunks=4, max_columns=32))
+def test_model_float32_sums_are_within_the_sum_tolerance(case) -> None:
+    """Before the output rounding (which dominates the tolerance), the model's float32
+    sums are within the tolerance's float32-sum term, ``1e-6 * |x| @ |W|.T``."""
+    want, magnitude = _matmul_oracle(*case)
+    got = np.asarray(model.model_matmul(*case, keep_float32=True), np.float64)
+    assert np.all(np.abs(got - want) <= 1e-6 * magnitude + 1e-30)
+
+
+@settings(max_examples=10, deadline=None)
+@given(case=served_cases(max_rows=20, max_chunks=2, max_columns=24))
+def test_model_rows_do_not_depend_on_the_batch(case) -> None:
+    together = model.model_matmul(*case)
+    x = case[0]
+    for row in range(x.shape[0]):
+        alone = model.model_matmul(x[row : row + 1], *case[1:])
+        assert np.array_equal(raw_bits(alone), raw_bits(together[row : row + 1]))
+
+
+def test_model_with_mismatched_pairs_misses_oracle() -> None:
+    """Negative control: B paired differently from A is a different product."""
+    rng = np.random.default_rng(3)
+    for bits in (4, 8, None):
+        dense = mx.array(rng.standard_normal((16, 256)).astype(np.float32))
+        dense = dense.astype(mx.bfloat16)
+        x = mx.array(rng.standard_normal((4, 256)).astype(np.float32))
+        x = x.astype(mx.bfloat16)
+        if bits is None:
+            case = (x, dense, None, None, None, None)
+        else:
+            case = (x, *mx.quantize(dense, group_size=64, bits=bits), bits, 64)
+        assert _close_to_matmul_oracle(case, model.model_matmul(*case))
+        wrong = model.wrong_pairs(case[1], bits)
+        assert not _close_to_matmul_oracle(
+            case, model.model_matmul(*case, weight_regs=wrong)
+        )
+
+
+def test_model_rounding_is_no_better_than_exact_sums() -> None:
+    """The pessimistic tensor-core sum loses against exact sums (the model bites)."""
+    rng = np.random.default_rng(4)
+    dense = mx.array(rng.standard_normal((64, 512)).astype(np.float32))
+    dense = dense.astype(mx.bfloat16)
+    x = mx.array(rng.standard_normal((16, 512)).astype(np.float32)).astype(mx.bfloat16)
+    case = (x, dense, None, None, None, None)
+    want, _ = _matmul_oracle(*case)
+    errors = {}
+    for name, step in (("tc", model.tensor_core_step), ("exact", model.exact_step)):
+        got = model.model_matmul(*case, step=step).astype(mx.float32)
+        errors[name] = np.abs(np.asarray(got, np.float64) - want).sum()
+    assert errors["tc"] >= errors["exact"]
+
+
+# ===================================================== the body, emulated on the CPU
+
+# Deliberate slips, each caught by one landing mode of the emulated cp.async.
+_WAIT = "dfl_wait<STAGES - 2>();"
+_ISSUE_AFTER_BARRIER = """    DFL_BARRIER();
+    // The buffer refilled here was read in the previous round (all threads are past it).
+    if (c + STAGES - 1 < c_end) {
+      issue(c + STAGES - 1, (i + STAGES - 1) % STAGES);
+    }
+"""
+_ISSUE_BEFORE_BARRIER = """    if (c + STAGES - 1 < c_end) {
+      issue(c + STAGES - 1, (i + STAGES - 1) % STAGES);
+    }
+    DFL_BARRIER();
+"""
+_A_STEP0 = "lo[mt][0], hi[mt][0], lo[mt][1], hi[mt][1], b[0], b[1]"
+
+
+def _mutant(name: str, old: str, new: str):
+    spec = tensor_qmm.MATMUL_SPECS[(4, 1)]
+    assert old in spec.body
+    return dataclasses.replace(
+        spec, base=f"{spec.base}_{name}", body=spec.body.replace(old, new)
+    )
+
+
+MUTANTS = {
+    # Computes on a chunk before its copies land: only late landing shows it.
+    "early_read": _mutant("early_read", _WAIT, "dfl_wait<STAGES - 1>();"),
+    # Refills the previous buffer while slower threads still read its scales: only
+    # landing at issue shows it.
+    "early_refill": _mutant(
+        "early_refill", _ISSUE_AFTER_BARRIER, _ISSUE_BEFORE_BARRIER
+    ),
+    # Swaps A's k halves against B's: wrong in every mode.
+    "fragments": _mutant(
+        "fragments", _A_STEP0, "lo[mt][1], hi[mt][1], lo[mt][0], hi[mt][0], b[0], b[1]"
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def tensor_emulator(tmp_path_factory):
+    if GXX is None:
+        pytest.skip("g++ not installed")
+    specs = tuple(tensor_qmm.SPECS) + tuple(MUTANTS.values())
+    emulator = TensorEmulator(tmp_path_factory.mktemp("tensor_emulator"), specs, GXX)
+    assert emulator.build.ok, emulator.build.log
+    return emulator
+
+
+@pytest.fixture
+def emulated(tensor_emulator, monkeypatch):
+    """small_row_matmul on a pretend CUDA backend whose launches run the emulator."""
+    monkeypatch.setattr(qmm.backend, "BACKEND", "cuda")
+    monkeypatch.setattr(qmm.groups, "launch_groups", tensor_emulator.launch)
+    tensor_emulator.late = False
+    yield tensor_emulator
+    tensor_emulator.late = False
+
+
+_FIXTURES = [HealthCheck.function_scoped_fixture]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=_FIXTURES)
+@given(case=served_cases(max_chunks=3, max_columns=200), late=st.booleans())
+def test_emulated_body_matches_oracle(emulated, case, late) -> None:
+    """The body text itself (helpers emulated) against the float64 oracle, through
+    small_row_matmul (launch geometry, K split and its sum launch included)."""
+    emulated.late = late
+    before = emulated.launches
+    x, weight, _, _, bits, _ = case
+    _, splits, _ = split_plan(x.shape[1], weight.shape[0], bits)
+    assert _close_to_matmul_oracle(case, _kernel(case))
+    assert emulated.launches == before + (1 if splits == 1 else 2)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=_FIXTURES)
+@given(case=served_cases(max_rows=20, max_chunks=2, max_columns=140))
+def test_emulated_body_is_batch_invariant(emulated, case) -> None:
+    emulated.late = True
+    _assert_batch_invariant(case)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=_FIXTURES)
+@given(case=served_cases(max_chunks=2, max_columns=140))
+def test_emulated_body_gives_misaligned_inputs_the_same_bits(emulated, case) -> None:
+    """Inputs off a 16-byte boundary take plain copies instead of cp.async (which
+    would fault): the same bytes land, so the same bits come out."""
+    aligned = raw_bits(_kernel(case))
+    emulated.misaligned = True
+    try:
+        assert np.array_equal(raw_bits(_kernel(case)), aligned)
+    finally:
+        emulated.misaligned = False
+
+
+def _run_spec(emulator, spec, case) -> mx.array:
+    """One launch of a 4-bit, 16-row form straight through ``spec``, K unsplit (the
+    ring of stages wraps when K holds more chunks than stages)."""
+    x, weight, scales, biases, _, group = case
+    assert group == 64  # group_shift 6 below
+    tiles = -(-weight.shape[0] // tensor_qmm.COLUMNS)
+    chunks = x.shape[1] // Layout(4, 1).chunk
+    ints = mx.array(
+        [x.shape[0], weight.shape[0], x.shape[1], group, tiles, 1, chunks, 6], mx.int32
+    )
+    y, _ = emulator.launch(
+        spec,
+        [x, weight, scales, biases, ints],
+        [(x.shape[0], weight.shape[0]), (1,)],
+        [x.dtype, mx.float32],
+        tiles,
+        x.dtype,
+    )
+    return y
+
+
+def _slip_shows(emulator, spec, case) -> bool:
+    """Whether a mutant body misses the oracle or the emulator refuses its run (e.g.
+    copies never waited for)."""
+    try:
+        return not _close_to_matmul_oracle(case, _run_spec(emulator, spec, case))
+    except RuntimeError:
+        return True
+
+
+@pytest.mark.parametrize(
+    "name, caught_early, caught_late",
+    [
+        ("early_read", False, True),
+        ("early_refill", True, False),
+        ("fragments", True, True),
+    ],
+)
+def test_emulator_catches_slips(
+    tensor_emulator, name, caught_early, caught_late
+) -> None:
+    """Negative controls: each deliberate slip in the body fails the oracle in the
+    landing mode meant to catch it; the body itself passes in both."""
+    rng = np.random.default_rng(6)
+    depth, columns = 1024, 300  # 4 chunks (the ring wraps), 3 column tiles
+    dense = mx.array(rng.standard_normal((columns, depth)).astype(np.float32))
+    x = mx.array(rng.standard_normal((16, depth)).astype(np.float32)).astype(
+        mx.bfloat16
+    )
+    case = (x, *mx.quantize(dense.astype(mx.bfloat16), group_size=64, bits=4), 4, 64)
+    for late, caught in ((False, caught_early), (True, caught_late)):
+        tensor_emulator.late = late
+        good = _run_spec(tensor_emulator, tensor_qmm.MATMUL_SPECS[(4, 1)], case)
+        assert _close_to_matmul_oracle(case, good)
+        assert _slip_shows(tensor_emulator, MUTANTS[name], case) is caught, (name, late)
+    tensor_emulator.late = False
+
+
+# ================================================================= on CUDA
+
+
+def _kernel(case, rows=slice(None)) -> mx.array:
+    x, weight, scales, biases, bits, group = case
+    out = small_row_matmul(
+        x[rows], weight, scales, biases, bits=bits, group_size=group, use_kernel=True
+    )
+    mx.eval(out)
+    return out
+
+
+def _assert_batch_invariant(case) -> None:
+    """Each row alone, the middle rows, and the rows reversed (every row in another
+    slot) give each row the bits it gets in the whole batch."""
+    together = raw_bits(_kernel(case))
+    rows = case[0].shape[0]
+    for row in range(rows):
+        assert np.array_equal(
+            raw_bits(_kernel(case, slice(row, row + 1))), together[row : row + 1]
+        ), row
+    if rows > 2:
+        assert np.array_equal(
+            raw_bits(_kernel(case, slice(1, rows - 1))), together[1 : rows - 1]
+        )
+    flipped = (case[0][::-1],) + tuple(case[1:])
+    assert np.array_equal(raw_bits(_kernel(flipped)), together[::-1])
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=120, deadline=None)
+@given(case=served_cases())
+def test_cuda_tensor_matmul_matches_oracle(case) -> None:
+    x, weight, _, _, bits, _ = case
+    assert qmm.uses_tensor_cores(x.dtype, x.shape[0], x.shape[1], weight.shape[0], bits)
+    assert _close_to_matmul_oracle(case, _kernel(case))
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=40, deadline=None)
+@given(case=served_cases(max_columns=200))
+def test_cuda_tensor_matmul_is_batch_invariant(case) -> None:
+    _assert_batch_invariant(case)
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=40, deadline=None)
+@given(case=served_cases(max_chunks=3, max_columns=120))
+def test_cuda_both_kernel_forms_match_oracle(case) -> None:
+    """The tensor-core form and the scalar kernel (forced) both hold on CUDA."""
+    tensor = _kernel(case)
+    qmm.TENSOR_CORES = False
+    try:
+        scalar = _kernel(case)
+    finally:
+        qmm.TENSOR_CORES = True
+    assert _close_to_matmul_oracle(case, tensor)
+    assert _close_to_matmul_oracle(case, scalar)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_tensor_matmul_unaligned_views_give_the_same_bits() -> None:
+    """Inputs whose data start off a 16-byte boundary take the plain-copy path: the
+    same bytes reach shared memory, so the same bits come out."""
+    rng = np.random.default_rng(5)
+    rows, depth, columns = 16, 512, 200
+    dense = mx.array(rng.standard_normal((columns, depth)).astype(np.float32))
+    dense = dense.astype(mx.bfloat16)
+    x = mx.array(rng.standard_normal((rows, depth)).astype(np.float32)).astype(
+        mx.bfloat16
+    )
+    weight, scales, biases = mx.quantize(dense, group_size=64, bits=4)
+    aligned = (x, weight, scales, biases, 4, 64)
+    shifted = mx.concatenate([mx.zeros((1,), x.dtype), x.reshape(-1)])[1:].reshape(
+        rows, depth
+    )
+    s_shift = mx.concatenate([mx.zeros((1,), x.dtype), scales.reshape(-1)])[1:]
+    unaligned = (shifted, weight, s_shift.reshape(scales.shape), biases, 4, 64)
+    assert np.array_equal(raw_bits(_kernel(aligned)), raw_bits(_kernel(unaligned)))
+    assert _close_to_matmul_oracle(aligned, _kernel(unaligned))
+
+
+def _glimmer_case(depth, columns, rows, bits, dtype=mx.bfloat16):
+    key = mx.random.key(depth + columns)
+    k1, k2 = mx.random.split(key)
+    dense = mx.random.normal((columns, depth), key=k1).astype(dtype)
+    x = mx.random.normal((rows, depth), key=k2).astype(dtype)
+    if bits is None:
+        return x, dense, None, None, None, None
+    return (x, *mx.quantize(dense, group_size=64, bits=bits), bits, 64)
+
+
+def _close_on_columns(case, out, columns) -> bool:
+    """The oracle on a subset of the columns (the full lm_head is too big for numpy)."""
+    x, weight, scales, biases, bits, group = case
+    index = mx.array(columns)
+    part = (
+        x,
+        weight[index],
+        None if scales is None else scales[index],
+        None if biases is None else biases[index],
+        bits,
+        group,
+    )
+    return _close_to_matmul_oracle(part, out[:, index], slack=4.0)
+
+
+# (rows, bits) per shape; no dense lm_head (2.7 GB in bf16, the oracle's float64 twice).
+GLIMMER_FORMS = [
+    (shape, rows, bits)
+    for shape in GLIMMER + (LM_HEAD,)
+    for rows, bits in ((1, 4), (16, 4), (16, 8), (16, None))
+    if not (shape == LM_HEAD and bits is None)
+]
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("shape, rows, bits", GLIMMER_FORMS)
+def test_cuda_tensor_matmul_glimmer_shapes(shape, rows, bits) -> None:
+    """Every Glimmer projection (K, N) at 1 and 16 rows, bf16, group 64: close to the
+    oracle (on 2,048 columns for the lm_head) and row 0 alone has its batch bits."""
+    depth, columns = shape
+    case = _glimmer_case(depth, columns, rows, bits)
+    assert qmm.uses_tensor_cores(mx.bfloat16, rows, depth, columns, bits)
+    out = _kernel(case)
+    if shape == LM_HEAD:
+        picked = list(range(1024)) + list(range(columns - 1024, columns))
+        assert _close_on_columns(case, out, picked)
+    else:
+        assert _close_to_matmul_oracle(case, out, slack=4.0)
+    alone = _kernel(case, slice(0, 1))
+    assert np.array_equal(raw_bits(alone), raw_bits(out[0:1]))
