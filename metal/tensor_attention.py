@@ -8,37 +8,42 @@ What differs is how a chunk is attended, because the scalar body cannot meet the
 issue's goal (16 queries x 16 query heads per KV head over 4k keys is ~1 GFLOP,
 18 us at the H200's float32 peak; ``docs/verify-kernels-analysis.md``):
 
-* one threadgroup of 8 warps per (batch, KV head, chunk, 32 query rows): warp
-  ``w`` takes the 16 rows of row tile ``w % 2`` (one ``m16`` tile) against key tile
-  ``w / 2`` (64 keys) of the chunk, so every warp does one tile and the chain a
-  threadgroup waits on is one tile long; the grouped query heads of a KV head are
-  the rows, so a key is read once for 32 of them;
-* the whole chunk (up to 4 tiles of keys and values) is staged in shared memory
-  with ``cp.async``, rows read where they lie in the ring or the held-back block,
-  positions outside the live range filled with zeros;
+* rows are the grouped query heads of a KV head, so a staged key serves all of
+  them; positions outside the live range are staged as zeros, rows are read where
+  they lie in the ring or the held-back block (``cp.async``);
 * scores ``Q K^T`` and weighted values ``P V`` come from ``mma.sync`` m16n8k16
   (bfloat16 / float16 inputs, float32 accumulators); ``K`` and ``V`` fragments
-  from ``ldmatrix`` (``V`` transposed on the fly);
-* per warp, the softmax of its tile in float32 (the tile's row maxima over the keys
-  a row sees, ``exp``); weights are rounded to the input type for ``P V`` and the
-  row sum adds the rounded weights, so the normalisation matches what was
-  multiplied. The four tiles' partials then meet in shared memory and are combined
-  in ascending tile order against their maximum, as the fold combines chunks.
+  from ``ldmatrix`` (``V`` transposed on the fly); weights are rounded to the input
+  type for ``P V`` and the row sums add the rounded weights, so the normalisation
+  matches what was multiplied.
+
+Two layouts, which sum in different orders (one per process, ``DFLASH_TENSOR_LAYOUT``):
+
+* ``stream`` (default): a threadgroup of 4 warps x 16 rows streams the chunk's
+  64-key tiles through two buffers; each warp folds them in order (online softmax);
+* ``split``: a threadgroup of 8 warps = 2 row tiles x 4 key tiles, one tile per
+  warp, the whole chunk staged at once; the tile partials meet in shared memory
+  and are combined in tile order against their maximum, as the fold combines chunks.
+
+Measured on an H200 (``docs/verify-kernels-analysis.md``): 16 queries over 4k keys
+in 51 us (``stream``; cuDNN 54.5), 36 us on a 2,048-row ring (mlx's sdpa plus the
+shadow copies 89); one query 21 us (``split``) to 30 us (``stream``). Both are
+latency-bound at low occupancy.
 
 **Batch invariance.** A row's result is produced by the same instruction sequence
 whatever the other rows are: the chunk's tiles are fixed by absolute position and
 all of them are processed, the tensor core computes each output element from its
 own row and column only, the row maxima and sums are reduced in a fixed order
 inside a quad (thread-local in key order, then lanes ``xor 1``, ``xor 2``), the
-tiles of a chunk are combined in tile order, and the chunks are folded by the
-shared fold. Rows of the tile that hold no query
+tiles of a chunk are folded (``stream``) or combined (``split``) in tile order, and
+the chunks are folded by the shared fold. Rows of the tile that hold no query
 are zeros and written nowhere. So a 16-query verify gives each row the bits of a
 one-query step through this form. It is not bit-equal to the scalar kernel or the
 reference (different summation grouping, weights rounded for ``P V``); it is
 within the dtype's tolerance of them.
 
 Served: CUDA, bfloat16 / float16, head dim a multiple of 16 up to 128, a chunk
-of 64, 128, 192 or 256 keys (the default is 256). Everything else takes the
+that is a multiple of 64 keys (``split``: at most 256; the default chunk is 256). Everything else takes the
 scalar kernel. There is no Metal body (``simdgroup_matrix`` would be its
 counterpart); Metal keeps the scalar kernel.
 """

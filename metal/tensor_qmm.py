@@ -61,6 +61,11 @@ On an H200 (132 SMs x 4 schedulers, ~1.98 GHz) that is ~14 us of issue for
 gate/up (66 MB of weights), about the HBM time of the same bytes: issue and
 memory are balanced, so the 1.6x-bound target is plausible, not certain; a
 measurement decides (the group step is the first thing to trim).
+
+**Measured** (H200, device time, ``docs/benchmarks/h200-2026-12-01-s8``): 4-bit,
+16 rows: gate/up 117.5 us (7.5x the bound; mlx 115.0), down 113.5 us (mlx 266.5),
+q 39.4 (mlx 80.7); bf16 dense 3x the bound where mlx's cuBLAS is at 1.3x. Not yet
+near the goal; see ``docs/verify-kernels-analysis.md``.
 """
 
 from __future__ import annotations
