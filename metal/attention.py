@@ -485,39 +485,10 @@ ATTEND_CHUNKS_BODY = (
   DFL_SHARED float row_max[{ROWS}];
 """
     + """
-  const int n_heads = params[1];
-  const int n_kv = params[2];
-  const int n_queries = params[3];
   const int dim = params[4];
-  const int cap = params[5];
-  const int n_block = params[6];
-  const int query_start = params[7];
-  const int origin_logical = params[8];
-  const int origin_physical = params[9];
-  const int ring_len = params[10];
-  const int window = params[11];
-  const int causal = params[12];
-  const int chunk = params[13];
-  const int chunk_first = params[14];
-  const int n_chunks = params[15];
-  const int row_blocks = params[16];
-  const float scale = fparams[0];
-  const float softcap = fparams[1];
-
-  const int group_size = n_heads / n_kv;
-  const int head_rows = group_size * n_queries;
-  int rest = int(group);
-  const int rb = rest % row_blocks;
-  rest = rest / row_blocks;
-  const int u = rest % n_chunks;
-  rest = rest / n_chunks;
-  const int h = rest % n_kv;
-  const int b = rest / n_kv;
-  const int bh = b * n_kv + h;
-  const int chunk_start = (chunk_first + u) * chunk;
-  const int ring_end = origin_logical + ring_len;
-  const int key_end = ring_end + n_block;
-
+"""
+    + tensor_attention.CHUNK_PARAMS
+    + """
   // Stage the block's query rows in float.
   for (int idx = int(lid); idx < ROWS * dim; idx += THREADS) {
     const int r = idx / dim;

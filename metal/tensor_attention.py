@@ -187,23 +187,9 @@ DFL_FN uint32_t dfl_pack(float a, float b, float& lo, float& hi, const __half*) 
 """
 
 
-def _split_body(dim: int) -> str:
-    """The ``split`` layout's body for head dim ``dim`` (a compile-time constant)."""
-    constants = f"""
-  constexpr int DIM = {dim};
-  constexpr int ROWS = {SPLIT.rows};
-  constexpr int THREADS = {SPLIT.threads};
-  constexpr int TILE = {TILE};
-  constexpr int KEY_SPLIT = {KEY_SPLIT};
-  constexpr int PITCH = DIM + {PAD};
-"""
-    return constants + r"""
-  constexpr int KSTEPS = DIM / 16;     // k-steps of the scores over the head dim
-  constexpr int KEY_TILES = TILE / 8;  // n-tiles of the scores (8 keys each)
-  constexpr int DIM_TILES = DIM / 8;   // n-tiles of the weighted values
-  constexpr int VECTORS = DIM / 8;     // 16-byte vectors per key row
-  const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
-
+# The chunk pass's launch parameters and its threadgroup's place in the grid, shared
+# with the scalar chunk pass (``attention.ATTEND_CHUNKS_BODY``); ``dim`` is read apart.
+CHUNK_PARAMS = """\
   const int n_heads = params[1];
   const int n_kv = params[2];
   const int n_queries = params[3];
@@ -235,7 +221,139 @@ def _split_body(dim: int) -> str:
   const int chunk_start = (chunk_first + u) * chunk;
   const int ring_end = origin_logical + ring_len;
   const int key_end = ring_end + n_block;
-  const int n_tiles = chunk / TILE;
+"""
+_PARAMS = CHUNK_PARAMS
+
+# Body text both layouts share, at a base indent of 2 (``_indent`` adds more).
+# @TILE@: the warp's row-tile index; @LIVE@: an extra condition for loading queries;
+# @MAX@: the variable receiving the tile's row maxima.
+_ROWS = """\
+  int row[2];
+  bool row_ok[2];
+  int first[2];
+  int last[2];
+  int qrow[2];
+  for (int i = 0; i < 2; ++i) {
+    row[i] = rb * ROWS + @TILE@ * 16 + gid + 8 * i;
+    row_ok[i] = row[i] < head_rows;
+    const int r = row_ok[i] ? row[i] : 0;
+    qrow[i] = (b * n_heads + h * group_size + r / n_queries) * n_queries + r % n_queries;
+    first[i] = 1;
+    last[i] = 0;
+    if (row_ok[i]) {
+      const int qpos = query_start + r % n_queries;
+      first[i] = dfl_first_key(qpos, window);
+      last[i] = dfl_last_key(qpos, window, causal, key_end);
+    }
+  }
+"""
+_QUERY_FRAGMENTS = """\
+  uint32_t q_frag[KSTEPS][4];
+  for (int ks = 0; ks < KSTEPS; ++ks) {
+    for (int j = 0; j < 4; ++j) {
+      const int i = j & 1;
+      const int d = ks * 16 + tig * 2 + (j >> 1) * 8;
+      q_frag[ks][j] = @LIVE@row_ok[i]
+          ? *reinterpret_cast<const uint32_t*>(queries + qrow[i] * DIM + d)
+          : 0u;
+    }
+  }
+
+"""
+_ACCUMULATORS = """\
+  float acc[DIM_TILES][4];
+  for (int dt = 0; dt < DIM_TILES; ++dt) {
+    for (int j = 0; j < 4; ++j) {
+      acc[dt][j] = 0.0f;
+    }
+  }
+"""
+# Scores of the warp's 16 rows against its 64 keys.
+_SCORES = """\
+  float s[KEY_TILES][4];
+  for (int j = 0; j < KEY_TILES; ++j) {
+    for (int e = 0; e < 4; ++e) {
+      s[j][e] = 0.0f;
+    }
+  }
+  for (int ks = 0; ks < KSTEPS; ++ks) {
+    for (int j = 0; j < KEY_TILES; j += 2) {
+      // Matrices: keys j*8.. x dims lo/hi, keys (j+1)*8.. x dims lo/hi.
+      const int mi = lane >> 3;
+      const int key = (j + (mi >> 1)) * 8 + (lane & 7);
+      const int d = ks * 16 + (mi & 1) * 8;
+      uint32_t kf[4];
+      dfl_ldmatrix_x4(kf, k_tile + key * PITCH + d);
+      dfl_mma(s[j], q_frag[ks], kf[0], kf[1], queries);
+      dfl_mma(s[j + 1], q_frag[ks], kf[2], kf[3], queries);
+    }
+  }
+"""
+# Scale, soft-cap, hide what a row does not see; the tile's row maxima.
+_MASK = """\
+  for (int j = 0; j < KEY_TILES; ++j) {
+    for (int e = 0; e < 4; ++e) {
+      const int i = e >> 1;
+      const int pos = tile_start + j * 8 + tig * 2 + (e & 1);
+      float score = s[j][e] * scale;
+      if (softcap > 0.0f) {
+        score = softcap * tanhf(score / softcap);
+      }
+      const bool seen = pos >= first[i] && pos <= last[i];
+      s[j][e] = seen ? score : NEG_INF;
+      @MAX@[i] = fmaxf(@MAX@[i], s[j][e]);
+    }
+  }
+"""
+_WEIGHTED_VALUES = """\
+  // Weighted values: 16 keys per k-step; V fragments transposed by ldmatrix.
+  for (int kk = 0; kk < TILE / 16; ++kk) {
+    const uint32_t p_a[4] = {p_frag[2 * kk][0], p_frag[2 * kk][1],
+                             p_frag[2 * kk + 1][0], p_frag[2 * kk + 1][1]};
+    for (int dt = 0; dt < DIM_TILES; dt += 2) {
+      // Matrices: keys lo/hi x dims dt*8.., keys lo/hi x dims (dt+1)*8...
+      const int mi = lane >> 3;
+      const int key = kk * 16 + (mi & 1) * 8 + (lane & 7);
+      const int d = (dt + (mi >> 1)) * 8;
+      uint32_t vf[4];
+      dfl_ldmatrix_x4_trans(vf, v_tile + key * PITCH + d);
+      dfl_mma(acc[dt], p_a, vf[0], vf[1], queries);
+      dfl_mma(acc[dt + 1], p_a, vf[2], vf[3], queries);
+    }
+  }
+"""
+
+
+def _indent(text: str, spaces: int) -> str:
+    """``text`` with ``spaces`` more spaces before every non-empty line."""
+    pad = " " * spaces
+    return "".join(
+        pad + line if line.strip() else line for line in text.splitlines(True)
+    )
+
+
+def _split_body(dim: int) -> str:
+    """The ``split`` layout's body for head dim ``dim`` (a compile-time constant)."""
+    constants = f"""
+  constexpr int DIM = {dim};
+  constexpr int ROWS = {SPLIT.rows};
+  constexpr int THREADS = {SPLIT.threads};
+  constexpr int TILE = {TILE};
+  constexpr int KEY_SPLIT = {KEY_SPLIT};
+  constexpr int PITCH = DIM + {PAD};
+"""
+    return (
+        constants
+        + r"""
+  constexpr int KSTEPS = DIM / 16;     // k-steps of the scores over the head dim
+  constexpr int KEY_TILES = TILE / 8;  // n-tiles of the scores (8 keys each)
+  constexpr int DIM_TILES = DIM / 8;   // n-tiles of the weighted values
+  constexpr int VECTORS = DIM / 8;     // 16-byte vectors per key row
+  const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
+
+"""
+        + _PARAMS
+        + r"""  const int n_tiles = chunk / TILE;
 
   extern __shared__ __align__(16) unsigned char dfl_smem[];
   T* k_tiles = reinterpret_cast<T*>(dfl_smem);
@@ -267,89 +385,33 @@ def _split_body(dim: int) -> str:
   const int tig = lane & 3;
   const int row_tile = warp % 2;
   const int key_tile = warp / 2;
-  int row[2];
-  bool row_ok[2];
-  int first[2];
-  int last[2];
-  int qrow[2];
-  for (int i = 0; i < 2; ++i) {
-    row[i] = rb * ROWS + row_tile * 16 + gid + 8 * i;
-    row_ok[i] = row[i] < head_rows;
-    const int r = row_ok[i] ? row[i] : 0;
-    qrow[i] = (b * n_heads + h * group_size + r / n_queries) * n_queries + r % n_queries;
-    first[i] = 1;
-    last[i] = 0;
-    if (row_ok[i]) {
-      const int qpos = query_start + r % n_queries;
-      first[i] = dfl_first_key(qpos, window);
-      last[i] = dfl_last_key(qpos, window, causal, key_end);
-    }
-  }
-  const bool warp_active =
+"""
+        + _ROWS.replace("@TILE@", "row_tile")
+        + r"""  const bool warp_active =
       rb * ROWS + row_tile * 16 < head_rows && key_tile < n_tiles;
 
   // Query fragments (A of the scores), zero for rows that hold no query; loaded
   // while the chunk streams in.
-  uint32_t q_frag[KSTEPS][4];
-  for (int ks = 0; ks < KSTEPS; ++ks) {
-    for (int j = 0; j < 4; ++j) {
-      const int i = j & 1;
-      const int d = ks * 16 + tig * 2 + (j >> 1) * 8;
-      q_frag[ks][j] = warp_active && row_ok[i]
-          ? *reinterpret_cast<const uint32_t*>(queries + qrow[i] * DIM + d)
-          : 0u;
-    }
-  }
-
-  float m_tile[2] = {NEG_INF, NEG_INF};
+"""
+        + _QUERY_FRAGMENTS.replace("@LIVE@", "warp_active && ")
+        + r"""  float m_tile[2] = {NEG_INF, NEG_INF};
   float l_tile[2] = {0.0f, 0.0f};
-  float acc[DIM_TILES][4];
-  for (int dt = 0; dt < DIM_TILES; ++dt) {
-    for (int j = 0; j < 4; ++j) {
-      acc[dt][j] = 0.0f;
-    }
-  }
-
+"""
+        + _ACCUMULATORS
+        + r"""
   dfl_cp_async_wait<0>();
   __syncthreads();
   if (warp_active) {
     const T* k_tile = k_tiles + key_tile * TILE * PITCH;
     const T* v_tile = v_tiles + key_tile * TILE * PITCH;
     // Scores of the warp's 16 rows against its 64 keys.
-    float s[KEY_TILES][4];
-    for (int j = 0; j < KEY_TILES; ++j) {
-      for (int e = 0; e < 4; ++e) {
-        s[j][e] = 0.0f;
-      }
-    }
-    for (int ks = 0; ks < KSTEPS; ++ks) {
-      for (int j = 0; j < KEY_TILES; j += 2) {
-        // Matrices: keys j*8.. x dims lo/hi, keys (j+1)*8.. x dims lo/hi.
-        const int mi = lane >> 3;
-        const int key = (j + (mi >> 1)) * 8 + (lane & 7);
-        const int d = ks * 16 + (mi & 1) * 8;
-        uint32_t kf[4];
-        dfl_ldmatrix_x4(kf, k_tile + key * PITCH + d);
-        dfl_mma(s[j], q_frag[ks], kf[0], kf[1], queries);
-        dfl_mma(s[j + 1], q_frag[ks], kf[2], kf[3], queries);
-      }
-    }
-    // Scale, soft-cap, hide what a row does not see; the tile's row maxima.
+"""
+        + _indent(_SCORES, 2)
+        + r"""    // Scale, soft-cap, hide what a row does not see; the tile's row maxima.
     const int tile_start = chunk_start + key_tile * TILE;
-    for (int j = 0; j < KEY_TILES; ++j) {
-      for (int e = 0; e < 4; ++e) {
-        const int i = e >> 1;
-        const int pos = tile_start + j * 8 + tig * 2 + (e & 1);
-        float score = s[j][e] * scale;
-        if (softcap > 0.0f) {
-          score = softcap * tanhf(score / softcap);
-        }
-        const bool seen = pos >= first[i] && pos <= last[i];
-        s[j][e] = seen ? score : NEG_INF;
-        m_tile[i] = fmaxf(m_tile[i], s[j][e]);
-      }
-    }
-    for (int i = 0; i < 2; ++i) {
+"""
+        + _indent(_MASK.replace("@MAX@", "m_tile"), 2)
+        + r"""    for (int i = 0; i < 2; ++i) {
       m_tile[i] = fmaxf(m_tile[i], __shfl_xor_sync(0xffffffffu, m_tile[i], 1));
       m_tile[i] = fmaxf(m_tile[i], __shfl_xor_sync(0xffffffffu, m_tile[i], 2));
     }
@@ -372,22 +434,9 @@ def _split_body(dim: int) -> str:
       l_tile[i] += __shfl_xor_sync(0xffffffffu, l_tile[i], 1);
       l_tile[i] += __shfl_xor_sync(0xffffffffu, l_tile[i], 2);
     }
-    // Weighted values: 16 keys per k-step; V fragments transposed by ldmatrix.
-    for (int kk = 0; kk < TILE / 16; ++kk) {
-      const uint32_t p_a[4] = {p_frag[2 * kk][0], p_frag[2 * kk][1],
-                               p_frag[2 * kk + 1][0], p_frag[2 * kk + 1][1]};
-      for (int dt = 0; dt < DIM_TILES; dt += 2) {
-        // Matrices: keys lo/hi x dims dt*8.., keys lo/hi x dims (dt+1)*8...
-        const int mi = lane >> 3;
-        const int key = kk * 16 + (mi & 1) * 8 + (lane & 7);
-        const int d = (dt + (mi >> 1)) * 8;
-        uint32_t vf[4];
-        dfl_ldmatrix_x4_trans(vf, v_tile + key * PITCH + d);
-        dfl_mma(acc[dt], p_a, vf[0], vf[1], queries);
-        dfl_mma(acc[dt + 1], p_a, vf[2], vf[3], queries);
-      }
-    }
-  }
+"""
+        + _indent(_WEIGHTED_VALUES, 2)
+        + r"""  }
   __syncthreads();  // the tiles are read; their memory holds the warps' partials now
 
   // Each warp's tile partial: statistics and weighted values of its 16 rows.
@@ -440,6 +489,7 @@ def _split_body(dim: int) -> str:
     }
   }
 """
+    )
 
 
 def _stream_body(dim: int) -> str:
@@ -452,45 +502,18 @@ def _stream_body(dim: int) -> str:
   constexpr int STAGES = {STAGES};
   constexpr int PITCH = DIM + {PAD};
 """
-    return constants + r"""
+    return (
+        constants
+        + r"""
   constexpr int KSTEPS = DIM / 16;     // k-steps of the scores over the head dim
   constexpr int KEY_TILES = TILE / 8;  // n-tiles of the scores (8 keys each)
   constexpr int DIM_TILES = DIM / 8;   // n-tiles of the weighted values
   constexpr int VECTORS = DIM / 8;     // 16-byte vectors per key row
   const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
 
-  const int n_heads = params[1];
-  const int n_kv = params[2];
-  const int n_queries = params[3];
-  const int cap = params[5];
-  const int n_block = params[6];
-  const int query_start = params[7];
-  const int origin_logical = params[8];
-  const int origin_physical = params[9];
-  const int ring_len = params[10];
-  const int window = params[11];
-  const int causal = params[12];
-  const int chunk = params[13];
-  const int chunk_first = params[14];
-  const int n_chunks = params[15];
-  const int row_blocks = params[16];
-  const float scale = fparams[0];
-  const float softcap = fparams[1];
-
-  const int group_size = n_heads / n_kv;
-  const int head_rows = group_size * n_queries;
-  int rest = int(group);
-  const int rb = rest % row_blocks;
-  rest = rest / row_blocks;
-  const int u = rest % n_chunks;
-  rest = rest / n_chunks;
-  const int h = rest % n_kv;
-  const int b = rest / n_kv;
-  const int bh = b * n_kv + h;
-  const int chunk_start = (chunk_first + u) * chunk;
-  const int ring_end = origin_logical + ring_len;
-  const int key_end = ring_end + n_block;
-
+"""
+        + _PARAMS
+        + r"""
   extern __shared__ __align__(16) unsigned char dfl_smem[];
   T* k_tiles = reinterpret_cast<T*>(dfl_smem);
   T* v_tiles = k_tiles + STAGES * TILE * PITCH;
@@ -526,47 +549,18 @@ def _stream_body(dim: int) -> str:
   const int gid = lane >> 2;
   const int tig = lane & 3;
   // This thread's two rows of the warp's m16 tile: gid and gid + 8.
-  int row[2];
-  bool row_ok[2];
-  int first[2];
-  int last[2];
-  int qrow[2];
-  for (int i = 0; i < 2; ++i) {
-    row[i] = rb * ROWS + warp * 16 + gid + 8 * i;
-    row_ok[i] = row[i] < head_rows;
-    const int r = row_ok[i] ? row[i] : 0;
-    qrow[i] = (b * n_heads + h * group_size + r / n_queries) * n_queries + r % n_queries;
-    first[i] = 1;
-    last[i] = 0;
-    if (row_ok[i]) {
-      const int qpos = query_start + r % n_queries;
-      first[i] = dfl_first_key(qpos, window);
-      last[i] = dfl_last_key(qpos, window, causal, key_end);
-    }
-  }
-  const bool warp_active = rb * ROWS + warp * 16 < head_rows;
+"""
+        + _ROWS.replace("@TILE@", "warp")
+        + r"""  const bool warp_active = rb * ROWS + warp * 16 < head_rows;
 
   // Query fragments (A of the scores), zero for rows that hold no query.
-  uint32_t q_frag[KSTEPS][4];
-  for (int ks = 0; ks < KSTEPS; ++ks) {
-    for (int j = 0; j < 4; ++j) {
-      const int i = j & 1;
-      const int d = ks * 16 + tig * 2 + (j >> 1) * 8;
-      q_frag[ks][j] = row_ok[i]
-          ? *reinterpret_cast<const uint32_t*>(queries + qrow[i] * DIM + d)
-          : 0u;
-    }
-  }
-
-  float m_run[2] = {NEG_INF, NEG_INF};
+"""
+        + _QUERY_FRAGMENTS.replace("@LIVE@", "")
+        + r"""  float m_run[2] = {NEG_INF, NEG_INF};
   float l_run[2] = {0.0f, 0.0f};
-  float acc[DIM_TILES][4];
-  for (int dt = 0; dt < DIM_TILES; ++dt) {
-    for (int j = 0; j < 4; ++j) {
-      acc[dt][j] = 0.0f;
-    }
-  }
-
+"""
+        + _ACCUMULATORS
+        + r"""
   for (int t = 0; t < n_tiles; ++t) {
     if (t + 1 < n_tiles) {
       load_tile(t + 1, (t + 1) % STAGES);
@@ -579,41 +573,14 @@ def _stream_body(dim: int) -> str:
     const T* v_tile = v_tiles + (t % STAGES) * TILE * PITCH;
     if (warp_active) {
       // Scores of the warp's 16 rows against the tile's 64 keys.
-      float s[KEY_TILES][4];
-      for (int j = 0; j < KEY_TILES; ++j) {
-        for (int e = 0; e < 4; ++e) {
-          s[j][e] = 0.0f;
-        }
-      }
-      for (int ks = 0; ks < KSTEPS; ++ks) {
-        for (int j = 0; j < KEY_TILES; j += 2) {
-          // Matrices: keys j*8.. x dims lo/hi, keys (j+1)*8.. x dims lo/hi.
-          const int mi = lane >> 3;
-          const int key = (j + (mi >> 1)) * 8 + (lane & 7);
-          const int d = ks * 16 + (mi & 1) * 8;
-          uint32_t kf[4];
-          dfl_ldmatrix_x4(kf, k_tile + key * PITCH + d);
-          dfl_mma(s[j], q_frag[ks], kf[0], kf[1], queries);
-          dfl_mma(s[j + 1], q_frag[ks], kf[2], kf[3], queries);
-        }
-      }
-      // Scale, soft-cap, hide what a row does not see; the tile's row maxima.
+"""
+        + _indent(_SCORES, 4)
+        + r"""      // Scale, soft-cap, hide what a row does not see; the tile's row maxima.
       const int tile_start = chunk_start + t * TILE;
       float tile_max[2] = {NEG_INF, NEG_INF};
-      for (int j = 0; j < KEY_TILES; ++j) {
-        for (int e = 0; e < 4; ++e) {
-          const int i = e >> 1;
-          const int pos = tile_start + j * 8 + tig * 2 + (e & 1);
-          float score = s[j][e] * scale;
-          if (softcap > 0.0f) {
-            score = softcap * tanhf(score / softcap);
-          }
-          const bool seen = pos >= first[i] && pos <= last[i];
-          s[j][e] = seen ? score : NEG_INF;
-          tile_max[i] = fmaxf(tile_max[i], s[j][e]);
-        }
-      }
-      float alpha[2];
+"""
+        + _indent(_MASK.replace("@MAX@", "tile_max"), 4)
+        + r"""      float alpha[2];
       for (int i = 0; i < 2; ++i) {
         tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
         tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
@@ -649,22 +616,9 @@ def _stream_body(dim: int) -> str:
         acc[dt][2] *= alpha[1];
         acc[dt][3] *= alpha[1];
       }
-      // Weighted values: 16 keys per k-step; V fragments transposed by ldmatrix.
-      for (int kk = 0; kk < TILE / 16; ++kk) {
-        const uint32_t p_a[4] = {p_frag[2 * kk][0], p_frag[2 * kk][1],
-                                 p_frag[2 * kk + 1][0], p_frag[2 * kk + 1][1]};
-        for (int dt = 0; dt < DIM_TILES; dt += 2) {
-          // Matrices: keys lo/hi x dims dt*8.., keys lo/hi x dims (dt+1)*8...
-          const int mi = lane >> 3;
-          const int key = kk * 16 + (mi & 1) * 8 + (lane & 7);
-          const int d = (dt + (mi >> 1)) * 8;
-          uint32_t vf[4];
-          dfl_ldmatrix_x4_trans(vf, v_tile + key * PITCH + d);
-          dfl_mma(acc[dt], p_a, vf[0], vf[1], queries);
-          dfl_mma(acc[dt + 1], p_a, vf[2], vf[3], queries);
-        }
-      }
-    }
+"""
+        + _indent(_WEIGHTED_VALUES, 4)
+        + r"""    }
     __syncthreads();
   }
 
@@ -685,6 +639,7 @@ def _stream_body(dim: int) -> str:
     }
   }
 """
+    )
 
 
 def shared_bytes(dim: int, layout: Layout) -> int:
