@@ -227,6 +227,25 @@ _PARAMS = CHUNK_PARAMS
 # Body text both layouts share, at a base indent of 2 (``_indent`` adds more).
 # @TILE@: the warp's row-tile index; @LIVE@: an extra condition for loading queries;
 # @MAX@: the variable receiving the tile's row maxima.
+# Where the row at absolute position ``pos`` lies (plane or block), and whether it is live.
+_ROW_SOURCES = """\
+  const bool live = pos >= origin_logical && pos < key_end;
+  const T* k_src = keys;
+  const T* v_src = values;
+  if (live) {
+    const int off = dfl_row_offset(pos, bh, DIM, cap, n_block, origin_logical,
+                                   origin_physical, ring_end);
+    k_src = (pos < ring_end ? keys : block_keys) + off + c;
+    v_src = (pos < ring_end ? values : block_values) + off + c;
+  }
+"""
+# The thread's warp, lane, fragment row group (gid) and thread in group (tig).
+_LANES = """\
+  const int warp = int(lid) / 32;
+  const int lane = int(lid) % 32;
+  const int gid = lane >> 2;
+  const int tig = lane & 3;
+"""
 _ROWS = """\
   int row[2];
   bool row_ok[2];
@@ -332,18 +351,20 @@ def _indent(text: str, spaces: int) -> str:
     )
 
 
-def _split_body(dim: int) -> str:
-    """The ``split`` layout's body for head dim ``dim`` (a compile-time constant)."""
-    constants = f"""
+def _constants(dim: int, layout: Layout, name: str, value: int) -> str:
+    """A body's compile-time constants and the derived tile counts.
+
+    ``name`` / ``value``: the layout's own constant (``KEY_SPLIT`` or ``STAGES``).
+    """
+    return (
+        f"""
   constexpr int DIM = {dim};
-  constexpr int ROWS = {SPLIT.rows};
-  constexpr int THREADS = {SPLIT.threads};
+  constexpr int ROWS = {layout.rows};
+  constexpr int THREADS = {layout.threads};
   constexpr int TILE = {TILE};
-  constexpr int KEY_SPLIT = {KEY_SPLIT};
+  constexpr int {name} = {value};
   constexpr int PITCH = DIM + {PAD};
 """
-    return (
-        constants
         + r"""
   constexpr int KSTEPS = DIM / 16;     // k-steps of the scores over the head dim
   constexpr int KEY_TILES = TILE / 8;  // n-tiles of the scores (8 keys each)
@@ -352,6 +373,13 @@ def _split_body(dim: int) -> str:
   const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
 
 """
+    )
+
+
+def _split_body(dim: int) -> str:
+    """The ``split`` layout's body for head dim ``dim`` (a compile-time constant)."""
+    return (
+        _constants(dim, SPLIT, "KEY_SPLIT", KEY_SPLIT)
         + _PARAMS
         + r"""  const int n_tiles = chunk / TILE;
 
@@ -364,26 +392,17 @@ def _split_body(dim: int) -> str:
     const int r = idx / VECTORS;
     const int c = (idx % VECTORS) * 8;
     const int pos = chunk_start + r;
-    const bool live = pos >= origin_logical && pos < key_end;
-    const T* k_src = keys;
-    const T* v_src = values;
-    if (live) {
-      const int off = dfl_row_offset(pos, bh, DIM, cap, n_block, origin_logical,
-                                     origin_physical, ring_end);
-      k_src = (pos < ring_end ? keys : block_keys) + off + c;
-      v_src = (pos < ring_end ? values : block_values) + off + c;
-    }
-    dfl_cp_async16(k_tiles + r * PITCH + c, k_src, live);
+"""
+        + _indent(_ROW_SOURCES, 2)
+        + r"""    dfl_cp_async16(k_tiles + r * PITCH + c, k_src, live);
     dfl_cp_async16(v_tiles + r * PITCH + c, v_src, live);
   }
   dfl_cp_async_commit();
 
   // Warp w: rows (w % 2) * 16 .. of the block, keys (w / 2) * TILE .. of the chunk.
-  const int warp = int(lid) / 32;
-  const int lane = int(lid) % 32;
-  const int gid = lane >> 2;
-  const int tig = lane & 3;
-  const int row_tile = warp % 2;
+"""
+        + _LANES
+        + r"""  const int row_tile = warp % 2;
   const int key_tile = warp / 2;
 """
         + _ROWS.replace("@TILE@", "row_tile")
@@ -494,24 +513,8 @@ def _split_body(dim: int) -> str:
 
 def _stream_body(dim: int) -> str:
     """The ``stream`` layout's body for head dim ``dim`` (a compile-time constant)."""
-    constants = f"""
-  constexpr int DIM = {dim};
-  constexpr int ROWS = {STREAM.rows};
-  constexpr int THREADS = {STREAM.threads};
-  constexpr int TILE = {TILE};
-  constexpr int STAGES = {STAGES};
-  constexpr int PITCH = DIM + {PAD};
-"""
     return (
-        constants
-        + r"""
-  constexpr int KSTEPS = DIM / 16;     // k-steps of the scores over the head dim
-  constexpr int KEY_TILES = TILE / 8;  // n-tiles of the scores (8 keys each)
-  constexpr int DIM_TILES = DIM / 8;   // n-tiles of the weighted values
-  constexpr int VECTORS = DIM / 8;     // 16-byte vectors per key row
-  const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
-
-"""
+        _constants(dim, STREAM, "STAGES", STAGES)
         + _PARAMS
         + r"""
   extern __shared__ __align__(16) unsigned char dfl_smem[];
@@ -525,16 +528,9 @@ def _stream_body(dim: int) -> str:
       const int r = idx / VECTORS;
       const int c = (idx % VECTORS) * 8;
       const int pos = tile_start + r;
-      const bool live = pos >= origin_logical && pos < key_end;
-      const T* k_src = keys;
-      const T* v_src = values;
-      if (live) {
-        const int off = dfl_row_offset(pos, bh, DIM, cap, n_block, origin_logical,
-                                       origin_physical, ring_end);
-        k_src = (pos < ring_end ? keys : block_keys) + off + c;
-        v_src = (pos < ring_end ? values : block_values) + off + c;
-      }
-      const int at = (stage * TILE + r) * PITCH + c;
+"""
+        + _indent(_ROW_SOURCES, 4)
+        + r"""      const int at = (stage * TILE + r) * PITCH + c;
       dfl_cp_async16(k_tiles + at, k_src, live);
       dfl_cp_async16(v_tiles + at, v_src, live);
     }
@@ -544,11 +540,9 @@ def _stream_body(dim: int) -> str:
   const int n_tiles = chunk / TILE;
   load_tile(0, 0);
 
-  const int warp = int(lid) / 32;
-  const int lane = int(lid) % 32;
-  const int gid = lane >> 2;
-  const int tig = lane & 3;
-  // This thread's two rows of the warp's m16 tile: gid and gid + 8.
+"""
+        + _LANES
+        + r"""  // This thread's two rows of the warp's m16 tile: gid and gid + 8.
 """
         + _ROWS.replace("@TILE@", "warp")
         + r"""  const bool warp_active = rb * ROWS + warp * 16 < head_rows;

@@ -31,7 +31,7 @@ from test_verify_kernels import (
     assert_seamless,
 )
 
-from dflash.metal import attention, groups, tensor_attention
+from dflash.metal import attention, groups, tensor_attention, tensor_qmm
 from dflash.metal.groups import build_group_kernel
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
@@ -239,3 +239,31 @@ def test_cuda_scalar_body_still_matches_the_oracle(case: Case) -> None:
         assert close_to_oracle(built, built.attend(True)), case
     finally:
         attention.TENSOR_CORES = saved
+
+
+# The kernels whose `cuda` tests passed and which were timed on the H200 on 2026-12-01
+# (docs/benchmarks/h200-2026-12-01-s8, calls 4-5). A spec's name hashes its header and
+# body, so any edit to a body changes it: then run the `cuda` tests on a GPU again and
+# record the new names here (README "What ran where" must stay true).
+RAN_ON_THE_H200 = {
+    "dflash_attend_chunks_stream128_61137f4186",
+    "dflash_attend_chunks_split128_b1f9a4989d",
+    "dflash_fold_chunks_d7bc88cb96",
+    "dflash_tensor_q4_m1_492709e66c",
+    "dflash_tensor_q4_m2_61b177a8c1",
+    "dflash_tensor_q8_m1_12764174eb",
+    "dflash_tensor_q8_m2_c5c87217d7",
+    "dflash_tensor_dense_m1_66d27bd66d",
+    "dflash_tensor_dense_m2_0d2a5980c3",
+    "dflash_tensor_split_sum_36ffdf3c69",
+}
+
+
+def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
+    shipped = {
+        tensor_attention.attend_spec(128, layout).name("cuda")
+        for layout in tensor_attention.LAYOUTS.values()
+    }
+    shipped.add(attention.FOLD_CHUNKS.name("cuda"))
+    shipped.update(spec.name("cuda") for spec in tensor_qmm.SPECS)
+    assert shipped == RAN_ON_THE_H200
