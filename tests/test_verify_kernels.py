@@ -70,6 +70,15 @@ def assert_near_reference(built, kernel: mx.array) -> None:
     assert np.all(np.abs(got - want) <= tolerance), built.case
 
 
+def assert_kernel_near_oracle_and_reference(case: Case) -> None:
+    """The kernel form is within tolerance of the float64 oracle and of the reference."""
+    built = build(case)
+    kernel = built.attend(True)
+    assert close_to_oracle(built, kernel), case
+    with mx.stream(mx.cpu):
+        assert_near_reference(built, kernel)
+
+
 def assert_seamless(case: Case, turn: int, use_kernel) -> None:
     """The same logical rows with the ring turned by ``turn`` give the same bits."""
     origin = (case.origin_physical + turn) % case.capacity
@@ -323,11 +332,7 @@ def test_metal_body_sees_no_dead_row(metal_on_cpu) -> None:
 @settings(max_examples=150, deadline=None)
 @given(case=cases())
 def test_cuda_matches_oracle_and_reference(case: Case) -> None:
-    built = build(case)
-    kernel = built.attend(True)
-    assert close_to_oracle(built, kernel), case
-    with mx.stream(mx.cpu):
-        assert_near_reference(built, kernel)
+    assert_kernel_near_oracle_and_reference(case)
 
 
 @pytest.mark.cuda
