@@ -299,7 +299,9 @@ _DRIVER_INCLUDES = DRIVER_INCLUDES + """#include <ucontext.h>
 
 _DRIVER = r"""
 namespace {
-enum State { READY, WAITING, DONE };
+// READY: runs on; WAITING: at a threadgroup barrier; AT_WARP: at a warp collective
+// (released when every lane of its warp is there); DONE: returned.
+enum State { READY, WAITING, AT_WARP, DONE };
 ucontext_t scheduler;
 std::vector<ucontext_t> contexts;
 std::vector<State> states;
@@ -312,9 +314,32 @@ void trampoline() {
   states[current] = DONE;
 }
 
-// Runs one threadgroup: every thread until a barrier or its end, round after round.
-// Returns false if some threads ended while others wait at a barrier.
-bool run_group(uint threads) {
+// Releases every warp whose lanes all wait at a warp collective; counts the lanes
+// left waiting at one.
+bool release_warps(uint threads, uint* stuck) {
+  bool released = false;
+  *stuck = 0;
+  for (uint first = 0; first < threads; first += 32) {
+    const uint end = first + 32 < threads ? first + 32 : threads;
+    uint at = 0;
+    for (uint t = first; t < end; ++t) {
+      at += states[t] == AT_WARP;
+    }
+    if (at == end - first) {
+      for (uint t = first; t < end; ++t) {
+        states[t] = READY;
+      }
+      released = true;
+    } else {
+      *stuck += at;
+    }
+  }
+  return released;
+}
+
+// Runs one threadgroup: every thread until a barrier, a warp collective or its end,
+// round after round. Returns null when every thread ended, else what went wrong.
+const char* run_group(uint threads) {
   contexts.assign(threads, ucontext_t());
   states.assign(threads, READY);
   stacks.resize(threads);
@@ -333,16 +358,22 @@ bool run_group(uint threads) {
         swapcontext(&scheduler, &contexts[t]);
       }
     }
-    uint waiting = 0, done = 0;
+    uint stuck = 0;
+    if (release_warps(threads, &stuck)) {
+      continue;
+    }
+    if (stuck > 0) {
+      return "some lanes of a warp never reach its warp collective";
+    }
+    uint done = 0;
     for (uint t = 0; t < threads; ++t) {
-      waiting += states[t] == WAITING;
       done += states[t] == DONE;
     }
     if (done == threads) {
-      return true;
+      return nullptr;
     }
     if (done > 0) {
-      return false;
+      return "threads ended before a barrier";
     }
     for (uint t = 0; t < threads; ++t) {
       states[t] = READY;
@@ -350,6 +381,12 @@ bool run_group(uint threads) {
   }
 }
 }  // namespace
+
+// A warp-collective meeting point (the tensor emulator's shuffles, ldmatrix, mma).
+void dfl_warp_sync() {
+  states[current] = AT_WARP;
+  swapcontext(&contexts[current], &scheduler);
+}
 
 void metal::threadgroup_barrier(mem_flags) {
   states[current] = WAITING;
@@ -369,13 +406,29 @@ def _driver_case(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
     args = buffer_args(*ctypes)
     args += [_ATTRIBUTE_VALUES[a] for a, _ in metal_attributes(spec.source(METAL))]
     call = f"{space}::{name}<{METAL_TYPES[dtype]}>({', '.join(args)})"
+    return group_case(name, f"{call};")
+
+
+def group_case(
+    key: str, call: str, setup: str = "", per_group: str = "", check: str = ""
+) -> str:
+    """The driver's ``if (key == ...)`` block: every threadgroup in turn, its threads
+    (each running ``call``, which sees ``lid``) as coroutines, then the outputs.
+
+    Args:
+        key: The kernel's key on the command line.
+        call: C++ statements one thread runs.
+        setup: C++ statements before the first group.
+        per_group: C++ statements before each group (they see ``group``).
+        check: C++ statements after each group, returning non-zero on a failure.
+    """
     return (
-        f'  if (key == "{name}") {{\n'
-        f"    for (uint group = 0; group < groups; ++group) {{\n"
-        f"      run_thread = [&](uint lid) {{ {call}; }};\n"
-        f"      if (!run_group(threads)) {{\n"
-        f'        std::fprintf(stderr, "group %u: threads ended before a barrier\\n", group);\n'
-        f"        return 4;\n      }}\n    }}\n"
+        f'  if (key == "{key}") {{\n{setup}'
+        f"    for (uint group = 0; group < groups; ++group) {{\n{per_group}"
+        f"      run_thread = [&](uint lid) {{ (void)lid; {call} }};\n"
+        f"      if (const char* failure = run_group(threads)) {{\n"
+        f'        std::fprintf(stderr, "group %u: %s\\n", group, failure);\n'
+        f"        return 4;\n      }}\n{check}    }}\n"
         f"    return finish(argv, outs, sizes, first_out);\n  }}\n"
     )
 
