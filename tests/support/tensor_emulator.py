@@ -165,26 +165,40 @@ inline void dfl_check_shared(const void* p, size_t bytes) {
 }
 
 // ----- warp collectives: each lane posts, the warp meets, each reads the others -----
-struct DflPost { uint32_t a[4]; uint32_t b[2]; const unsigned char* row; uint32_t word; };
+struct DflPost {
+  uint32_t a[4]; uint32_t b[2]; const unsigned char* row; uint32_t word;
+  uint32_t kind;  // which collective: 1 mma, 2 ldmatrix, 3 ldmatrix.trans, 4 + mask shuffle
+  uint32_t seq;   // how many collectives the lane met before
+};
 // Two slots a lane, used alternately: a lane can post its next collective while a
 // slower lane still reads this one (it cannot post twice before the warp meets).
 static DflPost dfl_posts[2][1024];
 static unsigned dfl_collectives[1024];
 
-// Posts `mine`, meets the warp; returns the warp's 32 posts.
-inline const DflPost* dfl_meet(const DflPost& mine) {
+// Posts `mine` (of collective `kind`), meets the warp; returns the warp's 32 posts.
+// Lanes that meet at different collectives (some skipped one) end the run.
+inline const DflPost* dfl_meet(DflPost mine, uint32_t kind) {
   const uint me = dfl_current_thread();
-  const unsigned slot = dfl_collectives[me]++ & 1u;
-  dfl_posts[slot][me] = mine;
+  mine.kind = kind;
+  mine.seq = dfl_collectives[me]++;
+  dfl_posts[mine.seq & 1u][me] = mine;
   dfl_warp_sync();
-  return dfl_posts[slot] + (me & ~31u);
+  const DflPost* warp = dfl_posts[mine.seq & 1u] + (me & ~31u);
+  for (uint lane = 0; lane < 32; ++lane) {
+    if (warp[lane].kind != kind || warp[lane].seq != mine.seq) {
+      std::fprintf(stderr, "group %u: lanes of warp %u meet at different warp collectives\n",
+                   dfl_current_group(), me / 32);
+      std::_Exit(7);  // no exit handlers: they would free the stack this runs on
+    }
+  }
+  return warp;
 }
 inline uint dfl_lane() { return dfl_current_thread() & 31u; }
 
 // mma.sync.m16n8k16.row.col, float32 accumulate (PTX fragment layout).
 template <typename H>
 inline void dfl_mma_warp(float* d, const uint32_t* a, uint32_t b0, uint32_t b1, const H* tag) {
-  const DflPost* warp = dfl_meet(DflPost{{a[0], a[1], a[2], a[3]}, {b0, b1}, nullptr, 0});
+  const DflPost* warp = dfl_meet(DflPost{{a[0], a[1], a[2], a[3]}, {b0, b1}, nullptr, 0, 0, 0}, 1);
   const uint gid = dfl_lane() / 4, tig = dfl_lane() % 4;
   for (int i = 0; i < 4; ++i) {
     const uint row = gid + 8 * (i / 2), col = 2 * tig + (i % 2);
@@ -220,7 +234,8 @@ inline void dfl_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t
 inline void dfl_ldmatrix(uint32_t (&r)[4], const void* row, bool trans) {
   dfl_check_shared(row, 16);
   const DflPost* warp =
-      dfl_meet(DflPost{{0, 0, 0, 0}, {0, 0}, static_cast<const unsigned char*>(row), 0});
+      dfl_meet(DflPost{{0, 0, 0, 0}, {0, 0}, static_cast<const unsigned char*>(row), 0, 0, 0},
+               trans ? 3 : 2);
   const uint lane = dfl_lane();
   for (int m = 0; m < 4; ++m) {
     if (trans) {
@@ -243,9 +258,9 @@ template <typename V>
 inline V __shfl_xor_sync(unsigned mask, V value, int lane_mask) {
   static_assert(sizeof(V) == 4, "32-bit shuffles only");
   if (mask != 0xffffffffu || lane_mask < 0 || lane_mask > 31) std::abort();
-  DflPost mine{{0, 0, 0, 0}, {0, 0}, nullptr, 0};
+  DflPost mine{{0, 0, 0, 0}, {0, 0}, nullptr, 0, 0, 0};
   std::memcpy(&mine.word, &value, 4);
-  const DflPost* warp = dfl_meet(mine);
+  const DflPost* warp = dfl_meet(mine, 4 + uint32_t(lane_mask));
   V out;
   std::memcpy(&out, &warp[dfl_lane() ^ uint(lane_mask)].word, 4);
   return out;
