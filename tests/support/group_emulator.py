@@ -195,6 +195,18 @@ def metal_unit(
     )
 
 
+def cuda_params(spec: GroupKernelSpec, dtype: mx.Dtype) -> list[str]:
+    """The parameters of mlx's generated CUDA signature: inputs ``const``, then outputs."""
+    params = [
+        f"const {CUDA_TYPES[element_dtype(kind, dtype)]}* {arg}"
+        for arg, kind in zip(spec.input_names, spec.input_types)
+    ]
+    return params + [
+        f"{CUDA_TYPES[element_dtype(kind, dtype)]}* {arg}"
+        for arg, kind in zip(spec.output_names, spec.output_types)
+    ]
+
+
 def cuda_unit(
     spec: GroupKernelSpec, dtype: mx.Dtype, default_header: bool = True
 ) -> str:
@@ -206,14 +218,7 @@ def cuda_unit(
         default_header: Whether to start with mlx's default header (its includes).
     """
     name = f"custom_kernel_{spec.name(CUDA)}_{type_suffix(dtype)}"
-    args = [
-        f"    const {CUDA_TYPES[element_dtype(kind, dtype)]}* {arg}"
-        for arg, kind in zip(spec.input_names, spec.input_types)
-    ]
-    args += [
-        f"    {CUDA_TYPES[element_dtype(kind, dtype)]}* {arg}"
-        for arg, kind in zip(spec.output_names, spec.output_types)
-    ]
+    args = [f"    {param}" for param in cuda_params(spec, dtype)]
     return (
         (CUDA_DEFAULT_HEADER if default_header else "")
         + spec.header(CUDA)
@@ -440,7 +445,86 @@ def _host(array: mx.array) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(array))
 
 
-class GroupEmulator:
+class DriverLauncher:
+    """The launch side the emulators share: inputs to files, a run of the driver
+    binary, the outputs back as arrays.
+
+    Subclasses set ``workdir``, ``specs``, ``binary`` and ``build`` and name the
+    driver's case of a launch (:meth:`key`).
+
+    Attributes:
+        launches: Launches so far.
+        launched: The ``base`` of every spec launched, in order.
+    """
+
+    workdir: Path
+    specs: list[GroupKernelSpec]
+    binary: Path
+    build: CompileResult
+
+    def __init__(self) -> None:
+        self.launches = 0
+        self.launched: list[str] = []
+
+    def key(self, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
+        """The driver's name for ``spec`` at template type ``dtype``."""
+        raise NotImplementedError
+
+    def run_options(self) -> tuple[dict[str, str], bytes]:
+        """The driver's environment and the bytes put before each input's data."""
+        return {}, b""
+
+    def launch(
+        self,
+        spec: GroupKernelSpec,
+        inputs: Sequence[mx.array],
+        output_shapes: Sequence[tuple[int, ...]],
+        output_dtypes: Sequence[mx.Dtype],
+        groups: int,
+        dtype: mx.Dtype,
+    ) -> list[mx.array]:
+        """Same contract as ``dflash.metal.groups.launch_groups``, run on the CPU."""
+        if not self.build.ok:
+            raise RuntimeError(f"emulator did not build:\n{self.build.log}")
+        if spec not in self.specs:
+            raise RuntimeError(f"emulator was not built with {spec.base}")
+        self.launches += 1
+        self.launched.append(spec.base)
+        env, lead = self.run_options()
+        with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
+            argv = [str(self.binary), self.key(spec, dtype), str(groups)]
+            argv += [str(spec.threads), str(len(inputs))]
+            for i, (kind, array) in enumerate(zip(spec.input_types, inputs)):
+                want = element_dtype(kind, dtype)
+                if array.dtype != want:
+                    raise TypeError(
+                        f"input {spec.input_names[i]} is {array.dtype}, kernel expects {want}"
+                    )
+                path = Path(tmp) / f"in{i}.bin"
+                # Row-contiguous, as mlx's ensure_row_contiguous hands them over.
+                with open(path, "wb") as out:
+                    out.write(lead)
+                    out.write(_host(array).tobytes())
+                argv.append(str(path))
+            argv.append(str(len(output_shapes)))
+            for i, (shape, out_dtype) in enumerate(zip(output_shapes, output_dtypes)):
+                argv += [str(Path(tmp) / f"out{i}.bin")]
+                argv += [str(int(np.prod(shape)) * out_dtype.size)]
+            done = subprocess.run(argv, capture_output=True, text=True, env=env)
+            if done.returncode != 0:
+                raise RuntimeError(
+                    f"emulated {spec.base} failed ({done.returncode}): {done.stderr}"
+                )
+            outs = []
+            for i, (shape, out_dtype) in enumerate(zip(output_shapes, output_dtypes)):
+                raw = out_dtype if out_dtype != mx.bfloat16 else mx.uint16
+                host = np.fromfile(Path(tmp) / f"out{i}.bin", dtype=_numpy(raw))
+                out = mx.array(host.reshape(shape))
+                outs.append(out.view(mx.bfloat16) if out_dtype == mx.bfloat16 else out)
+            return outs
+
+
+class GroupEmulator(DriverLauncher):
     """Runs the Metal units of threadgroup kernels on the CPU through g++.
 
     Use :meth:`launch` in place of ``dflash.metal.groups.launch_groups`` (with
@@ -455,10 +539,10 @@ class GroupEmulator:
     def __init__(
         self, workdir: Path, specs: Sequence[GroupKernelSpec], compiler: str = "g++"
     ) -> None:
+        super().__init__()
         self.workdir = Path(workdir)
         self.specs = list(specs)
         self.binary = self.workdir / "group_emulator"
-        self.launches = 0
         cases = "".join(
             _driver_case(i, spec, dtype)
             for i, spec in enumerate(self.specs)
@@ -479,47 +563,8 @@ class GroupEmulator:
         ]
         self.build = run_compiler(command + [str(source)], self.workdir)
 
-    def launch(
-        self,
-        spec: GroupKernelSpec,
-        inputs: Sequence[mx.array],
-        output_shapes: Sequence[tuple[int, ...]],
-        output_dtypes: Sequence[mx.Dtype],
-        groups: int,
-        dtype: mx.Dtype,
-    ) -> list[mx.array]:
-        """Same contract as ``dflash.metal.groups.launch_groups``, run on the CPU."""
-        if not self.build.ok:
-            raise RuntimeError(f"emulator did not build:\n{self.build.log}")
-        if spec not in self.specs:
-            raise RuntimeError(f"emulator was not built with {spec.base}")
-        self.launches += 1
-        with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
-            argv = [str(self.binary), metal_kernel_name(spec, dtype), str(groups)]
-            argv += [str(spec.threads), str(len(inputs))]
-            for i, (kind, array) in enumerate(zip(spec.input_types, inputs)):
-                want = element_dtype(kind, dtype)
-                if array.dtype != want:
-                    raise TypeError(
-                        f"input {spec.input_names[i]} is {array.dtype}, kernel expects {want}"
-                    )
-                path = Path(tmp) / f"in{i}.bin"
-                _host(array).tofile(path)
-                argv.append(str(path))
-            argv.append(str(len(output_shapes)))
-            for i, (shape, out_dtype) in enumerate(zip(output_shapes, output_dtypes)):
-                argv += [str(Path(tmp) / f"out{i}.bin")]
-                argv += [str(int(np.prod(shape)) * out_dtype.size)]
-            done = subprocess.run(argv, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"emulated {spec.base} failed: {done.stderr}")
-            outs = []
-            for i, (shape, out_dtype) in enumerate(zip(output_shapes, output_dtypes)):
-                raw = out_dtype if out_dtype != mx.bfloat16 else mx.uint16
-                host = np.fromfile(Path(tmp) / f"out{i}.bin", dtype=_numpy(raw))
-                out = mx.array(host.reshape(shape))
-                outs.append(out.view(mx.bfloat16) if out_dtype == mx.bfloat16 else out)
-            return outs
+    def key(self, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
+        return metal_kernel_name(spec, dtype)
 
 
 def _numpy(dtype: mx.Dtype):

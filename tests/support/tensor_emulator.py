@@ -34,36 +34,27 @@ are there). :meth:`TensorEmulator.launch` has the contract of
 from __future__ import annotations
 
 import re
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
 import mlx.core as mx
-import numpy as np
 
 from dflash.metal import tensor_attention, tensor_qmm
 from dflash.metal.groups import HEADERS, GroupKernelSpec
 from dflash.metal.sources import CUDA
 
-from .compile_check import run_compiler
+from .compile_check import METAL_SHIM, run_compiler
 from .driver import buffer_args, driver_main
 from .group_emulator import (
     _DRIVER,
     _DRIVER_INCLUDES,
-    _host,
-    _numpy,
+    CUDA_TYPES,
+    DriverLauncher,
+    cuda_params,
     element_dtype,
     group_case,
 )
 
-CTYPES = {
-    mx.float32: "float",
-    mx.float16: "__half",
-    mx.bfloat16: "__nv_bfloat16",
-    mx.int32: "int32_t",
-    mx.uint32: "uint32_t",
-}
 SUFFIX = {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16"}
 CANARY_BYTES = 4096
 CANARY = 0xA5
@@ -77,14 +68,22 @@ _EXTERN_SHARED = re.compile(
     r"extern __shared__ (?:__align__\(\d+\) )?([\w ]+?) (\w+)\[\];"
 )
 
-SHIM = r"""
+SHIM = (
+    f"""
+#include "{METAL_SHIM}"
+"""
+    + r"""
+// Only its types: none of Metal's address-space words.
+#undef device
+#undef constant
+#undef thread
+#undef threadgroup
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <deque>
 #include <limits>
 
-typedef unsigned int uint;
 namespace metal {
 enum class mem_flags { mem_none, mem_device, mem_threadgroup };
 void threadgroup_barrier(mem_flags flags);
@@ -112,22 +111,8 @@ struct uint4 { uint32_t x, y, z, w; };
 struct uint2 { uint32_t x, y; };
 
 typedef _Float16 __half;
-// bfloat16 with round-to-nearest-even conversions (as __float2bfloat16).
-struct __nv_bfloat16 {
-  uint16_t bits;
-  __nv_bfloat16() = default;
-  __nv_bfloat16(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    bits = uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  }
-  operator float() const {
-    uint32_t u = uint32_t(bits) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-};
+// The Metal shim's bfloat16 (round to nearest even, as __float2bfloat16).
+typedef bfloat16_t __nv_bfloat16;
 
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __fadd_rn(float a, float b) { return a + b; }
@@ -387,7 +372,8 @@ inline void dfl_pairs(uint4 v, uint32_t* r) {
   r[2] = __byte_perm(v.y, v.w, 0x5410);
   r[3] = __byte_perm(v.y, v.w, 0x7632);
 }
-""".replace("GUARD", str(GUARD_BYTES))
+"""
+).replace("GUARD", str(GUARD_BYTES))
 
 _GROUP_ACCESS = r"""
 uint dfl_group_now = 0;
@@ -435,27 +421,20 @@ def _helpers(spec: GroupKernelSpec) -> str:
 def _unit(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
     """One spec at one ``T``: mlx's CUDA header macros, the plain helpers, the shared
     memory and the kernel with mlx's CUDA signature."""
-    args = [
-        f"const {CTYPES[element_dtype(kind, dtype)]}* {name}"
-        for name, kind in zip(spec.input_names, spec.input_types)
-    ]
-    args += [
-        f"{CTYPES[element_dtype(kind, dtype)]}* {name}"
-        for name, kind in zip(spec.output_names, spec.output_types)
-    ]
+    args = cuda_params(spec, dtype)
     return (
         f"namespace {_unit_name(index, dtype)} {{\n"
         + HEADERS[CUDA]
         + _helpers(spec)
         + _shared_array(spec)[0]
         + f"void kernel({', '.join(args)}) {{\n"
-        f"  using T = {CTYPES[dtype]};\n" + spec.source(CUDA) + "\n}\n}\n"
+        f"  using T = {CUDA_TYPES[dtype]};\n" + spec.source(CUDA) + "\n}\n}\n"
     )
 
 
 def _case(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
     ctypes = [
-        [CTYPES[element_dtype(kind, dtype)] for kind in kinds]
+        [CUDA_TYPES[element_dtype(kind, dtype)] for kind in kinds]
         for kinds in (spec.input_types, spec.output_types)
     ]
     # Inputs start ``dfl_offset`` bytes into their buffers (the files carry as many
@@ -492,7 +471,7 @@ def _case(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
     return group_case(space, call, setup, per_group, check)
 
 
-class TensorEmulator:
+class TensorEmulator(DriverLauncher):
     """Runs CUDA threadgroup specs (tensor-core bodies and plain ones) on the CPU.
 
     Args:
@@ -514,13 +493,12 @@ class TensorEmulator:
         specs: Sequence[GroupKernelSpec] = tensor_qmm.SPECS,
         compiler: str = "g++",
     ) -> None:
+        super().__init__()
         self.workdir = Path(workdir)
         self.specs = list(specs)
         self.late = False
         self.misaligned = False
         self.binary = self.workdir / "tensor_emulator"
-        self.launches = 0
-        self.launched: list[str] = []
         units, cases = [], []
         for i, spec in enumerate(self.specs):
             for dtype in spec.dtypes:
@@ -537,54 +515,11 @@ class TensorEmulator:
         command = [compiler, "-std=c++17", "-O1", "-o", str(self.binary), str(source)]
         self.build = run_compiler(command, self.workdir)
 
-    def launch(
-        self,
-        spec: GroupKernelSpec,
-        inputs: Sequence[mx.array],
-        output_shapes: Sequence[tuple[int, ...]],
-        output_dtypes: Sequence[mx.Dtype],
-        groups: int,
-        dtype: mx.Dtype,
-    ) -> list[mx.array]:
-        """Same contract as ``dflash.metal.groups.launch_groups``, run on the CPU."""
-        if not self.build.ok:
-            raise RuntimeError(f"emulator did not build:\n{self.build.log}")
-        if spec not in self.specs:
-            raise RuntimeError(f"emulator was not built with {spec.base}")
-        index = self.specs.index(spec)
-        self.launches += 1
-        self.launched.append(spec.base)
+    def key(self, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
+        return _unit_name(self.specs.index(spec), dtype)
+
+    def run_options(self) -> tuple[dict[str, str], bytes]:
         env = {"DFL_CP_LATE": "1"} if self.late else {}
         if self.misaligned:
             env["DFL_OFFSET"] = "1"
-        with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
-            argv = [str(self.binary), _unit_name(index, dtype), str(groups)]
-            argv += [str(spec.threads), str(len(inputs))]
-            for i, (kind, array) in enumerate(zip(spec.input_types, inputs)):
-                want = element_dtype(kind, dtype)
-                if array.dtype != want:
-                    raise TypeError(
-                        f"input {spec.input_names[i]} is {array.dtype}, kernel expects {want}"
-                    )
-                path = Path(tmp) / f"in{i}.bin"
-                # Row-contiguous, as mlx's ensure_row_contiguous hands them over.
-                with open(path, "wb") as out:
-                    out.write(b"\0\0" if self.misaligned else b"")
-                    out.write(_host(array).tobytes())
-                argv.append(str(path))
-            argv.append(str(len(output_shapes)))
-            for i, (shape, out_dtype) in enumerate(zip(output_shapes, output_dtypes)):
-                argv += [str(Path(tmp) / f"out{i}.bin")]
-                argv += [str(int(np.prod(shape)) * out_dtype.size)]
-            done = subprocess.run(argv, capture_output=True, text=True, env=env)
-            if done.returncode != 0:
-                raise RuntimeError(
-                    f"emulated {spec.base} failed ({done.returncode}): {done.stderr}"
-                )
-            outs = []
-            for i, (shape, out_dtype) in enumerate(zip(output_shapes, output_dtypes)):
-                raw = out_dtype if out_dtype != mx.bfloat16 else mx.uint16
-                host = np.fromfile(Path(tmp) / f"out{i}.bin", dtype=_numpy(raw))
-                out = mx.array(host.reshape(shape))
-                outs.append(out.view(mx.bfloat16) if out_dtype == mx.bfloat16 else out)
-            return outs
+        return env, b"\0\0" if self.misaligned else b""
