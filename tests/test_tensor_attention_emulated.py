@@ -7,10 +7,11 @@ inline PTX emulated from the PTX ISA: ``mma``, ``ldmatrix`` and its transpose,
 ``cp.async`` landing at issue or at its wait, warp shuffles), together with the
 fold it launches with (``attention.FOLD_CHUNKS`` in its CUDA form), through the
 public wrapper ``small_query_attention(..., use_kernel=True)`` on a pretend CUDA
-backend. Proven here: close to the float64 oracle in both landing modes,
-batch-invariant and seam-blind bit for bit; and deliberate slips in the bodies
-(fragment registers, ldmatrix row addresses, a shuffle, a read before its wait, a
-buffer reused too early) fail.
+backend. Proven here, with copies landing at issue or at their wait and warps
+moving together or one running ahead: close to the float64 oracle, batch-invariant
+and seam-blind bit for bit; and deliberate slips in the bodies (fragment registers,
+ldmatrix row addresses, a shuffle, lanes skipping a shuffle, reads before the wait,
+a buffer reused too early) fail in the modes that can show them.
 """
 
 from __future__ import annotations
@@ -78,9 +79,15 @@ _LAYOUT_SLIPS = {
             "__shfl_xor_sync(0xffffffffu, m_tile[i], 1));",
         ),
         # Reads the tiles without waiting for their copies.
-        "early_read": (
+        "no_wait": (
             "  dfl_cp_async_wait<0>();\n  __syncthreads();\n",
             "  __syncthreads();\n",
+        ),
+        # Waits for its own copies only after the barrier: a warp running ahead reads
+        # tiles whose other copies have not landed.
+        "wait_after_barrier": (
+            "  dfl_cp_async_wait<0>();\n  __syncthreads();\n",
+            "  __syncthreads();\n  dfl_cp_async_wait<0>();\n",
         ),
         # Writes the warps' partials over the tiles while other warps still read them.
         "early_reuse": (
@@ -90,15 +97,23 @@ _LAYOUT_SLIPS = {
         ),
     },
 }
-# (layout, slip) -> (caught when copies land at issue, caught when they land at the wait)
+# The emulator's modes: (copies land at their wait, not at issue; each warp runs as far
+# as it goes before the next, not all in turn).
+MODES = ((False, False), (True, False), (False, True), (True, True))
+# (layout, slip) -> whether each mode catches it.
+EVERYWHERE = (True, True, True, True)
 CAUGHT = {
-    **{(name, slip): (True, True) for name in LAYOUTS for slip in _SHARED_SLIPS},
-    **{(name, "row_sum_shuffle"): (True, True) for name in LAYOUTS},
-    **{(name, "divergent_shuffle"): (True, True) for name in LAYOUTS},
-    ("stream", "early_read"): (False, True),
-    ("stream", "early_refill"): (True, False),
-    ("split", "early_read"): (False, True),
-    ("split", "early_reuse"): (True, True),
+    **{(name, slip): EVERYWHERE for name in LAYOUTS for slip in _SHARED_SLIPS},
+    **{(name, "row_sum_shuffle"): EVERYWHERE for name in LAYOUTS},
+    **{(name, "divergent_shuffle"): EVERYWHERE for name in LAYOUTS},
+    # Late landing: the tile is still poison when read.
+    ("stream", "early_read"): (False, True, False, True),
+    ("split", "no_wait"): (False, True, False, True),
+    # Only a warp running ahead with copies landing late reads the others' too soon.
+    ("split", "wait_after_barrier"): (False, False, False, True),
+    # Only idle warps running ahead with copies landing at issue refill too soon.
+    ("stream", "early_refill"): (True, False, False, False),
+    ("split", "early_reuse"): EVERYWHERE,
 }
 SLIP_DIM = 16
 # How the emulator refuses a run (any other failure is an emulator or test fault).
@@ -145,9 +160,8 @@ def emulated(request, tensor_emulator, monkeypatch) -> TensorEmulator:
         attention, "TENSOR_LAYOUT", tensor_attention.LAYOUTS[request.param]
     )
     monkeypatch.setattr(groups, "launch_groups", tensor_emulator.launch)
-    tensor_emulator.late = False
     yield tensor_emulator
-    tensor_emulator.late = False
+    tensor_emulator.late = tensor_emulator.eager = False
 
 
 def emulated_cases(max_queries: int = 6, **kwargs):
@@ -165,27 +179,25 @@ def _tensor_launches(emulator: TensorEmulator, since: int, dim: int) -> list[str
     return launched
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=_FIXTURES)
-@given(case=emulated_cases(), late=st.booleans())
-def test_emulated_tensor_form_matches_oracle(emulated, case: Case, late: bool) -> None:
-    """Through the wrapper (launch geometry, the fold included), copies landing at
-    issue or at their wait."""
-    emulated.late = late
+@settings(max_examples=40, deadline=None, suppress_health_check=_FIXTURES)
+@given(case=emulated_cases(), mode=st.sampled_from(MODES))
+def test_emulated_tensor_form_matches_oracle(emulated, case: Case, mode) -> None:
+    """Through the wrapper (launch geometry, the fold included), in every mode."""
+    emulated.late, emulated.eager = mode
     before = len(emulated.launched)
     built = build(case)
     assert close_to_oracle(built, built.attend(True)), case
     assert len(_tensor_launches(emulated, before, case.dim)) == 2
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=_FIXTURES)
+@settings(max_examples=12, deadline=None, suppress_health_check=_FIXTURES)
 @given(
-    case=emulated_cases(max_queries=5, allow_non_causal=False).filter(
-        lambda c: c.block == c.queries
-    )
+    case=emulated_cases(allow_non_causal=False).filter(lambda c: c.block == c.queries),
+    mode=st.sampled_from(MODES),
 )
-def test_emulated_tensor_form_is_batch_invariant(emulated, case: Case) -> None:
+def test_emulated_tensor_form_is_batch_invariant(emulated, case: Case, mode) -> None:
     """Every row of a verify call has the bits of that query alone, later."""
-    emulated.late = True
+    emulated.late, emulated.eager = mode
     before = len(emulated.launched)
     assert_batch_invariant(case, True)
     assert len(_tensor_launches(emulated, before, case.dim)) == 2 * (
@@ -193,7 +205,7 @@ def test_emulated_tensor_form_is_batch_invariant(emulated, case: Case) -> None:
     )
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=_FIXTURES)
+@settings(max_examples=12, deadline=None, suppress_health_check=_FIXTURES)
 @given(case=emulated_cases(), turn=st.integers(1, 200))
 def test_emulated_tensor_form_does_not_see_the_seam(
     emulated, case: Case, turn: int
@@ -227,18 +239,19 @@ def _slip_shows(spec: GroupKernelSpec, built) -> bool:
 def test_emulator_catches_slips(
     tensor_emulator, monkeypatch, layout: str, slip: str
 ) -> None:
-    """Negative controls: each slip fails in the landing mode meant to catch it; the
-    body itself passes in both."""
+    """Negative controls: each slip fails in the modes meant to catch it (and passes
+    where it is harmless: the emulator is not merely strict); the body itself passes
+    in every mode."""
     monkeypatch.setattr(attention.backend, "BACKEND", "cuda")
     monkeypatch.setattr(attention, "TENSOR_CORES", True)
     monkeypatch.setattr(attention, "TENSOR_LAYOUT", tensor_attention.LAYOUTS[layout])
     monkeypatch.setattr(groups, "launch_groups", tensor_emulator.launch)
     built = build(_slip_case())
     try:
-        for late, caught in zip((False, True), CAUGHT[(layout, slip)]):
-            tensor_emulator.late = late
-            assert close_to_oracle(built, built.attend(True)), (layout, late)
+        for (late, eager), caught in zip(MODES, CAUGHT[(layout, slip)]):
+            tensor_emulator.late, tensor_emulator.eager = late, eager
+            assert close_to_oracle(built, built.attend(True)), (layout, late, eager)
             shown = _slip_shows(MUTANTS[(layout, slip)], built)
-            assert shown is caught, (layout, slip, late)
+            assert shown is caught, (layout, slip, late, eager)
     finally:
-        tensor_emulator.late = False
+        tensor_emulator.late = tensor_emulator.eager = False

@@ -319,21 +319,34 @@ void trampoline() {
   states[current] = DONE;
 }
 
+// Releases the warp of threads [first, end) if all its lanes wait at a warp collective;
+// `at`: how many do.
+bool release_warp(uint first, uint end, uint* at) {
+  *at = 0;
+  for (uint t = first; t < end; ++t) {
+    *at += states[t] == AT_WARP;
+  }
+  if (*at < end - first) {
+    return false;
+  }
+  for (uint t = first; t < end; ++t) {
+    states[t] = READY;
+  }
+  return true;
+}
+
+uint warp_end(uint first, uint threads) {
+  return first + 32 < threads ? first + 32 : threads;
+}
+
 // Releases every warp whose lanes all wait at a warp collective; counts the lanes
 // left waiting at one.
 bool release_warps(uint threads, uint* stuck) {
   bool released = false;
   *stuck = 0;
   for (uint first = 0; first < threads; first += 32) {
-    const uint end = first + 32 < threads ? first + 32 : threads;
     uint at = 0;
-    for (uint t = first; t < end; ++t) {
-      at += states[t] == AT_WARP;
-    }
-    if (at == end - first) {
-      for (uint t = first; t < end; ++t) {
-        states[t] = READY;
-      }
+    if (release_warp(first, warp_end(first, threads), &at)) {
       released = true;
     } else {
       *stuck += at;
@@ -342,8 +355,21 @@ bool release_warps(uint threads, uint* stuck) {
   return released;
 }
 
+void run_ready(uint first, uint end) {
+  for (uint t = first; t < end; ++t) {
+    if (states[t] == READY) {
+      current = t;
+      swapcontext(&scheduler, &contexts[t]);
+    }
+  }
+}
+
+// Schedule: false, every thread in turn to its next stop (warps move together);
+// true, each warp as far as it goes (to a barrier or its end) before the next.
+bool eager_warps = false;
+
 // Runs one threadgroup: every thread until a barrier, a warp collective or its end,
-// round after round. Returns null when every thread ended, else what went wrong.
+// round after round (in the order `eager_warps` picks). Returns null when every thread ended, else what went wrong.
 const char* run_group(uint threads) {
   contexts.assign(threads, ucontext_t());
   states.assign(threads, READY);
@@ -357,11 +383,16 @@ const char* run_group(uint threads) {
     makecontext(&contexts[t], trampoline, 0);
   }
   while (true) {
-    for (uint t = 0; t < threads; ++t) {
-      if (states[t] == READY) {
-        current = t;
-        swapcontext(&scheduler, &contexts[t]);
+    if (eager_warps) {
+      for (uint first = 0; first < threads; first += 32) {
+        const uint end = warp_end(first, threads);
+        uint at = 0;
+        do {
+          run_ready(first, end);
+        } while (release_warp(first, end, &at));
       }
+    } else {
+      run_ready(0, threads);
     }
     uint stuck = 0;
     if (release_warps(threads, &stuck)) {

@@ -27,7 +27,9 @@ by a C++ emulation written from the PTX ISA:
 
 Threads run as coroutines, one threadgroup at a time (the scheduler of
 :mod:`.group_emulator`, whose warp meetings release a warp once all its lanes
-are there). :meth:`TensorEmulator.launch` has the contract of
+are there), in one of two orders: every thread in turn to its next stop (warps
+move together, so a warp with less to do runs ahead of the others) or ``eager``,
+each warp as far as it goes before the next starts (warp 0 runs ahead). :meth:`TensorEmulator.launch` has the contract of
 ``dflash.metal.groups.launch_groups``.
 """
 
@@ -456,6 +458,7 @@ def _case(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
     )
     setup = (
         '    dfl_late = std::getenv("DFL_CP_LATE") != nullptr;\n'
+        '    eager_warps = std::getenv("DFL_EAGER_WARPS") != nullptr;\n'
         '    const size_t dfl_offset = std::getenv("DFL_OFFSET") ? 2 : 0;\n'
     )
     per_group = f"      dfl_group_now = group;\n      dfl_begin_group({shared});\n"
@@ -483,6 +486,9 @@ class TensorEmulator(DriverLauncher):
     Attributes:
         late: Land ``cp.async`` copies at their wait (else at issue); settable
             between launches.
+        eager: Run each warp as far as it goes (to a barrier) before the next
+            (else every thread in turn to its next stop, warps moving together:
+            they meet a slip in another order); settable between launches.
         misaligned: Start every input 2 bytes past a 16-byte boundary (the body
             then copies without ``cp.async``); settable between launches.
     """
@@ -497,6 +503,7 @@ class TensorEmulator(DriverLauncher):
         self.workdir = Path(workdir)
         self.specs = list(specs)
         self.late = False
+        self.eager = False
         self.misaligned = False
         self.binary = self.workdir / "tensor_emulator"
         units, cases = [], []
@@ -520,6 +527,8 @@ class TensorEmulator(DriverLauncher):
 
     def run_options(self) -> tuple[dict[str, str], bytes]:
         env = {"DFL_CP_LATE": "1"} if self.late else {}
+        if self.eager:
+            env["DFL_EAGER_WARPS"] = "1"
         if self.misaligned:
             env["DFL_OFFSET"] = "1"
         return env, b"\0\0" if self.misaligned else b""
