@@ -24,7 +24,7 @@ from support import tensor_qmm_model as model
 from support.attention_cases import bits as raw_bits
 from support.compilers import GXX, NVCC, needs_nvcc
 from support.group_emulator import check_cuda
-from support.tensor_qmm_emulator import TensorEmulator
+from support.tensor_emulator import TensorEmulator
 from test_verify_kernels import _close_to_matmul_oracle, _matmul_oracle
 
 from dflash.metal import qmm, tensor_qmm

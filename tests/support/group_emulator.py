@@ -195,6 +195,18 @@ def metal_unit(
     )
 
 
+def cuda_params(spec: GroupKernelSpec, dtype: mx.Dtype) -> list[str]:
+    """The parameters of mlx's generated CUDA signature: inputs ``const``, then outputs."""
+    params = [
+        f"const {CUDA_TYPES[element_dtype(kind, dtype)]}* {arg}"
+        for arg, kind in zip(spec.input_names, spec.input_types)
+    ]
+    return params + [
+        f"{CUDA_TYPES[element_dtype(kind, dtype)]}* {arg}"
+        for arg, kind in zip(spec.output_names, spec.output_types)
+    ]
+
+
 def cuda_unit(
     spec: GroupKernelSpec, dtype: mx.Dtype, default_header: bool = True
 ) -> str:
@@ -206,14 +218,7 @@ def cuda_unit(
         default_header: Whether to start with mlx's default header (its includes).
     """
     name = f"custom_kernel_{spec.name(CUDA)}_{type_suffix(dtype)}"
-    args = [
-        f"    const {CUDA_TYPES[element_dtype(kind, dtype)]}* {arg}"
-        for arg, kind in zip(spec.input_names, spec.input_types)
-    ]
-    args += [
-        f"    {CUDA_TYPES[element_dtype(kind, dtype)]}* {arg}"
-        for arg, kind in zip(spec.output_names, spec.output_types)
-    ]
+    args = [f"    {param}" for param in cuda_params(spec, dtype)]
     return (
         (CUDA_DEFAULT_HEADER if default_header else "")
         + spec.header(CUDA)
@@ -299,7 +304,9 @@ _DRIVER_INCLUDES = DRIVER_INCLUDES + """#include <ucontext.h>
 
 _DRIVER = r"""
 namespace {
-enum State { READY, WAITING, DONE };
+// READY: runs on; WAITING: at a threadgroup barrier; AT_WARP: at a warp collective
+// (released when every lane of its warp is there); DONE: returned.
+enum State { READY, WAITING, AT_WARP, DONE };
 ucontext_t scheduler;
 std::vector<ucontext_t> contexts;
 std::vector<State> states;
@@ -312,9 +319,58 @@ void trampoline() {
   states[current] = DONE;
 }
 
-// Runs one threadgroup: every thread until a barrier or its end, round after round.
-// Returns false if some threads ended while others wait at a barrier.
-bool run_group(uint threads) {
+// Releases the warp of threads [first, end) if all its lanes wait at a warp collective;
+// `at`: how many do.
+bool release_warp(uint first, uint end, uint* at) {
+  *at = 0;
+  for (uint t = first; t < end; ++t) {
+    *at += states[t] == AT_WARP;
+  }
+  if (*at < end - first) {
+    return false;
+  }
+  for (uint t = first; t < end; ++t) {
+    states[t] = READY;
+  }
+  return true;
+}
+
+uint warp_end(uint first, uint threads) {
+  return first + 32 < threads ? first + 32 : threads;
+}
+
+// Releases every warp whose lanes all wait at a warp collective; counts the lanes
+// left waiting at one.
+bool release_warps(uint threads, uint* stuck) {
+  bool released = false;
+  *stuck = 0;
+  for (uint first = 0; first < threads; first += 32) {
+    uint at = 0;
+    if (release_warp(first, warp_end(first, threads), &at)) {
+      released = true;
+    } else {
+      *stuck += at;
+    }
+  }
+  return released;
+}
+
+void run_ready(uint first, uint end) {
+  for (uint t = first; t < end; ++t) {
+    if (states[t] == READY) {
+      current = t;
+      swapcontext(&scheduler, &contexts[t]);
+    }
+  }
+}
+
+// Schedule: false, every thread in turn to its next stop (warps move together);
+// true, each warp as far as it goes (to a barrier or its end) before the next.
+bool eager_warps = false;
+
+// Runs one threadgroup: every thread until a barrier, a warp collective or its end,
+// round after round (in the order `eager_warps` picks). Returns null when every thread ended, else what went wrong.
+const char* run_group(uint threads) {
   contexts.assign(threads, ucontext_t());
   states.assign(threads, READY);
   stacks.resize(threads);
@@ -327,22 +383,33 @@ bool run_group(uint threads) {
     makecontext(&contexts[t], trampoline, 0);
   }
   while (true) {
-    for (uint t = 0; t < threads; ++t) {
-      if (states[t] == READY) {
-        current = t;
-        swapcontext(&scheduler, &contexts[t]);
+    if (eager_warps) {
+      for (uint first = 0; first < threads; first += 32) {
+        const uint end = warp_end(first, threads);
+        uint at = 0;
+        do {
+          run_ready(first, end);
+        } while (release_warp(first, end, &at));
       }
+    } else {
+      run_ready(0, threads);
     }
-    uint waiting = 0, done = 0;
+    uint stuck = 0;
+    if (release_warps(threads, &stuck)) {
+      continue;
+    }
+    if (stuck > 0) {
+      return "some lanes of a warp never reach its warp collective";
+    }
+    uint done = 0;
     for (uint t = 0; t < threads; ++t) {
-      waiting += states[t] == WAITING;
       done += states[t] == DONE;
     }
     if (done == threads) {
-      return true;
+      return nullptr;
     }
     if (done > 0) {
-      return false;
+      return "threads ended before a barrier";
     }
     for (uint t = 0; t < threads; ++t) {
       states[t] = READY;
@@ -350,6 +417,12 @@ bool run_group(uint threads) {
   }
 }
 }  // namespace
+
+// A warp-collective meeting point (the tensor emulator's shuffles, ldmatrix, mma).
+void dfl_warp_sync() {
+  states[current] = AT_WARP;
+  swapcontext(&contexts[current], &scheduler);
+}
 
 void metal::threadgroup_barrier(mem_flags) {
   states[current] = WAITING;
@@ -369,13 +442,29 @@ def _driver_case(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
     args = buffer_args(*ctypes)
     args += [_ATTRIBUTE_VALUES[a] for a, _ in metal_attributes(spec.source(METAL))]
     call = f"{space}::{name}<{METAL_TYPES[dtype]}>({', '.join(args)})"
+    return group_case(name, f"{call};")
+
+
+def group_case(
+    key: str, call: str, setup: str = "", per_group: str = "", check: str = ""
+) -> str:
+    """The driver's ``if (key == ...)`` block: every threadgroup in turn, its threads
+    (each running ``call``, which sees ``lid``) as coroutines, then the outputs.
+
+    Args:
+        key: The kernel's key on the command line.
+        call: C++ statements one thread runs.
+        setup: C++ statements before the first group.
+        per_group: C++ statements before each group (they see ``group``).
+        check: C++ statements after each group, returning non-zero on a failure.
+    """
     return (
-        f'  if (key == "{name}") {{\n'
-        f"    for (uint group = 0; group < groups; ++group) {{\n"
-        f"      run_thread = [&](uint lid) {{ {call}; }};\n"
-        f"      if (!run_group(threads)) {{\n"
-        f'        std::fprintf(stderr, "group %u: threads ended before a barrier\\n", group);\n'
-        f"        return 4;\n      }}\n    }}\n"
+        f'  if (key == "{key}") {{\n{setup}'
+        f"    for (uint group = 0; group < groups; ++group) {{\n{per_group}"
+        f"      run_thread = [&](uint lid) {{ (void)lid; {call} }};\n"
+        f"      if (const char* failure = run_group(threads)) {{\n"
+        f'        std::fprintf(stderr, "group %u: %s\\n", group, failure);\n'
+        f"        return 4;\n      }}\n{check}    }}\n"
         f"    return finish(argv, outs, sizes, first_out);\n  }}\n"
     )
 
@@ -387,7 +476,86 @@ def _host(array: mx.array) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(array))
 
 
-class GroupEmulator:
+class DriverLauncher:
+    """The launch side the emulators share: inputs to files, a run of the driver
+    binary, the outputs back as arrays.
+
+    Subclasses set ``workdir``, ``specs``, ``binary`` and ``build`` and name the
+    driver's case of a launch (:meth:`key`).
+
+    Attributes:
+        launches: Launches so far.
+        launched: The ``base`` of every spec launched, in order.
+    """
+
+    workdir: Path
+    specs: list[GroupKernelSpec]
+    binary: Path
+    build: CompileResult
+
+    def __init__(self) -> None:
+        self.launches = 0
+        self.launched: list[str] = []
+
+    def key(self, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
+        """The driver's name for ``spec`` at template type ``dtype``."""
+        raise NotImplementedError
+
+    def run_options(self) -> tuple[dict[str, str], bytes]:
+        """The driver's environment and the bytes put before each input's data."""
+        return {}, b""
+
+    def launch(
+        self,
+        spec: GroupKernelSpec,
+        inputs: Sequence[mx.array],
+        output_shapes: Sequence[tuple[int, ...]],
+        output_dtypes: Sequence[mx.Dtype],
+        groups: int,
+        dtype: mx.Dtype,
+    ) -> list[mx.array]:
+        """Same contract as ``dflash.metal.groups.launch_groups``, run on the CPU."""
+        if not self.build.ok:
+            raise RuntimeError(f"emulator did not build:\n{self.build.log}")
+        if spec not in self.specs:
+            raise RuntimeError(f"emulator was not built with {spec.base}")
+        self.launches += 1
+        self.launched.append(spec.base)
+        env, lead = self.run_options()
+        with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
+            argv = [str(self.binary), self.key(spec, dtype), str(groups)]
+            argv += [str(spec.threads), str(len(inputs))]
+            for i, (kind, array) in enumerate(zip(spec.input_types, inputs)):
+                want = element_dtype(kind, dtype)
+                if array.dtype != want:
+                    raise TypeError(
+                        f"input {spec.input_names[i]} is {array.dtype}, kernel expects {want}"
+                    )
+                path = Path(tmp) / f"in{i}.bin"
+                # Row-contiguous, as mlx's ensure_row_contiguous hands them over.
+                with open(path, "wb") as out:
+                    out.write(lead)
+                    out.write(_host(array).tobytes())
+                argv.append(str(path))
+            argv.append(str(len(output_shapes)))
+            for i, (shape, out_dtype) in enumerate(zip(output_shapes, output_dtypes)):
+                argv += [str(Path(tmp) / f"out{i}.bin")]
+                argv += [str(int(np.prod(shape)) * out_dtype.size)]
+            done = subprocess.run(argv, capture_output=True, text=True, env=env)
+            if done.returncode != 0:
+                raise RuntimeError(
+                    f"emulated {spec.base} failed ({done.returncode}): {done.stderr}"
+                )
+            outs = []
+            for i, (shape, out_dtype) in enumerate(zip(output_shapes, output_dtypes)):
+                raw = out_dtype if out_dtype != mx.bfloat16 else mx.uint16
+                host = np.fromfile(Path(tmp) / f"out{i}.bin", dtype=_numpy(raw))
+                out = mx.array(host.reshape(shape))
+                outs.append(out.view(mx.bfloat16) if out_dtype == mx.bfloat16 else out)
+            return outs
+
+
+class GroupEmulator(DriverLauncher):
     """Runs the Metal units of threadgroup kernels on the CPU through g++.
 
     Use :meth:`launch` in place of ``dflash.metal.groups.launch_groups`` (with
@@ -402,10 +570,10 @@ class GroupEmulator:
     def __init__(
         self, workdir: Path, specs: Sequence[GroupKernelSpec], compiler: str = "g++"
     ) -> None:
+        super().__init__()
         self.workdir = Path(workdir)
         self.specs = list(specs)
         self.binary = self.workdir / "group_emulator"
-        self.launches = 0
         cases = "".join(
             _driver_case(i, spec, dtype)
             for i, spec in enumerate(self.specs)
@@ -426,47 +594,8 @@ class GroupEmulator:
         ]
         self.build = run_compiler(command + [str(source)], self.workdir)
 
-    def launch(
-        self,
-        spec: GroupKernelSpec,
-        inputs: Sequence[mx.array],
-        output_shapes: Sequence[tuple[int, ...]],
-        output_dtypes: Sequence[mx.Dtype],
-        groups: int,
-        dtype: mx.Dtype,
-    ) -> list[mx.array]:
-        """Same contract as ``dflash.metal.groups.launch_groups``, run on the CPU."""
-        if not self.build.ok:
-            raise RuntimeError(f"emulator did not build:\n{self.build.log}")
-        if spec not in self.specs:
-            raise RuntimeError(f"emulator was not built with {spec.base}")
-        self.launches += 1
-        with tempfile.TemporaryDirectory(dir=self.workdir) as tmp:
-            argv = [str(self.binary), metal_kernel_name(spec, dtype), str(groups)]
-            argv += [str(spec.threads), str(len(inputs))]
-            for i, (kind, array) in enumerate(zip(spec.input_types, inputs)):
-                want = element_dtype(kind, dtype)
-                if array.dtype != want:
-                    raise TypeError(
-                        f"input {spec.input_names[i]} is {array.dtype}, kernel expects {want}"
-                    )
-                path = Path(tmp) / f"in{i}.bin"
-                _host(array).tofile(path)
-                argv.append(str(path))
-            argv.append(str(len(output_shapes)))
-            for i, (shape, out_dtype) in enumerate(zip(output_shapes, output_dtypes)):
-                argv += [str(Path(tmp) / f"out{i}.bin")]
-                argv += [str(int(np.prod(shape)) * out_dtype.size)]
-            done = subprocess.run(argv, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"emulated {spec.base} failed: {done.stderr}")
-            outs = []
-            for i, (shape, out_dtype) in enumerate(zip(output_shapes, output_dtypes)):
-                raw = out_dtype if out_dtype != mx.bfloat16 else mx.uint16
-                host = np.fromfile(Path(tmp) / f"out{i}.bin", dtype=_numpy(raw))
-                out = mx.array(host.reshape(shape))
-                outs.append(out.view(mx.bfloat16) if out_dtype == mx.bfloat16 else out)
-            return outs
+    def key(self, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
+        return metal_kernel_name(spec, dtype)
 
 
 def _numpy(dtype: mx.Dtype):

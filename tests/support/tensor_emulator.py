@@ -1,0 +1,534 @@
+"""The CUDA tensor-core bodies run on the CPU: the body text itself, its helpers emulated.
+
+:mod:`.tensor_qmm_model` re-derives the matmul's arithmetic in numpy; this module
+runs the very body text of ``dflash.metal.tensor_qmm`` and of the tensor-core chunk
+pass of ``dflash.metal.tensor_attention`` (and the plain CUDA bodies they launch
+with: the split sum, the attention's fold), compiled by g++ inside mlx's CUDA
+header macros (``groups.HEADERS["cuda"]``), so an indexing, layout or pipeline
+slip in them shows. Only the helper functions with inline PTX are replaced, each
+by a C++ emulation written from the PTX ISA:
+
+* the warp collectives meet their warp (every lane posts its operands, the lanes
+  wait for each other, each takes what it needs from the others' posts): ``mma``
+  (``dfl_mma``, PTX's m16n8k16 fragment layout, products summed exactly and
+  rounded once to float32), ``ldmatrix.x4`` and ``.x4.trans`` (lane ``L`` gives
+  the address of row ``L % 8`` of matrix ``L / 8``) and ``__shfl_xor_sync``;
+  lanes of a warp that do not all reach one fail the run;
+* ``cp.async`` copies (zero-filled when their source size is 0) are queued per
+  thread in commit groups and land either at issue (``early``: a refill of a
+  buffer other threads still read shows) or only when ``cp.async.wait_group``
+  retires their group (``late``: a read before the wait shows); a copy never
+  waited for fails the run, as does one to a misaligned or out-of-range address;
+* dynamic shared memory (``extern __shared__``) is the spec's ``shared_memory``
+  bytes, filled with 0xFF (NaN in every float type) before each threadgroup, with
+  guard bytes after it that a write past its end changes (the run fails);
+* the half-precision pair arithmetic (``fma.rn.bf16x2``, ``cvt.rn.*x2.f32``, the
+  attention's ``dfl_pack``) is computed per half and rounded to nearest even.
+
+Threads run as coroutines, one threadgroup at a time (the scheduler of
+:mod:`.group_emulator`, whose warp meetings release a warp once all its lanes
+are there), in one of two orders: every thread in turn to its next stop (warps
+move together, so a warp with less to do runs ahead of the others) or ``eager``,
+each warp as far as it goes before the next starts (warp 0 runs ahead). :meth:`TensorEmulator.launch` has the contract of
+``dflash.metal.groups.launch_groups``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Sequence
+
+import mlx.core as mx
+
+from dflash.metal import tensor_attention, tensor_qmm
+from dflash.metal.groups import HEADERS, GroupKernelSpec
+from dflash.metal.sources import CUDA
+
+from .compile_check import METAL_SHIM, run_compiler
+from .driver import buffer_args, driver_main
+from .group_emulator import (
+    _DRIVER,
+    _DRIVER_INCLUDES,
+    CUDA_TYPES,
+    DriverLauncher,
+    cuda_params,
+    element_dtype,
+    group_case,
+)
+
+SUFFIX = {mx.float32: "f32", mx.float16: "f16", mx.bfloat16: "bf16"}
+CANARY_BYTES = 4096
+CANARY = 0xA5
+# Bytes after the dynamic shared memory whose change shows a write past its end.
+GUARD_BYTES = 256
+# The helper texts (inline PTX) the shim below emulates; cut out of a spec's helpers.
+EMULATED_HELPERS = tuple(
+    {spec.helpers for spec in tensor_qmm.MATMUL_SPECS.values()}
+) + (tensor_attention.TENSOR_HELPERS,)
+_EXTERN_SHARED = re.compile(
+    r"extern __shared__ (?:__align__\(\d+\) )?([\w ]+?) (\w+)\[\];"
+)
+
+SHIM = (
+    f"""
+#include "{METAL_SHIM}"
+"""
+    + r"""
+// Only its types: none of Metal's address-space words.
+#undef device
+#undef constant
+#undef thread
+#undef threadgroup
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <limits>
+
+namespace metal {
+enum class mem_flags { mem_none, mem_device, mem_threadgroup };
+void threadgroup_barrier(mem_flags flags);
+}  // namespace metal
+namespace cuda {
+namespace std = ::std;
+}
+uint dfl_current_thread();
+uint dfl_current_group();
+void dfl_warp_sync();
+
+struct dim1 { uint x; };
+#define threadIdx (dim1{dfl_current_thread()})
+#define blockIdx (dim1{dfl_current_group()})
+// Dynamic shared memory is a namespace-scope array of the unit (one copy, groups run
+// one after another); the extern declaration in the body binds to it.
+#define __shared__
+#define __device__
+#define __align__(n) __attribute__((aligned(n)))
+inline void __syncthreads() {
+  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+}
+
+struct uint4 { uint32_t x, y, z, w; };
+struct uint2 { uint32_t x, y; };
+
+typedef _Float16 __half;
+// The Metal shim's bfloat16 (round to nearest even, as __float2bfloat16).
+typedef bfloat16_t __nv_bfloat16;
+
+inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline uint32_t __byte_perm(uint32_t a, uint32_t b, uint32_t s) {
+  const uint64_t pool = uint64_t(a) | (uint64_t(b) << 32);
+  uint32_t out = 0;
+  for (int i = 0; i < 4; ++i) {
+    out |= uint32_t((pool >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+  }
+  return out;
+}
+
+// Half values of 16-bit words and back (round to nearest even).
+inline float dfl_emu_value(uint32_t h, const __nv_bfloat16*) { return __uint_as_float(h << 16); }
+inline float dfl_emu_value(uint32_t h, const __half*) {
+  uint16_t b = uint16_t(h); __half v; std::memcpy(&v, &b, 2); return float(v);
+}
+inline uint32_t dfl_emu_word(float f, const __nv_bfloat16*) { return __nv_bfloat16(f).bits; }
+inline uint32_t dfl_emu_word(float f, const __half*) {
+  __half v = __half(f); uint16_t b; std::memcpy(&b, &v, 2); return b;
+}
+
+// ----- the running group's dynamic shared memory -----
+static unsigned char* dfl_shared_begin = nullptr;
+static size_t dfl_shared_bytes = 0;
+
+// Aborts unless [p, p + bytes) is 16-byte aligned and inside the shared memory.
+inline void dfl_check_shared(const void* p, size_t bytes) {
+  const unsigned char* c = static_cast<const unsigned char*>(p);
+  if ((reinterpret_cast<size_t>(c) & 15) || c < dfl_shared_begin ||
+      c + bytes > dfl_shared_begin + dfl_shared_bytes) {
+    std::abort();
+  }
+}
+
+// ----- warp collectives: each lane posts, the warp meets, each reads the others -----
+struct DflPost {
+  uint32_t a[4]; uint32_t b[2]; const unsigned char* row; uint32_t word;
+  uint32_t kind;  // which collective: 1 mma, 2 ldmatrix, 3 ldmatrix.trans, 4 + mask shuffle
+  uint32_t seq;   // how many collectives the lane met before
+};
+// Two slots a lane, used alternately: a lane can post its next collective while a
+// slower lane still reads this one (it cannot post twice before the warp meets).
+static DflPost dfl_posts[2][1024];
+static unsigned dfl_collectives[1024];
+
+// Posts `mine` (of collective `kind`), meets the warp; returns the warp's 32 posts.
+// Lanes that meet at different collectives (some skipped one) end the run.
+inline const DflPost* dfl_meet(DflPost mine, uint32_t kind) {
+  const uint me = dfl_current_thread();
+  mine.kind = kind;
+  mine.seq = dfl_collectives[me]++;
+  dfl_posts[mine.seq & 1u][me] = mine;
+  dfl_warp_sync();
+  const DflPost* warp = dfl_posts[mine.seq & 1u] + (me & ~31u);
+  for (uint lane = 0; lane < 32; ++lane) {
+    if (warp[lane].kind != kind || warp[lane].seq != mine.seq) {
+      std::fprintf(stderr, "group %u: lanes of warp %u meet at different warp collectives\n",
+                   dfl_current_group(), me / 32);
+      std::_Exit(7);  // no exit handlers: they would free the stack this runs on
+    }
+  }
+  return warp;
+}
+inline uint dfl_lane() { return dfl_current_thread() & 31u; }
+
+// mma.sync.m16n8k16.row.col, float32 accumulate (PTX fragment layout).
+template <typename H>
+inline void dfl_mma_warp(float* d, const uint32_t* a, uint32_t b0, uint32_t b1, const H* tag) {
+  const DflPost* warp = dfl_meet(DflPost{{a[0], a[1], a[2], a[3]}, {b0, b1}, nullptr, 0, 0, 0}, 1);
+  const uint gid = dfl_lane() / 4, tig = dfl_lane() % 4;
+  for (int i = 0; i < 4; ++i) {
+    const uint row = gid + 8 * (i / 2), col = 2 * tig + (i % 2);
+    double sum = double(d[i]);
+    for (uint k = 0; k < 16; ++k) {
+      // A element (row, k): lane (row % 8, (k % 8) / 2), register (row >= 8) + 2 (k >= 8).
+      const DflPost& ha = warp[(row % 8) * 4 + (k % 8) / 2];
+      const uint32_t wa = ha.a[(row >= 8) + 2 * (k >= 8)] >> (16 * (k % 2));
+      // B element (k, col): lane (col, (k % 8) / 2), register (k >= 8).
+      const DflPost& hb = warp[col * 4 + (k % 8) / 2];
+      const uint32_t wb = hb.b[k >= 8] >> (16 * (k % 2));
+      sum += double(dfl_emu_value(wa & 0xFFFF, tag)) * double(dfl_emu_value(wb & 0xFFFF, tag));
+    }
+    d[i] = float(sum);
+  }
+}
+// The matmul's form (registers one by one) and the attention's (arrays).
+template <typename H>
+inline void dfl_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                    uint32_t b0, uint32_t b1, const H* tag) {
+  const uint32_t a[4] = {a0, a1, a2, a3};
+  dfl_mma_warp(d, a, b0, b1, tag);
+}
+template <typename H>
+inline void dfl_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                    const H* tag) {
+  dfl_mma_warp(d, a, b0, b1, tag);
+}
+
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lane L gives row L % 8 of
+// matrix L / 8. Plain: register m holds (row lane / 4, columns 2 (lane % 4), +1) of
+// matrix m; transposed: (rows 2 (lane % 4), +1, column lane / 4), first in the low half.
+inline void dfl_ldmatrix(uint32_t (&r)[4], const void* row, bool trans) {
+  dfl_check_shared(row, 16);
+  const DflPost* warp =
+      dfl_meet(DflPost{{0, 0, 0, 0}, {0, 0}, static_cast<const unsigned char*>(row), 0, 0, 0},
+               trans ? 3 : 2);
+  const uint lane = dfl_lane();
+  for (int m = 0; m < 4; ++m) {
+    if (trans) {
+      uint16_t lo, hi;
+      std::memcpy(&lo, warp[8 * m + 2 * (lane % 4)].row + 2 * (lane / 4), 2);
+      std::memcpy(&hi, warp[8 * m + 2 * (lane % 4) + 1].row + 2 * (lane / 4), 2);
+      r[m] = uint32_t(lo) | (uint32_t(hi) << 16);
+    } else {
+      std::memcpy(&r[m], warp[8 * m + lane / 4].row + 4 * (lane % 4), 4);
+    }
+  }
+}
+inline void dfl_ldmatrix_x4(uint32_t (&r)[4], const void* row) { dfl_ldmatrix(r, row, false); }
+inline void dfl_ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+  dfl_ldmatrix(r, row, true);
+}
+
+// __shfl_xor_sync over the whole warp (the only mask the bodies use).
+template <typename V>
+inline V __shfl_xor_sync(unsigned mask, V value, int lane_mask) {
+  static_assert(sizeof(V) == 4, "32-bit shuffles only");
+  if (mask != 0xffffffffu || lane_mask < 0 || lane_mask > 31) std::abort();
+  DflPost mine{{0, 0, 0, 0}, {0, 0}, nullptr, 0, 0, 0};
+  std::memcpy(&mine.word, &value, 4);
+  const DflPost* warp = dfl_meet(mine, 4 + uint32_t(lane_mask));
+  V out;
+  std::memcpy(&out, &warp[dfl_lane() ^ uint(lane_mask)].word, 4);
+  return out;
+}
+
+// Two floats rounded to the 16-bit type, packed (first in the low half), and their
+// rounded values (cvt.rn.bf16x2.f32 / __floats2half2_rn).
+template <typename H>
+inline uint32_t dfl_pack(float a, float b, float& lo, float& hi, const H* tag) {
+  const uint32_t low = dfl_emu_word(a, tag), high = dfl_emu_word(b, tag);
+  lo = dfl_emu_value(low, tag);
+  hi = dfl_emu_value(high, tag);
+  return low | (high << 16);
+}
+
+template <typename H>
+inline uint32_t dfl_ones(const H* tag) {
+  return dfl_emu_word(1.0f, tag) | (dfl_emu_word(1.0f, tag) << 16);
+}
+
+// fma.rn.{bf16,f16}x2 r * 1 - magic, per half (exact for the integers here).
+template <typename H>
+inline uint32_t dfl_pair_fma(uint32_t r, float magic, const H* tag) {
+  const float lo = dfl_emu_value(r & 0xFFFF, tag) - magic;
+  const float hi = dfl_emu_value(r >> 16, tag) - magic;
+  return dfl_emu_word(lo, tag) | (dfl_emu_word(hi, tag) << 16);
+}
+inline uint32_t dfl_q4(uint32_t v, const __nv_bfloat16* tag) {
+  return dfl_pair_fma((v & 0x000F000Fu) | 0x43004300u, 128.0f, tag);
+}
+inline uint32_t dfl_q4(uint32_t v, const __half* tag) {
+  return dfl_pair_fma((v & 0x000F000Fu) | 0x64006400u, 1024.0f, tag);
+}
+template <typename H>
+inline uint32_t dfl_q8(uint32_t lo, uint32_t hi, const H* tag) {
+  // cvt.rn.*x2.f32 d, hi, lo: the first operand to the upper half.
+  return dfl_emu_word(float(lo), tag) | (dfl_emu_word(float(hi), tag) << 16);
+}
+
+// ----- cp.async: per-thread commit groups, landing early or late -----
+struct DflCopy { unsigned char* dst; unsigned char data[16]; int bytes; };
+struct DflThreadCopies { std::vector<DflCopy> open; std::deque<std::vector<DflCopy>> groups; };
+static DflThreadCopies dfl_copies[1024];
+static bool dfl_late = false;
+
+inline void dfl_land(const std::vector<DflCopy>& copies) {
+  for (const DflCopy& c : copies) std::memcpy(c.dst, c.data, c.bytes);
+}
+inline void dfl_queue(unsigned char* dst, const unsigned char* src, int bytes, bool valid) {
+  dfl_check_shared(dst - (reinterpret_cast<size_t>(dst) & 15), 16);
+  DflCopy c{dst, {0}, bytes};
+  if (valid) std::memcpy(c.data, src, bytes);
+  if (dfl_late) {
+    dfl_copies[dfl_current_thread()].open.push_back(c);
+  } else {
+    dfl_land({c});
+  }
+}
+inline void dfl_copy16(unsigned char* dst, const unsigned char* src, bool valid, bool fast) {
+  if (fast && (reinterpret_cast<size_t>(src) & 15)) {
+    std::abort();  // cp.async would fault on a misaligned source
+  }
+  dfl_queue(dst, src, 16, valid);
+}
+inline void dfl_copy4(unsigned char* dst, const unsigned char* src, bool fast) {
+  if (fast && (reinterpret_cast<size_t>(src) & 3)) std::abort();
+  dfl_queue(dst, src, 4, true);
+}
+// The attention's form: 16 bytes, zero-filled (source size 0) when !fill.
+inline void dfl_cp_async16(void* shared, const void* global, bool fill) {
+  if ((reinterpret_cast<size_t>(shared) | reinterpret_cast<size_t>(global)) & 15) {
+    std::abort();
+  }
+  dfl_queue(static_cast<unsigned char*>(shared), static_cast<const unsigned char*>(global),
+            16, fill);
+}
+inline void dfl_commit() {
+  DflThreadCopies& t = dfl_copies[dfl_current_thread()];
+  t.groups.push_back(t.open);
+  t.open.clear();
+}
+inline void dfl_cp_async_commit() { dfl_commit(); }
+template <int PENDING>
+inline void dfl_wait() {
+  DflThreadCopies& t = dfl_copies[dfl_current_thread()];
+  while (int(t.groups.size()) > PENDING) {
+    dfl_land(t.groups.front());
+    t.groups.pop_front();
+  }
+}
+template <int PENDING>
+inline void dfl_cp_async_wait() { dfl_wait<PENDING>(); }
+
+// A threadgroup starts: no copies, no collectives, its shared memory poisoned and
+// guarded.
+inline void dfl_begin_group(unsigned char* shared, size_t bytes) {
+  for (DflThreadCopies& t : dfl_copies) { t.open.clear(); t.groups.clear(); }
+  std::memset(dfl_collectives, 0, sizeof(dfl_collectives));
+  dfl_shared_begin = shared;
+  dfl_shared_bytes = bytes;
+  if (shared != nullptr) {
+    std::memset(shared, 0xFF, bytes);
+    std::memset(shared + bytes, 0xA5, GUARD);
+  }
+}
+// Whether the group wrote no guard byte.
+inline bool dfl_guard_intact() {
+  for (size_t i = 0; dfl_shared_begin != nullptr && i < GUARD; ++i) {
+    if (dfl_shared_begin[dfl_shared_bytes + i] != 0xA5) return false;
+  }
+  return true;
+}
+// Whether every queued copy was retired by a wait (committed empty groups aside).
+inline bool dfl_copies_done() {
+  for (const DflThreadCopies& t : dfl_copies) {
+    if (!t.open.empty()) return false;
+    for (const auto& g : t.groups) if (!g.empty()) return false;
+  }
+  return true;
+}
+inline void dfl_pairs(uint4 v, uint32_t* r) {
+  r[0] = __byte_perm(v.x, v.z, 0x5410);
+  r[1] = __byte_perm(v.x, v.z, 0x7632);
+  r[2] = __byte_perm(v.y, v.w, 0x5410);
+  r[3] = __byte_perm(v.y, v.w, 0x7632);
+}
+"""
+).replace("GUARD", str(GUARD_BYTES))
+
+_GROUP_ACCESS = r"""
+uint dfl_group_now = 0;
+uint dfl_current_thread() { return current; }
+uint dfl_current_group() { return dfl_group_now; }
+"""
+
+
+def _unit_name(index: int, dtype: mx.Dtype) -> str:
+    return f"unit{index}_{SUFFIX[dtype]}"
+
+
+def _shared_array(spec: GroupKernelSpec) -> tuple[str, str]:
+    """The unit's definition of the body's dynamic shared memory and its name.
+
+    Raises:
+        ValueError: The body declares static shared arrays (not emulated).
+    """
+    source = spec.source(CUDA)
+    found = _EXTERN_SHARED.search(source)
+    rest = _EXTERN_SHARED.sub("", source)
+    if "__shared__" in rest or "DFL_SHARED" in rest:
+        raise ValueError(f"{spec.base}: static shared arrays are not emulated")
+    if found is None:
+        return "", ""
+    ctype, name = found.groups()
+    size = f"({spec.shared_memory} + {GUARD_BYTES}) / sizeof({ctype})"
+    return f"alignas(16) {ctype} {name}[{size}];\n", name
+
+
+def _helpers(spec: GroupKernelSpec) -> str:
+    """The spec's helpers less the emulated ones (what is left is plain C++).
+
+    Raises:
+        ValueError: Inline PTX is left (a helper the shim does not emulate).
+    """
+    helpers = spec.helpers
+    for text in EMULATED_HELPERS:
+        helpers = helpers.replace(text, "")
+    if "asm" in helpers:
+        raise ValueError(f"{spec.base}: helpers with inline PTX the shim lacks")
+    return helpers
+
+
+def _unit(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
+    """One spec at one ``T``: mlx's CUDA header macros, the plain helpers, the shared
+    memory and the kernel with mlx's CUDA signature."""
+    args = cuda_params(spec, dtype)
+    return (
+        f"namespace {_unit_name(index, dtype)} {{\n"
+        + HEADERS[CUDA]
+        + _helpers(spec)
+        + _shared_array(spec)[0]
+        + f"void kernel({', '.join(args)}) {{\n"
+        f"  using T = {CUDA_TYPES[dtype]};\n" + spec.source(CUDA) + "\n}\n}\n"
+    )
+
+
+def _case(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
+    ctypes = [
+        [CUDA_TYPES[element_dtype(kind, dtype)] for kind in kinds]
+        for kinds in (spec.input_types, spec.output_types)
+    ]
+    # Inputs start ``dfl_offset`` bytes into their buffers (the files carry as many
+    # leading bytes): 2 puts every input off its 16-byte boundary.
+    args = [
+        (
+            arg.replace(".data())", ".data() + dfl_offset)", 1)
+            if i < len(ctypes[0])
+            else arg
+        )
+        for i, arg in enumerate(buffer_args(*ctypes))
+    ]
+    space = _unit_name(index, dtype)
+    name = _shared_array(spec)[1]
+    shared = (
+        f"reinterpret_cast<unsigned char*>({space}::{name}), {spec.shared_memory}"
+        if name
+        else "nullptr, 0"
+    )
+    setup = (
+        '    dfl_late = std::getenv("DFL_CP_LATE") != nullptr;\n'
+        '    eager_warps = std::getenv("DFL_EAGER_WARPS") != nullptr;\n'
+        '    const size_t dfl_offset = std::getenv("DFL_OFFSET") ? 2 : 0;\n'
+    )
+    per_group = f"      dfl_group_now = group;\n      dfl_begin_group({shared});\n"
+    check = (
+        "      if (!dfl_copies_done()) {\n"
+        '        std::fprintf(stderr, "group %u: cp.async copies never waited for\\n", group);\n'
+        "        return 5;\n      }\n"
+        "      if (!dfl_guard_intact()) {\n"
+        '        std::fprintf(stderr, "group %u: shared memory written past its end\\n", group);\n'
+        "        return 6;\n      }\n"
+    )
+    call = f"{space}::kernel({', '.join(args)});"
+    return group_case(space, call, setup, per_group, check)
+
+
+class TensorEmulator(DriverLauncher):
+    """Runs CUDA threadgroup specs (tensor-core bodies and plain ones) on the CPU.
+
+    Args:
+        workdir: Directory for the source and binary.
+        specs: The specs to build, each at its ``dtypes`` (default: every spec of
+            ``tensor_qmm``).
+        compiler: C++ compiler.
+
+    Attributes:
+        late: Land ``cp.async`` copies at their wait (else at issue); settable
+            between launches.
+        eager: Run each warp as far as it goes (to a barrier) before the next
+            (else every thread in turn to its next stop, warps moving together:
+            they meet a slip in another order); settable between launches.
+        misaligned: Start every input 2 bytes past a 16-byte boundary (the body
+            then copies without ``cp.async``); settable between launches.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        specs: Sequence[GroupKernelSpec] = tensor_qmm.SPECS,
+        compiler: str = "g++",
+    ) -> None:
+        super().__init__()
+        self.workdir = Path(workdir)
+        self.specs = list(specs)
+        self.late = False
+        self.eager = False
+        self.misaligned = False
+        self.binary = self.workdir / "tensor_emulator"
+        units, cases = [], []
+        for i, spec in enumerate(self.specs):
+            for dtype in spec.dtypes:
+                units.append(_unit(i, spec, dtype))
+                cases.append(_case(i, spec, dtype))
+        driver = _DRIVER + _GROUP_ACCESS
+        driver += driver_main(
+            ("groups", "threads"), "".join(cases), CANARY_BYTES, CANARY
+        )
+        # The units come before the scheduler (as in the group emulator); the shim's
+        # forward declarations bind them to it.
+        source = self.workdir / "tensor_emulator.cpp"
+        source.write_text(_DRIVER_INCLUDES + SHIM + "".join(units) + driver)
+        command = [compiler, "-std=c++17", "-O1", "-o", str(self.binary), str(source)]
+        self.build = run_compiler(command, self.workdir)
+
+    def key(self, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
+        return _unit_name(self.specs.index(spec), dtype)
+
+    def run_options(self) -> tuple[dict[str, str], bytes]:
+        env = {"DFL_CP_LATE": "1"} if self.late else {}
+        if self.eager:
+            env["DFL_EAGER_WARPS"] = "1"
+        if self.misaligned:
+            env["DFL_OFFSET"] = "1"
+        return env, b"\0\0" if self.misaligned else b""
