@@ -32,7 +32,7 @@ import os
 import pstats
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Dict, Iterator, List, Optional
 
 import mlx.core as mx
@@ -145,21 +145,6 @@ def taps_starting_early(start_early: bool) -> Iterator[None]:
         dflash_round.TargetTaps = TargetTaps
 
 
-@contextmanager
-def folded_route(folded: Optional[bool]) -> Iterator[None]:
-    """Force the folded block attention on or off (None: the default) for A/B runs."""
-    saved = os.environ.get(FOLDED_ENV)
-    if folded is not None:
-        os.environ[FOLDED_ENV] = "1" if folded else "0"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(FOLDED_ENV, None)
-        else:
-            os.environ[FOLDED_ENV] = saved
-
-
 # ``--kernels`` arms and the ``DFLASH_VERIFY_KERNELS`` value each sets (None: the default).
 KERNEL_ARMS = {
     "default": None,
@@ -183,6 +168,11 @@ def env_value(name: str, value: Optional[str]) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = saved
+
+
+def folded_route(folded: Optional[bool]) -> AbstractContextManager:
+    """Force the folded block attention on or off (None: the default) for A/B runs."""
+    return env_value(FOLDED_ENV, None if folded is None else "1" if folded else "0")
 
 
 def our_plain_tokens(model, prompt: mx.array, max_tokens: int) -> List[int]:
