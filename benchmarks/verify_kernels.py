@@ -293,7 +293,7 @@ def bench_attention(setup: Setup, report: Report, args) -> None:
                     "max_abs_diff_vs_mlx": float(diff),
                 }
                 # Our arms: (label, tensor cores on, layout); mlx's arm last.
-                arms = [(_form(args.use_kernel), True, attention.TENSOR_LAYOUT)]
+                arms = [(_form(args.use_kernel), True, attention.tensor_layout())]
                 plan = attention.make_plan(
                     queries, plane, block_k, block_v, window=kwargs["window"],
                     causal=True, query_start=None, chunk=attention.CHUNK,
@@ -304,11 +304,11 @@ def bench_attention(setup: Setup, report: Report, args) -> None:
                     arms = [
                         (f"kernel (tensor, {layout.name})", True, layout)
                         for layout in tensor_attention.LAYOUTS.values()
-                    ] + [("kernel (scalar body)", False, attention.TENSOR_LAYOUT)]
+                    ] + [("kernel (scalar body)", False, attention.tensor_layout())]
                 arms.append((name, None, None))
                 for impl, tensor_cores, layout in arms:
                     fn = theirs if tensor_cores is None else ours
-                    saved = attention.TENSOR_CORES, attention.TENSOR_LAYOUT
+                    saved = attention.TENSOR_CORES, attention.tensor_layout()
                     if tensor_cores is not None:
                         attention.TENSOR_CORES = tensor_cores
                         attention.TENSOR_LAYOUT = layout

@@ -706,14 +706,27 @@ SPECS = (ATTEND_CHUNKS, FOLD_CHUNKS)
 # the tensor-core form takes every call it serves (:mod:`.tensor_attention`).
 TENSOR_CORES_ENV = "DFLASH_TENSOR_CORES"
 TENSOR_CORES: bool = backend.env_switch(TENSOR_CORES_ENV) is not False
-# Which tensor-core layout this process runs (``DFLASH_TENSOR_LAYOUT``, read once).
-TENSOR_LAYOUT: tensor_attention.Layout = tensor_attention.layout_from_env()
+# Which tensor-core layout this process runs: ``DFLASH_TENSOR_LAYOUT``, read on first
+# use and kept (None: not read yet), so a bad value fails the first call, not the import.
+TENSOR_LAYOUT: Optional[tensor_attention.Layout] = None
+
+
+def tensor_layout() -> tensor_attention.Layout:
+    """The process's tensor-core layout (resolved once).
+
+    Raises:
+        ValueError: ``DFLASH_TENSOR_LAYOUT`` names no layout.
+    """
+    global TENSOR_LAYOUT
+    if TENSOR_LAYOUT is None:
+        TENSOR_LAYOUT = tensor_attention.layout_from_env()
+    return TENSOR_LAYOUT
 
 
 def uses_tensor_cores(plan: Plan, dtype: mx.Dtype) -> bool:
     """Whether the kernel form of ``plan`` runs the tensor-core chunk pass."""
     return TENSOR_CORES and tensor_attention.tensor_serves(
-        plan.dim, plan.chunk, dtype, backend.BACKEND, TENSOR_LAYOUT
+        plan.dim, plan.chunk, dtype, backend.BACKEND, tensor_layout()
     )
 
 
@@ -754,8 +767,9 @@ def kernel_attention(
         keys, values = block_keys, block_values
     group = plan.heads // plan.kv_heads
     if uses_tensor_cores(plan, dtype):
-        spec = tensor_attention.attend_spec(plan.dim, TENSOR_LAYOUT)
-        rows_per_group = TENSOR_LAYOUT.rows
+        layout = tensor_layout()
+        spec = tensor_attention.attend_spec(plan.dim, layout)
+        rows_per_group = layout.rows
     else:
         spec, rows_per_group = ATTEND_CHUNKS, ROWS
     row_blocks = -(-group * plan.queries // rows_per_group)

@@ -126,6 +126,14 @@ def test_the_spec_is_cuda_only(name: str) -> None:
     assert spec.shared_memory == tensor_attention.shared_bytes(128, layout) > 48 * 1024
 
 
+def test_a_bad_layout_fails_the_first_call_not_the_import(monkeypatch) -> None:
+    monkeypatch.setenv(tensor_attention.LAYOUT_ENV, "tiles")
+    monkeypatch.setattr(attention, "TENSOR_LAYOUT", None)
+    monkeypatch.setattr(attention.backend, "BACKEND", "cuda")
+    with pytest.raises(ValueError, match="DFLASH_TENSOR_LAYOUT='tiles'"):
+        build(glimmer_case(ring=False, queries=2)).attend(True)
+
+
 def test_the_layout_comes_from_the_env(monkeypatch) -> None:
     monkeypatch.delenv(tensor_attention.LAYOUT_ENV, raising=False)
     default = tensor_attention.LAYOUTS[tensor_attention.DEFAULT_LAYOUT]
@@ -174,7 +182,7 @@ def test_switch_off_keeps_the_scalar_body(monkeypatch) -> None:
 
 def _each_layout(check):
     """Run ``check`` once per layout (hypothesis tests cannot take fixtures)."""
-    saved = attention.TENSOR_LAYOUT
+    saved = attention.tensor_layout()
     try:
         for layout in tensor_attention.LAYOUTS.values():
             attention.TENSOR_LAYOUT = layout
@@ -192,7 +200,7 @@ def test_cuda_tensor_form_matches_oracle_and_reference(case: Case) -> None:
 
 
 def _matches_oracle_and_reference(case: Case) -> None:
-    layout = attention.TENSOR_LAYOUT
+    layout = attention.tensor_layout()
     assert tensor_attention.tensor_serves(
         case.dim, case.chunk, case.dtype, "cuda", layout
     )
