@@ -30,6 +30,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import tempfile
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -476,7 +477,7 @@ def _host(array: mx.array) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(array))
 
 
-class DriverLauncher:
+class DriverLauncher(ABC):
     """The launch side the emulators share: inputs to files, a run of the driver
     binary, the outputs back as arrays.
 
@@ -497,9 +498,9 @@ class DriverLauncher:
         self.launches = 0
         self.launched: list[str] = []
 
+    @abstractmethod
     def key(self, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
         """The driver's name for ``spec`` at template type ``dtype``."""
-        raise NotImplementedError
 
     def run_options(self) -> tuple[dict[str, str], bytes]:
         """The driver's environment and the bytes put before each input's data."""
