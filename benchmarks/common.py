@@ -296,3 +296,44 @@ def run_meta(
             + list(sys.argv[1:] if argv is None else argv)
         ),
     }
+
+
+def cupti_kernel_events(run: Callable[[], object]) -> list[tuple[str, float, float]]:
+    """The device kernels ``run`` launches, from CUPTI (through ``torch.profiler``).
+
+    Needs PyTorch with CUDA in this interpreter; ``run`` must wait for its own work
+    (``mx.eval`` or a host read) so that every kernel ends inside the capture.
+
+    Returns:
+        ``(name, start_us, duration_us)`` per kernel, in start order.
+    """
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as handle:
+            events = json.load(handle).get("traceEvents", [])
+    kernels = [
+        (str(e.get("name", "?")), float(e.get("ts", 0.0)), float(e.get("dur", 0.0)))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == "kernel"
+    ]
+    return sorted(kernels, key=lambda kernel: kernel[1])
+
+
+def busy_us(kernels: Sequence[tuple[str, float, float]]) -> float:
+    """Microseconds in which at least one of ``kernels`` ran (overlaps counted once)."""
+    total, end = 0.0, float("-inf")
+    for _, start, duration in sorted(kernels, key=lambda kernel: kernel[1]):
+        stop = start + duration
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total

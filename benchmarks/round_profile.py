@@ -32,8 +32,10 @@ import os
 import pstats
 import statistics
 import time
+from collections import Counter
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Dict, Iterator, List, Optional
+from functools import partial
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -47,6 +49,8 @@ from dflash.generation import generate_step
 from dflash.greedy import greedy_reference
 from dflash.kernel_patch import VERIFY_KERNELS_ENV
 from dflash.taps import TargetTaps
+
+from .common import busy_us, cupti_kernel_events
 
 PHASES = (
     "wait",
@@ -292,6 +296,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             result["lossless"] = tokens == plain[kernels][: len(tokens)]
             report["runs"].append(result)
             print(json.dumps(result), flush=True)
+    if getattr(args, "device_time", False):
+        report["device_time"] = device_report(args, model, prompt, replay, plain, block)
+        for row in report["device_time"]:
+            print(json.dumps({k: v for k, v in row.items() if k != "top"}), flush=True)
     if args.profile:
         profiler = cProfile.Profile()
         profiler.enable()
@@ -302,6 +310,70 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         stats.print_stats(args.profile)
         report["profile"] = text.getvalue()
     return report
+
+
+def profiled(run: Callable[[], int]) -> Tuple[int, list]:
+    """``run``'s unit count (rounds or tokens) and the device kernels it launched."""
+    box: Dict[str, int] = {}
+    events = cupti_kernel_events(lambda: box.setdefault("units", run()))
+    return box["units"], events
+
+
+def per_unit(run: Callable[[int], int], short: int, long: int) -> Dict[str, Any]:
+    """Kernels and device time per unit: the difference of a short and a long run.
+
+    Both runs share the prefill and the warm-up, so the difference is steady state.
+    """
+    units_short, short_events = profiled(lambda: run(short))
+    units_long, long_events = profiled(lambda: run(long))
+    units = max(1, units_long - units_short)
+    names = Counter(name[:90] for name, _, _ in long_events)
+    names.subtract(name[:90] for name, _, _ in short_events)
+    kernel_us = sum(d for *_, d in long_events) - sum(d for *_, d in short_events)
+    return {
+        "units": units,
+        "kernels": round((len(long_events) - len(short_events)) / units, 1),
+        "busy_ms": round(
+            (busy_us(long_events) - busy_us(short_events)) / units / 1e3, 3
+        ),
+        "kernel_ms": round(kernel_us / units / 1e3, 3),
+        "top": {n: round(c / units, 2) for n, c in names.most_common(30)},
+    }
+
+
+def device_report(args, model, prompt, replay, plain, block) -> List[Dict[str, Any]]:
+    """Device kernels per round (DFlash) and per token (plain), per kernel arm (CUPTI).
+
+    ``replay`` is the REPLAY drafter of the last ``--tau``.
+    """
+    short, long = max(1, args.max_tokens // 2), args.max_tokens
+    tau = replay.tau
+
+    def dflash_rounds(kernels: str, max_tokens: int) -> int:
+        replay.sequence = prompt.tolist() + plain[kernels]
+        steps = dflash_generate_step(
+            prompt, model, replay, block_size=block, max_tokens=max_tokens
+        )
+        return sum(1 for _, _, from_draft in steps if not from_draft)
+
+    def ours_plain(max_tokens: int) -> int:
+        return len(our_plain_tokens(model, prompt, max_tokens))
+
+    def mlx_lm_plain(max_tokens: int) -> int:
+        return len(greedy_reference(model, prompt, max_tokens))
+
+    rows = [
+        {"run": "mlx-lm plain", "unit": "token", **per_unit(mlx_lm_plain, short, long)}
+    ]
+    for kernels in args.kernels:
+        with env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[kernels]):
+            for name, unit, run in (
+                (f"dflash tau {tau}", "round", partial(dflash_rounds, kernels)),
+                ("ours plain", "token", ours_plain),
+            ):
+                row = {"run": name, "kernels": kernels, "unit": unit}
+                rows.append({**row, **per_unit(run, short, long)})
+    return rows
 
 
 def _kernel_arms(text: str) -> List[str]:
@@ -335,6 +407,11 @@ def main() -> None:
         help="comma list of verify-kernel arms: " + ", ".join(KERNEL_ARMS),
     )
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--device-time",
+        action="store_true",
+        help="kernels and device ms per round / token per arm (CUPTI; CUDA with torch)",
+    )
     args = parser.parse_args()
     report = run(args)
     if report.get("profile"):

@@ -22,6 +22,7 @@ CPU smoke test (tiny shapes, the reference forms): add ``--small``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
@@ -36,6 +37,8 @@ import mlx.core as mx
 from dflash.metal import attention, backend, qmm, tensor_attention
 from dflash.metal.attention import KeyPlane, small_query_attention
 from dflash.metal.qmm import small_row_matmul
+
+from .common import cupti_kernel_events
 
 H200_BANDWIDTH = 4.8e12
 
@@ -122,25 +125,15 @@ def device_time(fn: Callable[[], mx.array], reps: int) -> dict:
     Host overhead (Python, mlx's graph, launches) is not in it, unlike ``pipelined``.
     Needs PyTorch with CUDA in this interpreter.
     """
-    import os
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
     mx.eval(fn())
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+    def calls() -> None:
         for _ in range(reps):
             mx.eval(fn())
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as handle:
-            events = json.load(handle).get("traceEvents", [])
+
     kernels: dict = {}
-    for event in events:
-        if event.get("ph") == "X" and event.get("cat") == "kernel":
-            name = event.get("name", "?")[:80]
-            kernels.setdefault(name, []).append(float(event.get("dur", 0.0)))
+    for name, _, duration in cupti_kernel_events(calls):
+        kernels.setdefault(name[:80], []).append(duration)
     total = sum(sum(d) for d in kernels.values())
     return {
         "device_us": total / reps,
@@ -267,9 +260,9 @@ def bench_attention(setup: Setup, report: Report, args) -> None:
                     use_kernel=args.use_kernel,
                 )
 
-                def ours():
+                def ours(chunk=attention.CHUNK):
                     return small_query_attention(
-                        queries, plane, block_k, block_v, **kwargs
+                        queries, plane, block_k, block_v, chunk=chunk, **kwargs
                     )
 
                 name, theirs, exact = _mlx_attention(
@@ -292,8 +285,11 @@ def bench_attention(setup: Setup, report: Report, args) -> None:
                     * setup.dtype.size,
                     "max_abs_diff_vs_mlx": float(diff),
                 }
-                # Our arms: (label, tensor cores on, layout); mlx's arm last.
-                arms = [(_form(args.use_kernel), True, attention.tensor_layout())]
+                # Our arms: (label, tensor cores on, layout, chunk); mlx's arm last.
+                arms = [
+                    (_form(args.use_kernel), True, attention.tensor_layout(), chunk)
+                    for chunk in args.chunks
+                ]
                 plan = attention.make_plan(
                     queries, plane, block_k, block_v, window=kwargs["window"],
                     causal=True, query_start=None, chunk=attention.CHUNK,
@@ -302,12 +298,24 @@ def bench_attention(setup: Setup, report: Report, args) -> None:
                     plan, setup.dtype
                 ):
                     arms = [
-                        (f"kernel (tensor, {layout.name})", True, layout)
+                        (f"kernel (tensor, {layout.name})", True, layout, chunk)
                         for layout in tensor_attention.LAYOUTS.values()
-                    ] + [("kernel (scalar body)", False, attention.tensor_layout())]
-                arms.append((name, None, None))
-                for impl, tensor_cores, layout in arms:
-                    fn = theirs if tensor_cores is None else ours
+                        for chunk in args.chunks
+                    ]
+                    if not args.skip_scalar:
+                        scalar = (
+                            "kernel (scalar body)",
+                            False,
+                            attention.tensor_layout(),
+                        )
+                        arms.append(scalar + (attention.CHUNK,))
+                arms.append((name, None, None, None))
+                for impl, tensor_cores, layout, chunk in arms:
+                    fn = (
+                        theirs
+                        if tensor_cores is None
+                        else functools.partial(ours, chunk)
+                    )
                     saved = attention.TENSOR_CORES, attention.tensor_layout()
                     if tensor_cores is not None:
                         attention.TENSOR_CORES = tensor_cores
@@ -318,7 +326,8 @@ def bench_attention(setup: Setup, report: Report, args) -> None:
                             timing.update(device_time(fn, args.reps))
                     finally:
                         attention.TENSOR_CORES, attention.TENSOR_LAYOUT = saved
-                    report.add("attention", {**base, "impl": impl, **timing})
+                    row = {**base, "impl": impl, "chunk": chunk, **timing}
+                    report.add("attention", row)
 
 
 # -------------------------------------------------------------------- matmul
@@ -409,6 +418,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument("--only", choices=("attention", "matmul"), help="one section")
     parser.add_argument(
+        "--chunks",
+        type=lambda text: [int(t) for t in text.split(",")],
+        default=None,
+        help="attention: keys per chunk to time our kernel at (comma list; default:"
+        " the library's)",
+    )
+    parser.add_argument(
+        "--skip-scalar",
+        action="store_true",
+        help="attention: leave out the scalar-body arm where tensor cores serve",
+    )
+    parser.add_argument(
         "--device-time",
         action="store_true",
         help="also the kernels' device time per call (CUPTI via torch.profiler; CUDA)",
@@ -425,6 +446,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ]
     if args.reps < 1 or args.batch < 1:
         parser.error("--reps and --batch must be >= 1")
+    if args.chunks is None:
+        args.chunks = [attention.CHUNK]
+    if any(not 1 <= chunk <= attention.KERNEL_MAX_CHUNK for chunk in args.chunks):
+        parser.error(f"--chunks must lie in 1..{attention.KERNEL_MAX_CHUNK}")
     return args
 
 

@@ -26,6 +26,7 @@ lose precision in bfloat16); each is batch-invariant.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import mlx.core as mx
@@ -55,9 +56,30 @@ TENSOR_CORES = True
 def _check(x, weight, scales, biases, bits, group_size) -> tuple[int, int, int]:
     """Validate a call; return ``(rows, N, K)``.
 
+    The checks read only shapes and dtypes, so each geometry is validated once
+    (:func:`_check_geometry`; a failing one raises every time, nothing is cached).
+
     Raises:
         ValueError: On any inconsistent argument.
     """
+    quantized = scales is not None and biases is not None
+    return _check_geometry(
+        tuple(x.shape), x.dtype, tuple(weight.shape), weight.dtype,
+        None if scales is None else (tuple(scales.shape), scales.dtype),
+        None if biases is None else (tuple(biases.shape), biases.dtype),
+        bits, group_size, quantized,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_geometry(
+    x_shape, x_dtype, w_shape, w_dtype, scales, biases, bits, group_size, quantized
+) -> tuple[int, int, int]:
+    """:func:`_check` on shapes and dtypes (``scales`` / ``biases``: ``(shape, dtype)``)."""
+    x = _Geometry(x_shape, x_dtype)
+    weight = _Geometry(w_shape, w_dtype)
+    scales = None if scales is None else _Geometry(*scales)
+    biases = None if biases is None else _Geometry(*biases)
     if x.ndim != 2:
         raise ValueError(f"x must be (M, K), got shape {x.shape}")
     if x.dtype not in DTYPES:
@@ -96,6 +118,15 @@ def _check(x, weight, scales, biases, bits, group_size) -> tuple[int, int, int]:
         if array.dtype != x.dtype:
             raise ValueError(f"{name} are {array.dtype}, x is {x.dtype}")
     return rows, columns, depth
+
+
+class _Geometry:
+    """The shape and dtype of an array (what :func:`_check_geometry` reads)."""
+
+    __slots__ = ("shape", "dtype", "ndim")
+
+    def __init__(self, shape: tuple[int, ...], dtype: mx.Dtype) -> None:
+        self.shape, self.dtype, self.ndim = shape, dtype, len(shape)
 
 
 # ---------------------------------------------------------------- reference

@@ -70,6 +70,7 @@ near the goal; see ``docs/verify-kernels-analysis.md``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -605,6 +606,7 @@ SPECS = tuple(MATMUL_SPECS.values()) + (REDUCE_SPEC,)
 # ------------------------------------------------------------------- host side
 
 
+@functools.lru_cache(maxsize=1024)
 def tensor_core_serves(
     dtype: mx.Dtype, rows: int, depth: int, columns: int, bits: Optional[int]
 ) -> bool:
@@ -656,31 +658,71 @@ def tensor_core_matmul(
     Shapes: x ``(M, K)``; returns ``(M, N)``.
     """
     rows, depth = x.shape
-    columns = weight.shape[0]
-    mtiles = 1 if rows <= 16 else 2
-    spec = MATMUL_SPECS[(bits or 0, mtiles)]
-    tiles, splits, per_split = split_plan(depth, columns, bits)
-    shift = (group_size or 1).bit_length() - 1
-    ints = int_params(
-        rows, columns, depth, group_size or 0, tiles, splits, per_split, shift
-    )
+    plan = launch_plan(rows, depth, weight.shape[0], bits, group_size)
+    ints = plan.params
     inputs = [x, weight, ints] if bits is None else [x, weight, scales, biases, ints]
-    if splits == 1:
-        shapes = [(rows, columns), (1,)]
-    else:
-        shapes = [(1,), (splits, rows, columns)]
     y, partial = groups.launch_groups(
-        spec, inputs, shapes, [x.dtype, mx.float32], tiles * splits, x.dtype
+        plan.spec, inputs, plan.shapes, [x.dtype, mx.float32], plan.groups, x.dtype
     )
-    if splits == 1:
+    if plan.reduce_params is None:
         return y
-    total = rows * columns
     (y,) = groups.launch_groups(
         REDUCE_SPEC,
-        [partial, int_params(total, splits)],
-        [(rows, columns)],
+        [partial, plan.reduce_params],
+        [(rows, plan.columns)],
         [x.dtype],
-        -(-total // REDUCE_THREADS),
+        plan.reduce_groups,
         x.dtype,
     )
     return y
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything about a call's launches that follows from its geometry.
+
+    Attributes:
+        spec: The matmul kernel.
+        columns: N.
+        params: The matmul launch's integer scalars.
+        shapes: Its output shapes (the result and the K-split partials; one is a
+            one-element placeholder).
+        groups: Its CTAs.
+        reduce_params: The reduce launch's scalars (None: K is not split).
+        reduce_groups: The reduce launch's CTAs (0: none).
+    """
+
+    spec: GroupKernelSpec
+    columns: int
+    params: mx.array
+    shapes: tuple[tuple[int, ...], tuple[int, ...]]
+    groups: int
+    reduce_params: Optional[mx.array]
+    reduce_groups: int
+
+
+@functools.lru_cache(maxsize=512)
+def launch_plan(
+    rows: int, depth: int, columns: int, bits: Optional[int], group_size: Optional[int]
+) -> LaunchPlan:
+    """The launch plan of a validated call, built once per geometry (host time)."""
+    spec = MATMUL_SPECS[(bits or 0, 1 if rows <= 16 else 2)]
+    tiles, splits, per_split = split_plan(depth, columns, bits)
+    shift = (group_size or 1).bit_length() - 1
+    params = int_params(
+        rows, columns, depth, group_size or 0, tiles, splits, per_split, shift
+    )
+    if splits == 1:
+        return LaunchPlan(
+            spec, columns, params, ((rows, columns), (1,)), tiles, None, 0
+        )
+    total = rows * columns
+    return LaunchPlan(
+        spec,
+        columns,
+        params,
+        ((1,), (splits, rows, columns)),
+        tiles * splits,
+        int_params(total, splits),
+        -(-total // REDUCE_THREADS),
+    )

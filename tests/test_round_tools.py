@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks import round_profile, round_timeline
+from benchmarks import common, round_profile, round_timeline
 from dflash import kernel_patch
 from dflash.folded_attention import FOLDED_ENV
 from dflash.kernel_patch import VERIFY_KERNELS_ENV
@@ -117,3 +117,44 @@ def test_kernel_intervals_keep_device_work_only_and_rank_kernels():
     assert kernels == [("copy", 1.0, 2.0), ("gemm", 5.0, 7.0), ("gemm", 9.0, 12.0)]
     top = round_timeline.top_kernels(kernels, 1)
     assert top == [{"name": "gemm", "total_us": 5.0, "calls": 2}]
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    kernels = [("a", 0.0, 10.0), ("b", 5.0, 10.0), ("c", 30.0, 1.0), ("d", 2.0, 1.0)]
+    assert common.busy_us(kernels) == 16.0
+    assert common.busy_us([]) == 0.0
+
+
+def test_per_unit_is_the_steady_state_difference_of_two_runs(monkeypatch):
+    # A fake CUPTI: a run of n units launches a 100 us prefill kernel and, per unit,
+    # two kernels of 3 us and 1 us back to back.
+    def fake_events(run):
+        units = run()
+        events = [("prefill", 0.0, 100.0)]
+        for unit in range(units):
+            start = 200.0 + 10.0 * unit
+            events += [("matmul", start, 3.0), ("norm", start + 3.0, 1.0)]
+        return events
+
+    monkeypatch.setattr(round_profile, "cupti_kernel_events", fake_events)
+    row = round_profile.per_unit(lambda units: units, 4, 10)
+    assert row["units"] == 6
+    assert row["kernels"] == 2.0
+    assert row["busy_ms"] == 0.004 and row["kernel_ms"] == 0.004
+    assert row["top"] == {"matmul": 1.0, "norm": 1.0, "prefill": 0.0}
+
+
+def test_launch_cost_times_every_op_and_refuses_an_unknown_one(tmp_path, capsys):
+    from benchmarks import launch_cost
+
+    out = tmp_path / "launch.json"
+    argv = ["--small", "--calls", "3", "--reps", "1", "--json", str(out)]
+    assert launch_cost.main(argv + ["--cprofile", "ours small_row_matmul"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["op"] for row in rows] == list(launch_cost.make_ops(True))
+    for row in rows:
+        assert row["build_us"] > 0 and row["eval_us"] >= 0
+        assert row["total_us"] == pytest.approx(row["build_us"] + row["eval_us"])
+    assert "ncalls" in capsys.readouterr().out
+    assert launch_cost.main(["--small", "--cprofile", "no such op"]) == 2
+    assert "no op 'no such op'" in capsys.readouterr().err

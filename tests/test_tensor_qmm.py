@@ -173,6 +173,51 @@ def test_split_plan_of_glimmer_shapes() -> None:
         assert tiles * splits >= 132 or per_split == 1, (depth, columns, tiles, splits)
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    rows=st.integers(1, 32),
+    chunks=st.integers(1, 80),
+    columns=st.integers(1, 30_000),
+    bits=st.sampled_from([4, 8, None]),
+)
+def test_launch_plan_is_the_split_plan_kept_per_geometry(rows, chunks, columns, bits):
+    """The memoised plan launches what split_plan says, with the reduce only for a
+    split K, and is one object per geometry."""
+    depth = chunks * Layout(bits or 0, 1).chunk
+    group_size = None if bits is None else 64
+    plan = tensor_qmm.launch_plan(rows, depth, columns, bits, group_size)
+    tiles, splits, per_split = split_plan(depth, columns, bits)
+    assert plan.spec is tensor_qmm.MATMUL_SPECS[(bits or 0, 1 if rows <= 16 else 2)]
+    shift = 6 if bits else 0
+    want = [rows, columns, depth, group_size or 0, tiles, splits, per_split, shift]
+    assert plan.params.tolist() == want
+    assert plan.groups == tiles * splits and plan.columns == columns
+    if splits == 1:
+        assert plan.shapes == ((rows, columns), (1,)) and plan.reduce_params is None
+    else:
+        assert plan.shapes == ((1,), (splits, rows, columns))
+        assert plan.reduce_params.tolist() == [rows * columns, splits]
+        assert plan.reduce_groups * tensor_qmm.REDUCE_THREADS >= rows * columns
+    assert tensor_qmm.launch_plan(rows, depth, columns, bits, group_size) is plan
+
+
+def test_a_rejected_geometry_is_rejected_on_every_call() -> None:
+    """Validation is memoised per geometry, but only successes are kept."""
+    x = mx.zeros((4, 256), dtype=mx.bfloat16)
+    weight = mx.zeros((8, 32), dtype=mx.uint32)
+    scales = mx.zeros((8, 3), dtype=mx.bfloat16)  # K / 64 = 4 groups, not 3
+    for _ in range(2):
+        with pytest.raises(ValueError, match="scales must have shape"):
+            small_row_matmul(x, weight, scales, scales, bits=4, group_size=64)
+    good = mx.zeros((8, 4), dtype=mx.bfloat16)
+    y = small_row_matmul(x, weight, good, good, bits=4, group_size=64, use_kernel=False)
+    assert y.shape == (4, 8)
+    with pytest.raises(ValueError, match="scales are mlx.core.bfloat16, x is"):
+        small_row_matmul(
+            x.astype(mx.float16), weight, good, good, bits=4, group_size=64
+        )
+
+
 def test_layouts_fit_shared_memory() -> None:
     """Every form fits an SM (227 KB per block); the 16-row forms leave room for two."""
     for (bits, mtiles), layout in tensor_qmm.LAYOUTS.items():

@@ -1,0 +1,176 @@
+"""Host cost of one op call: building its graph, then dispatching it, vs its device time.
+
+A verify round on a fast GPU can be bound by the host: every op costs Python time to
+build (our wrappers' checks plus mlx's binding) and mlx's time to dispatch it at
+evaluation (on CUDA: a graph node per kernel). This times, per call of each op:
+
+* ``build_us``: building ``--calls`` independent calls (nothing evaluated);
+* ``eval_us``: the one ``mx.eval`` of all of them (dispatch, and the device's time when
+  the device is the slower side);
+* ``device_us`` (``--device-time``, CUDA with PyTorch): the kernels' own time (CUPTI).
+
+``--cprofile OP`` prints where the build time of that op goes.
+
+Run from the repository root, e.g. with ``MLX_USE_CUDA_GRAPHS=0`` to compare mlx's
+direct launches with its CUDA graphs::
+
+    python -m benchmarks.launch_cost --device-time --json docs/.../launch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import platform
+import pstats
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Callable, Optional, Sequence
+
+import mlx.core as mx
+
+from dflash.metal import backend
+from dflash.metal.attention import KeyPlane, small_query_attention
+from dflash.metal.qmm import small_row_matmul
+
+from .verify_kernels import device_time
+
+Op = Callable[[], mx.array]
+
+
+def make_ops(small: bool) -> dict[str, Op]:
+    """The ops timed, by name: mlx's and ours on the same verify-sized inputs."""
+    dtype = mx.float32 if small else mx.bfloat16
+    width, columns, context, heads, kv_heads, dim = (
+        (128, 96, 300, 4, 2, 32) if small else (6656, 4096, 4096, 32, 2, 128)
+    )
+    rows = 8 if small else 16
+    x = mx.random.normal((rows, width)).astype(dtype)
+    weight, scales, biases = mx.quantize(
+        (0.02 * mx.random.normal((columns, width))).astype(dtype), group_size=64, bits=4
+    )
+    queries = mx.random.normal((1, heads, rows, dim)).astype(dtype)
+    capacity = -(-(context + rows) // 256) * 256
+    keys = mx.random.normal((1, kv_heads, capacity, dim)).astype(dtype)
+    values = mx.random.normal((1, kv_heads, capacity, dim)).astype(dtype)
+    block_k, block_v = keys[:, :, context : context + rows], values[:, :, context:]
+    block_v = block_v[:, :, :rows]
+    contiguous_k, contiguous_v = (
+        keys[:, :, : context + rows],
+        values[:, :, : context + rows],
+    )
+    mx.eval(x, weight, scales, biases, queries, keys, values, block_k, block_v)
+    mx.eval(contiguous_k, contiguous_v)
+    plane = KeyPlane(keys, values, context, 0, 0)
+    scale = dim**-0.5
+    return {
+        "mlx add": lambda: x + 1,
+        "mlx quantized_matmul": lambda: mx.quantized_matmul(
+            x, weight, scales, biases, transpose=True, group_size=64, bits=4
+        ),
+        "ours small_row_matmul": lambda: small_row_matmul(
+            x, weight, scales, biases, bits=4, group_size=64
+        ),
+        "mlx sdpa": lambda: mx.fast.scaled_dot_product_attention(
+            queries, contiguous_k, contiguous_v, scale=scale, mask="causal"
+        ),
+        "ours small_query_attention": lambda: small_query_attention(
+            queries, plane, block_k, block_v, scale=scale
+        ),
+    }
+
+
+def time_calls(op: Op, calls: int, reps: int) -> dict:
+    """Median per-call build and eval time over ``reps`` batches of ``calls`` calls."""
+    mx.eval(op())
+    build, dispatch = [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        outputs = [op() for _ in range(calls)]
+        built = time.perf_counter()
+        mx.eval(outputs)
+        done = time.perf_counter()
+        build.append((built - start) / calls)
+        dispatch.append((done - built) / calls)
+    return {
+        "build_us": 1e6 * statistics.median(build),
+        "eval_us": 1e6 * statistics.median(dispatch),
+        "total_us": 1e6 * (statistics.median(build) + statistics.median(dispatch)),
+    }
+
+
+def profile_build(op: Op, calls: int, top: int) -> str:
+    """cProfile's table of the build of ``calls`` calls of ``op`` (by own time)."""
+    mx.eval(op())
+    profiler = cProfile.Profile()
+    profiler.enable()
+    outputs = [op() for _ in range(calls)]
+    profiler.disable()
+    mx.eval(outputs)
+    lines: list[str] = []
+
+    class Sink:
+        def write(self, text: str) -> None:
+            lines.append(text)
+
+    stats = pstats.Stats(profiler, stream=Sink())
+    stats.sort_stats("tottime").print_stats(top)
+    return "".join(lines)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.launch_cost")
+    parser.add_argument("--calls", type=int, default=200, help="calls per batch")
+    parser.add_argument("--reps", type=int, default=7, help="batches per op")
+    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke)")
+    parser.add_argument("--device-time", action="store_true", help="CUPTI device time")
+    parser.add_argument("--cprofile", metavar="OP", help="profile the build of one op")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    if args.calls < 1 or args.reps < 1:
+        parser.error("--calls and --reps must be >= 1")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    ops = make_ops(args.small)
+    if args.cprofile is not None and args.cprofile not in ops:
+        print(
+            f"launch_cost: no op {args.cprofile!r}; ops: {', '.join(ops)}",
+            file=sys.stderr,
+        )
+        return 2
+    meta = {
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "mlx": mx.__version__,
+        "backend": backend.kernel_backend(),
+        "host": platform.node(),
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "env": {
+            k: v for k, v in os.environ.items() if k.startswith(("MLX_", "DFLASH_"))
+        },
+    }
+    rows = []
+    for name, op in ops.items():
+        row = {"op": name, **time_calls(op, args.calls, args.reps)}
+        if args.device_time:
+            timing = device_time(op, args.calls)
+            row["device_us"] = timing["device_us"]
+            row["kernels_per_call"] = timing["kernels_per_call"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"meta": meta, "rows": rows}, handle, indent=1)
+    if args.cprofile:
+        print(profile_build(ops[args.cprofile], args.calls, 25))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
