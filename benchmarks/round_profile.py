@@ -45,6 +45,7 @@ from dflash.bench.report import environment
 from dflash.bench.scale import build_scale_pair, scale_prompts
 from dflash.dflash_round import DFlashSpeculator, dflash_generate_step
 from dflash.folded_attention import FOLDED_ENV
+from dflash.fused_projections import FUSED_ENV
 from dflash.generation import generate_step
 from dflash.greedy import greedy_reference
 from dflash.kernel_patch import VERIFY_KERNELS_ENV
@@ -149,13 +150,16 @@ def taps_starting_early(start_early: bool) -> Iterator[None]:
         dflash_round.TargetTaps = TargetTaps
 
 
-# ``--kernels`` arms and the ``DFLASH_VERIFY_KERNELS`` value each sets (None: the default).
+# ``--kernels`` arms and the ``DFLASH_VERIFY_KERNELS`` value each sets (None: the default);
+# the ``-unfused`` arms also set ``DFLASH_FUSED_PROJECTIONS=0`` (a launch per projection).
 KERNEL_ARMS = {
     "default": None,
     "off": "0",
     "attention": "attention",
     "matmul": "matmul",
     "all": "1",
+    "matmul-unfused": "matmul",
+    "all-unfused": "1",
 }
 
 
@@ -172,6 +176,14 @@ def env_value(name: str, value: Optional[str]) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = saved
+
+
+@contextmanager
+def kernel_arm(arm: str) -> Iterator[None]:
+    """The environment of ``--kernels`` arm ``arm`` for the block."""
+    fused = "0" if arm.endswith("-unfused") else None
+    with env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[arm]), env_value(FUSED_ENV, fused):
+        yield
 
 
 def folded_route(folded: Optional[bool]) -> AbstractContextManager:
@@ -264,7 +276,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     plain = {"default": continuation}
     for kernels in args.kernels:
         if kernels != "default":
-            with env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[kernels]):
+            with kernel_arm(kernels):
                 plain[kernels] = our_plain_tokens(model, prompt, args.max_tokens)
     report["plain_equals_mlx_lm"] = {
         arm: tokens == continuation for arm, tokens in plain.items()
@@ -275,7 +287,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             replay.sequence = prompt.tolist() + plain[kernels]
             with (
                 folded_route(folded),
-                env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[kernels]),
+                kernel_arm(kernels),
             ):
                 generate(replay)  # warm-up (kernels, graphs, attention plans)
         for _, (early, folded, kernels) in itertools.product(
@@ -287,7 +299,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 instrumented(clock, model),
                 taps_starting_early(early),
                 folded_route(folded),
-                env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[kernels]),
+                kernel_arm(kernels),
             ):
                 tokens = generate(replay)
             result = {"tau": tau, "start_early": early, "folded": folded}
@@ -366,7 +378,7 @@ def device_report(args, model, prompt, replay, plain, block) -> List[Dict[str, A
         {"run": "mlx-lm plain", "unit": "token", **per_unit(mlx_lm_plain, short, long)}
     ]
     for kernels in args.kernels:
-        with env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[kernels]):
+        with kernel_arm(kernels):
             for name, unit, run in (
                 (f"dflash tau {tau}", "round", partial(dflash_rounds, kernels)),
                 ("ours plain", "token", ours_plain),

@@ -49,6 +49,12 @@ import mlx.nn as nn
 from . import folded_attention as folded
 from .cache.checkpoint import DEFERRED, RingPlaneCheckpoint
 from .cache.plane import KvPlane, RingPlane
+from .fused_projections import (
+    FusedProjections,
+    MemberSlot,
+    fuse_wanted,
+    sibling_sets,
+)
 from .metal import backend, qmm
 from .metal.attention import KeyPlane, small_query_attention, visible_bounds
 from .metal.qmm import small_row_matmul
@@ -60,6 +66,8 @@ SUPPORTED_ARCHITECTURES = ("muse_glimmer", "llama", "qwen3", "gemma3_text", "coh
 
 # Marks a patched subclass; its value is the class it replaced.
 _ORIGINAL_CLASS = "_dflash_kernel_original_class"
+# A fused member's MemberSlot (plain attribute of the layer).
+_FUSED_SLOT = "_dflash_fused"
 
 # The route of the attention call in progress (None: not a patched call).
 _ACTIVE: contextvars.ContextVar[Optional["AttentionRoute"]] = contextvars.ContextVar(
@@ -319,6 +327,9 @@ def _linear_call(self, x: mx.array) -> mx.array:
     args = _matmul_args(self, x.dtype) if 0 < rows <= route.max_queries else None
     if args is None or depth % 8:
         return getattr(type(self), _ORIGINAL_CLASS).__call__(self, x)
+    slot: Optional[MemberSlot] = self.__dict__.get(_FUSED_SLOT)
+    if slot is not None:
+        return slot.group.output(slot.index, x, route.use_kernel)
     weight, scales, biases, bits, group_size = args
     y = small_row_matmul(
         x.reshape(rows, depth),
@@ -402,6 +413,9 @@ class KernelPatch:
         attention: Route attention (target and drafter).
         matmul: Route ``nn.Linear`` / ``nn.QuantizedLinear`` (target and drafter)
             through :func:`dflash.metal.qmm.small_row_matmul`.
+        fuse: With ``matmul``, run sibling projections that read one input as one
+            launch (:mod:`dflash.fused_projections`; their weights become views of
+            the stacked copy). None reads ``DFLASH_FUSED_PROJECTIONS`` (default on).
 
     Raises:
         ValueError: ``model``'s architecture is not one whose attention can be routed.
@@ -417,6 +431,7 @@ class KernelPatch:
         chunk: int = 256,
         attention: bool = True,
         matmul: bool = True,
+        fuse: Optional[bool] = None,
     ) -> None:
         if attention and not supports(model):
             raise ValueError(
@@ -430,6 +445,8 @@ class KernelPatch:
         self.route = AttentionRoute(use_kernel, max_queries, chunk)
         self.attention = attention
         self.matmul = matmul
+        self.fuse = fuse_wanted() if fuse is None else bool(fuse)
+        self._groups: List[FusedProjections] = []
         self._patched: List[nn.Module] = []
         self._modules: List[str] = []
 
@@ -462,6 +479,18 @@ class KernelPatch:
                     seen.add(id(module))
                     found.append(module)
         return found
+
+    def sibling_parents(self) -> List[nn.Module]:
+        """Modules whose sibling projections may fuse: the target's attention and MLP
+        modules and the drafter's MLPs (its attention reads two inputs)."""
+        found = []
+        for layer in target_layers(self.model):
+            found += [getattr(layer, name, None) for name in ("self_attn", "mlp")]
+        if self.drafter is not None:
+            from .drafter import DraftMLP
+
+            found += [m for m in self.drafter.modules() if isinstance(m, DraftMLP)]
+        return [m for m in found if isinstance(m, nn.Module)]
 
     def install(self) -> "KernelPatch":
         """Swap the classes and hook the model module (all or nothing).
@@ -496,10 +525,23 @@ class KernelPatch:
         for module in matmul:
             _swap(module, _matmul_class(type(module)), self.route)
             self._patched.append(module)
+        if self.matmul and self.fuse:
+            routed = {id(m) for m in matmul}
+            for members in sibling_sets(self.sibling_parents()):
+                if all(id(m) in routed for m in members):
+                    group = FusedProjections(members)
+                    self._groups.append(group)
+                    for index, member in enumerate(members):
+                        setattr(member, _FUSED_SLOT, MemberSlot(group, index))
         return self
 
     def uninstall(self) -> None:
         """Restore every swapped class and hooked module function."""
+        for group in self._groups:
+            group.release()
+            for member in group.members:
+                member.__dict__.pop(_FUSED_SLOT, None)
+        self._groups.clear()
         for module in self._patched:
             _unswap(module)
         for name in self._modules:

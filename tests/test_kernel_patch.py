@@ -19,7 +19,7 @@ from conftest import tiny_model
 from mlx_lm.generate import generate_step as mlx_generate_step
 from test_dflash_loop import random_drafter
 
-from dflash import dflash_generate_step, kernel_patch
+from dflash import dflash_generate_step, fused_projections, kernel_patch
 from dflash.cache import SpeculativeCheckpoint, make_prompt_cache
 from dflash.drafter import DraftAttention
 from dflash.generation import generate_step
@@ -253,28 +253,43 @@ def test_kernel_route_uses_the_kernel_form(monkeypatch) -> None:
     assert len(taken) == len(target.layers)
 
 
+@pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("bits", [None, 4])
-def test_matmuls_take_the_small_row_route(monkeypatch, bits) -> None:
-    """Every Linear / QuantizedLinear of a decode step or verify block; not a prefill."""
+def test_matmuls_take_the_small_row_route(monkeypatch, bits, fuse) -> None:
+    """Every Linear / QuantizedLinear of a decode step or verify block; not a prefill.
+    Fused, each attention module's q/k/v/gate and each MLP's gate/up are one call over
+    the members' stacked columns."""
     calls = []
     original = kernel_patch.small_row_matmul
 
     def spy(x, weight, *args, **kwargs):
-        calls.append((x.shape[0], kwargs["bits"]))
+        calls.append((x.shape[0], kwargs["bits"], weight.shape[0]))
         return original(x, weight, *args, **kwargs)
 
     monkeypatch.setattr(kernel_patch, "small_row_matmul", spy)
+    monkeypatch.setattr(fused_projections, "small_row_matmul", spy)
     target = tiny_model("muse_glimmer", seed=12, window=16)
     if bits:
         nn.quantize(target, group_size=32, bits=bits)
-    linears = len(KernelPatch(target).matmul_modules())
+    layers = KernelPatch(target).matmul_modules()
+    groups = [
+        [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+        + [layer.self_attn.gate_proj]
+        for layer in target.layers
+    ] + [[layer.mlp.gate_proj, layer.mlp.up_proj] for layer in target.layers]
+    groups = groups if fuse else []
+    members = {id(m) for group in groups for m in group}
+    per_forward = [sum(m.weight.shape[0] for m in group) for group in groups]
+    per_forward += [m.weight.shape[0] for m in layers if id(m) not in members]
     cache = make_prompt_cache(target)
-    with KernelPatch(target, max_queries=16):
+    with KernelPatch(target, max_queries=16, fuse=fuse) as patch:
+        assert len(patch._groups) == (2 * len(target.layers) if fuse else 0)
         target(mx.random.randint(0, 250, (1, 20)), cache=cache)
         assert calls == []
         target(mx.random.randint(0, 250, (1, 16)), cache=cache)
         target(mx.random.randint(0, 250, (1, 1)), cache=cache)
-    assert calls == [(16, bits)] * linears + [(1, bits)] * linears
+    want = [(16, bits, n) for n in per_forward] + [(1, bits, n) for n in per_forward]
+    assert sorted(calls) == sorted(want)
 
 
 def test_matmul_only_patch_keeps_attention(monkeypatch) -> None:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from benchmarks import common, round_profile, round_timeline
 from dflash import kernel_patch
 from dflash.folded_attention import FOLDED_ENV
+from dflash.fused_projections import FUSED_ENV
 from dflash.kernel_patch import VERIFY_KERNELS_ENV
 
 
@@ -52,15 +53,15 @@ def test_round_profile_kernel_arms_are_lossless_against_their_own_plain_decoding
     """Each ``--kernels`` arm installs its parts and equals its own plain decoding."""
     args = argparse.Namespace(
         scale="tiny", quant="bf16", context=40, tau=[4], max_tokens=24, runs=1,
-        skip=1, start_early="on", folded=None, kernels=["off", "attention", "all"],
-        profile=0, json=None,
+        skip=1, start_early="on", folded=None,
+        kernels=["off", "attention", "all", "all-unfused"], profile=0, json=None,
     )  # fmt: skip
     before = os.environ.get(VERIFY_KERNELS_ENV)
     seen = []
     real = kernel_patch.KernelPatch.install
 
     def install(self):
-        seen.append((self.attention, self.matmul))
+        seen.append((self.attention, self.matmul, self.fuse))
         return real(self)
 
     kernel_patch.KernelPatch.install = install
@@ -69,10 +70,13 @@ def test_round_profile_kernel_arms_are_lossless_against_their_own_plain_decoding
     finally:
         kernel_patch.KernelPatch.install = real
     assert os.environ.get(VERIFY_KERNELS_ENV) == before
-    assert [r["kernels"] for r in report["runs"]] == ["off", "attention", "all"]
+    arms = ["off", "attention", "all", "all-unfused"]
+    assert [r["kernels"] for r in report["runs"]] == arms
     assert all(r["lossless"] for r in report["runs"])
-    assert (True, False) in seen and (True, True) in seen and (False, True) not in seen
-    assert set(report["plain_equals_mlx_lm"]) == {"default", "off", "attention", "all"}
+    assert {(a, m) for a, m, _ in seen} == {(True, False), (True, True)}
+    assert {f for _, m, f in seen if m} == {True, False}
+    assert set(report["plain_equals_mlx_lm"]) == {"default", *arms}
+    assert os.environ.get(FUSED_ENV) is None
 
 
 def test_round_profile_refuses_an_unknown_kernel_arm():

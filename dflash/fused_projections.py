@@ -1,0 +1,158 @@
+"""Sibling projections that read one input, run as one small-row matmul launch.
+
+A verify forward on a fast GPU is bound by the host: every custom-kernel launch costs
+tens of microseconds of Python and mlx dispatch. A Muse Glimmer layer reads its attention
+input through four projections (``q_proj``, ``k_proj``, ``v_proj`` and the output gate
+``gate_proj``) and its MLP input through two (``gate_proj``, ``up_proj``). Fused, each
+set is one matmul over the members' rows stacked along ``N``: six launches (and their
+K-split sums) become two.
+
+The stacked weights are built once; each member's own weight becomes a row slice (a
+view) of the stack, so memory does not grow and the member still works alone (mlx's
+own forward, prefill chunks, an input the group did not see).
+
+At call time the first member to see an input computes every member's columns and keeps
+them until each member has taken its own; a member called with another input object
+computes alone. So a module that feeds its siblings different inputs stays correct (it
+only wastes the columns nobody takes). Results are a function of the input rows and
+the stacked weights only: batch-invariant like :func:`~dflash.metal.qmm.small_row_matmul`,
+and the same in plain decoding and in a verify block.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .metal import backend
+from .metal.qmm import small_row_matmul
+
+# Member names per parent: an attention module's input projections, an MLP's gate / up.
+SIBLINGS = (("q_proj", "k_proj", "v_proj", "gate_proj"), ("gate_proj", "up_proj"))
+# ``DFLASH_FUSED_PROJECTIONS=0`` keeps every projection a launch of its own.
+FUSED_ENV = "DFLASH_FUSED_PROJECTIONS"
+
+
+def fuse_wanted() -> bool:
+    """Whether the matmul part fuses sibling projections (``DFLASH_FUSED_PROJECTIONS``)."""
+    return backend.env_switch(FUSED_ENV) is not False
+
+
+def _signature(module: nn.Module) -> Optional[tuple]:
+    """What members must share to stack: kind, K, dtype, quantization; None: unfusable."""
+    if "bias" in module:
+        return None
+    weight = module["weight"]
+    if isinstance(module, nn.QuantizedLinear):
+        if getattr(module, "mode", "affine") != "affine" or "biases" not in module:
+            return None
+        dtype = module["scales"].dtype
+        if module["biases"].dtype != dtype:
+            return None
+        return ("affine", weight.shape[1], dtype, module.bits, module.group_size)
+    if isinstance(module, nn.Linear):
+        return ("dense", weight.shape[1], weight.dtype)
+    return None
+
+
+def sibling_sets(parents: Sequence[nn.Module]) -> List[List[nn.Module]]:
+    """The member lists to fuse: per parent, its first :data:`SIBLINGS` set that fits.
+
+    A set fits when at least two of its names are linear layers of the parent that
+    share a :func:`_signature`; members keep the set's order.
+    """
+    found = []
+    for parent in parents:
+        for names in SIBLINGS:
+            members = [parent[name] for name in names if name in parent]
+            members = [
+                m for m in members if isinstance(m, (nn.Linear, nn.QuantizedLinear))
+            ]
+            signatures = {_signature(m) for m in members}
+            if len(members) >= 2 and len(signatures) == 1 and None not in signatures:
+                found.append(members)
+                break
+    return found
+
+
+class FusedProjections:
+    """Members' weights stacked along ``N``; each member's weight a view into the stack.
+
+    Args:
+        members: Linear layers of one signature (see :func:`sibling_sets`).
+
+    Attributes:
+        members: The layers, in column order.
+        bounds: ``(start, stop)`` columns of each member in the stacked output.
+        weight, scales, biases: The stacked arrays (scales / biases None if dense).
+        bits, group_size: Quantization (None for dense).
+    """
+
+    def __init__(self, members: Sequence[nn.Module]) -> None:
+        self.members = list(members)
+        quantized = isinstance(self.members[0], nn.QuantizedLinear)
+        names = ("weight", "scales", "biases") if quantized else ("weight",)
+        stacked = {
+            name: mx.concatenate([m[name] for m in self.members], axis=0)
+            for name in names
+        }
+        mx.eval(list(stacked.values()))
+        rows = [m["weight"].shape[0] for m in self.members]
+        edges = [0] + list(itertools.accumulate(rows))
+        self.bounds = list(zip(edges[:-1], edges[1:]))
+        views = [
+            {name: stacked[name][start:stop] for name in names}
+            for start, stop in self.bounds
+        ]
+        mx.eval([list(v.values()) for v in views])
+        for member, view in zip(self.members, views):
+            member.update(view)
+        self.weight = stacked["weight"]
+        self.scales = stacked.get("scales")
+        self.biases = stacked.get("biases")
+        self.bits = self.members[0].bits if quantized else None
+        self.group_size = self.members[0].group_size if quantized else None
+        self.dtype = self.weight.dtype if self.scales is None else self.scales.dtype
+        self._source: Optional[mx.array] = None
+        self._outputs: Dict[int, mx.array] = {}
+
+    def output(self, index: int, x: mx.array, use_kernel: Optional[bool]) -> mx.array:
+        """Member ``index``'s projection of ``x`` (one launch for all members per input).
+
+        Shapes: x ``(..., K)``; returns ``(..., N_index)``.
+        """
+        if x is not self._source or index not in self._outputs:
+            depth = x.shape[-1]
+            y = small_row_matmul(
+                x.reshape(-1, depth),
+                self.weight,
+                self.scales,
+                self.biases,
+                bits=self.bits,
+                group_size=self.group_size,
+                use_kernel=use_kernel,
+            )
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
+            self._source = x
+            self._outputs = {
+                i: y[..., start:stop] for i, (start, stop) in enumerate(self.bounds)
+            }
+        out = self._outputs.pop(index)
+        if not self._outputs:
+            self._source = None
+        return out
+
+    def release(self) -> None:
+        """Drop the outputs still waiting for a member (and the input they came from)."""
+        self._source, self._outputs = None, {}
+
+
+class MemberSlot:
+    """A member's place in its group (kept on the layer as a plain attribute)."""
+
+    def __init__(self, group: FusedProjections, index: int) -> None:
+        self.group = group
+        self.index = index

@@ -1,0 +1,172 @@
+"""Sibling projections fused into one small-row matmul: views, values, the input guard."""
+
+from __future__ import annotations
+
+import gc
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from conftest import tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash import fused_projections
+from dflash.cache import make_prompt_cache
+from dflash.fused_projections import FusedProjections, sibling_sets
+from dflash.kernel_patch import KernelPatch
+from dflash.metal.qmm import small_row_matmul
+
+
+def _np(array: mx.array) -> np.ndarray:
+    return np.asarray(array.astype(mx.float32))
+
+
+def _linears(widths, depth, bits, group_size, dtype, seed):
+    mx.random.seed(seed)
+    layers = [nn.Linear(depth, width, bias=False) for width in widths]
+    for layer in layers:
+        layer.set_dtype(dtype)
+    if bits:
+        layers = [
+            nn.QuantizedLinear.from_linear(layer, group_size=group_size, bits=bits)
+            for layer in layers
+        ]
+    mx.eval([layer.parameters() for layer in layers])
+    return layers
+
+
+def _alone(layer, x: mx.array) -> mx.array:
+    """The member's projection through the small-row matmul on its own weights."""
+    quantized = isinstance(layer, nn.QuantizedLinear)
+    return small_row_matmul(
+        x.reshape(-1, x.shape[-1]),
+        layer["weight"],
+        layer["scales"] if quantized else None,
+        layer["biases"] if quantized else None,
+        bits=layer.bits if quantized else None,
+        group_size=layer.group_size if quantized else None,
+    ).reshape(*x.shape[:-1], -1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    widths=st.lists(st.integers(1, 5).map(lambda w: 32 * w), min_size=2, max_size=4),
+    rows=st.integers(1, 20),
+    quant=st.sampled_from([(None, None), (4, 32), (8, 64), (4, 128)]),
+    dtype=st.sampled_from([mx.float32, mx.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_each_member_gets_its_own_columns(widths, rows, quant, dtype, seed) -> None:
+    """Every member's slice of the stacked output is its own projection (a column
+    shift or a wrong member order would move another member's values in)."""
+    bits, group_size = quant
+    layers = _linears(widths, 128, bits, group_size, dtype, seed)
+    x = mx.random.normal((1, rows, 128)).astype(dtype)
+    want = [_np(_alone(layer, x)) for layer in layers]
+    group = FusedProjections(layers)
+    assert group.bounds[0][0] == 0 and group.bounds[-1][1] == sum(widths)
+    for index in reversed(range(len(layers))):  # any member may come first
+        got = group.output(index, x, use_kernel=None)
+        assert got.shape == (1, rows, widths[index])
+        np.testing.assert_allclose(_np(got), want[index], rtol=2e-2, atol=2e-2)
+        # The member alone, on its view of the stack, gives the same values as before.
+        np.testing.assert_array_equal(_np(_alone(layers[index], x)), want[index])
+
+
+def test_members_become_views_and_memory_does_not_grow() -> None:
+    layers = _linears([512, 512, 256], 512, 4, 64, mx.float32, seed=3)
+    before = [{k: np.array(v) for k, v in m.items()} for m in layers]  # copies
+    member_bytes = sum(v.nbytes for m in before for v in m.values())
+    gc.collect()
+    active = mx.get_active_memory()
+    group = FusedProjections(layers)
+    gc.collect()
+    grown = mx.get_active_memory() - active
+    assert grown < 0.1 * member_bytes, (grown, member_bytes)
+    for layer, values in zip(layers, before):
+        for name, value in values.items():
+            np.testing.assert_array_equal(np.asarray(layer[name]), value)
+    assert group.weight.shape[0] == 512 + 512 + 256
+
+
+def test_a_member_fed_another_input_computes_alone() -> None:
+    """The group serves an input only to members called with that same array."""
+    layers = _linears([64, 96, 32], 64, None, None, mx.float32, seed=5)
+    group = FusedProjections(layers)
+    x, other = mx.random.normal((1, 3, 64)), mx.random.normal((1, 3, 64))
+    calls = []
+    real = fused_projections.small_row_matmul
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    fused_projections.small_row_matmul = spy
+    try:
+        q = group.output(0, x, None)
+        k = group.output(1, other, None)  # another input: computed for it
+        v = group.output(2, other, None)  # served from that second launch
+        q_again = group.output(0, x, None)  # the first launch was dropped
+    finally:
+        fused_projections.small_row_matmul = real
+    assert len(calls) == 3
+    np.testing.assert_allclose(_np(q), _np(_alone(layers[0], x)), atol=1e-5)
+    np.testing.assert_allclose(_np(k), _np(_alone(layers[1], other)), atol=1e-5)
+    np.testing.assert_allclose(_np(v), _np(_alone(layers[2], other)), atol=1e-5)
+    np.testing.assert_allclose(_np(q_again), _np(q), atol=0)
+
+
+def test_only_matching_siblings_are_grouped() -> None:
+    class Parent(nn.Module):
+        def __init__(self, **children) -> None:
+            super().__init__()
+            for name, child in children.items():
+                setattr(self, name, child)
+
+    dense = lambda width, bias=False: nn.Linear(64, width, bias=bias)  # noqa: E731
+    quantized = nn.QuantizedLinear(64, 32, bias=False, group_size=32, bits=4)
+    parents = [
+        Parent(q_proj=dense(32), k_proj=dense(16), v_proj=dense(16), o_proj=dense(64)),
+        Parent(q_proj=dense(32), k_proj=dense(16, bias=True)),  # a bias: not stacked
+        Parent(gate_proj=dense(32), up_proj=quantized),  # mixed kinds
+        Parent(gate_proj=dense(32)),  # one member
+        Parent(gate_proj=dense(32), up_proj=nn.Linear(48, 32, bias=False)),  # two K
+    ]
+    found = sibling_sets(parents)
+    assert found == [[parents[0].q_proj, parents[0].k_proj, parents[0].v_proj]]
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_patched_forward_is_the_same_fused_or_not(bits) -> None:
+    """A decode step and a verify block give the same logits with and without fusion
+    (reference forms: the fused stack is read column by column)."""
+    logits = {}
+    for fuse in (False, True):
+        target = tiny_model("muse_glimmer", seed=21, window=16)
+        if bits:
+            nn.quantize(target, group_size=32, bits=bits)
+        cache = make_prompt_cache(target)
+        mx.random.seed(4)
+        prompt = mx.random.randint(0, 250, (1, 20))
+        with KernelPatch(target, fuse=fuse) as patch:
+            assert bool(patch._groups) == fuse
+            target(prompt, cache=cache)
+            block = target(prompt[:, :16], cache=cache)
+            step = target(prompt[:, :1], cache=cache)
+        logits[fuse] = (_np(block), _np(step))
+        # Leaving removes the slots; the layers keep working on their views.
+        assert all("_dflash_fused" not in m.__dict__ for m in target.modules())
+    for unfused, fused in zip(logits[False], logits[True]):
+        np.testing.assert_allclose(fused, unfused, rtol=1e-4, atol=1e-4)
+
+
+def test_env_switch_turns_fusion_off(monkeypatch) -> None:
+    target = tiny_model("muse_glimmer", seed=2, window=16)
+    monkeypatch.setenv(fused_projections.FUSED_ENV, "0")
+    assert not KernelPatch(target).fuse
+    monkeypatch.setenv(fused_projections.FUSED_ENV, "1")
+    assert KernelPatch(target).fuse
+    monkeypatch.delenv(fused_projections.FUSED_ENV)
+    assert KernelPatch(target).fuse
