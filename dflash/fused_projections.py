@@ -22,6 +22,7 @@ and the same in plain decoding and in a verify block.
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
@@ -95,21 +96,12 @@ class FusedProjections:
         self.members = list(members)
         quantized = isinstance(self.members[0], nn.QuantizedLinear)
         names = ("weight", "scales", "biases") if quantized else ("weight",)
-        stacked = {
-            name: mx.concatenate([m[name] for m in self.members], axis=0)
-            for name in names
-        }
-        mx.eval(list(stacked.values()))
         rows = [m["weight"].shape[0] for m in self.members]
         edges = [0] + list(itertools.accumulate(rows))
         self.bounds = list(zip(edges[:-1], edges[1:]))
-        views = [
-            {name: stacked[name][start:stop] for name in names}
-            for start, stop in self.bounds
-        ]
-        mx.eval([list(v.values()) for v in views])
-        for member, view in zip(self.members, views):
-            member.update(view)
+        stacked = _kept_stack(self.members)
+        if stacked is None:
+            stacked = _stack(self.members, names, self.bounds)
         self.weight = stacked["weight"]
         self.scales = stacked.get("scales")
         self.biases = stacked.get("biases")
@@ -148,6 +140,56 @@ class FusedProjections:
     def release(self) -> None:
         """Drop the outputs still waiting for a member (and the input they came from)."""
         self._source, self._outputs = None, {}
+
+
+# The stacks built so far, by their first member (weakly: a dropped model drops its
+# stacks). A later patch of the same layers reuses a stack while every member still
+# holds the views cut from it, so a generation per call does not copy the weights again.
+_STACKS: Dict[int, "_Stack"] = {}
+
+
+class _Stack:
+    """A stack and the views its members were given (members held weakly)."""
+
+    def __init__(self, members: List[nn.Module], stacked: dict, views: list) -> None:
+        self.members = [weakref.ref(m) for m in members]
+        self.stacked = stacked
+        self.views = views
+
+    def holds(self, members: List[nn.Module]) -> bool:
+        """Whether these are the stack's members, each still holding its views."""
+        alive = [ref() for ref in self.members]
+        if len(alive) != len(members) or any(
+            a is not m for a, m in zip(alive, members)
+        ):
+            return False
+        return all(
+            all(member.get(name) is view for name, view in views.items())
+            for member, views in zip(members, self.views)
+        )
+
+
+def _stack(members: List[nn.Module], names: tuple, bounds: list) -> dict:
+    """Stack the members' arrays along N and give each member its views of them."""
+    stacked = {
+        name: mx.concatenate([m[name] for m in members], axis=0) for name in names
+    }
+    mx.eval(list(stacked.values()))
+    views = [{name: stacked[name][a:b] for name in names} for a, b in bounds]
+    mx.eval([list(view.values()) for view in views])
+    for member, view in zip(members, views):
+        member.update(view)
+    key = id(members[0])
+    if key not in _STACKS:  # the entry goes when its first member does
+        weakref.finalize(members[0], _STACKS.pop, key, None)
+    _STACKS[key] = _Stack(members, stacked, views)
+    return stacked
+
+
+def _kept_stack(members: List[nn.Module]) -> Optional[dict]:
+    """The stack an earlier patch built for ``members``, if they still hold its views."""
+    kept = _STACKS.get(id(members[0]))
+    return kept.stacked if kept is not None and kept.holds(members) else None
 
 
 class MemberSlot:

@@ -170,3 +170,32 @@ def test_env_switch_turns_fusion_off(monkeypatch) -> None:
     assert KernelPatch(target).fuse
     monkeypatch.delenv(fused_projections.FUSED_ENV)
     assert KernelPatch(target).fuse
+
+
+def test_a_second_patch_reuses_the_stack_until_a_weight_changes() -> None:
+    layers = _linears([64, 32], 64, 4, 32, mx.float32, seed=8)
+    first = FusedProjections(layers)
+    again = FusedProjections(layers)
+    assert again.weight is first.weight and again.scales is first.scales
+    x = mx.random.normal((2, 64))
+    np.testing.assert_array_equal(
+        _np(again.output(1, x, None)), _np(first.output(1, x, None))
+    )
+    # A member given new weights (a load, an update) gets a fresh stack with them.
+    replacement = _linears([32], 64, 4, 32, mx.float32, seed=9)[0]
+    layers[1].update(dict(replacement.items()))
+    fresh = FusedProjections(layers)
+    assert fresh.weight is not first.weight
+    np.testing.assert_allclose(
+        _np(fresh.output(1, x, None)), _np(_alone(replacement, x)), atol=1e-5
+    )
+
+
+def test_a_dropped_model_drops_its_stacks() -> None:
+    layers = _linears([64, 32], 64, None, None, mx.float32, seed=10)
+    FusedProjections(layers)
+    key = id(layers[0])
+    assert key in fused_projections._STACKS
+    del layers
+    gc.collect()
+    assert key not in fused_projections._STACKS
