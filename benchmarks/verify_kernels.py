@@ -81,6 +81,9 @@ GLIMMER = Setup(
         ("o_proj", 4096, 6656),
         ("mlp gate / up", 6656, 19968),
         ("mlp down", 19968, 6656),
+        # What the matmul part launches with fused sibling projections.
+        ("attn q/k/v/gate fused", 6656, 8704),
+        ("mlp gate+up fused", 6656, 39936),
         ("lm_head", 6656, 202048),
     ),
     rows=(1, 16),
@@ -352,7 +355,9 @@ def bench_matmul(setup: Setup, report: Report, args) -> None:
     for name, depth, columns in setup.projections:
         if args.skip_lm_head and name == "lm_head":
             continue
-        for bits in (None, 4, 8):
+        if args.match and not any(text in name for text in args.match):
+            continue
+        for bits in args.bits:
             weight, scales, biases, nbytes = _weights(setup, depth, columns, bits)
             for rows in setup.rows:
                 x = mx.random.normal((rows, depth)).astype(setup.dtype)
@@ -423,6 +428,18 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         default=None,
         help="attention: keys per chunk to time our kernel at (comma list; default:"
         " the library's)",
+    )
+    parser.add_argument(
+        "--bits",
+        type=lambda text: [None if t == "dense" else int(t) for t in text.split(",")],
+        default=[None, 4, 8],
+        help="matmul: weight forms to time (comma list of dense, 4, 8)",
+    )
+    parser.add_argument(
+        "--match",
+        type=lambda text: text.split(","),
+        default=None,
+        help="matmul: only projections whose name contains one of these (comma list)",
     )
     parser.add_argument(
         "--skip-scalar",
