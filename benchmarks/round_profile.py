@@ -308,6 +308,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             result["lossless"] = tokens == plain[kernels][: len(tokens)]
             report["runs"].append(result)
             print(json.dumps(result), flush=True)
+    if getattr(args, "plain_time", False):
+        report["plain_wall"] = plain_wall(args, model, prompt)
+        for row in report["plain_wall"]:
+            print(json.dumps(row), flush=True)
     if getattr(args, "device_time", False):
         report["device_time"] = device_report(args, model, prompt, replay, plain, block)
         for row in report["device_time"]:
@@ -351,6 +355,40 @@ def per_unit(run: Callable[[int], int], short: int, long: int) -> Dict[str, Any]
         "kernel_ms": round(kernel_us / units / 1e3, 3),
         "top": {n: round(c / units, 2) for n, c in names.most_common(30)},
     }
+
+
+def wall_ms_per_token(run: Callable[[int], int], short: int, long: int) -> float:
+    """Wall milliseconds per token: the difference of a short and a long run (the
+    prefill cancels), the smaller of two tries."""
+    per_token = []
+    for _ in range(2):
+        start = time.perf_counter()
+        short_tokens = run(short)
+        middle = time.perf_counter()
+        long_tokens = run(long)
+        end = time.perf_counter()
+        extra = max(1, long_tokens - short_tokens)
+        per_token.append(1e3 * ((end - middle) - (middle - start)) / extra)
+    return round(min(per_token), 3)
+
+
+def plain_wall(args, model, prompt) -> List[Dict[str, Any]]:
+    """Plain decoding's wall time per token: mlx-lm's, and ours under each kernel arm."""
+    short, long = max(1, args.max_tokens // 2), args.max_tokens
+
+    def mlx_lm_plain(max_tokens: int) -> int:
+        return len(greedy_reference(model, prompt, max_tokens))
+
+    def ours_plain(max_tokens: int) -> int:
+        return len(our_plain_tokens(model, prompt, max_tokens))
+
+    rows = [{"run": "mlx-lm plain", "ms_per_token": wall_ms_per_token(
+        mlx_lm_plain, short, long)}]  # fmt: skip
+    for kernels in args.kernels:
+        with kernel_arm(kernels):
+            ms = wall_ms_per_token(ours_plain, short, long)
+        rows.append({"run": "ours plain", "kernels": kernels, "ms_per_token": ms})
+    return rows
 
 
 def device_report(args, model, prompt, replay, plain, block) -> List[Dict[str, Any]]:
@@ -419,6 +457,11 @@ def main() -> None:
         help="comma list of verify-kernel arms: " + ", ".join(KERNEL_ARMS),
     )
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--plain-time",
+        action="store_true",
+        help="plain decoding's wall ms per token: mlx-lm's and ours per kernel arm",
+    )
     parser.add_argument(
         "--device-time",
         action="store_true",

@@ -55,6 +55,7 @@ def test_round_profile_kernel_arms_are_lossless_against_their_own_plain_decoding
         scale="tiny", quant="bf16", context=40, tau=[4], max_tokens=24, runs=1,
         skip=1, start_early="on", folded=None,
         kernels=["off", "attention", "all", "all-unfused"], profile=0, json=None,
+        plain_time=True,
     )  # fmt: skip
     before = os.environ.get(VERIFY_KERNELS_ENV)
     seen = []
@@ -77,6 +78,11 @@ def test_round_profile_kernel_arms_are_lossless_against_their_own_plain_decoding
     assert {f for _, m, f in seen if m} == {True, False}
     assert set(report["plain_equals_mlx_lm"]) == {"default", *arms}
     assert os.environ.get(FUSED_ENV) is None
+    walls = report["plain_wall"]
+    assert [(r["run"], r.get("kernels")) for r in walls] == [("mlx-lm plain", None)] + [
+        ("ours plain", arm) for arm in arms
+    ]
+    assert all(r["ms_per_token"] > 0 for r in walls)
 
 
 def test_round_profile_refuses_an_unknown_kernel_arm():
