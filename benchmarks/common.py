@@ -298,14 +298,20 @@ def run_meta(
     }
 
 
-def cupti_kernel_events(run: Callable[[], object]) -> list[tuple[str, float, float]]:
-    """The device kernels ``run`` launches, from CUPTI (through ``torch.profiler``).
+Event = tuple[str, float, float]
+
+
+def cupti_trace(run: Callable[[], object]) -> tuple[list[Event], list[Event]]:
+    """The device kernels ``run`` launches and the CUDA API calls it makes, from CUPTI
+    (through ``torch.profiler``).
 
     Needs PyTorch with CUDA in this interpreter; ``run`` must wait for its own work
     (``mx.eval`` or a host read) so that every kernel ends inside the capture.
 
     Returns:
-        ``(name, start_us, duration_us)`` per kernel, in start order.
+        ``(kernels, api_calls)``: ``(name, start_us, duration_us)`` each, in start
+        order; the API calls are the runtime's and the driver's (graph instantiation
+        and update among them).
     """
     import json
     import os
@@ -320,12 +326,28 @@ def cupti_kernel_events(run: Callable[[], object]) -> list[tuple[str, float, flo
         prof.export_chrome_trace(path)
         with open(path) as handle:
             events = json.load(handle).get("traceEvents", [])
-    kernels = [
-        (str(e.get("name", "?")), float(e.get("ts", 0.0)), float(e.get("dur", 0.0)))
-        for e in events
-        if e.get("ph") == "X" and e.get("cat") == "kernel"
-    ]
-    return sorted(kernels, key=lambda kernel: kernel[1])
+    found: dict[str, list[Event]] = {"kernel": [], "api": []}
+    for e in events:
+        category = e.get("cat")
+        if e.get("ph") != "X" or category not in (
+            "kernel",
+            "cuda_runtime",
+            "cuda_driver",
+        ):
+            continue
+        row = (
+            str(e.get("name", "?")),
+            float(e.get("ts", 0.0)),
+            float(e.get("dur", 0.0)),
+        )
+        found["kernel" if category == "kernel" else "api"].append(row)
+    order = lambda event: event[1]  # noqa: E731
+    return sorted(found["kernel"], key=order), sorted(found["api"], key=order)
+
+
+def cupti_kernel_events(run: Callable[[], object]) -> list[Event]:
+    """The device kernels ``run`` launches (see :func:`cupti_trace`)."""
+    return cupti_trace(run)[0]
 
 
 def busy_us(kernels: Sequence[tuple[str, float, float]]) -> float:

@@ -51,7 +51,7 @@ from dflash.greedy import greedy_reference
 from dflash.kernel_patch import VERIFY_KERNELS_ENV
 from dflash.taps import TargetTaps
 
-from .common import busy_us, cupti_kernel_events
+from .common import busy_us, cupti_trace
 
 PHASES = (
     "wait",
@@ -328,24 +328,33 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     return report
 
 
-def profiled(run: Callable[[], int]) -> Tuple[int, list]:
-    """``run``'s unit count (rounds or tokens) and the device kernels it launched."""
+def profiled(run: Callable[[], int]) -> Tuple[int, list, list]:
+    """``run``'s unit count (rounds or tokens), its device kernels and its CUDA API calls."""
     box: Dict[str, int] = {}
-    events = cupti_kernel_events(lambda: box.setdefault("units", run()))
-    return box["units"], events
+    kernels, api = cupti_trace(lambda: box.setdefault("units", run()))
+    return box["units"], kernels, api
 
 
 def per_unit(run: Callable[[int], int], short: int, long: int) -> Dict[str, Any]:
-    """Kernels and device time per unit: the difference of a short and a long run.
+    """Kernels, device time and CUDA-graph API calls per unit: the difference of a
+    short and a long run (both share the prefill and the warm-up: steady state).
 
-    Both runs share the prefill and the warm-up, so the difference is steady state.
+    ``graph_api`` counts the graph calls per unit (instantiation, update, launch) and
+    their host µs: a graph that fails to update is instantiated again.
     """
-    units_short, short_events = profiled(lambda: run(short))
-    units_long, long_events = profiled(lambda: run(long))
+    units_short, short_events, short_api = profiled(lambda: run(short))
+    units_long, long_events, long_api = profiled(lambda: run(long))
     units = max(1, units_long - units_short)
     names = Counter(name[:90] for name, _, _ in long_events)
     names.subtract(name[:90] for name, _, _ in short_events)
     kernel_us = sum(d for *_, d in long_events) - sum(d for *_, d in short_events)
+    graph_api: Dict[str, List[float]] = {}
+    for events, sign in ((long_api, 1), (short_api, -1)):
+        for name, _, duration in events:
+            if "Graph" in name:
+                entry = graph_api.setdefault(name, [0.0, 0.0])
+                entry[0] += sign
+                entry[1] += sign * duration
     return {
         "units": units,
         "kernels": round((len(long_events) - len(short_events)) / units, 1),
@@ -353,6 +362,10 @@ def per_unit(run: Callable[[int], int], short: int, long: int) -> Dict[str, Any]
             (busy_us(long_events) - busy_us(short_events)) / units / 1e3, 3
         ),
         "kernel_ms": round(kernel_us / units / 1e3, 3),
+        "graph_api": {
+            name: {"calls": round(c / units, 2), "host_us": round(us / units, 1)}
+            for name, (c, us) in sorted(graph_api.items())
+        },
         "top": {n: round(c / units, 2) for n, c in names.most_common(30)},
     }
 

@@ -137,21 +137,30 @@ def test_busy_time_counts_overlapping_kernels_once():
 
 def test_per_unit_is_the_steady_state_difference_of_two_runs(monkeypatch):
     # A fake CUPTI: a run of n units launches a 100 us prefill kernel and, per unit,
-    # two kernels of 3 us and 1 us back to back.
-    def fake_events(run):
+    # two kernels of 3 us and 1 us back to back, one graph launch and, every other
+    # unit, a graph instantiation of 40 us.
+    def fake_trace(run):
         units = run()
         events = [("prefill", 0.0, 100.0)]
+        api = [("cudaGraphInstantiate", 0.0, 40.0), ("cudaMalloc", 0.0, 9.0)]
         for unit in range(units):
             start = 200.0 + 10.0 * unit
             events += [("matmul", start, 3.0), ("norm", start + 3.0, 1.0)]
-        return events
+            api.append(("cudaGraphLaunch", start, 2.0))
+            if unit % 2:
+                api.append(("cudaGraphInstantiate", start, 40.0))
+        return events, api
 
-    monkeypatch.setattr(round_profile, "cupti_kernel_events", fake_events)
+    monkeypatch.setattr(round_profile, "cupti_trace", fake_trace)
     row = round_profile.per_unit(lambda units: units, 4, 10)
     assert row["units"] == 6
     assert row["kernels"] == 2.0
     assert row["busy_ms"] == 0.004 and row["kernel_ms"] == 0.004
     assert row["top"] == {"matmul": 1.0, "norm": 1.0, "prefill": 0.0}
+    assert row["graph_api"] == {
+        "cudaGraphInstantiate": {"calls": 0.5, "host_us": 20.0},
+        "cudaGraphLaunch": {"calls": 1.0, "host_us": 2.0},
+    }
 
 
 def test_launch_cost_times_every_op_and_refuses_an_unknown_one(tmp_path, capsys):
