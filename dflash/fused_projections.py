@@ -116,26 +116,30 @@ class FusedProjections:
 
         Shapes: x ``(..., K)``; returns ``(..., N_index)``.
         """
-        if x is not self._source or index not in self._outputs:
-            depth = x.shape[-1]
-            y = small_row_matmul(
-                x.reshape(-1, depth),
-                self.weight,
-                self.scales,
-                self.biases,
-                bits=self.bits,
-                group_size=self.group_size,
-                use_kernel=use_kernel,
-            )
-            y = y.reshape(*x.shape[:-1], y.shape[-1])
-            self._source = x
-            self._outputs = {
-                i: y[..., start:stop] for i, (start, stop) in enumerate(self.bounds)
-            }
-        out = self._outputs.pop(index)
-        if not self._outputs:
-            self._source = None
+        waiting = self._outputs if x is self._source else {}
+        out = waiting.pop(index, None)
+        if out is None:
+            waiting = self._project(x, use_kernel)
+            self._source, self._outputs = x, waiting
+            out = waiting.pop(index)
+        if not waiting:
+            self.release()
         return out
+
+    def _project(self, x: mx.array, use_kernel: Optional[bool]) -> Dict[int, mx.array]:
+        """Every member's columns of ``x @ stack.T``, by member index (one launch)."""
+        depth = x.shape[-1]
+        y = small_row_matmul(
+            x.reshape(-1, depth),
+            self.weight,
+            self.scales,
+            self.biases,
+            bits=self.bits,
+            group_size=self.group_size,
+            use_kernel=use_kernel,
+        )
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return {i: y[..., start:stop] for i, (start, stop) in enumerate(self.bounds)}
 
     def release(self) -> None:
         """Drop the outputs still waiting for a member (and the input they came from)."""
