@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -27,6 +28,7 @@ from support.group_emulator import check_cuda
 from support.tensor_emulator import TensorEmulator
 from test_verify_kernels import _close_to_matmul_oracle, _matmul_oracle
 
+from dflash.fused_projections import FusedProjections
 from dflash.metal import qmm, tensor_qmm
 from dflash.metal.qmm import small_row_matmul
 from dflash.metal.tensor_qmm import Layout, physical_k, split_plan
@@ -438,6 +440,29 @@ def test_emulated_body_matches_oracle(emulated, case, late) -> None:
     _, splits, _ = split_plan(x.shape[1], weight.shape[0], bits)
     assert _close_to_matmul_oracle(case, _kernel(case))
     assert emulated.launches == before + (1 if splits == 1 else 2)
+
+
+def test_emulated_fused_projections_give_each_member_its_columns(emulated) -> None:
+    """Sibling projections stacked into one launch (the tensor-core body, emulated):
+    each member's slice matches the oracle of its own weights, and only the first
+    member's call launches."""
+    mx.random.seed(7)
+    layers = []
+    for width in (40, 72, 24):
+        dense = nn.Linear(256, width, bias=False)
+        dense.set_dtype(mx.bfloat16)
+        layers.append(nn.QuantizedLinear.from_linear(dense, group_size=64, bits=4))
+    mx.eval([layer.parameters() for layer in layers])
+    x = mx.random.normal((5, 256)).astype(mx.bfloat16)
+    group = FusedProjections(layers)
+    _, splits, _ = split_plan(256, 40 + 72 + 24, 4)
+    before = emulated.launches
+    for index, layer in enumerate(layers):
+        out = group.output(index, x, use_kernel=True)
+        mx.eval(out)
+        case = (x, layer["weight"], layer["scales"], layer["biases"], 4, 64)
+        assert _close_to_matmul_oracle(case, out), index
+        assert emulated.launches == before + (1 if splits == 1 else 2)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=_FIXTURES)
