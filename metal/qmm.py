@@ -409,19 +409,9 @@ def small_row_matmul(
 def uses_tensor_cores(
     dtype: mx.Dtype, rows: int, depth: int, columns: int, bits: Optional[int]
 ) -> bool:
-    """Whether the kernel path of a (validated) call runs the tensor-core form.
-
-    Args:
-        dtype: x's dtype.
-        rows: Rows of x.
-        depth: K.
-        columns: N.
-        bits: 4 or 8 (affine), None (dense).
-
-    Returns:
-        True on CUDA, with :data:`TENSOR_CORES` on, for the calls
-        :func:`~dflash.metal.tensor_qmm.tensor_core_serves` takes.
-    """
+    """Whether the kernel path of a (validated) call runs the tensor-core form: on CUDA,
+    with :data:`TENSOR_CORES` on, for the calls
+    :func:`~dflash.metal.tensor_qmm.tensor_core_serves` takes (same arguments)."""
     return (
         TENSOR_CORES
         and backend.BACKEND == CUDA
