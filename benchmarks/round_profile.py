@@ -385,9 +385,8 @@ def wall_ms_per_token(run: Callable[[int], int], short: int, long: int) -> float
     return round(min(per_token), 3)
 
 
-def plain_wall(args, model, prompt) -> List[Dict[str, Any]]:
-    """Plain decoding's wall time per token: mlx-lm's, and ours under each kernel arm."""
-    short, long = max(1, args.max_tokens // 2), args.max_tokens
+def _plain_runs(model, prompt) -> Tuple[Callable[[int], int], Callable[[int], int]]:
+    """mlx-lm's and our plain decoding of ``prompt`` as ``max_tokens -> tokens made``."""
 
     def mlx_lm_plain(max_tokens: int) -> int:
         return len(greedy_reference(model, prompt, max_tokens))
@@ -395,6 +394,13 @@ def plain_wall(args, model, prompt) -> List[Dict[str, Any]]:
     def ours_plain(max_tokens: int) -> int:
         return len(our_plain_tokens(model, prompt, max_tokens))
 
+    return mlx_lm_plain, ours_plain
+
+
+def plain_wall(args, model, prompt) -> List[Dict[str, Any]]:
+    """Plain decoding's wall time per token: mlx-lm's, and ours under each kernel arm."""
+    short, long = max(1, args.max_tokens // 2), args.max_tokens
+    mlx_lm_plain, ours_plain = _plain_runs(model, prompt)
     rows = [{"run": "mlx-lm plain", "ms_per_token": wall_ms_per_token(
         mlx_lm_plain, short, long)}]  # fmt: skip
     for kernels in args.kernels:
@@ -419,12 +425,7 @@ def device_report(args, model, prompt, replay, plain, block) -> List[Dict[str, A
         )
         return sum(1 for _, _, from_draft in steps if not from_draft)
 
-    def ours_plain(max_tokens: int) -> int:
-        return len(our_plain_tokens(model, prompt, max_tokens))
-
-    def mlx_lm_plain(max_tokens: int) -> int:
-        return len(greedy_reference(model, prompt, max_tokens))
-
+    mlx_lm_plain, ours_plain = _plain_runs(model, prompt)
     rows = [
         {"run": "mlx-lm plain", "unit": "token", **per_unit(mlx_lm_plain, short, long)}
     ]

@@ -107,7 +107,6 @@ class FusedProjections:
         self.biases = stacked.get("biases")
         self.bits = self.members[0].bits if quantized else None
         self.group_size = self.members[0].group_size if quantized else None
-        self.dtype = self.weight.dtype if self.scales is None else self.scales.dtype
         self._source: Optional[mx.array] = None
         self._outputs: Dict[int, mx.array] = {}
 

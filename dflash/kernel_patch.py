@@ -526,14 +526,21 @@ class KernelPatch:
             _swap(module, _matmul_class(type(module)), self.route)
             self._patched.append(module)
         if self.matmul and self.fuse:
-            routed = {id(m) for m in matmul}
-            for members in sibling_sets(self.sibling_parents()):
-                if all(id(m) in routed for m in members):
-                    group = FusedProjections(members)
-                    self._groups.append(group)
-                    for index, member in enumerate(members):
-                        setattr(member, _FUSED_SLOT, MemberSlot(group, index))
+            try:
+                self._fuse_siblings({id(m) for m in matmul})
+            except BaseException:
+                self.uninstall()  # all or nothing (members keep equal-valued views)
+                raise
         return self
+
+    def _fuse_siblings(self, routed: set) -> None:
+        """Stack each sibling set whose members are all routed; mark the members."""
+        for members in sibling_sets(self.sibling_parents()):
+            if all(id(m) in routed for m in members):
+                group = FusedProjections(members)
+                self._groups.append(group)
+                for index, member in enumerate(members):
+                    setattr(member, _FUSED_SLOT, MemberSlot(group, index))
 
     def uninstall(self) -> None:
         """Restore every swapped class and hooked module function."""

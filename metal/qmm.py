@@ -62,18 +62,17 @@ def _check(x, weight, scales, biases, bits, group_size) -> tuple[int, int, int]:
     Raises:
         ValueError: On any inconsistent argument.
     """
-    quantized = scales is not None and biases is not None
     return _check_geometry(
         tuple(x.shape), x.dtype, tuple(weight.shape), weight.dtype,
         None if scales is None else (tuple(scales.shape), scales.dtype),
         None if biases is None else (tuple(biases.shape), biases.dtype),
-        bits, group_size, quantized,
+        bits, group_size,
     )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=1024)
 def _check_geometry(
-    x_shape, x_dtype, w_shape, w_dtype, scales, biases, bits, group_size, quantized
+    x_shape, x_dtype, w_shape, w_dtype, scales, biases, bits, group_size
 ) -> tuple[int, int, int]:
     """:func:`_check` on shapes and dtypes (``scales`` / ``biases``: ``(shape, dtype)``)."""
     x = _Geometry(x_shape, x_dtype)

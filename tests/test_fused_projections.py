@@ -12,7 +12,7 @@ from conftest import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash import fused_projections
+from dflash import fused_projections, kernel_patch
 from dflash.cache import make_prompt_cache
 from dflash.fused_projections import FusedProjections, sibling_sets
 from dflash.kernel_patch import KernelPatch
@@ -199,3 +199,26 @@ def test_a_dropped_model_drops_its_stacks() -> None:
     del layers
     gc.collect()
     assert key not in fused_projections._STACKS
+
+
+def test_a_failed_stack_leaves_nothing_installed(monkeypatch) -> None:
+    """Install is all or nothing: a stack that cannot be built undoes every swap."""
+    target = tiny_model("muse_glimmer", seed=6, window=16)
+    classes = {id(m): type(m) for m in target.modules()}
+    built = []
+
+    class Failing(FusedProjections):
+        def __init__(self, members):
+            if built:
+                raise MemoryError("no room for the stack")
+            built.append(members)
+            super().__init__(members)
+
+    monkeypatch.setattr(kernel_patch, "FusedProjections", Failing)
+    patch = KernelPatch(target, fuse=True)
+    with pytest.raises(MemoryError, match="no room"):
+        patch.install()
+    assert not patch.installed and built
+    assert {id(m): type(m) for m in target.modules()} == classes
+    assert all("_dflash_fused" not in m.__dict__ for m in target.modules())
+    assert not kernel_patch.is_patched(target)
