@@ -9,7 +9,10 @@ evaluation (on CUDA: a graph node per kernel). This times, per call of each op:
   the device is the slower side);
 * ``device_us`` (``--device-time``, CUDA with PyTorch): the kernels' own time (CUPTI).
 
-``--cprofile OP`` prints where the build time of that op goes.
+``--cprofile OP`` prints where the build time of that op goes. ``--stub-launches``
+replaces every custom-kernel launch by lazy zeros of its output shapes and forces our
+kernel path, so ``build_us`` of our ops is our wrappers' own Python on any machine (the
+CPU too); mlx's binding of the launch and everything after it are not in it.
 
 Run from the repository root, e.g. with ``MLX_USE_CUDA_GRAPHS=0`` to compare mlx's
 direct launches with its CUDA graphs::
@@ -20,6 +23,7 @@ direct launches with its CUDA graphs::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -28,12 +32,13 @@ import pstats
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from datetime import datetime, timezone
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
-from dflash.metal import backend
+from dflash.metal import backend, groups
 from dflash.metal.attention import KeyPlane, small_query_attention
 from dflash.metal.qmm import small_row_matmul
 
@@ -67,6 +72,11 @@ def make_ops(small: bool) -> dict[str, Op]:
     mx.eval(contiguous_k, contiguous_v)
     plane = KeyPlane(keys, values, context, 0, 0)
     scale = dim**-0.5
+    # A decode step: one row, one query over the plane's live rows.
+    x1, q1 = x[:1], queries[:, :, :1]
+    step_plane = KeyPlane(keys, values, context + 1, 0, 0)
+    step_k, step_v = keys[:, :, : context + 1], values[:, :, : context + 1]
+    mx.eval(x1, q1, step_k, step_v)
     return {
         "mlx add": lambda: x + 1,
         "mlx quantized_matmul": lambda: mx.quantized_matmul(
@@ -81,7 +91,41 @@ def make_ops(small: bool) -> dict[str, Op]:
         "ours small_query_attention": lambda: small_query_attention(
             queries, plane, block_k, block_v, scale=scale
         ),
+        "mlx quantized_matmul 1 row": lambda: mx.quantized_matmul(
+            x1, weight, scales, biases, transpose=True, group_size=64, bits=4
+        ),
+        "ours small_row_matmul 1 row": lambda: small_row_matmul(
+            x1, weight, scales, biases, bits=4, group_size=64
+        ),
+        "mlx sdpa 1 query": lambda: mx.fast.scaled_dot_product_attention(
+            q1, step_k, step_v, scale=scale
+        ),
+        "ours small_query_attention 1 query": lambda: small_query_attention(
+            q1, step_plane, scale=scale
+        ),
     }
+
+
+@contextmanager
+def stubbed_launches() -> Iterator[None]:
+    """Our kernel path forced, each launch replaced by lazy zeros of its outputs.
+
+    What is left of an op's build is our wrappers' Python (checks, plans, parameter
+    arrays) and mlx's graph ops around the launch, not the launch's binding.
+    """
+
+    def launch_groups(spec, inputs, output_shapes, output_dtypes, count, dtype):
+        return [mx.zeros(shape, dt) for shape, dt in zip(output_shapes, output_dtypes)]
+
+    def use_kernel_path(use_kernel: Optional[bool], auto: bool) -> bool:
+        return use_kernel is not False
+
+    saved = groups.launch_groups, backend.use_kernel_path
+    groups.launch_groups, backend.use_kernel_path = launch_groups, use_kernel_path
+    try:
+        yield
+    finally:
+        groups.launch_groups, backend.use_kernel_path = saved
 
 
 def time_calls(op: Op, calls: int, reps: int) -> dict:
@@ -129,6 +173,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke)")
     parser.add_argument("--device-time", action="store_true", help="CUPTI device time")
     parser.add_argument("--cprofile", metavar="OP", help="profile the build of one op")
+    parser.add_argument(
+        "--stub-launches",
+        action="store_true",
+        help="force our kernel path with every launch stubbed: our Python alone",
+    )
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     if args.calls < 1 or args.reps < 1:
@@ -155,20 +204,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             k: v for k, v in os.environ.items() if k.startswith(("MLX_", "DFLASH_"))
         },
     }
+    meta["stub_launches"] = args.stub_launches
     rows = []
-    for name, op in ops.items():
-        row = {"op": name, **time_calls(op, args.calls, args.reps)}
-        if args.device_time:
-            timing = device_time(op, args.calls)
-            row["device_us"] = timing["device_us"]
-            row["kernels_per_call"] = timing["kernels_per_call"]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    with stubbed_launches() if args.stub_launches else contextlib.nullcontext():
+        for name, op in ops.items():
+            row = {"op": name, **time_calls(op, args.calls, args.reps)}
+            if args.device_time and not args.stub_launches:
+                timing = device_time(op, args.calls)
+                row["device_us"] = timing["device_us"]
+                row["kernels_per_call"] = timing["kernels_per_call"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if args.cprofile:
+            print(profile_build(ops[args.cprofile], args.calls, 25))
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"meta": meta, "rows": rows}, handle, indent=1)
-    if args.cprofile:
-        print(profile_build(ops[args.cprofile], args.calls, 25))
     return 0
 
 

@@ -160,6 +160,8 @@ KERNEL_ARMS = {
     "all": "1",
     "matmul-unfused": "matmul",
     "all-unfused": "1",
+    "projections": "projections",
+    "attention-projections": "attention,projections",
 }
 
 
@@ -308,6 +310,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             result["lossless"] = tokens == plain[kernels][: len(tokens)]
             report["runs"].append(result)
             print(json.dumps(result), flush=True)
+    report["arms"] = compare_arms(report["runs"])
+    for row in report["arms"]:
+        print(json.dumps(row), flush=True)
     if getattr(args, "plain_time", False):
         report["plain_wall"] = plain_wall(args, model, prompt)
         for row in report["plain_wall"]:
@@ -317,15 +322,58 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         for row in report["device_time"]:
             print(json.dumps({k: v for k, v in row.items() if k != "top"}), flush=True)
     if args.profile:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        generate(replay)
-        profiler.disable()
-        text = io.StringIO()
-        stats = pstats.Stats(profiler, stream=text).sort_stats("tottime")
-        stats.print_stats(args.profile)
-        report["profile"] = text.getvalue()
+        report["profile"] = cprofile_text(partial(generate, replay), args.profile)
+    if getattr(args, "profile_plain", 0):
+        report["plain_profile"] = {}
+        for kernels in args.kernels:
+            with kernel_arm(kernels):
+                report["plain_profile"][kernels] = cprofile_text(
+                    partial(our_plain_tokens, model, prompt, args.max_tokens),
+                    args.profile_plain,
+                )
     return report
+
+
+def compare_arms(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per variant (tau, start-early, folded, kernel arm), its runs' round medians.
+
+    The host of a shared GPU machine drifts between runs by a third, so one run per
+    arm decides nothing: the arms alternate run by run, and each row gives the
+    median and the fastest of its runs' medians, and the ratio of its run to the
+    first arm's run of the same pass, as a median and a count of wins.
+    """
+    keys = ("tau", "start_early", "folded", "kernels")
+    grouped: Dict[tuple, List[float]] = {}
+    for run_row in runs:
+        grouped.setdefault(tuple(run_row[k] for k in keys), []).append(run_row["round"])
+    rows, first = [], None
+    for key, rounds_ms in grouped.items():
+        row = dict(zip(keys, key))
+        row.update(
+            runs=len(rounds_ms),
+            round_median=round(statistics.median(rounds_ms), 3),
+            round_min=round(min(rounds_ms), 3),
+        )
+        if first is None or first[0][0] != key[0]:
+            first = (key, rounds_ms)
+        elif len(first[1]) == len(rounds_ms):
+            ratios = [ours / base for ours, base in zip(rounds_ms, first[1])]
+            row["vs"] = first[0][3]
+            row["ratio_median"] = round(statistics.median(ratios), 3)
+            row["faster_in"] = f"{sum(r < 1 for r in ratios)}/{len(ratios)}"
+        rows.append(row)
+    return rows
+
+
+def cprofile_text(run: Callable[[], object], top: int) -> str:
+    """cProfile's table of one call of ``run``: the ``top`` functions by own time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def profiled(run: Callable[[], int]) -> Tuple[int, list, list]:
@@ -340,7 +388,9 @@ def per_unit(run: Callable[[int], int], short: int, long: int) -> Dict[str, Any]
     short and a long run (both share the prefill and the warm-up: steady state).
 
     ``graph_api`` counts the graph calls per unit (instantiation, update, launch) and
-    their host µs: a graph that fails to update is instantiated again.
+    their host µs: a graph that fails to update is instantiated again. ``api_top`` is
+    the twelve CUDA runtime / driver calls with the most host µs per unit, and
+    ``api_host_ms`` the host time of all of them (what the host spends inside CUDA).
     """
     units_short, short_events, short_api = profiled(lambda: run(short))
     units_long, long_events, long_api = profiled(lambda: run(long))
@@ -348,13 +398,17 @@ def per_unit(run: Callable[[int], int], short: int, long: int) -> Dict[str, Any]
     names = Counter(name[:90] for name, _, _ in long_events)
     names.subtract(name[:90] for name, _, _ in short_events)
     kernel_us = sum(d for *_, d in long_events) - sum(d for *_, d in short_events)
-    graph_api: Dict[str, List[float]] = {}
+    api_calls: Dict[str, List[float]] = {}
     for events, sign in ((long_api, 1), (short_api, -1)):
         for name, _, duration in events:
-            if "Graph" in name:
-                entry = graph_api.setdefault(name, [0.0, 0.0])
-                entry[0] += sign
-                entry[1] += sign * duration
+            entry = api_calls.setdefault(name, [0.0, 0.0])
+            entry[0] += sign
+            entry[1] += sign * duration
+    per_call = {
+        name: {"calls": round(c / units, 2), "host_us": round(us / units, 1)}
+        for name, (c, us) in sorted(api_calls.items())
+    }
+    by_host = sorted(per_call, key=lambda name: -per_call[name]["host_us"])
     return {
         "units": units,
         "kernels": round((len(long_events) - len(short_events)) / units, 1),
@@ -362,10 +416,9 @@ def per_unit(run: Callable[[int], int], short: int, long: int) -> Dict[str, Any]
             (busy_us(long_events) - busy_us(short_events)) / units / 1e3, 3
         ),
         "kernel_ms": round(kernel_us / units / 1e3, 3),
-        "graph_api": {
-            name: {"calls": round(c / units, 2), "host_us": round(us / units, 1)}
-            for name, (c, us) in sorted(graph_api.items())
-        },
+        "graph_api": {name: row for name, row in per_call.items() if "Graph" in name},
+        "api_top": {name: per_call[name] for name in by_host[:12]},
+        "api_host_ms": round(sum(row["host_us"] for row in per_call.values()) / 1e3, 3),
         "top": {n: round(c / units, 2) for n, c in names.most_common(30)},
     }
 
@@ -472,6 +525,13 @@ def main() -> None:
     )
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     parser.add_argument(
+        "--profile-plain",
+        type=int,
+        default=0,
+        metavar="N",
+        help="cProfile our plain decoding under each kernel arm (top N by own time)",
+    )
+    parser.add_argument(
         "--plain-time",
         action="store_true",
         help="plain decoding's wall ms per token: mlx-lm's and ours per kernel arm",
@@ -485,6 +545,8 @@ def main() -> None:
     report = run(args)
     if report.get("profile"):
         print(report["profile"])
+    for arm, text in report.get("plain_profile", {}).items():
+        print(f"# our plain decoding, kernels {arm}\n{text}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(report, handle, indent=1)

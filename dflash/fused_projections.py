@@ -1,4 +1,4 @@
-"""Sibling projections that read one input, run as one small-row matmul launch.
+"""Sibling projections that read one input, run as one matmul launch.
 
 A verify forward on a fast GPU is bound by the host: every custom-kernel launch costs
 tens of microseconds of Python and mlx dispatch. A Muse Glimmer layer reads its attention
@@ -11,12 +11,20 @@ The stacked weights are built once; each member's own weight becomes a row slice
 view) of the stack, so memory does not grow and the member still works alone (mlx's
 own forward, prefill chunks, an input the group did not see).
 
+The stacked product runs in one of two forms: ``"kernel"``, our batch-invariant
+:func:`~dflash.metal.qmm.small_row_matmul` (the matmul part of the verify kernels), or
+``"mlx"``, mlx's own ``matmul`` / ``quantized_matmul`` on the stack (the ``projections``
+part: fewer, wider launches without our kernels; on CUDA a 16-row bf16 matmul is a
+cuBLAS call captured into a child graph, so the host saves four captures per layer).
+
 At call time the first member to see an input computes every member's columns and keeps
 them until each member has taken its own; a member called with another input object
 computes alone. So a module that feeds its siblings different inputs stays correct (it
-only wastes the columns nobody takes). Results are a function of the input rows and
-the stacked weights only: batch-invariant like :func:`~dflash.metal.qmm.small_row_matmul`,
-and the same in plain decoding and in a verify block.
+only wastes the columns nobody takes). In the kernel form, results are a function of
+the input rows and the stacked weights only: batch-invariant like
+:func:`~dflash.metal.qmm.small_row_matmul`, and the same in plain decoding and in a
+verify block. The mlx form is as batch-invariant as mlx's own matmuls (a one-row
+step and a 16-row block may take different kernels, as they do unfused).
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from .metal.qmm import small_row_matmul
 SIBLINGS = (("q_proj", "k_proj", "v_proj", "gate_proj"), ("gate_proj", "up_proj"))
 # ``DFLASH_FUSED_PROJECTIONS=0`` keeps every projection a launch of its own.
 FUSED_ENV = "DFLASH_FUSED_PROJECTIONS"
+# How the stacked product is computed: our small-row kernel, or mlx's own matmul.
+FORMS = ("kernel", "mlx")
 
 
 def fuse_wanted() -> bool:
@@ -84,15 +94,20 @@ class FusedProjections:
 
     Args:
         members: Linear layers of one signature (see :func:`sibling_sets`).
+        form: ``"kernel"`` (:func:`small_row_matmul`) or ``"mlx"`` (mlx's own op).
 
     Attributes:
         members: The layers, in column order.
+        form: How the stacked product is computed.
         bounds: ``(start, stop)`` columns of each member in the stacked output.
         weight, scales, biases: The stacked arrays (scales / biases None if dense).
         bits, group_size: Quantization (None for dense).
     """
 
-    def __init__(self, members: Sequence[nn.Module]) -> None:
+    def __init__(self, members: Sequence[nn.Module], form: str = "kernel") -> None:
+        if form not in FORMS:
+            raise ValueError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
+        self.form = form
         self.members = list(members)
         quantized = isinstance(self.members[0], nn.QuantizedLinear)
         names = ("weight", "scales", "biases") if quantized else ("weight",)
@@ -127,18 +142,35 @@ class FusedProjections:
 
     def _project(self, x: mx.array, use_kernel: Optional[bool]) -> Dict[int, mx.array]:
         """Every member's columns of ``x @ stack.T``, by member index (one launch)."""
-        depth = x.shape[-1]
-        y = small_row_matmul(
-            x.reshape(-1, depth),
-            self.weight,
-            self.scales,
-            self.biases,
-            bits=self.bits,
-            group_size=self.group_size,
-            use_kernel=use_kernel,
-        )
-        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        if self.form == "mlx":
+            y = self._mlx_product(x)
+        else:
+            depth = x.shape[-1]
+            y = small_row_matmul(
+                x.reshape(-1, depth),
+                self.weight,
+                self.scales,
+                self.biases,
+                bits=self.bits,
+                group_size=self.group_size,
+                use_kernel=use_kernel,
+            )
+            y = y.reshape(*x.shape[:-1], y.shape[-1])
         return {i: y[..., start:stop] for i, (start, stop) in enumerate(self.bounds)}
+
+    def _mlx_product(self, x: mx.array) -> mx.array:
+        """``x @ stack.T`` by mlx's own op, as each member's layer computes its own."""
+        if self.scales is None:
+            return x @ self.weight.T
+        return mx.quantized_matmul(
+            x,
+            self.weight,
+            scales=self.scales,
+            biases=self.biases,
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+        )
 
     def release(self) -> None:
         """Drop the outputs still waiting for a member (and the input they came from)."""

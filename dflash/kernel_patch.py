@@ -24,6 +24,12 @@
   groups 32 / 64 / 128) of the target and the drafter gets a subclass that sends
   calls of at most ``max_queries`` rows to the small-row matmul (prefill chunks
   keep mlx's). Tied embeddings used as the LM head (``as_linear``) are not routed.
+  Sibling projections that read one input (q / k / v / gate, an MLP's gate / up) run
+  as one launch over their stacked weights (:mod:`dflash.fused_projections`).
+* **Projections alone** (``projections=True`` without ``matmul``): those sibling
+  sets run as one mlx ``matmul`` / ``quantized_matmul`` each, with mlx's kernels
+  (fewer, wider launches; nothing else routed). Not batch-invariant beyond what
+  mlx's own matmuls are.
 
 Both routes are batch-invariant, so our plain decoding (one query a step) and
 DFlash decoding (verify blocks) give every token the same logits bit for bit, as
@@ -346,6 +352,28 @@ def _linear_call(self, x: mx.array) -> mx.array:
     return y
 
 
+def _projection_class(base: type) -> type:
+    """A subclass of ``nn.Linear`` / ``nn.QuantizedLinear`` served by its fused set."""
+    return _swapped_class("projection", base, _projection_call)
+
+
+def _projection_call(self, x: mx.array) -> mx.array:
+    """A fused member's forward: its columns of the set's one mlx matmul.
+
+    Calls with more rows than the route's ``max_queries`` (prefill chunks) keep the
+    layer's own forward, so the prompt's cache is what mlx-lm's would be.
+
+    Shapes: x ``(..., K)``; returns ``(..., N)``.
+    """
+    route: AttentionRoute = self._dflash_route
+    depth = x.shape[-1]
+    rows = x.size // depth if depth else 0
+    slot: Optional[MemberSlot] = self.__dict__.get(_FUSED_SLOT)
+    if slot is None or not 0 < rows <= route.max_queries:
+        return getattr(type(self), _ORIGINAL_CLASS).__call__(self, x)
+    return slot.group.output(slot.index, x, None)
+
+
 def _matmul_args(layer: nn.Module, dtype: mx.Dtype):
     """``(weight, scales, biases, bits, group_size)`` of ``layer``, or None if unserved."""
     if dtype not in qmm.DTYPES:
@@ -416,6 +444,9 @@ class KernelPatch:
         fuse: With ``matmul``, run sibling projections that read one input as one
             launch (:mod:`dflash.fused_projections`; their weights become views of
             the stacked copy). None reads ``DFLASH_FUSED_PROJECTIONS`` (default on).
+        projections: Without ``matmul``, run those sibling sets as one mlx
+            ``matmul`` / ``quantized_matmul`` each (mlx's kernels, fewer launches)
+            for calls of at most ``max_queries`` rows.
 
     Raises:
         ValueError: ``model``'s architecture is not one whose attention can be routed.
@@ -432,6 +463,7 @@ class KernelPatch:
         attention: bool = True,
         matmul: bool = True,
         fuse: Optional[bool] = None,
+        projections: bool = False,
     ) -> None:
         if attention and not supports(model):
             raise ValueError(
@@ -446,6 +478,7 @@ class KernelPatch:
         self.attention = attention
         self.matmul = matmul
         self.fuse = fuse_wanted() if fuse is None else bool(fuse)
+        self.projections = bool(projections) and not matmul
         self._groups: List[FusedProjections] = []
         self._patched: List[nn.Module] = []
         self._modules: List[str] = []
@@ -504,7 +537,11 @@ class KernelPatch:
 
         attention = self.attention_modules() if self.attention else []
         matmul = self.matmul_modules() if self.matmul else []
-        busy = [m for m in attention + matmul if hasattr(type(m), _ORIGINAL_CLASS)]
+        sets = sibling_sets(self.sibling_parents()) if self.projections else []
+        members = [m for members in sets for m in members]
+        busy = [
+            m for m in attention + matmul + members if hasattr(type(m), _ORIGINAL_CLASS)
+        ]
         if busy:
             raise RuntimeError(f"{len(busy)} modules already have kernels installed")
         for module in attention:
@@ -525,19 +562,25 @@ class KernelPatch:
         for module in matmul:
             _swap(module, _matmul_class(type(module)), self.route)
             self._patched.append(module)
-        if self.matmul and self.fuse:
-            try:
-                self._fuse_siblings({id(m) for m in matmul})
-            except BaseException:
-                self.uninstall()  # all or nothing (members keep equal-valued views)
-                raise
+        for module in members:
+            _swap(module, _projection_class(type(module)), self.route)
+            self._patched.append(module)
+        try:
+            if self.matmul and self.fuse:
+                routed = {id(m) for m in matmul}
+                self._fuse_siblings(sibling_sets(self.sibling_parents()), routed)
+            elif sets:
+                self._fuse_siblings(sets, {id(m) for m in members}, form="mlx")
+        except BaseException:
+            self.uninstall()  # all or nothing (members keep equal-valued views)
+            raise
         return self
 
-    def _fuse_siblings(self, routed: set) -> None:
+    def _fuse_siblings(self, sets: list, routed: set, form: str = "kernel") -> None:
         """Stack each sibling set whose members are all routed; mark the members."""
-        for members in sibling_sets(self.sibling_parents()):
+        for members in sets:
             if all(id(m) in routed for m in members):
-                group = FusedProjections(members)
+                group = FusedProjections(members, form)
                 self._groups.append(group)
                 for index, member in enumerate(members):
                     setattr(member, _FUSED_SLOT, MemberSlot(group, index))
@@ -567,7 +610,7 @@ class KernelPatch:
 # (``use_kernel=None``), per backend: off until a GPU run of ``benchmarks/verify_kernels.py``
 # and the round profile (``--kernels``) shows a part faster there; the CPU never installs
 # them by default (its reference forms only serve tests).
-VERIFY_KERNEL_PARTS: Tuple[str, ...] = ("attention", "matmul")
+VERIFY_KERNEL_PARTS: Tuple[str, ...] = ("attention", "matmul", "projections")
 VERIFY_KERNELS_BY_DEFAULT: Dict[str, Tuple[str, ...]] = {"metal": (), "cuda": ()}
 VERIFY_KERNELS_ENV = "DFLASH_VERIFY_KERNELS"
 
@@ -638,11 +681,8 @@ def wanted(model: nn.Module, use_kernel: Optional[bool] = None) -> bool:
 
 
 def is_patched(model: nn.Module) -> bool:
-    """Whether some :class:`KernelPatch` is installed on ``model``'s attention."""
-    return any(
-        hasattr(type(layer.self_attn), _ORIGINAL_CLASS)
-        for layer in target_layers(model)
-    )
+    """Whether some :class:`KernelPatch` is installed on ``model`` (any part)."""
+    return any(hasattr(type(module), _ORIGINAL_CLASS) for module in model.modules())
 
 
 @contextlib.contextmanager
@@ -675,6 +715,7 @@ def verify_kernels(
         use_kernel=use_kernel or None,
         attention="attention" in parts,
         matmul="matmul" in parts,
+        projections="projections" in parts,
     ) as patch:
         yield patch
 

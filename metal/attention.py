@@ -34,6 +34,7 @@ Three forms, one contract:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -99,9 +100,7 @@ class KeyPlane:
         """
         if kv.ndim != 5 or kv.shape[0] != 2:
             raise ValueError(f"kv must have shape (2, B, Hkv, C, D), got {kv.shape}")
-        keys = mx.squeeze(kv[0:1], axis=0)
-        values = mx.squeeze(kv[1:2], axis=0)
-        return cls(keys, values, length, origin_logical, origin_physical)
+        return cls(kv[0], kv[1], length, origin_logical, origin_physical)
 
     @property
     def end(self) -> int:
@@ -180,44 +179,57 @@ def _check_int(value, name: str, low: int) -> int:
     return int(value)
 
 
-def _check_arrays(queries: mx.array, plane: KeyPlane, block_keys, block_values) -> None:
-    if queries.ndim != 4:
-        raise ValueError(f"queries must be (B, Hq, S, D), got shape {queries.shape}")
-    if queries.dtype not in DTYPES:
+Shape = tuple[int, ...]
+# One array's part of a plan's key: its shape and dtype (None: no such array).
+ArrayKey = Optional[tuple[Shape, mx.Dtype]]
+
+
+def _array_key(array: Optional[mx.array]) -> ArrayKey:
+    return None if array is None else (tuple(array.shape), array.dtype)
+
+
+def _check_arrays(
+    queries: tuple[Shape, mx.Dtype],
+    keys: tuple[Shape, mx.Dtype],
+    values: tuple[Shape, mx.Dtype],
+    block_keys: ArrayKey,
+    block_values: ArrayKey,
+) -> None:
+    """Shapes and dtypes of one call (each array as its ``(shape, dtype)``)."""
+    (q_shape, q_dtype), (k_shape, k_dtype), (v_shape, v_dtype) = queries, keys, values
+    if len(q_shape) != 4:
+        raise ValueError(f"queries must be (B, Hq, S, D), got shape {q_shape}")
+    if q_dtype not in DTYPES:
+        raise ValueError(f"queries dtype {q_dtype} is not bfloat16, float16 or float32")
+    if len(k_shape) != 4 or k_shape != v_shape:
         raise ValueError(
-            f"queries dtype {queries.dtype} is not bfloat16, float16 or float32"
+            f"plane keys {k_shape} and values {v_shape} must be one (B, Hkv, C, D) shape"
         )
-    keys, values = plane.keys, plane.values
-    if keys.ndim != 4 or keys.shape != values.shape:
-        raise ValueError(
-            f"plane keys {keys.shape} and values {values.shape} must be one (B, Hkv, C, D) shape"
-        )
-    batch, heads, count, dim = queries.shape
-    if keys.shape[0] != batch or keys.shape[3] != dim:
-        raise ValueError(f"plane {keys.shape} does not fit queries {queries.shape}")
+    batch, heads, count, dim = q_shape
+    if k_shape[0] != batch or k_shape[3] != dim:
+        raise ValueError(f"plane {k_shape} does not fit queries {q_shape}")
     if count < 1:
         raise ValueError("queries hold no query (S = 0)")
-    if keys.shape[1] < 1 or heads % keys.shape[1]:
+    if k_shape[1] < 1 or heads % k_shape[1]:
         raise ValueError(
-            f"{heads} query heads are not a multiple of {keys.shape[1]} KV heads"
+            f"{heads} query heads are not a multiple of {k_shape[1]} KV heads"
         )
-    for name, array in (("keys", keys), ("values", values)):
-        if array.dtype != queries.dtype:
-            raise ValueError(f"plane {name} are {array.dtype}, queries {queries.dtype}")
+    for name, dtype in (("keys", k_dtype), ("values", v_dtype)):
+        if dtype != q_dtype:
+            raise ValueError(f"plane {name} are {dtype}, queries {q_dtype}")
     if (block_keys is None) != (block_values is None):
         raise ValueError("block_keys and block_values must be given together")
     if block_keys is not None:
-        want = (
-            batch,
-            keys.shape[1],
-            block_keys.shape[2] if block_keys.ndim == 4 else -1,
-            dim,
-        )
-        for name, array in (("block_keys", block_keys), ("block_values", block_values)):
-            if array.ndim != 4 or tuple(array.shape) != want:
-                raise ValueError(f"{name} must have shape {want}, got {array.shape}")
-            if array.dtype != queries.dtype:
-                raise ValueError(f"{name} are {array.dtype}, queries {queries.dtype}")
+        block_shape = block_keys[0]
+        want = (batch, k_shape[1], block_shape[2] if len(block_shape) == 4 else -1, dim)
+        for name, (shape, dtype) in (
+            ("block_keys", block_keys),
+            ("block_values", block_values),
+        ):
+            if shape != want:
+                raise ValueError(f"{name} must have shape {want}, got {shape}")
+            if dtype != q_dtype:
+                raise ValueError(f"{name} are {dtype}, queries {q_dtype}")
 
 
 def make_plan(
@@ -233,25 +245,60 @@ def make_plan(
 ) -> Plan:
     """Validate a call and work out its geometry (fail closed: nothing launched yet).
 
+    Memoised on the shapes, dtypes and integers (a decode step's layers of one kind
+    share a geometry), so a routed call costs one lookup; a call holding integers of
+    other types (numpy's, bools) is checked afresh, and a refused one raises each time.
+
     Shapes: queries ``(B, Hq, S, D)``; plane ``(B, Hkv, C, D)``; block ``(B, Hkv, NB, D)``.
 
     Raises:
         ValueError: A shape, dtype or bookkeeping value is out of range, or some
             query would need a key that is neither live in the plane nor in the block.
     """
-    _check_arrays(queries, plane, block_keys, block_values)
-    batch, heads, count, dim = queries.shape
-    capacity = plane.keys.shape[2]
-    length = _check_int(plane.length, "length", 0)
-    origin_logical = _check_int(plane.origin_logical, "origin_logical", 0)
-    origin_physical = _check_int(plane.origin_physical, "origin_physical", 0)
+    ints = (plane.length, plane.origin_logical, plane.origin_physical)
+    ints += (window, query_start, chunk)
+    geometry = (
+        _array_key(queries),
+        _array_key(plane.keys),
+        _array_key(plane.values),
+        _array_key(block_keys),
+        _array_key(block_values),
+        *ints,
+        causal,
+    )
+    if all(type(v) is int or v is None for v in ints) and type(causal) is bool:
+        return _cached_plan(*geometry)
+    return _plan(*geometry)
+
+
+def _plan(
+    queries: tuple[Shape, mx.Dtype],
+    keys: tuple[Shape, mx.Dtype],
+    values: tuple[Shape, mx.Dtype],
+    block_keys: ArrayKey,
+    block_values: ArrayKey,
+    length,
+    origin_logical,
+    origin_physical,
+    window,
+    query_start,
+    chunk,
+    causal,
+) -> Plan:
+    """:func:`make_plan` on a call's shapes, dtypes and integers."""
+    _check_arrays(queries, keys, values, block_keys, block_values)
+    batch, heads, count, dim = queries[0]
+    capacity = keys[0][2]
+    length = _check_int(length, "length", 0)
+    origin_logical = _check_int(origin_logical, "origin_logical", 0)
+    origin_physical = _check_int(origin_physical, "origin_physical", 0)
     if length > capacity:
         raise ValueError(f"length={length} exceeds the plane's {capacity} rows")
     if capacity and origin_physical >= capacity:
         raise ValueError(f"origin_physical={origin_physical} outside [0, {capacity})")
     width = 0 if window is None else _check_int(window, "window", 1)
     chunk = _check_int(chunk, "chunk", 1)
-    block = 0 if block_keys is None else block_keys.shape[2]
+    block = 0 if block_keys is None else block_keys[0][2]
     key_end = origin_logical + length + block
     start = (
         key_end - count
@@ -273,10 +320,13 @@ def make_plan(
     _, last = visible_bounds(start + count - 1, width, causal, key_end)
     chunk_first = first // chunk
     return Plan(
-        batch, heads, plane.keys.shape[1], count, dim, capacity, block, start,
+        batch, heads, keys[0][1], count, dim, capacity, block, start,
         origin_logical, origin_physical, length, width, bool(causal), chunk,
         chunk_first, last // chunk - chunk_first + 1,
     )  # fmt: skip
+
+
+_cached_plan = functools.lru_cache(maxsize=1024)(_plan)
 
 
 # ---------------------------------------------------------------- reference
@@ -737,6 +787,42 @@ def kernel_serves(plan: Plan) -> bool:
     return 8 <= plan.dim <= KERNEL_MAX_DIM and plan.chunk <= KERNEL_MAX_CHUNK
 
 
+@dataclass(frozen=True)
+class Launch:
+    """The two launches of one plan: parameter arrays, shapes, group counts."""
+
+    ints: mx.array
+    chunk_shapes: tuple[Shape, Shape]
+    chunk_groups: int
+    fold_ints: mx.array
+    out_shape: Shape
+    fold_groups: int
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch(plan: Plan, rows_per_group: int) -> Launch:
+    """:class:`Launch` of ``plan`` when a chunk pass group takes ``rows_per_group``
+    query rows (memoised: a step's layers of one kind share it)."""
+    group = plan.heads // plan.kv_heads
+    row_blocks = -(-group * plan.queries // rows_per_group)
+    ints = int_params(
+        plan.batch, plan.heads, plan.kv_heads, plan.queries, plan.dim,
+        max(plan.capacity, 1), plan.block, plan.query_start, plan.origin_logical,
+        plan.origin_physical, plan.length, plan.window, int(plan.causal), plan.chunk,
+        plan.chunk_first, plan.chunks, row_blocks,
+    )  # fmt: skip
+    rows = (plan.batch, plan.heads, plan.queries)
+    total = plan.batch * plan.heads * plan.queries * plan.dim
+    return Launch(
+        ints=ints,
+        chunk_shapes=(rows + (plan.chunks, 2), rows + (plan.chunks, plan.dim)),
+        chunk_groups=plan.batch * plan.kv_heads * plan.chunks * row_blocks,
+        fold_ints=int_params(total, plan.dim, plan.chunks),
+        out_shape=rows + (plan.dim,),
+        fold_groups=-(-total // THREADS),
+    )
+
+
 def kernel_attention(
     queries: mx.array,
     plane: KeyPlane,
@@ -758,44 +844,35 @@ def kernel_attention(
             f"the attention kernel serves 8 <= head_dim <= {KERNEL_MAX_DIM} and chunk <= "
             f"{KERNEL_MAX_CHUNK}, got head_dim {plan.dim} and chunk {plan.chunk}"
         )
-    dtype = queries.dtype
     keys, values = plane.keys, plane.values
     # An absent container is never read (no position falls in it); any array binds.
     if plan.block == 0:
         block_keys, block_values = keys, values
     if plan.capacity == 0:
         keys, values = block_keys, block_values
-    group = plan.heads // plan.kv_heads
-    if uses_tensor_cores(plan, dtype):
-        layout = tensor_layout()
-        spec = tensor_attention.attend_spec(plan.dim, layout)
-        rows_per_group = layout.rows
-    else:
-        spec, rows_per_group = ATTEND_CHUNKS, ROWS
-    row_blocks = -(-group * plan.queries // rows_per_group)
-    ints = int_params(
-        plan.batch, plan.heads, plan.kv_heads, plan.queries, plan.dim,
-        max(plan.capacity, 1), plan.block, plan.query_start, plan.origin_logical,
-        plan.origin_physical, plan.length, plan.window, int(plan.causal), plan.chunk,
-        plan.chunk_first, plan.chunks, row_blocks,
-    )  # fmt: skip
-    floats = float_params(float(scale), float(softcap or 0.0))
-    rows = (plan.batch, plan.heads, plan.queries)
+    dtype = queries.dtype
+    layout = tensor_layout() if uses_tensor_cores(plan, dtype) else None
+    launch = _launch(plan, layout.rows if layout is not None else ROWS)
+    spec = (
+        ATTEND_CHUNKS
+        if layout is None
+        else tensor_attention.attend_spec(plan.dim, layout)
+    )
     stats, weighted = groups.launch_groups(
         spec,
-        [queries, keys, values, block_keys, block_values, ints, floats],
-        [rows + (plan.chunks, 2), rows + (plan.chunks, plan.dim)],
+        [queries, keys, values, block_keys, block_values, launch.ints]
+        + [float_params(float(scale), float(softcap or 0.0))],
+        launch.chunk_shapes,
         [mx.float32, mx.float32],
-        plan.batch * plan.kv_heads * plan.chunks * row_blocks,
+        launch.chunk_groups,
         dtype,
     )
-    total = plan.batch * plan.heads * plan.queries * plan.dim
     (out,) = groups.launch_groups(
         FOLD_CHUNKS,
-        [stats, weighted, int_params(total, plan.dim, plan.chunks)],
-        [rows + (plan.dim,)],
+        [stats, weighted, launch.fold_ints],
+        [launch.out_shape],
         [dtype],
-        -(-total // THREADS),
+        launch.fold_groups,
         dtype,
     )
     return out

@@ -56,23 +56,32 @@ def _alone(layer, x: mx.array) -> mx.array:
     rows=st.integers(1, 20),
     quant=st.sampled_from([(None, None), (4, 32), (8, 64), (4, 128)]),
     dtype=st.sampled_from([mx.float32, mx.bfloat16]),
+    form=st.sampled_from(fused_projections.FORMS),
     seed=st.integers(0, 2**16),
 )
-def test_each_member_gets_its_own_columns(widths, rows, quant, dtype, seed) -> None:
+def test_each_member_gets_its_own_columns(widths, rows, quant, dtype, form, seed):
     """Every member's slice of the stacked output is its own projection (a column
-    shift or a wrong member order would move another member's values in)."""
+    shift or a wrong member order would move another member's values in), in both
+    forms; the mlx form against the member's own mlx-lm forward."""
     bits, group_size = quant
     layers = _linears(widths, 128, bits, group_size, dtype, seed)
     x = mx.random.normal((1, rows, 128)).astype(dtype)
-    want = [_np(_alone(layer, x)) for layer in layers]
-    group = FusedProjections(layers)
+    own = _alone if form == "kernel" else (lambda layer, x: layer(x))
+    want = [_np(own(layer, x)) for layer in layers]
+    group = FusedProjections(layers, form)
     assert group.bounds[0][0] == 0 and group.bounds[-1][1] == sum(widths)
     for index in reversed(range(len(layers))):  # any member may come first
         got = group.output(index, x, use_kernel=None)
         assert got.shape == (1, rows, widths[index])
         np.testing.assert_allclose(_np(got), want[index], rtol=2e-2, atol=2e-2)
         # The member alone, on its view of the stack, gives the same values as before.
-        np.testing.assert_array_equal(_np(_alone(layers[index], x)), want[index])
+        np.testing.assert_array_equal(_np(own(layers[index], x)), want[index])
+
+
+def test_an_unknown_form_is_refused() -> None:
+    layers = _linears([32, 32], 64, None, None, mx.float32, seed=1)
+    with pytest.raises(ValueError, match="form must be one of kernel, mlx"):
+        FusedProjections(layers, "cublas")
 
 
 def test_members_become_views_and_memory_does_not_grow() -> None:
@@ -201,24 +210,66 @@ def test_a_dropped_model_drops_its_stacks() -> None:
     assert key not in fused_projections._STACKS
 
 
-def test_a_failed_stack_leaves_nothing_installed(monkeypatch) -> None:
+@pytest.mark.parametrize("part", ["matmul", "projections"])
+def test_a_failed_stack_leaves_nothing_installed(monkeypatch, part) -> None:
     """Install is all or nothing: a stack that cannot be built undoes every swap."""
     target = tiny_model("muse_glimmer", seed=6, window=16)
     classes = {id(m): type(m) for m in target.modules()}
     built = []
 
     class Failing(FusedProjections):
-        def __init__(self, members):
+        def __init__(self, members, form):
             if built:
                 raise MemoryError("no room for the stack")
             built.append(members)
-            super().__init__(members)
+            super().__init__(members, form)
 
     monkeypatch.setattr(kernel_patch, "FusedProjections", Failing)
-    patch = KernelPatch(target, fuse=True)
+    matmul = part == "matmul"
+    patch = KernelPatch(target, fuse=True, matmul=matmul, projections=not matmul)
     with pytest.raises(MemoryError, match="no room"):
         patch.install()
     assert not patch.installed and built
     assert {id(m): type(m) for m in target.modules()} == classes
     assert all("_dflash_fused" not in m.__dict__ for m in target.modules())
     assert not kernel_patch.is_patched(target)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_projections_part_keeps_mlx_lm_logits_and_prefill(bits) -> None:
+    """The projections part (mlx's matmul over each stacked set) gives a decode step
+    and a verify block mlx-lm's own logits, and leaves prefill chunks unfused."""
+    logits = {}
+    for projections in (False, True):
+        target = tiny_model("muse_glimmer", seed=23, window=16)
+        if bits:
+            nn.quantize(target, group_size=32, bits=bits)
+        cache = make_prompt_cache(target)
+        mx.random.seed(5)
+        prompt = mx.random.randint(0, 250, (1, 40))
+        patch = KernelPatch(target, attention=False, matmul=False, projections=True)
+        calls = []
+        real = fused_projections.FusedProjections._mlx_product
+        fused_projections.FusedProjections._mlx_product = lambda self, x: (
+            calls.append(x.shape[-2]) or real(self, x)
+        )
+        try:
+            with (
+                patch
+                if projections
+                else KernelPatch(target, attention=False, matmul=False)
+            ):
+                assert kernel_patch.is_patched(target) == projections
+                target(prompt, cache=cache)  # 40 rows: a prefill chunk, unfused
+                block = target(prompt[:, :16], cache=cache)
+                step = target(prompt[:, :1], cache=cache)
+        finally:
+            fused_projections.FusedProjections._mlx_product = real
+        layers = len(target.layers)
+        # Two sets a layer (attention, MLP), each once per call of 16 and 1 rows.
+        assert calls == ([16] * 2 * layers + [1] * 2 * layers if projections else [])
+        logits[projections] = (_np(block), _np(step))
+        assert not kernel_patch.is_patched(target)
+        assert all("_dflash_fused" not in m.__dict__ for m in target.modules())
+    for unfused, fused in zip(logits[False], logits[True]):
+        np.testing.assert_allclose(fused, unfused, rtol=1e-4, atol=1e-4)

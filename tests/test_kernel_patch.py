@@ -365,7 +365,8 @@ def test_default_table_and_dflash_kernels_switch(monkeypatch) -> None:
         ("attention", ("attention",)),
         ("matmul", ("matmul",)),
         ("matmul, attention", ("attention", "matmul")),
-        ("on", ("attention", "matmul")),
+        ("projections,attention", ("attention", "projections")),
+        ("on", ("attention", "matmul", "projections")),
         ("off", ()),
     ],
 )
@@ -379,6 +380,13 @@ def test_env_picks_the_parts(monkeypatch, env, parts) -> None:
             assert (patch.attention, patch.matmul) == (
                 "attention" in parts,
                 "matmul" in parts,
+            )
+            # The matmul part fuses with our kernel; projections alone with mlx's.
+            assert patch.projections == (parts == ("attention", "projections"))
+            forms = {group.form for group in patch._groups}
+            fused = patch.projections or patch.matmul
+            assert forms == (
+                set() if not fused else {"mlx"} if patch.projections else {"kernel"}
             )
 
 

@@ -54,15 +54,15 @@ def test_round_profile_kernel_arms_are_lossless_against_their_own_plain_decoding
     args = argparse.Namespace(
         scale="tiny", quant="bf16", context=40, tau=[4], max_tokens=24, runs=1,
         skip=1, start_early="on", folded=None,
-        kernels=["off", "attention", "all", "all-unfused"], profile=0, json=None,
-        plain_time=True,
+        kernels=["off", "attention", "all", "all-unfused", "attention-projections"],
+        profile=0, json=None, plain_time=True, profile_plain=4,
     )  # fmt: skip
     before = os.environ.get(VERIFY_KERNELS_ENV)
     seen = []
     real = kernel_patch.KernelPatch.install
 
     def install(self):
-        seen.append((self.attention, self.matmul, self.fuse))
+        seen.append((self.attention, self.matmul, self.fuse, self.projections))
         return real(self)
 
     kernel_patch.KernelPatch.install = install
@@ -71,11 +71,13 @@ def test_round_profile_kernel_arms_are_lossless_against_their_own_plain_decoding
     finally:
         kernel_patch.KernelPatch.install = real
     assert os.environ.get(VERIFY_KERNELS_ENV) == before
-    arms = ["off", "attention", "all", "all-unfused"]
+    arms = ["off", "attention", "all", "all-unfused", "attention-projections"]
     assert [r["kernels"] for r in report["runs"]] == arms
     assert all(r["lossless"] for r in report["runs"])
-    assert {(a, m) for a, m, _ in seen} == {(True, False), (True, True)}
-    assert {f for _, m, f in seen if m} == {True, False}
+    assert {(a, m, p) for a, m, _, p in seen} == {
+        (True, False, False), (True, True, False), (True, False, True)
+    }
+    assert {f for _, m, f, _ in seen if m} == {True, False}
     assert set(report["plain_equals_mlx_lm"]) == {"default", *arms}
     assert os.environ.get(FUSED_ENV) is None
     walls = report["plain_wall"]
@@ -83,6 +85,9 @@ def test_round_profile_kernel_arms_are_lossless_against_their_own_plain_decoding
         ("ours plain", arm) for arm in arms
     ]
     assert all(r["ms_per_token"] > 0 for r in walls)
+    # One cProfile table of our plain decoding per arm; the routed arms show the route.
+    assert list(report["plain_profile"]) == arms
+    assert all("ncalls" in text for text in report["plain_profile"].values())
 
 
 def test_round_profile_refuses_an_unknown_kernel_arm():
@@ -161,6 +166,10 @@ def test_per_unit_is_the_steady_state_difference_of_two_runs(monkeypatch):
         "cudaGraphInstantiate": {"calls": 0.5, "host_us": 20.0},
         "cudaGraphLaunch": {"calls": 1.0, "host_us": 2.0},
     }
+    # Every API call counts in api_top (the prefill's cancel), most host time first.
+    assert list(row["api_top"]) == ["cudaGraphInstantiate", "cudaGraphLaunch", "cudaMalloc"]
+    assert row["api_top"]["cudaMalloc"] == {"calls": 0.0, "host_us": 0.0}
+    assert row["api_host_ms"] == 0.022
 
 
 def test_launch_cost_times_every_op_and_refuses_an_unknown_one(tmp_path, capsys):
@@ -177,3 +186,21 @@ def test_launch_cost_times_every_op_and_refuses_an_unknown_one(tmp_path, capsys)
     assert "ncalls" in capsys.readouterr().out
     assert launch_cost.main(["--small", "--cprofile", "no such op"]) == 2
     assert "no op 'no such op'" in capsys.readouterr().err
+
+
+def test_compare_arms_pairs_each_run_with_the_first_arms_run_of_its_pass():
+    def run(kernels, ms, tau=6):
+        return {"tau": tau, "start_early": True, "folded": None, "kernels": kernels,
+                "round": ms}  # fmt: skip
+
+    runs = [run("off", 30.0), run("attention", 27.0), run("off", 45.0),
+            run("attention", 47.0), run("off", 31.0), run("attention", 29.0),
+            run("off", 20.0, tau=2)]  # fmt: skip
+    off, attention, other_tau = round_profile.compare_arms(runs)
+    assert off == {"tau": 6, "start_early": True, "folded": None, "kernels": "off",
+                   "runs": 3, "round_median": 31.0, "round_min": 30.0}  # fmt: skip
+    assert attention["round_median"] == 29.0 and attention["round_min"] == 27.0
+    assert attention["vs"] == "off" and attention["faster_in"] == "2/3"
+    assert attention["ratio_median"] == round(29.0 / 31.0, 3)
+    # Another tau starts its own comparison (its first arm has nothing to face).
+    assert "vs" not in other_tau and other_tau["runs"] == 1

@@ -202,6 +202,37 @@ _BK = mx.zeros((1, 2, 2, 16))
 def test_bad_arguments_raise(call, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         call()
+    with pytest.raises(ValueError, match=message):  # a refusal is never memoised
+        call()
+
+
+def test_memoised_plans_keep_every_check() -> None:
+    """A plan is looked up by geometry; an integer of another type is checked afresh
+    (a bool equal to a cached int is still refused), a numpy int gets the same plan."""
+    plane = _plane()
+    plan = attention.make_plan(
+        _Q, plane, None, None, window=2, causal=True, query_start=None, chunk=256
+    )
+    again = attention.make_plan(
+        _Q, _plane(), None, None, window=2, causal=True, query_start=None, chunk=256
+    )
+    assert again is plan
+    numpy_int = attention.make_plan(
+        _Q, plane, None, None, window=np.int64(2), causal=True, query_start=None,
+        chunk=256,
+    )  # fmt: skip
+    assert numpy_int == plan
+    attention.make_plan(
+        _Q, plane, None, None, window=2, causal=True, query_start=None, chunk=1
+    )
+    with pytest.raises(ValueError, match="chunk must be an int"):
+        attention.make_plan(
+            _Q, plane, None, None, window=2, causal=True, query_start=None, chunk=True
+        )
+    other = attention.make_plan(
+        _Q, plane, None, None, window=2, causal=False, query_start=None, chunk=256
+    )
+    assert other != plan and not other.causal
 
 
 def test_use_kernel_true_without_gpu_raises(monkeypatch) -> None:
