@@ -257,26 +257,15 @@ def make_plan(
     """
     ints = (plane.length, plane.origin_logical, plane.origin_physical)
     ints += (window, query_start, chunk)
-    geometry = (
-        _array_key(queries),
-        _array_key(plane.keys),
-        _array_key(plane.values),
-        _array_key(block_keys),
-        _array_key(block_values),
-        *ints,
-        causal,
-    )
+    arrays = (queries, plane.keys, plane.values, block_keys, block_values)
+    geometry = (tuple(map(_array_key, arrays)), *ints, causal)
     if all(type(v) is int or v is None for v in ints) and type(causal) is bool:
         return _cached_plan(*geometry)
     return _plan(*geometry)
 
 
 def _plan(
-    queries: tuple[Shape, mx.Dtype],
-    keys: tuple[Shape, mx.Dtype],
-    values: tuple[Shape, mx.Dtype],
-    block_keys: ArrayKey,
-    block_values: ArrayKey,
+    arrays: tuple[ArrayKey, ...],
     length,
     origin_logical,
     origin_physical,
@@ -285,10 +274,12 @@ def _plan(
     chunk,
     causal,
 ) -> Plan:
-    """:func:`make_plan` on a call's shapes, dtypes and integers."""
-    _check_arrays(queries, keys, values, block_keys, block_values)
-    batch, heads, count, dim = queries[0]
-    capacity = keys[0][2]
+    """:func:`make_plan` on a call's shapes, dtypes and integers (``arrays``: the
+    queries, plane keys and values, block keys and values as ``(shape, dtype)``)."""
+    _check_arrays(*arrays)
+    (q_shape, _), (k_shape, _), _, block_keys, _ = arrays
+    batch, heads, count, dim = q_shape
+    capacity = k_shape[2]
     length = _check_int(length, "length", 0)
     origin_logical = _check_int(origin_logical, "origin_logical", 0)
     origin_physical = _check_int(origin_physical, "origin_physical", 0)
@@ -320,7 +311,7 @@ def _plan(
     _, last = visible_bounds(start + count - 1, width, causal, key_end)
     chunk_first = first // chunk
     return Plan(
-        batch, heads, keys[0][1], count, dim, capacity, block, start,
+        batch, heads, k_shape[1], count, dim, capacity, block, start,
         origin_logical, origin_physical, length, width, bool(causal), chunk,
         chunk_first, last // chunk - chunk_first + 1,
     )  # fmt: skip

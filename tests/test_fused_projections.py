@@ -147,18 +147,22 @@ def test_only_matching_siblings_are_grouped() -> None:
     assert found == [[parents[0].q_proj, parents[0].k_proj, parents[0].v_proj]]
 
 
+def _glimmer(seed: int, bits, prompt_seed: int, length: int):
+    """A tiny Muse Glimmer (quantized with ``bits``), its cache and a prompt."""
+    target = tiny_model("muse_glimmer", seed=seed, window=16)
+    if bits:
+        nn.quantize(target, group_size=32, bits=bits)
+    mx.random.seed(prompt_seed)
+    return target, make_prompt_cache(target), mx.random.randint(0, 250, (1, length))
+
+
 @pytest.mark.parametrize("bits", [None, 4])
 def test_patched_forward_is_the_same_fused_or_not(bits) -> None:
     """A decode step and a verify block give the same logits with and without fusion
     (reference forms: the fused stack is read column by column)."""
     logits = {}
     for fuse in (False, True):
-        target = tiny_model("muse_glimmer", seed=21, window=16)
-        if bits:
-            nn.quantize(target, group_size=32, bits=bits)
-        cache = make_prompt_cache(target)
-        mx.random.seed(4)
-        prompt = mx.random.randint(0, 250, (1, 20))
+        target, cache, prompt = _glimmer(21, bits, 4, 20)
         with KernelPatch(target, fuse=fuse) as patch:
             assert bool(patch._groups) == fuse
             target(prompt, cache=cache)
@@ -241,12 +245,7 @@ def test_projections_part_keeps_mlx_lm_logits_and_prefill(bits) -> None:
     and a verify block mlx-lm's own logits, and leaves prefill chunks unfused."""
     logits = {}
     for projections in (False, True):
-        target = tiny_model("muse_glimmer", seed=23, window=16)
-        if bits:
-            nn.quantize(target, group_size=32, bits=bits)
-        cache = make_prompt_cache(target)
-        mx.random.seed(5)
-        prompt = mx.random.randint(0, 250, (1, 40))
+        target, cache, prompt = _glimmer(23, bits, 5, 40)
         patch = KernelPatch(target, attention=False, matmul=False, projections=True)
         calls = []
         real = fused_projections.FusedProjections._mlx_product
