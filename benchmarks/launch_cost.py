@@ -11,8 +11,9 @@ evaluation (on CUDA: a graph node per kernel). This times, per call of each op:
 
 ``--cprofile OP`` prints where the build time of that op goes. ``--stub-launches``
 replaces every custom-kernel launch by lazy zeros of its output shapes and forces our
-kernel path, so ``build_us`` of our ops is our wrappers' own Python on any machine (the
-CPU too); mlx's binding of the launch and everything after it are not in it.
+kernel path as CUDA takes it (tensor-core forms included), so ``build_us`` of our ops is
+our wrappers' own Python on any machine (the CPU too); mlx's binding of the launch and
+everything after it are not in it.
 
 Run from the repository root, e.g. with ``MLX_USE_CUDA_GRAPHS=0`` to compare mlx's
 direct launches with its CUDA graphs::
@@ -108,7 +109,8 @@ def make_ops(small: bool) -> dict[str, Op]:
 
 @contextmanager
 def stubbed_launches() -> Iterator[None]:
-    """Our kernel path forced, each launch replaced by lazy zeros of its outputs.
+    """Our kernel path forced as on CUDA, each launch replaced by lazy zeros of its
+    outputs.
 
     What is left of an op's build is our wrappers' Python (checks, plans, parameter
     arrays) and mlx's graph ops around the launch, not the launch's binding.
@@ -120,12 +122,13 @@ def stubbed_launches() -> Iterator[None]:
     def use_kernel_path(use_kernel: Optional[bool], auto: bool) -> bool:
         return use_kernel is not False
 
-    saved = groups.launch_groups, backend.use_kernel_path
+    saved = groups.launch_groups, backend.use_kernel_path, backend.BACKEND
     groups.launch_groups, backend.use_kernel_path = launch_groups, use_kernel_path
+    backend.BACKEND = "cuda"  # only the stub launches, so nothing is built for it
     try:
         yield
     finally:
-        groups.launch_groups, backend.use_kernel_path = saved
+        groups.launch_groups, backend.use_kernel_path, backend.BACKEND = saved
 
 
 def time_calls(op: Op, calls: int, reps: int) -> dict:
@@ -174,6 +177,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--device-time", action="store_true", help="CUPTI device time")
     parser.add_argument("--cprofile", metavar="OP", help="profile the build of one op")
     parser.add_argument(
+        "--ops", metavar="OP[,OP]", help="time only these ops (default: every op)"
+    )
+    parser.add_argument(
         "--stub-launches",
         action="store_true",
         help="force our kernel path with every launch stubbed: our Python alone",
@@ -188,12 +194,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     ops = make_ops(args.small)
-    if args.cprofile is not None and args.cprofile not in ops:
+    wanted = [args.cprofile] if args.cprofile is not None else []
+    wanted += args.ops.split(",") if args.ops else []
+    unknown = [name for name in wanted if name not in ops]
+    if unknown:
         print(
-            f"launch_cost: no op {args.cprofile!r}; ops: {', '.join(ops)}",
+            f"launch_cost: no op {unknown[0]!r}; ops: {', '.join(ops)}",
             file=sys.stderr,
         )
         return 2
+    if args.ops:
+        ops = {name: op for name, op in ops.items() if name in args.ops.split(",")}
     meta = {
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "mlx": mx.__version__,

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 
+import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -75,7 +76,9 @@ def test_round_profile_kernel_arms_are_lossless_against_their_own_plain_decoding
     assert [r["kernels"] for r in report["runs"]] == arms
     assert all(r["lossless"] for r in report["runs"])
     assert {(a, m, p) for a, m, _, p in seen} == {
-        (True, False, False), (True, True, False), (True, False, True)
+        (True, False, False),
+        (True, True, False),
+        (True, False, True),
     }
     assert {f for _, m, f, _ in seen if m} == {True, False}
     assert set(report["plain_equals_mlx_lm"]) == {"default", *arms}
@@ -167,7 +170,11 @@ def test_per_unit_is_the_steady_state_difference_of_two_runs(monkeypatch):
         "cudaGraphLaunch": {"calls": 1.0, "host_us": 2.0},
     }
     # Every API call counts in api_top (the prefill's cancel), most host time first.
-    assert list(row["api_top"]) == ["cudaGraphInstantiate", "cudaGraphLaunch", "cudaMalloc"]
+    assert list(row["api_top"]) == [
+        "cudaGraphInstantiate",
+        "cudaGraphLaunch",
+        "cudaMalloc",
+    ]
     assert row["api_top"]["cudaMalloc"] == {"calls": 0.0, "host_us": 0.0}
     assert row["api_host_ms"] == 0.022
 
@@ -186,6 +193,33 @@ def test_launch_cost_times_every_op_and_refuses_an_unknown_one(tmp_path, capsys)
     assert "ncalls" in capsys.readouterr().out
     assert launch_cost.main(["--small", "--cprofile", "no such op"]) == 2
     assert "no op 'no such op'" in capsys.readouterr().err
+    assert launch_cost.main(["--small", "--ops", "mlx add,no such op"]) == 2
+    argv += ["--ops", "mlx add,ours small_row_matmul 1 row"]
+    assert launch_cost.main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["op"] for row in rows] == ["mlx add", "ours small_row_matmul 1 row"]
+
+
+def test_stubbed_launches_take_our_kernel_path_and_restore_everything():
+    from benchmarks import launch_cost
+    from dflash.metal import backend, groups
+    from dflash.metal.attention import KeyPlane, small_query_attention
+
+    launched = []
+    real = groups.launch_groups
+    before = (backend.BACKEND, backend.use_kernel_path)
+    with launch_cost.stubbed_launches():
+        stub = groups.launch_groups
+        groups.launch_groups = lambda *a: launched.append(a[0].base) or stub(*a)
+        try:
+            plane = KeyPlane(mx.zeros((1, 2, 64, 16)), mx.zeros((1, 2, 64, 16)), 40)
+            out = small_query_attention(mx.zeros((1, 4, 1, 16)), plane, scale=0.25)
+        finally:
+            groups.launch_groups = stub
+    # The kernel path's two launches ran as stand-ins of the right shape.
+    assert launched == ["attend_chunks", "fold_chunks"] and out.shape == (1, 4, 1, 16)
+    assert groups.launch_groups is real
+    assert (backend.BACKEND, backend.use_kernel_path) == before
 
 
 def test_compare_arms_pairs_each_run_with_the_first_arms_run_of_its_pass():
