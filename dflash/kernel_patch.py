@@ -175,7 +175,7 @@ def _key_source(cache: KvPlane, keys: mx.array, values: mx.array, count: int, wi
             cache.kv, meta.len, meta.origin_logical, meta.origin_physical
         )
         pending = guard.pending
-        return plane, mx.squeeze(pending[0:1], 0), mx.squeeze(pending[1:2], 0)
+        return plane, pending[0], pending[1]
     first, _ = visible_bounds(start, window or 0, True, cache.offset)
     if first >= cache.origin_logical:
         # The chunk was written and nothing a query needs was evicted.
