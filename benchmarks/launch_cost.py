@@ -35,6 +35,7 @@ import sys
 import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from functools import partial
 from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
@@ -104,7 +105,48 @@ def make_ops(small: bool) -> dict[str, Op]:
         "ours small_query_attention 1 query": lambda: small_query_attention(
             q1, step_plane, scale=scale
         ),
+        **bare_kernel_ops(x1),
     }
+
+
+# A one-element copy: what mlx's custom-kernel path costs a launch, apart from our
+# wrappers and the work. The padded form carries a comment as long as our tensor-core
+# bodies (mlx assembles the source at every call and hashes it at every evaluation).
+BARE_BODIES = {
+    backend.CUDA: "int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+    "if (i < 1) { out[i] = a[i]; }\n",
+    backend.METAL: "uint i = thread_position_in_grid.x;\nif (i < 1) { out[i] = a[i]; }\n",
+}
+BARE_PADDING = 12 * 1024
+
+
+def bare_kernel_ops(x: mx.array) -> dict[str, Op]:
+    """``custom kernel`` ops of a short and a padded source (none without a GPU)."""
+    if backend.BACKEND not in BARE_BODIES:
+        return {}
+    ops = {}
+    for label, padding in (("short", 0), ("12 KB", BARE_PADDING)):
+        source = "// pad\n" * (padding // 7) + BARE_BODIES[backend.BACKEND]
+        kernel = backend.make_kernel(
+            backend.BACKEND,
+            name=f"dflash_bare_{padding}",
+            input_names=["a"],
+            output_names=["out"],
+            source=source,
+        )
+        ops[f"custom kernel {label} source"] = partial(_bare_launch, kernel, x)
+    return ops
+
+
+def _bare_launch(kernel, x: mx.array) -> mx.array:
+    return kernel(
+        inputs=[x],
+        output_shapes=[(1,)],
+        output_dtypes=[x.dtype],
+        grid=(32, 1, 1),
+        threadgroup=(32, 1, 1),
+        stream=mx.gpu,
+    )[0]
 
 
 @contextmanager

@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .metal import backend
-from .metal.qmm import small_row_matmul
+from .metal.qmm import bind_matmul
 
 # Member names per parent: an attention module's input projections, an MLP's gate / up.
 SIBLINGS = (("q_proj", "k_proj", "v_proj", "gate_proj"), ("gate_proj", "up_proj"))
@@ -114,6 +114,7 @@ class FusedProjections:
         rows = [m["weight"].shape[0] for m in self.members]
         edges = [0] + list(itertools.accumulate(rows))
         self.bounds = list(zip(edges[:-1], edges[1:]))
+        self.splits = edges[1:-1]
         stacked = _kept_stack(self.members)
         if stacked is None:
             stacked = _stack(self.members, names, self.bounds)
@@ -124,6 +125,8 @@ class FusedProjections:
         self.group_size = self.members[0].group_size if quantized else None
         self._source: Optional[mx.array] = None
         self._outputs: Dict[int, mx.array] = {}
+        # The kernel form's product per input (shape, dtype, use_kernel), planned once.
+        self._bound: Dict[tuple, Callable[[mx.array], mx.array]] = {}
 
     def output(self, index: int, x: mx.array, use_kernel: Optional[bool]) -> mx.array:
         """Member ``index``'s projection of ``x`` (one launch for all members per input).
@@ -145,18 +148,23 @@ class FusedProjections:
         if self.form == "mlx":
             y = self._mlx_product(x)
         else:
-            depth = x.shape[-1]
-            y = small_row_matmul(
-                x.reshape(-1, depth),
-                self.weight,
-                self.scales,
-                self.biases,
-                bits=self.bits,
-                group_size=self.group_size,
-                use_kernel=use_kernel,
-            )
-            y = y.reshape(*x.shape[:-1], y.shape[-1])
-        return {i: y[..., start:stop] for i, (start, stop) in enumerate(self.bounds)}
+            key = (x.shape, x.dtype, use_kernel)
+            product = self._bound.get(key)
+            if product is None:
+                product = self._bound[key] = self._bind(x, use_kernel)
+            y = product(x)
+        return dict(enumerate(mx.split(y, self.splits, axis=-1)))
+
+    def _bind(self, x: mx.array, use_kernel: Optional[bool]):
+        """``x -> x @ stack.T`` for inputs of ``x``'s shape and dtype, planned once."""
+        depth = x.shape[-1]
+        flat = (x.size // depth, depth)
+        out_shape = (*x.shape[:-1], self.weight.shape[0])
+        matmul = bind_matmul(
+            flat, x.dtype, self.weight, self.scales, self.biases,
+            bits=self.bits, group_size=self.group_size, use_kernel=use_kernel,
+        )  # fmt: skip
+        return lambda x: matmul(x.reshape(flat)).reshape(out_shape)
 
     def _mlx_product(self, x: mx.array) -> mx.array:
         """``x @ stack.T`` by mlx's own op, as each member's layer computes its own."""

@@ -47,6 +47,8 @@ import contextvars
 import os
 import sys
 from dataclasses import dataclass
+from functools import partial
+from operator import is_
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
@@ -63,7 +65,7 @@ from .fused_projections import (
 )
 from .metal import backend, qmm
 from .metal.attention import KeyPlane, small_query_attention, visible_bounds
-from .metal.qmm import small_row_matmul
+from .metal.qmm import bind_matmul
 from .taps import target_layers
 
 # mlx-lm architectures whose attention calls base.scaled_dot_product_attention with the
@@ -74,6 +76,8 @@ SUPPORTED_ARCHITECTURES = ("muse_glimmer", "llama", "qwen3", "gemma3_text", "coh
 _ORIGINAL_CLASS = "_dflash_kernel_original_class"
 # A fused member's MemberSlot (plain attribute of the layer).
 _FUSED_SLOT = "_dflash_fused"
+# A matmul layer's bound forwards by input geometry (plain attribute, while installed).
+_BOUND = "_dflash_bound"
 
 # The route of the attention call in progress (None: not a patched call).
 _ACTIVE: contextvars.ContextVar[Optional["AttentionRoute"]] = contextvars.ContextVar(
@@ -323,33 +327,60 @@ def _linear_call(self, x: mx.array) -> mx.array:
     """``Linear`` / ``QuantizedLinear`` forward through :func:`small_row_matmul`.
 
     Calls with more rows than the route's ``max_queries``, other quantization modes,
-    widths or dtypes than the kernel serves keep the layer's own forward.
+    widths or dtypes than the kernel serves keep the layer's own forward. What a call
+    runs is worked out once per input shape and dtype and kept on the layer while the
+    patch is installed (dropped if any of the layer's arrays is replaced).
 
     Shapes: x ``(..., K)``; returns ``(..., N)``.
     """
-    route: AttentionRoute = self._dflash_route
+    bound: Dict[tuple, _BoundLinear] = self.__dict__[_BOUND]
+    key = (x.shape, x.dtype)
+    entry = bound.get(key)
+    if entry is None or not entry.holds(self):
+        entry = bound[key] = _BoundLinear(self, _bind_linear(self, x))
+    return entry.run(x)
+
+
+class _BoundLinear:
+    """What a patched layer runs for one input geometry, and the arrays it was bound to."""
+
+    __slots__ = ("arrays", "run")
+
+    def __init__(self, layer: nn.Module, run: Callable[[mx.array], mx.array]) -> None:
+        self.arrays = tuple(layer.values())
+        self.run = run
+
+    def holds(self, layer: nn.Module) -> bool:
+        """Whether ``layer`` still holds the very arrays this was bound to."""
+        arrays = tuple(layer.values())
+        return len(arrays) == len(self.arrays) and all(map(is_, arrays, self.arrays))
+
+
+def _bind_linear(layer: nn.Module, x: mx.array) -> Callable[[mx.array], mx.array]:
+    """The forward of ``layer`` for inputs of ``x``'s shape and dtype (see
+    :func:`_linear_call`)."""
+    route: AttentionRoute = layer._dflash_route
     depth = x.shape[-1]
     rows = x.size // depth if depth else 0
-    args = _matmul_args(self, x.dtype) if 0 < rows <= route.max_queries else None
+    args = _matmul_args(layer, x.dtype) if 0 < rows <= route.max_queries else None
     if args is None or depth % 8:
-        return getattr(type(self), _ORIGINAL_CLASS).__call__(self, x)
-    slot: Optional[MemberSlot] = self.__dict__.get(_FUSED_SLOT)
+        return partial(getattr(type(layer), _ORIGINAL_CLASS).__call__, layer)
+    slot: Optional[MemberSlot] = layer.__dict__.get(_FUSED_SLOT)
     if slot is not None:
-        return slot.group.output(slot.index, x, route.use_kernel)
+        return partial(slot.group.output, slot.index, use_kernel=route.use_kernel)
     weight, scales, biases, bits, group_size = args
-    y = small_row_matmul(
-        x.reshape(rows, depth),
-        weight,
-        scales,
-        biases,
-        bits=bits,
-        group_size=group_size,
-        use_kernel=route.use_kernel,
-    )
-    y = y.reshape(*x.shape[:-1], y.shape[-1])
-    if "bias" in self:
-        y = y + self["bias"]
-    return y
+    matmul = bind_matmul(
+        (rows, depth), x.dtype, weight, scales, biases,
+        bits=bits, group_size=group_size, use_kernel=route.use_kernel,
+    )  # fmt: skip
+    flat, out_shape = (rows, depth), (*x.shape[:-1], weight.shape[0])
+    bias = layer["bias"] if "bias" in layer else None
+
+    def run(x: mx.array) -> mx.array:
+        y = matmul(x.reshape(flat)).reshape(out_shape)
+        return y if bias is None else y + bias
+
+    return run
 
 
 def _projection_class(base: type) -> type:
@@ -401,14 +432,15 @@ def _swap(module: nn.Module, cls: type, route: AttentionRoute) -> None:
         raise RuntimeError(f"{type(module).__name__} already has kernels installed")
     module.__class__ = cls
     module._dflash_route = route
+    module.__dict__[_BOUND] = {}
 
 
 def _unswap(module: nn.Module) -> None:
     original = getattr(type(module), _ORIGINAL_CLASS, None)
     if original is not None:
         module.__class__ = original
-    if "_dflash_route" in module.__dict__:
-        del module.__dict__["_dflash_route"]
+    module.__dict__.pop("_dflash_route", None)
+    module.__dict__.pop(_BOUND, None)
 
 
 # ------------------------------------------------------------------ public

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import mlx.core as mx
@@ -141,6 +141,14 @@ class Plan:
     chunk: int
     chunk_first: int
     chunks: int
+
+    def __hash__(self) -> int:
+        # Hashed once: a plan keys its launch's memo on every call that shares it.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(self.__dict__[name] for name in _PLAN_FIELDS))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     @property
     def ring_end(self) -> int:
@@ -318,6 +326,7 @@ def _plan(
 
 
 _cached_plan = functools.lru_cache(maxsize=1024)(_plan)
+_PLAN_FIELDS = tuple(field.name for field in fields(Plan))
 
 
 # ---------------------------------------------------------------- reference

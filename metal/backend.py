@@ -190,8 +190,8 @@ def launch(
     return call_kernel(
         kernel_for(spec),
         spec.base,
-        inputs,
-        output_shapes,
+        list(inputs),
+        [tuple(shape) for shape in output_shapes],
         output_dtypes=[word] * len(output_shapes),
         grid=(total, 1, 1),
         threadgroup=(min(THREADGROUP, total), 1, 1),
@@ -211,8 +211,8 @@ def call_kernel(
     Args:
         kernel: The kernel, or None when this mlx build could not make it.
         name: The kernel's name, for the error.
-        inputs: Inputs in the spec's order.
-        output_shapes: Output shapes.
+        inputs: Inputs in the spec's order, as a list.
+        output_shapes: Output shapes, as a list of tuples (passed to mlx as they are).
         **launch: ``output_dtypes``, ``grid``, ``threadgroup``, ``template``.
 
     Returns:
@@ -223,10 +223,7 @@ def call_kernel(
     """
     if kernel is None:
         raise RuntimeError(f"kernel {name} unavailable on this mlx build")
-    output_shapes = [tuple(s) for s in output_shapes]
-    return kernel(
-        inputs=list(inputs), output_shapes=output_shapes, stream=mx.gpu, **launch
-    )
+    return kernel(inputs=inputs, output_shapes=output_shapes, stream=mx.gpu, **launch)
 
 
 @functools.lru_cache(maxsize=256)

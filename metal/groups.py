@@ -69,7 +69,9 @@ PROLOGUES: dict[str, str] = {
 }
 
 
-@dataclass(frozen=True)
+# Compared and hashed by identity: each spec is one module-level (or memoised) object,
+# and launches look its kernel up on every call.
+@dataclass(frozen=True, eq=False)
 class GroupKernelSpec:
     """One threadgroup kernel: names, shared helper text and shared body.
 
@@ -166,7 +168,8 @@ def launch_groups(
     """Launch ``groups`` threadgroups of ``spec.threads`` threads.
 
     Tests replace this function (module attribute) with a CPU emulation of the
-    Metal form; the wrappers always call it through the module.
+    Metal form; the wrappers always call it through the module. The kernel object
+    and mlx's launch arguments are worked out once per spec and geometry.
 
     Args:
         spec: Kernel contract.
@@ -179,16 +182,36 @@ def launch_groups(
     Returns:
         The kernel's outputs.
     """
-    return backend.call_kernel(
-        group_kernel_for(spec),
-        spec.base,
-        inputs,
-        output_shapes,
-        output_dtypes=list(output_dtypes),
-        grid=(groups * spec.threads, 1, 1),
-        threadgroup=(spec.threads, 1, 1),
-        template=[("T", dtype)],
-    )
+    key = (spec, tuple(output_shapes), tuple(output_dtypes), groups, dtype)
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        if len(_LAUNCHES) >= MAX_LAUNCHES:  # geometries of long-gone contexts
+            _LAUNCHES.clear()
+        launch = _LAUNCHES[key] = _launch_arguments(*key)
+    kernel, arguments = launch
+    return backend.call_kernel(kernel, spec.base, list(inputs), **arguments)
+
+
+# mlx's launch arguments per (spec, output shapes, output dtypes, groups, dtype).
+MAX_LAUNCHES = 4096
+_LAUNCHES: dict[tuple, tuple[Optional[Kernel], dict]] = {}
+
+
+def _launch_arguments(
+    spec: GroupKernelSpec,
+    output_shapes: tuple,
+    output_dtypes: tuple,
+    groups: int,
+    dtype: mx.Dtype,
+) -> tuple[Optional[Kernel], dict]:
+    arguments = {
+        "output_shapes": [tuple(shape) for shape in output_shapes],
+        "output_dtypes": list(output_dtypes),
+        "grid": (groups * spec.threads, 1, 1),
+        "threadgroup": (spec.threads, 1, 1),
+        "template": [("T", dtype)],
+    }
+    return group_kernel_for(spec), arguments
 
 
 @functools.lru_cache(maxsize=512)

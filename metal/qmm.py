@@ -27,7 +27,7 @@ lose precision in bfloat16); each is batch-invariant.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -64,10 +64,12 @@ def _check(x, weight, scales, biases, bits, group_size) -> tuple[int, int, int]:
     """
     return _check_geometry(
         tuple(x.shape), x.dtype, tuple(weight.shape), weight.dtype,
-        None if scales is None else (tuple(scales.shape), scales.dtype),
-        None if biases is None else (tuple(biases.shape), biases.dtype),
-        bits, group_size,
+        _geometry_key(scales), _geometry_key(biases), bits, group_size,
     )  # fmt: skip
+
+
+def _geometry_key(array: Optional[mx.array]) -> Optional[tuple]:
+    return None if array is None else (tuple(array.shape), array.dtype)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -383,7 +385,53 @@ def small_row_matmul(
         ValueError: On any inconsistent argument (nothing is launched).
         RuntimeError: ``use_kernel=True`` without Metal or CUDA.
     """
-    rows, _, depth = _check(x, weight, scales, biases, bits, group_size)
+    bound = bind_matmul(
+        x.shape, x.dtype, weight, scales, biases,
+        bits=bits, group_size=group_size, use_kernel=use_kernel,
+    )  # fmt: skip
+    return bound(x)
+
+
+BoundMatmul = Callable[[mx.array], mx.array]
+
+
+def bind_matmul(
+    x_shape: Sequence[int],
+    x_dtype: mx.Dtype,
+    weight: mx.array,
+    scales: Optional[mx.array] = None,
+    biases: Optional[mx.array] = None,
+    *,
+    bits: Optional[int] = None,
+    group_size: Optional[int] = None,
+    use_kernel: Optional[bool] = None,
+) -> BoundMatmul:
+    """:func:`small_row_matmul` with everything but ``x`` fixed: checked, routed and
+    planned once.
+
+    A caller that multiplies the same weights by inputs of one geometry many times (a
+    patched layer, one decode step after another) keeps the result per geometry; each
+    call then costs only its launches' Python. The form (kernel or reference) is
+    chosen here, once.
+
+    Args:
+        x_shape: The shape every ``x`` given to the result will have, ``(M, K)``.
+        x_dtype: Their dtype.
+        weight, scales, biases, bits, group_size, use_kernel: As
+            :func:`small_row_matmul`.
+
+    Returns:
+        ``x -> x @ W.T`` for ``x`` of exactly ``x_shape`` and ``x_dtype`` (not checked
+        again).
+
+    Raises:
+        ValueError: On any inconsistent argument.
+        RuntimeError: ``use_kernel=True`` without Metal or CUDA.
+    """
+    rows, _, depth = _check_geometry(
+        tuple(x_shape), x_dtype, tuple(weight.shape), weight.dtype,
+        _geometry_key(scales), _geometry_key(biases), bits, group_size,
+    )  # fmt: skip
     # Each lane reads 8 consecutive elements of a row (affine K is a multiple of 32).
     serves = depth % 8 == 0
     if use_kernel is None:
@@ -396,12 +444,17 @@ def small_row_matmul(
             raise ValueError(
                 f"the small-row kernel needs K to be a multiple of 8, got {depth}"
             )
-    if not use_kernel:
-        form = reference_matmul
-    elif uses_tensor_cores(x.dtype, rows, depth, weight.shape[0], bits):
-        form = tensor_qmm.tensor_core_matmul
-    else:
-        form = kernel_matmul
+    if use_kernel and uses_tensor_cores(x_dtype, rows, depth, weight.shape[0], bits):
+        return tensor_qmm.bind_tensor_core(
+            rows, depth, weight, scales, biases, bits, group_size, x_dtype
+        )
+    form = kernel_matmul if use_kernel else reference_matmul
+    return functools.partial(
+        _bound_form, form, weight, scales, biases, bits, group_size
+    )
+
+
+def _bound_form(form, weight, scales, biases, bits, group_size, x: mx.array):
     return form(x, weight, scales, biases, bits, group_size)
 
 

@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -658,23 +658,51 @@ def tensor_core_matmul(
     Shapes: x ``(M, K)``; returns ``(M, N)``.
     """
     rows, depth = x.shape
+    bound = bind_tensor_core(
+        rows, depth, weight, scales, biases, bits, group_size, x.dtype
+    )
+    return bound(x)
+
+
+def bind_tensor_core(
+    rows: int,
+    depth: int,
+    weight: mx.array,
+    scales: Optional[mx.array],
+    biases: Optional[mx.array],
+    bits: Optional[int],
+    group_size: Optional[int],
+    dtype: mx.Dtype,
+) -> Callable[[mx.array], mx.array]:
+    """The tensor-core form with everything but ``x`` fixed (see ``qmm.bind_matmul``):
+    its launches' inputs, shapes and counts are worked out once.
+
+    Returns:
+        ``x -> x @ W.T`` for ``x`` of shape ``(rows, depth)`` and ``dtype``.
+    """
     plan = launch_plan(rows, depth, weight.shape[0], bits, group_size)
-    ints = plan.params
-    inputs = [x, weight, ints] if bits is None else [x, weight, scales, biases, ints]
-    y, partial = groups.launch_groups(
-        plan.spec, inputs, plan.shapes, [x.dtype, mx.float32], plan.groups, x.dtype
-    )
-    if plan.reduce_params is None:
+    weights = [weight] if bits is None else [weight, scales, biases]
+    weights.append(plan.params)
+    out_dtypes = [dtype, mx.float32]
+    reduce_shapes = [(rows, plan.columns)]
+
+    def launch(x: mx.array) -> mx.array:
+        y, partial = groups.launch_groups(
+            plan.spec, [x, *weights], plan.shapes, out_dtypes, plan.groups, dtype
+        )
+        if plan.reduce_params is None:
+            return y
+        (y,) = groups.launch_groups(
+            REDUCE_SPEC,
+            [partial, plan.reduce_params],
+            reduce_shapes,
+            [dtype],
+            plan.reduce_groups,
+            dtype,
+        )
         return y
-    (y,) = groups.launch_groups(
-        REDUCE_SPEC,
-        [partial, plan.reduce_params],
-        [(rows, plan.columns)],
-        [x.dtype],
-        plan.reduce_groups,
-        x.dtype,
-    )
-    return y
+
+    return launch
 
 
 @dataclass(frozen=True)

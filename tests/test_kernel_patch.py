@@ -191,7 +191,28 @@ def test_uninstall_restores_classes_and_module() -> None:
     modules = patch.attention_modules() + patch.matmul_modules()
     assert [type(m) for m in modules] == classes
     assert not any("_dflash_route" in vars(m) for m in modules)
+    assert not any("_dflash_bound" in vars(m) for m in modules)
     assert np.array_equal(_f32(target(prompt)), before)
+
+
+@pytest.mark.parametrize("name", ["weight", "bias"])
+def test_a_layer_given_new_arrays_is_bound_again(name) -> None:
+    """A patched layer keeps its bound forward per input geometry only while it holds
+    the very arrays it was bound to: replace one and the next call uses the new one."""
+    target = tiny_model("muse_glimmer", seed=13, window=16)
+    layer = target.layers[0].self_attn.o_proj
+    if name == "bias":
+        layer.bias = mx.zeros((layer.weight.shape[0],))
+    x = mx.random.normal((1, 1, layer.weight.shape[1]), key=mx.random.key(3))
+    with KernelPatch(target, matmul=True):
+        first = layer(x)
+        assert np.array_equal(_f32(layer(x)), _f32(first))  # the bound form again
+        new = mx.random.normal(layer[name].shape, key=mx.random.key(4))
+        setattr(layer, name, new)
+        second = layer(x)
+    expected = layer(x)  # mlx's own forward with the new array
+    np.testing.assert_allclose(_f32(second), _f32(expected), atol=1e-4)
+    assert not np.allclose(_f32(second), _f32(first), atol=1e-3)
 
 
 def test_unpatched_models_keep_mlx_attention(monkeypatch) -> None:
@@ -258,16 +279,22 @@ def test_kernel_route_uses_the_kernel_form(monkeypatch) -> None:
 def test_matmuls_take_the_small_row_route(monkeypatch, bits, fuse) -> None:
     """Every Linear / QuantizedLinear of a decode step or verify block; not a prefill.
     Fused, each attention module's q/k/v/gate and each MLP's gate/up are one call over
-    the members' stacked columns."""
-    calls = []
-    original = kernel_patch.small_row_matmul
+    the members' stacked columns. A geometry seen before runs its bound form again."""
+    calls, binds = [], []
+    original = kernel_patch.bind_matmul
 
-    def spy(x, weight, *args, **kwargs):
-        calls.append((x.shape[0], kwargs["bits"], weight.shape[0]))
-        return original(x, weight, *args, **kwargs)
+    def spy(x_shape, x_dtype, weight, *args, **kwargs):
+        binds.append(x_shape[0])
+        bound = original(x_shape, x_dtype, weight, *args, **kwargs)
 
-    monkeypatch.setattr(kernel_patch, "small_row_matmul", spy)
-    monkeypatch.setattr(fused_projections, "small_row_matmul", spy)
+        def run(x):
+            calls.append((x.shape[0], kwargs["bits"], weight.shape[0]))
+            return bound(x)
+
+        return run
+
+    monkeypatch.setattr(kernel_patch, "bind_matmul", spy)
+    monkeypatch.setattr(fused_projections, "bind_matmul", spy)
     target = tiny_model("muse_glimmer", seed=12, window=16)
     if bits:
         nn.quantize(target, group_size=32, bits=bits)
@@ -288,8 +315,12 @@ def test_matmuls_take_the_small_row_route(monkeypatch, bits, fuse) -> None:
         assert calls == []
         target(mx.random.randint(0, 250, (1, 16)), cache=cache)
         target(mx.random.randint(0, 250, (1, 1)), cache=cache)
-    want = [(16, bits, n) for n in per_forward] + [(1, bits, n) for n in per_forward]
+        target(mx.random.randint(0, 250, (1, 1)), cache=cache)
+    want = [(16, bits, n) for n in per_forward] + 2 * [
+        (1, bits, n) for n in per_forward
+    ]
     assert sorted(calls) == sorted(want)
+    assert sorted(binds) == sorted([16, 1] * len(per_forward))
 
 
 def test_matmul_only_patch_keeps_attention(monkeypatch) -> None:
