@@ -42,7 +42,7 @@ from dflash.generation import generate_step
 from dflash.metal import backend, groups
 
 from .launch_cost import stubbed_launches
-from .round_profile import KERNEL_ARMS, _kernel_arms, kernel_arm
+from .round_profile import KERNEL_ARMS, _kernel_arms, kernel_arm, wall_ms_per_token
 
 PHASES = ("build", "encode", "rest")
 MLX_LM_ARM = "mlx-lm"
@@ -139,6 +139,7 @@ def one_run(
     ms = lambda values: round(1e3 * statistics.median(values[keep]), 3)  # noqa: E731
     build, encode, wall = ms(builds), ms(encodes), ms(walls)
     launches = [b - a for a, b in zip(marks, marks[1:])]
+    steady = sorted(walls[keep])
     return {
         "arm": arm,
         "tokens": len(stamps),
@@ -147,6 +148,17 @@ def one_run(
         "encode_ms": encode,
         "rest_ms": round(wall - build - encode, 3),
         "launches": statistics.median(launches[skip:]) if launches[skip:] else 0,
+        # A median hides slow tokens that come now and then; the mean does not.
+        "wall_mean_ms": round(1e3 * statistics.mean(steady), 3),
+        "wall_max_ms": round(1e3 * steady[-1], 3),
+        "per_token_ms": {
+            name: [round(1e3 * v, 3) for v in values[keep]]
+            for name, values in (
+                ("wall", walls),
+                ("build", builds),
+                ("encode", encodes),
+            )
+        },
     }
 
 
@@ -170,6 +182,18 @@ def per_launch(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
             }
         )
     return out
+
+
+def difference_ms(model, prompt: mx.array, arm: str, args: argparse.Namespace) -> float:
+    """Wall ms per token as ``round_profile --plain-time`` measures it: two whole
+    generations (``--tokens`` / 2 and ``--tokens``), their difference per extra token.
+    """
+    step = mlx_lm_generate.generate_step if arm == MLX_LM_ARM else generate_step
+
+    def tokens(max_tokens: int) -> int:
+        return sum(1 for _ in step(prompt, model, max_tokens=max_tokens))
+
+    return wall_ms_per_token(tokens, args.tokens // 2, args.tokens)
 
 
 def stubs(args: argparse.Namespace) -> AbstractContextManager:
@@ -200,7 +224,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                         model, prompt, arm, args.tokens, args.skip, args.stub_launches
                     )
                 )
-            print(json.dumps({"pass": index, **rows[-1]}), flush=True)
+                if args.difference:
+                    rows[-1]["difference_ms"] = difference_ms(model, prompt, arm, args)
+            shown = {k: v for k, v in rows[-1].items() if k != "per_token_ms"}
+            print(json.dumps({"pass": index, **shown}), flush=True)
         report["passes"].append({"rows": rows, "per_launch": per_launch(rows)})
         for row in report["passes"][-1]["per_launch"]:
             print(json.dumps({"pass": index, **row}), flush=True)
@@ -220,6 +247,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         type=_kernel_arms,
         default=["off", "all"],
         help="comma list of verify-kernel arms: " + ", ".join(KERNEL_ARMS),
+    )
+    parser.add_argument(
+        "--difference",
+        action="store_true",
+        help="also each arm's wall ms per token from two whole generations (as "
+        "round_profile --plain-time)",
     )
     parser.add_argument(
         "--stub-launches",
