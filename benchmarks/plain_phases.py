@@ -31,6 +31,7 @@ import importlib
 import json
 import statistics
 import time
+from collections import Counter
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -41,6 +42,7 @@ from dflash.bench.scale_target import build_target, random_prompt
 from dflash.generation import generate_step
 from dflash.metal import backend, groups
 
+from .common import busy_us, cupti_trace
 from .launch_cost import stubbed_launches
 from .round_profile import KERNEL_ARMS, _kernel_arms, kernel_arm, wall_ms_per_token
 
@@ -196,6 +198,44 @@ def difference_ms(model, prompt: mx.array, arm: str, args: argparse.Namespace) -
     return wall_ms_per_token(tokens, args.tokens // 2, args.tokens)
 
 
+def device_tokens(model, prompt: mx.array, arm: str, tokens: int, skip: int) -> dict:
+    """Each token's device span and busy time (CUPTI; CUDA with PyTorch).
+
+    Kernels are split into tokens at a kernel that runs once a token (the sampler's
+    argmax: the first kernel name whose count is the token count or one more, preferring one
+    named like an arg-reduction). A token whose span is about its busy time had the
+    device working all along: the device, not the host, set its pace.
+
+    Returns:
+        ``marker`` (the kernel used) and medians and per-token lists (ms) of ``span``
+        and ``busy``; ``None`` values when no marker was found.
+    """
+    step = mlx_lm_generate.generate_step if arm == MLX_LM_ARM else generate_step
+    kernels, _ = cupti_trace(
+        lambda: sum(1 for _ in step(prompt, model, max_tokens=tokens))
+    )
+    counts = Counter(name for name, _, _ in kernels)
+    # The step after the last yielded token is computed too (mlx-lm's pipelining).
+    candidates = [name for name, count in counts.items() if 0 <= count - tokens <= 1]
+    candidates.sort(key=lambda name: "arg" not in name.lower())
+    if not candidates:
+        near = {n[:80]: c for n, c in counts.items() if abs(c - tokens) <= 3}
+        return {"marker": None, "span_ms": None, "busy_ms": None, "near": near}
+    marker = candidates[0]
+    ends = [start + length for name, start, length in kernels if name == marker]
+    span, busy = [], []
+    for first, last in zip(ends[skip:], ends[skip + 1 :]):
+        inside = [k for k in kernels if first <= k[1] < last]
+        span.append(round((last - first) / 1e3, 3))
+        busy.append(round(busy_us(inside) / 1e3, 3))
+    return {
+        "marker": marker[:80],
+        "span_ms": statistics.median(span),
+        "busy_ms": statistics.median(busy),
+        "per_token_ms": {"span": span, "busy": busy},
+    }
+
+
 def stubs(args: argparse.Namespace) -> AbstractContextManager:
     """Stubbed launches with ``--stub-launches``, else nothing."""
     return stubbed_launches() if args.stub_launches else nullcontext()
@@ -226,7 +266,15 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 )
                 if args.difference:
                     rows[-1]["difference_ms"] = difference_ms(model, prompt, arm, args)
+                if args.device_time:
+                    rows[-1]["device"] = device_tokens(
+                        model, prompt, arm, args.tokens, args.skip
+                    )
             shown = {k: v for k, v in rows[-1].items() if k != "per_token_ms"}
+            if "device" in shown:
+                shown["device"] = {
+                    k: v for k, v in shown["device"].items() if k != "per_token_ms"
+                }
             print(json.dumps({"pass": index, **shown}), flush=True)
         report["passes"].append({"rows": rows, "per_launch": per_launch(rows)})
         for row in report["passes"][-1]["per_launch"]:
@@ -247,6 +295,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         type=_kernel_arms,
         default=["off", "all"],
         help="comma list of verify-kernel arms: " + ", ".join(KERNEL_ARMS),
+    )
+    parser.add_argument(
+        "--device-time",
+        action="store_true",
+        help="each token's device span and busy time per arm (CUPTI; CUDA with torch)",
     )
     parser.add_argument(
         "--difference",

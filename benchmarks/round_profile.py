@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
 import itertools
 import json
@@ -451,16 +452,40 @@ def _plain_runs(model, prompt) -> Tuple[Callable[[int], int], Callable[[int], in
 
 
 def plain_wall(args, model, prompt) -> List[Dict[str, Any]]:
-    """Plain decoding's wall time per token: mlx-lm's, and ours under each kernel arm."""
-    short, long = max(1, args.max_tokens // 2), args.max_tokens
-    mlx_lm_plain, ours_plain = _plain_runs(model, prompt)
-    rows = [{"run": "mlx-lm plain", "ms_per_token": wall_ms_per_token(
-        mlx_lm_plain, short, long)}]  # fmt: skip
+    """Plain decoding's wall time per token: mlx-lm's, and ours under each kernel arm.
+
+    The median interval between tokens of one ``--max-tokens`` generation, past the
+    first few (the difference of two whole generations, :func:`wall_ms_per_token`, is
+    swamped by the variance of their prefills when the host sets the pace).
+    """
+    mlx_lm_generate = importlib.import_module("mlx_lm.generate")
+
+    def mlx_lm_steps(max_tokens: int):
+        return mlx_lm_generate.generate_step(prompt, model, max_tokens=max_tokens)
+
+    def our_steps(max_tokens: int):
+        return generate_step(prompt, model, max_tokens=max_tokens)
+
+    ms = yield_ms_per_token(mlx_lm_steps, args.max_tokens)
+    rows = [{"run": "mlx-lm plain", "ms_per_token": ms}]
     for kernels in args.kernels:
         with kernel_arm(kernels):
-            ms = wall_ms_per_token(ours_plain, short, long)
+            ms = yield_ms_per_token(our_steps, args.max_tokens)
         rows.append({"run": "ours plain", "kernels": kernels, "ms_per_token": ms})
     return rows
+
+
+def yield_ms_per_token(steps: Callable[[int], Iterator], max_tokens: int) -> float:
+    """Median ms between consecutive tokens of one generation, leaving out the first
+    :data:`PLAIN_SKIP` intervals (fewer when the generation is short)."""
+    stamps = [time.perf_counter() for _ in steps(max_tokens)]
+    intervals = [b - a for a, b in zip(stamps, stamps[1:])]
+    steady = intervals[PLAIN_SKIP:] or intervals
+    return round(1e3 * statistics.median(steady), 3) if steady else 0.0
+
+
+# Leading token intervals a plain-time median leaves out (the first launches).
+PLAIN_SKIP = 3
 
 
 def device_report(args, model, prompt, replay, plain, block) -> List[Dict[str, Any]]:
@@ -488,7 +513,8 @@ def device_report(args, model, prompt, replay, plain, block) -> List[Dict[str, A
                 (f"dflash tau {tau}", "round", partial(dflash_rounds, kernels)),
                 ("ours plain", "token", ours_plain),
             ):
-                row = {"run": name, "kernels": kernels, "unit": unit}
+                # "kernels" is per_unit's kernel count; the arm goes under "arm".
+                row = {"run": name, "arm": kernels, "unit": unit}
                 rows.append({**row, **per_unit(run, short, long)})
     return rows
 
@@ -534,7 +560,8 @@ def main() -> None:
     parser.add_argument(
         "--plain-time",
         action="store_true",
-        help="plain decoding's wall ms per token: mlx-lm's and ours per kernel arm",
+        help="plain decoding's wall ms per token (median interval between tokens): "
+        "mlx-lm's and ours per kernel arm",
     )
     parser.add_argument(
         "--device-time",

@@ -50,15 +50,21 @@ def test_round_profile_times_every_phase_of_a_lossless_tiny_run(tmp_path):
     json.dumps(report)
 
 
-def test_round_profile_kernel_arms_are_lossless_against_their_own_plain_decoding():
+def test_round_profile_kernel_arms_are_lossless_against_their_own_plain_decoding(
+    monkeypatch,
+):
     """Each ``--kernels`` arm installs its parts and equals its own plain decoding."""
     args = argparse.Namespace(
         scale="tiny", quant="bf16", context=40, tau=[4], max_tokens=24, runs=1,
         skip=1, start_early="on", folded=None,
         kernels=["off", "attention", "all", "all-unfused", "attention-projections"],
-        profile=0, json=None, plain_time=True, profile_plain=4,
+        profile=0, json=None, plain_time=True, profile_plain=4, device_time=True,
     )  # fmt: skip
     before = os.environ.get(VERIFY_KERNELS_ENV)
+    # A fake CUPTI: one 5 us kernel per call of the traced run.
+    monkeypatch.setattr(
+        round_profile, "cupti_trace", lambda run: ([("k", 0.0, 5.0)] * run(), [])
+    )
     seen = []
     real = kernel_patch.KernelPatch.install
 
@@ -88,6 +94,12 @@ def test_round_profile_kernel_arms_are_lossless_against_their_own_plain_decoding
         ("ours plain", arm) for arm in arms
     ]
     assert all(r["ms_per_token"] > 0 for r in walls)
+    # Device rows keep their arm apart from the kernel count.
+    device = report["device_time"]
+    assert [(r["run"][:4], r.get("arm")) for r in device] == [("mlx-", None)] + [
+        (run, arm) for arm in arms for run in ("dfla", "ours")
+    ]
+    assert all(isinstance(r["kernels"], float) for r in device)
     # One cProfile table of our plain decoding per arm; the routed arms show the route.
     assert list(report["plain_profile"]) == arms
     assert all("ncalls" in text for text in report["plain_profile"].values())
@@ -268,3 +280,37 @@ def test_plain_phases_splits_each_token_and_counts_our_launches(tmp_path):
     assert groups.launch_groups.__module__ == groups.__name__
     with pytest.raises(SystemExit):
         plain_phases.parse_args(["--tokens", "4", "--skip", "4"])
+
+
+def test_plain_phases_splits_the_device_timeline_at_the_sampler(monkeypatch):
+    """Per token: the span between the sampler's argmax kernels and the busy time in it;
+    no marker found is reported, not guessed."""
+    from benchmarks import plain_phases
+
+    def fake_trace(run):
+        tokens = run()
+        kernels = [("prefill", 0.0, 500.0)]
+        for index in range(tokens + 1):  # mlx-lm computes one step past the last
+            start = 1000.0 + 40.0 * index
+            kernels += [("matmul", start, 20.0), ("matmul", start + 10.0, 15.0)]
+            kernels.append(("arg_reduce<ArgMax>", start + 30.0, 2.0))
+        return kernels, []
+
+    monkeypatch.setattr(plain_phases, "cupti_trace", fake_trace)
+    model = common_model()
+    prompt = mx.array([1, 2, 3, 4])
+    device = plain_phases.device_tokens(model, prompt, "mlx-lm", 8, 2)
+    assert device["marker"] == "arg_reduce<ArgMax>"
+    assert device["per_token_ms"]["span"] == [0.04] * 6
+    # matmuls 0-25 us after the token starts and the argmax at 30-32: 27 us busy.
+    assert device["per_token_ms"]["busy"] == [0.027] * 6
+    monkeypatch.setattr(
+        plain_phases, "cupti_trace", lambda run: ([("k", 0.0, 1.0)] * 2 * run(), [])
+    )
+    assert plain_phases.device_tokens(model, prompt, "mlx-lm", 8, 2)["marker"] is None
+
+
+def common_model():
+    from dflash.bench.scale_target import build_target
+
+    return build_target("tiny", "bf16", seed=0)
