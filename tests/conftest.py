@@ -2,9 +2,14 @@
 
 import importlib
 import json
+import os
 from typing import Optional, Sequence
 
-import mlx.core as mx
+# On a GPU, mlx runs float32 matmuls in TF32 unless told not to (MLX_ENABLE_TF32, read
+# at the first matmul); the tests compare our float32 kernels with mlx's float32 ops.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+import mlx.core as mx  # noqa: E402
 import pytest
 from hypothesis import HealthCheck, settings
 from mlx.utils import tree_flatten
