@@ -159,7 +159,7 @@ def group_kernel_for(spec: GroupKernelSpec) -> Optional[Kernel]:
 
 def launch_groups(
     spec: GroupKernelSpec,
-    inputs: Sequence[mx.array],
+    inputs: list[mx.array],
     output_shapes: Sequence[tuple[int, ...]],
     output_dtypes: Sequence[mx.Dtype],
     groups: int,
@@ -173,7 +173,7 @@ def launch_groups(
 
     Args:
         spec: Kernel contract.
-        inputs: Inputs in the spec's order.
+        inputs: Inputs in the spec's order, as a list (handed to mlx as it is).
         output_shapes: Output shapes.
         output_dtypes: Output dtypes.
         groups: Number of threadgroups (at least 1).
@@ -189,7 +189,7 @@ def launch_groups(
             _LAUNCHES.clear()
         launch = _LAUNCHES[key] = _launch_arguments(*key)
     kernel, arguments = launch
-    return backend.call_kernel(kernel, spec.base, list(inputs), **arguments)
+    return backend.call_kernel(kernel, spec.base, inputs, **arguments)
 
 
 # mlx's launch arguments per (spec, output shapes, output dtypes, groups, dtype).
