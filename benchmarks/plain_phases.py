@@ -52,6 +52,11 @@ MLX_LM_ARM = "mlx-lm"
 mlx_lm_generate = importlib.import_module("mlx_lm.generate")
 
 
+def plain_step(arm: str):
+    """The ``generate_step`` an arm runs: mlx-lm's for ``"mlx-lm"``, else ours."""
+    return mlx_lm_generate.generate_step if arm == MLX_LM_ARM else generate_step
+
+
 class PhaseClock:
     """Per-token host phases of one plain generation (seconds, appended per event)."""
 
@@ -128,7 +133,7 @@ def one_run(
         The arm's medians (ms) per token: wall, each phase, and launches per token.
     """
     clock = PhaseClock()
-    step = mlx_lm_generate.generate_step if arm == MLX_LM_ARM else generate_step
+    step = plain_step(arm)
     stamps: List[float] = []
     with timed(model, clock, stubbed):
         for _ in step(prompt, model, max_tokens=tokens):
@@ -190,7 +195,7 @@ def difference_ms(model, prompt: mx.array, arm: str, args: argparse.Namespace) -
     """Wall ms per token as ``round_profile --plain-time`` measures it: two whole
     generations (``--tokens`` / 2 and ``--tokens``), their difference per extra token.
     """
-    step = mlx_lm_generate.generate_step if arm == MLX_LM_ARM else generate_step
+    step = plain_step(arm)
 
     def tokens(max_tokens: int) -> int:
         return sum(1 for _ in step(prompt, model, max_tokens=max_tokens))
@@ -210,7 +215,7 @@ def device_tokens(model, prompt: mx.array, arm: str, tokens: int, skip: int) -> 
         ``marker`` (the kernel used) and medians and per-token lists (ms) of ``span``
         and ``busy``; ``None`` values when no marker was found.
     """
-    step = mlx_lm_generate.generate_step if arm == MLX_LM_ARM else generate_step
+    step = plain_step(arm)
     kernels, _ = cupti_trace(
         lambda: sum(1 for _ in step(prompt, model, max_tokens=tokens))
     )

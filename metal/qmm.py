@@ -53,21 +53,6 @@ TENSOR_CORES = True
 # ----------------------------------------------------------------- contract
 
 
-def _check(x, weight, scales, biases, bits, group_size) -> tuple[int, int, int]:
-    """Validate a call; return ``(rows, N, K)``.
-
-    The checks read only shapes and dtypes, so each geometry is validated once
-    (:func:`_check_geometry`; a failing one raises every time, nothing is cached).
-
-    Raises:
-        ValueError: On any inconsistent argument.
-    """
-    return _check_geometry(
-        tuple(x.shape), x.dtype, tuple(weight.shape), weight.dtype,
-        _geometry_key(scales), _geometry_key(biases), bits, group_size,
-    )  # fmt: skip
-
-
 def _geometry_key(array: Optional[mx.array]) -> Optional[tuple]:
     return None if array is None else (tuple(array.shape), array.dtype)
 
@@ -76,7 +61,14 @@ def _geometry_key(array: Optional[mx.array]) -> Optional[tuple]:
 def _check_geometry(
     x_shape, x_dtype, w_shape, w_dtype, scales, biases, bits, group_size
 ) -> tuple[int, int, int]:
-    """:func:`_check` on shapes and dtypes (``scales`` / ``biases``: ``(shape, dtype)``)."""
+    """Validate a call from its shapes and dtypes; return ``(rows, N, K)``.
+
+    ``scales`` / ``biases`` are ``(shape, dtype)`` or None. Memoised: each geometry is
+    validated once (a failing one raises every time, nothing is cached).
+
+    Raises:
+        ValueError: On any inconsistent argument.
+    """
     x = _Geometry(x_shape, x_dtype)
     weight = _Geometry(w_shape, w_dtype)
     scales = None if scales is None else _Geometry(*scales)

@@ -642,28 +642,6 @@ def split_plan(depth: int, columns: int, bits: Optional[int]) -> tuple[int, int,
     return tiles, -(-chunks // per_split), per_split
 
 
-def tensor_core_matmul(
-    x: mx.array,
-    weight: mx.array,
-    scales: Optional[mx.array],
-    biases: Optional[mx.array],
-    bits: Optional[int],
-    group_size: Optional[int],
-) -> mx.array:
-    """The tensor-core form (one launch, two when K is split).
-
-    The caller has validated the call (``qmm._check``) and checked
-    :func:`tensor_core_serves`.
-
-    Shapes: x ``(M, K)``; returns ``(M, N)``.
-    """
-    rows, depth = x.shape
-    bound = bind_tensor_core(
-        rows, depth, weight, scales, biases, bits, group_size, x.dtype
-    )
-    return bound(x)
-
-
 def bind_tensor_core(
     rows: int,
     depth: int,
@@ -674,8 +652,10 @@ def bind_tensor_core(
     group_size: Optional[int],
     dtype: mx.Dtype,
 ) -> Callable[[mx.array], mx.array]:
-    """The tensor-core form with everything but ``x`` fixed (see ``qmm.bind_matmul``):
-    its launches' inputs, shapes and counts are worked out once.
+    """The tensor-core form (one launch, two when K is split) with everything but ``x``
+    fixed (see ``qmm.bind_matmul``, which has validated the call and checked
+    :func:`tensor_core_serves`): its launches' inputs, shapes and counts are worked out
+    once.
 
     Returns:
         ``x -> x @ W.T`` for ``x`` of shape ``(rows, depth)`` and ``dtype``.
