@@ -314,3 +314,19 @@ def common_model():
     from dflash.bench.scale_target import build_target
 
     return build_target("tiny", "bf16", seed=0)
+
+
+def test_patched_calls_times_mlx_and_the_patched_layers(tmp_path):
+    """Four timings, the stubs gone afterwards, bad counts refused."""
+    from benchmarks import patched_calls
+    from dflash.metal import backend, groups
+
+    out = tmp_path / "patched.json"
+    rows = patched_calls.main(["--calls", "3", "--repeat", "1", "--json", str(out)])
+    assert set(rows) == {"mlx o_proj", "mlx mlp", "ours o_proj", "ours mlp"}
+    assert all(us > 0 for us in rows.values())
+    assert json.loads(out.read_text()) == rows
+    assert groups.launch_groups.__module__ == groups.__name__
+    assert backend.BACKEND == backend._detect_backend()
+    with pytest.raises(SystemExit):
+        patched_calls.main(["--calls", "0"])
