@@ -44,10 +44,13 @@ atomics. So each row gets the same bits alone as in any batch, in any slot.
 n8 tiles) and every row, over a contiguous range of 256-element chunks of K
 (64 for dense). Each chunk's weights (128 bytes per column at 4 bits and dense,
 256 at 8), x rows, scales and biases are copied to shared memory with 16-byte
-``cp.async`` (4-byte for scales), coalesced (8 lanes per 128-byte column run),
+``cp.async`` (one 4-, 8- or 16-byte copy per column for its scales, as many for
+its biases), coalesced (8 lanes per 128-byte column run),
 through a ring of 2 to 4 stages (:class:`Layout`; the 16-row forms take 95 to
 110 KB, two CTAs per SM); lanes then read their words conflict-free (padded
-strides). Each weight byte is read from HBM once per call for all rows; x is
+strides). Each thread copies the same 16-byte piece of its columns and x rows every
+chunk, so its sources are worked out once; x rows past the call's are zeroed once
+per stage and never copied (a 1-row call copies one row). Each weight byte is read from HBM once per call for all rows; x is
 re-read from L2 per column tile (half the weight bytes at 4 bits). When the
 column tiles alone give fewer than :data:`TARGET_GROUPS` CTAs (``N`` = 4,096
 or 6,656), K is split over CTAs and a second small launch sums the float32
@@ -62,10 +65,15 @@ gate/up (66 MB of weights), about the HBM time of the same bytes: issue and
 memory are balanced, so the 1.6x-bound target is plausible, not certain; a
 measurement decides (the group step is the first thing to trim).
 
-**Measured** (H200, device time, ``docs/benchmarks/h200-2026-12-01-s8``): 4-bit,
-16 rows: gate/up 117.5 us (7.5x the bound; mlx 115.0), down 113.5 us (mlx 266.5),
-q 39.4 (mlx 80.7); bf16 dense 3x the bound where mlx's cuBLAS is at 1.3x. Not yet
-near the goal; see ``docs/verify-kernels-analysis.md``.
+**Measured** (H200, device time). Session 8 (``docs/benchmarks/h200-2026-12-01-s8``):
+4-bit, 16 rows: gate/up 117.5 us (7.5x the bound; mlx 115.0), down 113.5 us (mlx
+266.5), q 39.4 (mlx 80.7); bf16 dense 3x the bound where mlx's cuBLAS is at 1.3x.
+Nsight Compute then showed the form issue-bound, not memory-bound: 58 warp
+instructions per 128 weight bytes, half of them in the copy loops' index
+arithmetic. With the copy path above (``docs/benchmarks/h200-2026-12-01-s12``):
+30.4M -> 22.3M instructions for gate/up; gate/up 108.7 -> 70.6 us with 16 rows and
+66.1 with 1 (mlx 114.0 / 74.5), down 108.9 -> 71.3 and 66.1 (mlx 265.5 / 86.2).
+Still 4.2-4.6x the bound; see ``docs/verify-kernels-analysis.md``.
 """
 
 from __future__ import annotations
@@ -227,6 +235,17 @@ DFL_FN uint32_t dfl_shared_address(const void* p) {
   return address;
 }
 
+// The plain copy of n 16-bit elements (the sources are not 16-byte aligned). Not
+// inlined: inlined, the compiler predicates it into every fast copy's issue slots.
+__device__ __noinline__ void dfl_copy_plain(unsigned char* dst, const unsigned char* src,
+                                            int n, bool valid) {
+  unsigned short* d = reinterpret_cast<unsigned short*>(dst);
+  const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
+  for (int i = 0; i < n; ++i) {
+    d[i] = valid ? s[i] : (unsigned short)0;
+  }
+}
+
 // 16 bytes into shared memory: cp.async (zeros when !valid), or plain 16-bit copies
 // when some pointer is not 16-byte aligned (same bytes, so the same results).
 DFL_FN void dfl_copy16(unsigned char* dst, const unsigned char* src, bool valid, bool fast) {
@@ -234,22 +253,25 @@ DFL_FN void dfl_copy16(unsigned char* dst, const unsigned char* src, bool valid,
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                  :: "r"(dfl_shared_address(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
   } else {
-    unsigned short* d = reinterpret_cast<unsigned short*>(dst);
-    const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
-    for (int i = 0; i < 8; ++i) {
-      d[i] = valid ? s[i] : (unsigned short)0;
-    }
+    dfl_copy_plain(dst, src, 8, valid);
   }
 }
-DFL_FN void dfl_copy4(unsigned char* dst, const unsigned char* src, bool fast) {
+// 4, 8 or 16 bytes (uniform over the warp): cp.async, or 16-bit copies when !fast.
+DFL_FN void dfl_copy_small(unsigned char* dst, const unsigned char* src, int bytes, bool fast) {
   if (fast) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n"
-                 :: "r"(dfl_shared_address(dst)), "l"(src) : "memory");
+    const uint32_t address = dfl_shared_address(dst);
+    if (bytes == 16) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n"
+                   :: "r"(address), "l"(src) : "memory");
+    } else if (bytes == 8) {
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n"
+                   :: "r"(address), "l"(src) : "memory");
+    } else {
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n"
+                   :: "r"(address), "l"(src) : "memory");
+    }
   } else {
-    unsigned short* d = reinterpret_cast<unsigned short*>(dst);
-    const unsigned short* s = reinterpret_cast<const unsigned short*>(src);
-    d[0] = s[0];
-    d[1] = s[1];
+    dfl_copy_plain(dst, src, bytes / 2, true);
   }
 }
 DFL_FN void dfl_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -287,17 +309,17 @@ _LOAD_B = {
 }
 
 _ISSUE_SCALES = """
-    // Scales and biases of the chunk's groups: 4-byte pieces (K / group_size is even).
-    const int pieces = per_chunk / 2;
-    for (int p = int(lid); p < COLUMNS * pieces; p += THREADS) {
-      const int cl = p / pieces;
-      const int piece = p % pieces;
+    // Scales and biases of the chunk's groups: one copy of each per column (a thread
+    // per column; 4, 8 or 16 bytes, aligned as K is a multiple of 256).
+    {
+      static_assert(THREADS == COLUMNS, "one thread per column's scales");
+      const int cl = int(lid);
       const int n = col0 + cl < n_cols ? col0 + cl : n_cols - 1;
-      const size_t e = size_t(n) * size_t(groups_k) + size_t(c) * per_chunk + 2 * piece;
-      dfl_copy4(base + S_OFF + cl * 16 + piece * 4,
-                reinterpret_cast<const unsigned char*>(scales + e), fast);
-      dfl_copy4(base + B_OFF + cl * 16 + piece * 4,
-                reinterpret_cast<const unsigned char*>(biases + e), fast);
+      const size_t e = size_t(n) * size_t(groups_k) + size_t(c) * per_chunk;
+      dfl_copy_small(base + S_OFF + cl * 16, reinterpret_cast<const unsigned char*>(scales + e),
+                     per_chunk * 2, fast);
+      dfl_copy_small(base + B_OFF + cl * 16, reinterpret_cast<const unsigned char*>(biases + e),
+                     per_chunk * 2, fast);
     }
 """
 
@@ -418,24 +440,44 @@ _BODY = r"""
   // cp.async needs 16-byte aligned sources (every offset below is a multiple of 16).
   const bool fast = ((size_t(x) | size_t(weight){extra_pointers}) & size_t(15)) == 0;
 
+  // Each thread copies the same 16-byte piece of its columns and rows every chunk, so
+  // its sources are worked out once (host-side loops cost as much as the mma work).
+  constexpr int W_PIECES = CW / 16;
+  constexpr int W_STEP = THREADS / W_PIECES;
+  constexpr int X_PIECES = CHUNK * 2 / 16;
+  constexpr int X_STEP = THREADS / X_PIECES;
+  const unsigned char* w_source =
+      reinterpret_cast<const unsigned char*>(weight) + (int(lid) % W_PIECES) * 16;
+  const int w_shared = (int(lid) / W_PIECES) * SW + (int(lid) % W_PIECES) * 16;
+  const unsigned char* x_source =
+      reinterpret_cast<const unsigned char*>(x) + (int(lid) % X_PIECES) * 16;
+  const int x_first = int(lid) / X_PIECES;
+  const int x_shared = X_OFF + x_first * SX + (int(lid) % X_PIECES) * 16;
+  const size_t x_row_bytes = size_t(depth) * 2;
+  // Rows past the call's are zeros in every stage: written once here, never copied.
+  const uint4 zeros = {0u, 0u, 0u, 0u};
+  for (int p = int(lid); p < STAGES * (XROWS - n_rows) * X_PIECES; p += THREADS) {
+    const int stage = p / ((XROWS - n_rows) * X_PIECES);
+    const int r = n_rows + (p / X_PIECES) % (XROWS - n_rows);
+    *reinterpret_cast<uint4*>(smem + stage * STAGE_BYTES + X_OFF + r * SX +
+                              (p % X_PIECES) * 16) = zeros;
+  }
+
   auto issue = [&](int c, int buf) {
     unsigned char* base = smem + buf * STAGE_BYTES;
-    const unsigned char* wbytes = reinterpret_cast<const unsigned char*>(weight);
-    for (int p = int(lid); p < COLUMNS * (CW / 16); p += THREADS) {
-      const int cl = p / (CW / 16);
-      const int piece = p % (CW / 16);
+    const unsigned char* w_chunk = w_source + size_t(c) * CW;
+    #pragma unroll
+    for (int i = 0; i < COLUMNS / W_STEP; ++i) {
+      const int cl = int(lid) / W_PIECES + W_STEP * i;
       // Columns past N repeat the last one (never stored).
       const int n = col0 + cl < n_cols ? col0 + cl : n_cols - 1;
-      dfl_copy16(base + cl * SW + piece * 16,
-                 wbytes + size_t(n) * row_bytes + size_t(c) * CW + piece * 16, true, fast);
+      dfl_copy16(base + w_shared + W_STEP * i * SW, w_chunk + size_t(n) * row_bytes, true,
+                 fast);
     }
-    const unsigned char* xbytes = reinterpret_cast<const unsigned char*>(x);
-    for (int p = int(lid); p < XROWS * (CHUNK / 8); p += THREADS) {
-      const int r = p / (CHUNK / 8);
-      const int piece = p % (CHUNK / 8);
-      const bool valid = r < n_rows;
-      const size_t offset = size_t(valid ? r : 0) * size_t(depth) * 2 + size_t(c) * CHUNK * 2;
-      dfl_copy16(base + X_OFF + r * SX + piece * 16, xbytes + offset + piece * 16, valid, fast);
+    const unsigned char* x_chunk = x_source + size_t(c) * CHUNK * 2;
+    for (int r = x_first; r < n_rows; r += X_STEP) {
+      dfl_copy16(base + x_shared + (r - x_first) * SX, x_chunk + size_t(r) * x_row_bytes, true,
+                 fast);
     }
 {issue_scales}
   };

@@ -312,9 +312,13 @@ inline void dfl_copy16(unsigned char* dst, const unsigned char* src, bool valid,
   }
   dfl_queue(dst, src, 16, valid);
 }
-inline void dfl_copy4(unsigned char* dst, const unsigned char* src, bool fast) {
-  if (fast && (reinterpret_cast<size_t>(src) & 3)) std::abort();
-  dfl_queue(dst, src, 4, true);
+inline void dfl_copy_small(unsigned char* dst, const unsigned char* src, int bytes, bool fast) {
+  if (bytes != 4 && bytes != 8 && bytes != 16) std::abort();  // no such cp.async size
+  // cp.async faults on a source or destination not aligned to its size.
+  if (fast && ((reinterpret_cast<size_t>(src) | reinterpret_cast<size_t>(dst)) & (bytes - 1))) {
+    std::abort();
+  }
+  dfl_queue(dst, src, bytes, true);
 }
 // The attention's form: 16 bytes, zero-filled (source size 0) when !fill.
 inline void dfl_cp_async16(void* shared, const void* global, bool fill) {

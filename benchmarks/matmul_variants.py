@@ -1,0 +1,218 @@
+"""Device time of the tensor-core small-row matmul under layout variants (CUDA).
+
+Each variant changes one or more of the form's knobs for the time of its rows:
+
+* ``target``: CTAs a launch aims for before K is split (``tensor_qmm.TARGET_GROUPS``);
+* ``budget``: shared memory a stage ring may take (``tensor_qmm.SHARED_BUDGET``),
+  which sets the pipeline depth and how many CTAs fit an SM;
+* ``plain_mma``: the mma helper as a non-volatile ``asm`` (the compiler may move it).
+
+For every variant, projection shape and row count it reports the device time per
+call (CUPTI, through ``torch.profiler``), the kernels per call, the time over the
+bandwidth bound of the bytes read, and the largest difference from mlx's
+``quantized_matmul`` (a variant that changes the K split changes the summation
+order, so its bits, within tolerance). mlx's own time is one row per shape.
+
+GPU (torch's interpreter, for CUPTI)::
+
+    python -m benchmarks.matmul_variants --json docs/benchmarks/.../variants.json
+
+The CPU has no tensor-core form: it exits with a one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import sys
+from datetime import datetime, timezone
+from typing import Iterator, Optional, Sequence
+
+import mlx.core as mx
+
+from dflash.metal import backend, tensor_qmm
+from dflash.metal.qmm import small_row_matmul
+
+from .verify_kernels import H200_BANDWIDTH, device_time
+
+VARIANTS = {
+    "current": {},
+    "target132": {"target": 132},
+    "target528": {"target": 528},
+    "target1056": {"target": 1056},
+    "budget70k": {"budget": 70 * 1024},
+    "budget70k-target528": {"budget": 70 * 1024, "target": 528},
+    "plain_mma": {"plain_mma": True},
+}
+SHAPES = {
+    "mlp gate / up": (6656, 19968),
+    "mlp down": (19968, 6656),
+    "q_proj / gate_proj (attn)": (6656, 4096),
+    "o_proj": (4096, 6656),
+}
+
+
+@contextlib.contextmanager
+def variant(
+    target: Optional[int] = None,
+    budget: Optional[int] = None,
+    plain_mma: bool = False,
+) -> Iterator[None]:
+    """Rebuild the tensor-core specs with the given knobs, restoring them after.
+
+    Args:
+        target: ``TARGET_GROUPS`` (None: unchanged).
+        budget: ``SHARED_BUDGET`` in bytes (None: unchanged).
+        plain_mma: Drop ``volatile`` from the mma helper's ``asm``.
+    """
+    saved = (
+        tensor_qmm.TARGET_GROUPS,
+        tensor_qmm.SHARED_BUDGET,
+        tensor_qmm._HELPERS,
+        dict(tensor_qmm.MATMUL_SPECS),
+    )
+    try:
+        if target is not None:
+            tensor_qmm.TARGET_GROUPS = target
+        if budget is not None:
+            tensor_qmm.SHARED_BUDGET = budget
+        if plain_mma:
+            helpers = tensor_qmm._HELPERS.replace(
+                'asm volatile(\n      "mma', 'asm(\n      "mma'
+            )
+            if helpers == tensor_qmm._HELPERS:
+                raise RuntimeError("the mma helper's text has changed")
+            tensor_qmm._HELPERS = helpers
+        _rebuild()
+        yield
+    finally:
+        (
+            tensor_qmm.TARGET_GROUPS,
+            tensor_qmm.SHARED_BUDGET,
+            tensor_qmm._HELPERS,
+            specs,
+        ) = saved
+        tensor_qmm.MATMUL_SPECS.update(specs)
+        tensor_qmm.launch_plan.cache_clear()
+
+
+def _rebuild() -> None:
+    for key, layout in tensor_qmm.LAYOUTS.items():
+        tensor_qmm.MATMUL_SPECS[key] = tensor_qmm._spec(layout)
+    tensor_qmm.launch_plan.cache_clear()
+
+
+def _weights(depth: int, columns: int, bits: int):
+    dense = (0.02 * mx.random.normal((columns, depth))).astype(mx.bfloat16)
+    weight, scales, biases = mx.quantize(dense, group_size=64, bits=bits)
+    mx.eval(weight, scales, biases)
+    return weight, scales, biases, weight.nbytes + scales.nbytes + biases.nbytes
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Every variant x shape x row count; rows are printed and kept in the result."""
+    result = {
+        "meta": {
+            "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "mlx": mx.__version__,
+            "host": platform.node(),
+            "argv": sys.argv[1:],
+            "bits": args.bits,
+            "group_size": 64,
+            "bandwidth": args.bandwidth,
+        },
+        "rows": [],
+    }
+    for shape in args.shapes:
+        depth, columns = SHAPES[shape]
+        weight, scales, biases, nbytes = _weights(depth, columns, args.bits)
+        bound_us = 1e6 * nbytes / args.bandwidth
+        for rows in args.rows:
+            x = mx.random.normal((rows, depth)).astype(mx.bfloat16)
+            mx.eval(x)
+            theirs = lambda: mx.quantized_matmul(  # noqa: E731
+                x, weight, scales, biases, transpose=True, group_size=64,
+                bits=args.bits,
+            )  # fmt: skip
+            expected = theirs().astype(mx.float32)
+            timed = device_time(theirs, args.reps)
+            _add(result, shape, rows, "mlx", timed, bound_us, 0.0)
+            for name in args.variants:
+                with variant(**VARIANTS[name]):
+                    ours = lambda: small_row_matmul(  # noqa: E731
+                        x, weight, scales, biases, bits=args.bits, group_size=64,
+                        use_kernel=True,
+                    )  # fmt: skip
+                    diff = float(mx.abs(ours().astype(mx.float32) - expected).max())
+                    timed = device_time(ours, args.reps)
+                _add(result, shape, rows, name, timed, bound_us, diff)
+                if args.json:
+                    with open(args.json, "w") as handle:
+                        json.dump(result, handle, indent=1)
+    return result
+
+
+def _add(result, shape, rows, name, timed, bound_us, diff) -> None:
+    row = {
+        "projection": shape,
+        "rows": rows,
+        "variant": name,
+        "device_us": round(timed["device_us"], 2),
+        "kernels_per_call": timed["kernels_per_call"],
+        "over_bound": round(timed["device_us"] / bound_us, 2),
+        "bound_us": round(bound_us, 2),
+        "max_abs_diff_vs_mlx": diff,
+    }
+    result["rows"].append(row)
+    print(json.dumps(row), flush=True)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.matmul_variants")
+    parser.add_argument("--json", help="write results here (after every variant)")
+    parser.add_argument("--reps", type=int, default=20, help="timed calls per row")
+    parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    parser.add_argument(
+        "--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s"
+    )
+    parser.add_argument(
+        "--rows",
+        type=lambda text: [int(t) for t in text.split(",")],
+        default=[1, 16],
+        help="row counts (comma list, 1..32)",
+    )
+    parser.add_argument(
+        "--variants",
+        type=lambda text: text.split(","),
+        default=list(VARIANTS),
+        help=f"comma list of: {', '.join(VARIANTS)}",
+    )
+    parser.add_argument(
+        "--shapes",
+        type=lambda text: text.split(";"),
+        default=list(SHAPES),
+        help=f"semicolon list of: {'; '.join(SHAPES)}",
+    )
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.variants if name not in VARIANTS]
+    unknown += [name for name in args.shapes if name not in SHAPES]
+    if unknown:
+        parser.error(f"unknown variant or shape: {', '.join(unknown)}")
+    if args.reps < 1 or any(not 1 <= rows <= 32 for rows in args.rows):
+        parser.error("--reps must be >= 1 and --rows within 1..32")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if backend.kernel_backend() != "cuda":
+        print("matmul_variants: needs mlx's CUDA backend", file=sys.stderr)
+        return 1
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
