@@ -50,8 +50,9 @@ through a ring of 2 to 4 stages (:class:`Layout`; the 16-row forms take 95 to
 110 KB, two CTAs per SM); lanes then read their words conflict-free (padded
 strides). Each thread copies the same 16-byte piece of its columns and x rows every
 chunk, so its sources are worked out once; x rows past the call's are zeroed once
-per stage and never copied (a 1-row call copies one row). Each weight byte is read from HBM once per call for all rows; x is
-re-read from L2 per column tile (half the weight bytes at 4 bits). When the
+per stage and never copied (a 1-row call copies one row). Each weight byte is read
+from HBM once per call for all rows; x is re-read from L2 per column tile (half the
+weight bytes at 4 bits). When the
 column tiles alone give fewer than :data:`TARGET_GROUPS` CTAs (``N`` = 4,096
 or 6,656), K is split over CTAs and a second small launch sums the float32
 partials in split order. ptxas: 96 / 114 / 88 registers (4-bit / 8-bit /
