@@ -35,7 +35,7 @@ import mlx.core as mx
 from dflash.metal import backend, tensor_qmm
 from dflash.metal.qmm import small_row_matmul
 
-from .verify_kernels import H200_BANDWIDTH, device_time
+from .verify_kernels import GLIMMER, H200_BANDWIDTH, _weights, device_time
 
 VARIANTS = {
     "current": {},
@@ -46,11 +46,11 @@ VARIANTS = {
     "budget70k-target528": {"budget": 70 * 1024, "target": 528},
     "plain_mma": {"plain_mma": True},
 }
+# Muse Glimmer's unfused projections, as verify_kernels names them.
 SHAPES = {
-    "mlp gate / up": (6656, 19968),
-    "mlp down": (19968, 6656),
-    "q_proj / gate_proj (attn)": (6656, 4096),
-    "o_proj": (4096, 6656),
+    name: (depth, columns)
+    for name, depth, columns in GLIMMER.projections
+    if name in ("mlp gate / up", "mlp down", "q_proj / gate_proj (attn)", "o_proj")
 }
 
 
@@ -104,13 +104,6 @@ def _rebuild() -> None:
     tensor_qmm.launch_plan.cache_clear()
 
 
-def _weights(depth: int, columns: int, bits: int):
-    dense = (0.02 * mx.random.normal((columns, depth))).astype(mx.bfloat16)
-    weight, scales, biases = mx.quantize(dense, group_size=64, bits=bits)
-    mx.eval(weight, scales, biases)
-    return weight, scales, biases, weight.nbytes + scales.nbytes + biases.nbytes
-
-
 def run(args: argparse.Namespace) -> dict:
     """Every variant x shape x row count; rows are printed and kept in the result."""
     result = {
@@ -127,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     for shape in args.shapes:
         depth, columns = SHAPES[shape]
-        weight, scales, biases, nbytes = _weights(depth, columns, args.bits)
+        weight, scales, biases, nbytes = _weights(GLIMMER, depth, columns, args.bits)
         bound_us = 1e6 * nbytes / args.bandwidth
         for rows in args.rows:
             x = mx.random.normal((rows, depth)).astype(mx.bfloat16)
