@@ -448,7 +448,7 @@ _BODY = r"""
   const bool fast = ((size_t(x) | size_t(weight){extra_pointers}) & size_t(15)) == 0;
 
   // Each thread copies the same 16-byte piece of its columns and rows every chunk, so
-  // its sources are worked out once (host-side loops cost as much as the mma work).
+  // its sources are worked out once (per-copy index arithmetic cost as much as the mma).
   constexpr int W_PIECES = CW / 16;
   constexpr int W_STEP = THREADS / W_PIECES;
   constexpr int X_PIECES = CHUNK * 2 / 16;
