@@ -80,13 +80,12 @@ Still 4.2-4.6x the bound; see ``docs/verify-kernels-analysis.md``.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import mlx.core as mx
 
-from . import groups
+from . import backend, groups
 from .groups import GroupKernelSpec, int_params
 from .sources import CUDA
 
@@ -103,8 +102,19 @@ SHARED_BUDGET = 113 * 1024
 REDUCE_THREADS = 256
 # Sum a K split's partials in the matmul launch (its last CTA per column tile) rather
 # than in a second launch: the same bits, half the launches of a split call. Built and
-# emulated; off until the H200 has run it (``DFLASH_MERGED_SPLIT_SUM=1`` turns it on).
-MERGE_SPLIT_SUM = os.environ.get("DFLASH_MERGED_SPLIT_SUM", "") == "1"
+# emulated; off unless asked for (``DFLASH_MERGED_SPLIT_SUM=1``, read at each bind).
+MERGE_SPLIT_SUM = False
+MERGED_SPLIT_SUM_ENV = "DFLASH_MERGED_SPLIT_SUM"
+
+
+def merge_split_sum() -> bool:
+    """Whether a call bound now sums its K split in the matmul launch.
+
+    ``DFLASH_MERGED_SPLIT_SUM`` (on/off) decides when set, else :data:`MERGE_SPLIT_SUM`.
+    It is read at each bind, so one process can run both forms (A/B arms).
+    """
+    switch = backend.env_switch(MERGED_SPLIT_SUM_ENV)
+    return MERGE_SPLIT_SUM if switch is None else switch
 
 
 @dataclass(frozen=True)
@@ -737,7 +747,7 @@ def bind_tensor_core(
     validated the call and checked :func:`tensor_core_serves`): its launches' inputs,
     shapes and counts are worked out once.
 
-    With :data:`MERGE_SPLIT_SUM` and a K split, the bound call owns one counter per
+    With :func:`merge_split_sum` and a K split, the bound call owns one counter per
     column tile (zeros, re-armed by the kernel): its launches must not overlap each
     other, which data dependence gives in decoding (a layer's next call reads what
     its last one led to).
@@ -745,7 +755,9 @@ def bind_tensor_core(
     Returns:
         ``x -> x @ W.T`` for ``x`` of shape ``(rows, depth)`` and ``dtype``.
     """
-    plan = launch_plan(rows, depth, weight.shape[0], bits, group_size, MERGE_SPLIT_SUM)
+    plan = launch_plan(
+        rows, depth, weight.shape[0], bits, group_size, merge_split_sum()
+    )
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)
     # Merged: this bound call's own counters; else a shared placeholder, never written.

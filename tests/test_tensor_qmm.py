@@ -12,6 +12,7 @@ reachable on CUDA.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from support.group_emulator import check_cuda
 from support.tensor_emulator import TensorEmulator
 from test_verify_kernels import _close_to_matmul_oracle, _matmul_oracle
 
-from benchmarks import matmul_variants
+from benchmarks import matmul_variants, round_profile
 from dflash.fused_projections import FusedProjections
 from dflash.metal import qmm, tensor_qmm
 from dflash.metal.qmm import small_row_matmul
@@ -175,6 +176,25 @@ def test_split_plan_of_glimmer_shapes() -> None:
     for depth, columns in GLIMMER + (LM_HEAD,):
         tiles, splits, per_split = split_plan(depth, columns, 4)
         assert tiles * splits >= 132 or per_split == 1, (depth, columns, tiles, splits)
+
+
+def test_the_merged_split_sum_switch_is_read_at_each_bind(monkeypatch) -> None:
+    """``DFLASH_MERGED_SPLIT_SUM`` decides when set (either way), else the module
+    default; round_profile's ``-merged`` arms set it for their block only."""
+    monkeypatch.delenv(tensor_qmm.MERGED_SPLIT_SUM_ENV, raising=False)
+    for default in (False, True):
+        monkeypatch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", default)
+        assert tensor_qmm.merge_split_sum() is default
+        for value, expected in (("1", True), ("0", False), ("", default)):
+            monkeypatch.setenv(tensor_qmm.MERGED_SPLIT_SUM_ENV, value)
+            assert tensor_qmm.merge_split_sum() is expected
+        monkeypatch.delenv(tensor_qmm.MERGED_SPLIT_SUM_ENV)
+    monkeypatch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", False)
+    with round_profile.kernel_arm("all-merged"):
+        assert tensor_qmm.merge_split_sum()
+    with round_profile.kernel_arm("all"):
+        assert not tensor_qmm.merge_split_sum()
+    assert tensor_qmm.MERGED_SPLIT_SUM_ENV not in os.environ
 
 
 def test_variant_knobs_apply_inside_and_are_restored_after() -> None:
