@@ -37,8 +37,9 @@ B agree, and both come from the same map. A sub-chunk never straddles a group
 m-tiles, the same per-tile sequence); a row's output depends only on its own A
 rows (each mma output element is its own dot product). The K split (chunks per
 CTA), the order of chunks, sub-chunks and groups, and the fixed-order sum of the
-split partials in a second launch are functions of ``K`` and ``N`` only. No
-atomics. So each row gets the same bits alone as in any batch, in any slot.
+split partials are functions of ``K`` and ``N`` only. The one atomic (a counter per
+column tile) only elects which CTA does that sum, never its order. So each row gets
+the same bits alone as in any batch, in any slot.
 
 **Tiling.** A CTA of 4 warps (128 threads) covers 128 columns (32 per warp: four
 n8 tiles) and every row, over a contiguous range of 256-element chunks of K
@@ -54,8 +55,9 @@ per stage and never copied (a 1-row call copies one row). Each weight byte is re
 from HBM once per call for all rows; x is re-read from L2 per column tile (half the
 weight bytes at 4 bits). When the
 column tiles alone give fewer than :data:`TARGET_GROUPS` CTAs (``N`` = 4,096
-or 6,656), K is split over CTAs and a second small launch sums the float32
-partials in split order. ptxas: 96 / 114 / 88 registers (4-bit / 8-bit /
+or 6,656), K is split over CTAs, and the last CTA of each column tile to finish
+sums the float32 partials in split order (:func:`merge_split_sum`; else a second
+small launch does). ptxas: 96 / 114 / 88 registers (4-bit / 8-bit /
 dense, 16 rows), no spills.
 
 **Cost model** (4-bit, group 64, 16 rows): per warp and 32-element sub-chunk
@@ -74,7 +76,9 @@ instructions per 128 weight bytes, half of them in the copy loops' index
 arithmetic. With the copy path above (``docs/benchmarks/h200-2026-12-01-s12``):
 30.4M -> 22.3M instructions for gate/up; gate/up 108.7 -> 70.6 us with 16 rows and
 66.1 with 1 (mlx 114.0 / 74.5), down 108.9 -> 71.3 and 66.1 (mlx 265.5 / 86.2).
-Still 4.2-4.6x the bound; see ``docs/verify-kernels-analysis.md``.
+Still 4.2-4.6x the bound. The split sum merged into the matmul launch (session 13,
+``docs/benchmarks/h200-2026-12-01-s13``): 156 fewer launches a plain token, and
+4-11 % less device time per split call; see ``docs/verify-kernels-analysis.md``.
 """
 
 from __future__ import annotations
@@ -101,9 +105,9 @@ TARGET_GROUPS = 264
 SHARED_BUDGET = 113 * 1024
 REDUCE_THREADS = 256
 # Sum a K split's partials in the matmul launch (its last CTA per column tile) rather
-# than in a second launch: the same bits, half the launches of a split call. Built and
-# emulated; off unless asked for (``DFLASH_MERGED_SPLIT_SUM=1``, read at each bind).
-MERGE_SPLIT_SUM = False
+# than in a second launch: the same bits, half the launches of a split call. On since
+# the H200 ran it (session 13); ``DFLASH_MERGED_SPLIT_SUM=0`` keeps the reduce launch.
+MERGE_SPLIT_SUM = True
 MERGED_SPLIT_SUM_ENV = "DFLASH_MERGED_SPLIT_SUM"
 
 
