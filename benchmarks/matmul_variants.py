@@ -5,7 +5,9 @@ Each variant changes one or more of the form's knobs for the time of its rows:
 * ``target``: CTAs a launch aims for before K is split (``tensor_qmm.TARGET_GROUPS``);
 * ``budget``: shared memory a stage ring may take (``tensor_qmm.SHARED_BUDGET``),
   which sets the pipeline depth and how many CTAs fit an SM;
-* ``plain_mma``: the mma helper as a non-volatile ``asm`` (the compiler may move it).
+* ``plain_mma``: the mma helper as a non-volatile ``asm`` (the compiler may move it);
+* ``merged``: a K split's partials summed by the matmul launch itself
+  (``tensor_qmm.MERGE_SPLIT_SUM``), one launch instead of two.
 
 For every variant, projection shape and row count it reports the device time per
 call (CUPTI, through ``torch.profiler``), the kernels per call, the time over the
@@ -45,6 +47,7 @@ VARIANTS = {
     "budget70k": {"budget": 70 * 1024},
     "budget70k-target528": {"budget": 70 * 1024, "target": 528},
     "plain_mma": {"plain_mma": True},
+    "merged": {"merged": True},
 }
 # Muse Glimmer's unfused projections, as verify_kernels names them.
 SHAPES = {
@@ -59,6 +62,7 @@ def variant(
     target: Optional[int] = None,
     budget: Optional[int] = None,
     plain_mma: bool = False,
+    merged: Optional[bool] = None,
 ) -> Iterator[None]:
     """Rebuild the tensor-core specs with the given knobs, restoring them after.
 
@@ -66,14 +70,18 @@ def variant(
         target: ``TARGET_GROUPS`` (None: unchanged).
         budget: ``SHARED_BUDGET`` in bytes (None: unchanged).
         plain_mma: Drop ``volatile`` from the mma helper's ``asm``.
+        merged: ``MERGE_SPLIT_SUM`` (None: unchanged).
     """
     saved = (
         tensor_qmm.TARGET_GROUPS,
         tensor_qmm.SHARED_BUDGET,
         tensor_qmm._HELPERS,
         dict(tensor_qmm.MATMUL_SPECS),
+        tensor_qmm.MERGE_SPLIT_SUM,
     )
     try:
+        if merged is not None:
+            tensor_qmm.MERGE_SPLIT_SUM = merged
         if target is not None:
             tensor_qmm.TARGET_GROUPS = target
         if budget is not None:
@@ -93,6 +101,7 @@ def variant(
             tensor_qmm.SHARED_BUDGET,
             tensor_qmm._HELPERS,
             specs,
+            tensor_qmm.MERGE_SPLIT_SUM,
         ) = saved
         tensor_qmm.MATMUL_SPECS.update(specs)
         tensor_qmm.launch_plan.cache_clear()

@@ -50,6 +50,7 @@ from dflash.fused_projections import FUSED_ENV
 from dflash.generation import generate_step
 from dflash.greedy import greedy_reference
 from dflash.kernel_patch import VERIFY_KERNELS_ENV
+from dflash.metal.tensor_qmm import MERGED_SPLIT_SUM_ENV
 from dflash.taps import TargetTaps
 
 from .common import busy_us, cupti_trace
@@ -152,7 +153,8 @@ def taps_starting_early(start_early: bool) -> Iterator[None]:
 
 
 # ``--kernels`` arms and the ``DFLASH_VERIFY_KERNELS`` value each sets (None: the default);
-# the ``-unfused`` arms also set ``DFLASH_FUSED_PROJECTIONS=0`` (a launch per projection).
+# the ``-unfused`` arms also set ``DFLASH_FUSED_PROJECTIONS=0`` (a launch per projection),
+# the ``-merged`` arms ``DFLASH_MERGED_SPLIT_SUM=1`` (a K split summed in the matmul launch).
 KERNEL_ARMS = {
     "default": None,
     "off": "0",
@@ -161,6 +163,8 @@ KERNEL_ARMS = {
     "all": "1",
     "matmul-unfused": "matmul",
     "all-unfused": "1",
+    "matmul-merged": "matmul",
+    "all-merged": "1",
     "projections": "projections",
     "attention-projections": "attention,projections",
 }
@@ -185,7 +189,12 @@ def env_value(name: str, value: Optional[str]) -> Iterator[None]:
 def kernel_arm(arm: str) -> Iterator[None]:
     """The environment of ``--kernels`` arm ``arm`` for the block."""
     fused = "0" if arm.endswith("-unfused") else None
-    with env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[arm]), env_value(FUSED_ENV, fused):
+    merged = "1" if arm.endswith("-merged") else None
+    with (
+        env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[arm]),
+        env_value(FUSED_ENV, fused),
+        env_value(MERGED_SPLIT_SUM_ENV, merged),
+    ):
         yield
 
 

@@ -37,8 +37,9 @@ B agree, and both come from the same map. A sub-chunk never straddles a group
 m-tiles, the same per-tile sequence); a row's output depends only on its own A
 rows (each mma output element is its own dot product). The K split (chunks per
 CTA), the order of chunks, sub-chunks and groups, and the fixed-order sum of the
-split partials in a second launch are functions of ``K`` and ``N`` only. No
-atomics. So each row gets the same bits alone as in any batch, in any slot.
+split partials are functions of ``K`` and ``N`` only. The one atomic (a counter per
+column tile) only elects which CTA does that sum, never its order. So each row gets
+the same bits alone as in any batch, in any slot.
 
 **Tiling.** A CTA of 4 warps (128 threads) covers 128 columns (32 per warp: four
 n8 tiles) and every row, over a contiguous range of 256-element chunks of K
@@ -54,8 +55,9 @@ per stage and never copied (a 1-row call copies one row). Each weight byte is re
 from HBM once per call for all rows; x is re-read from L2 per column tile (half the
 weight bytes at 4 bits). When the
 column tiles alone give fewer than :data:`TARGET_GROUPS` CTAs (``N`` = 4,096
-or 6,656), K is split over CTAs and a second small launch sums the float32
-partials in split order. ptxas: 96 / 114 / 88 registers (4-bit / 8-bit /
+or 6,656), K is split over CTAs, and the last CTA of each column tile to finish
+sums the float32 partials in split order (:func:`merge_split_sum`; else a second
+small launch does). ptxas: 96 / 114 / 88 registers (4-bit / 8-bit /
 dense, 16 rows), no spills.
 
 **Cost model** (4-bit, group 64, 16 rows): per warp and 32-element sub-chunk
@@ -74,7 +76,9 @@ instructions per 128 weight bytes, half of them in the copy loops' index
 arithmetic. With the copy path above (``docs/benchmarks/h200-2026-12-01-s12``):
 30.4M -> 22.3M instructions for gate/up; gate/up 108.7 -> 70.6 us with 16 rows and
 66.1 with 1 (mlx 114.0 / 74.5), down 108.9 -> 71.3 and 66.1 (mlx 265.5 / 86.2).
-Still 4.2-4.6x the bound; see ``docs/verify-kernels-analysis.md``.
+Still 4.2-4.6x the bound. The split sum merged into the matmul launch (session 13,
+``docs/benchmarks/h200-2026-12-01-s13``): 156 fewer launches a plain token, and
+4-11 % less device time per split call; see ``docs/verify-kernels-analysis.md``.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from . import groups
+from . import backend, groups
 from .groups import GroupKernelSpec, int_params
 from .sources import CUDA
 
@@ -100,6 +104,21 @@ DTYPES = (mx.bfloat16, mx.float16)
 TARGET_GROUPS = 264
 SHARED_BUDGET = 113 * 1024
 REDUCE_THREADS = 256
+# Sum a K split's partials in the matmul launch (its last CTA per column tile) rather
+# than in a second launch: the same bits, half the launches of a split call. On since
+# the H200 ran it (session 13); ``DFLASH_MERGED_SPLIT_SUM=0`` keeps the reduce launch.
+MERGE_SPLIT_SUM = True
+MERGED_SPLIT_SUM_ENV = "DFLASH_MERGED_SPLIT_SUM"
+
+
+def merge_split_sum() -> bool:
+    """Whether a call bound now sums its K split in the matmul launch.
+
+    ``DFLASH_MERGED_SPLIT_SUM`` (on/off) decides when set, else :data:`MERGE_SPLIT_SUM`.
+    It is read at each bind, so one process can run both forms (A/B arms).
+    """
+    switch = backend.env_switch(MERGED_SPLIT_SUM_ENV)
+    return MERGE_SPLIT_SUM if switch is None else switch
 
 
 @dataclass(frozen=True)
@@ -422,6 +441,7 @@ _BODY = r"""
   const int splits = params[5];
   const int per_split = params[6];
   const int group_shift = params[7];
+  const int merged = params[8];
   (void)group_shift;
   const int tile = int(group) % col_tiles;
   const int split = int(group) / col_tiles;
@@ -442,7 +462,7 @@ _BODY = r"""
   const bool fast = ((size_t(x) | size_t(weight){extra_pointers}) & size_t(15)) == 0;
 
   // Each thread copies the same 16-byte piece of its columns and rows every chunk, so
-  // its sources are worked out once (host-side loops cost as much as the mma work).
+  // its sources are worked out once (per-copy index arithmetic cost as much as the mma).
   constexpr int W_PIECES = CW / 16;
   constexpr int W_STEP = THREADS / W_PIECES;
   constexpr int X_PIECES = CHUNK * 2 / 16;
@@ -562,6 +582,36 @@ _BODY = r"""
       }
     }
   }
+  if (splits > 1 && merged) {
+    // The last CTA of this column tile to finish sums the tile's partials in split
+    // order (the reduce launch's arithmetic, so the same bits) and re-arms the counter.
+    __threadfence();
+    DFL_BARRIER();
+    int* last = reinterpret_cast<int*>(smem);
+    if (lid == 0) {
+      int* counter = const_cast<int*>(counters) + tile;
+      *last = atomicAdd(counter, 1) == splits - 1;
+    }
+    DFL_BARRIER();
+    if (*last) {
+      __threadfence();
+      const size_t total = size_t(n_rows) * size_t(n_cols);
+      for (int p = int(lid); p < n_rows * COLUMNS; p += THREADS) {
+        const int n = col0 + p % COLUMNS;
+        if (n < n_cols) {
+          const size_t e = size_t(p / COLUMNS) * size_t(n_cols) + size_t(n);
+          float sum = __ldcg(partial + e);
+          for (int k = 1; k < splits; ++k) {
+            sum = __fadd_rn(sum, __ldcg(partial + size_t(k) * total + e));
+          }
+          y[e] = T(sum);
+        }
+      }
+      if (lid == 0) {
+        const_cast<int*>(counters)[tile] = 0;
+      }
+    }
+  }
 """
 
 _REDUCE = r"""
@@ -611,10 +661,11 @@ def _spec(layout: Layout) -> GroupKernelSpec:
     )
     name = f"tensor_{'dense' if not affine else f'q{layout.bits}'}_m{layout.mtiles}"
     if affine:
-        inputs = ("x", "weight", "scales", "biases", "params")
-        types = ("T", "uint32", "T", "T", "int32")
+        inputs = ("x", "weight", "scales", "biases", "params", "counters")
+        types = ("T", "uint32", "T", "T", "int32", "int32")
     else:
-        inputs, types = ("x", "weight", "params"), ("T", "T", "int32")
+        inputs = ("x", "weight", "params", "counters")
+        types = ("T", "T", "int32", "int32")
     return GroupKernelSpec(
         base=name,
         input_names=inputs,
@@ -695,17 +746,28 @@ def bind_tensor_core(
     group_size: Optional[int],
     dtype: mx.Dtype,
 ) -> Callable[[mx.array], mx.array]:
-    """The tensor-core form (one launch, two when K is split) with everything but ``x``
-    fixed (see ``qmm.bind_matmul``, which has validated the call and checked
-    :func:`tensor_core_serves`): its launches' inputs, shapes and counts are worked out
-    once.
+    """The tensor-core form (one launch; two when K is split and the split sum is not
+    merged) with everything but ``x`` fixed (see ``qmm.bind_matmul``, which has
+    validated the call and checked :func:`tensor_core_serves`): its launches' inputs,
+    shapes and counts are worked out once.
+
+    With :func:`merge_split_sum` and a K split, the bound call owns one counter per
+    column tile (zeros, re-armed by the kernel): its launches must not overlap each
+    other, which data dependence gives in decoding (a layer's next call reads what
+    its last one led to).
 
     Returns:
         ``x -> x @ W.T`` for ``x`` of shape ``(rows, depth)`` and ``dtype``.
     """
-    plan = launch_plan(rows, depth, weight.shape[0], bits, group_size)
+    plan = launch_plan(
+        rows, depth, weight.shape[0], bits, group_size, merge_split_sum()
+    )
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)
+    # Merged: this bound call's own counters; else a shared placeholder, never written.
+    weights.append(
+        mx.zeros((plan.counters,), mx.int32) if plan.counters > 1 else _unused_counter()
+    )
     out_dtypes = [dtype, mx.float32]
     reduce_shapes = [(rows, plan.columns)]
 
@@ -728,6 +790,11 @@ def bind_tensor_core(
     return launch
 
 
+@functools.lru_cache(maxsize=1)
+def _unused_counter() -> mx.array:
+    return mx.zeros((1,), mx.int32)
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """Everything about a call's launches that follows from its geometry.
@@ -737,9 +804,12 @@ class LaunchPlan:
         columns: N.
         params: The matmul launch's integer scalars.
         shapes: Its output shapes (the result and the K-split partials; one is a
-            one-element placeholder).
+            one-element placeholder when K is not split, or when the sum is a second
+            launch).
         groups: Its CTAs.
-        reduce_params: The reduce launch's scalars (None: K is not split).
+        counters: Length of the launch's counter input (the column tiles when the
+            split sum is merged, else 1, unused).
+        reduce_params: The reduce launch's scalars (None: no second launch).
         reduce_groups: The reduce launch's CTAs (0: none).
     """
 
@@ -748,32 +818,51 @@ class LaunchPlan:
     params: mx.array
     shapes: tuple[tuple[int, ...], tuple[int, ...]]
     groups: int
+    counters: int
     reduce_params: Optional[mx.array]
     reduce_groups: int
 
 
 @functools.lru_cache(maxsize=512)
 def launch_plan(
-    rows: int, depth: int, columns: int, bits: Optional[int], group_size: Optional[int]
+    rows: int,
+    depth: int,
+    columns: int,
+    bits: Optional[int],
+    group_size: Optional[int],
+    merged: bool = False,
 ) -> LaunchPlan:
-    """The launch plan of a validated call, built once per geometry (host time)."""
+    """The launch plan of a validated call, built once per geometry (host time).
+
+    ``merged``: a K split's partials are summed by the matmul launch's last CTA per
+    column tile instead of a second launch (same order, same bits).
+    """
     spec = MATMUL_SPECS[(bits or 0, 1 if rows <= 16 else 2)]
     tiles, splits, per_split = split_plan(depth, columns, bits)
     shift = (group_size or 1).bit_length() - 1
+    merged = merged and splits > 1
     params = int_params(
-        rows, columns, depth, group_size or 0, tiles, splits, per_split, shift
-    )
+        rows, columns, depth, group_size or 0, tiles, splits, per_split, shift,
+        int(merged),
+    )  # fmt: skip
     if splits == 1:
         return LaunchPlan(
-            spec, columns, params, ((rows, columns), (1,)), tiles, None, 0
+            spec, columns, params, ((rows, columns), (1,)), tiles, 1, None, 0
         )
+    partials = (splits, rows, columns)
+    if merged:
+        return LaunchPlan(
+            spec, columns, params, ((rows, columns), partials), tiles * splits,
+            tiles, None, 0,
+        )  # fmt: skip
     total = rows * columns
     return LaunchPlan(
         spec,
         columns,
         params,
-        ((1,), (splits, rows, columns)),
+        ((1,), partials),
         tiles * splits,
+        1,
         int_params(total, splits),
         -(-total // REDUCE_THREADS),
     )

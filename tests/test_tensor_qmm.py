@@ -12,6 +12,7 @@ reachable on CUDA.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from support.group_emulator import check_cuda
 from support.tensor_emulator import TensorEmulator
 from test_verify_kernels import _close_to_matmul_oracle, _matmul_oracle
 
-from benchmarks import matmul_variants
+from benchmarks import matmul_variants, round_profile
 from dflash.fused_projections import FusedProjections
 from dflash.metal import qmm, tensor_qmm
 from dflash.metal.qmm import small_row_matmul
@@ -177,13 +178,36 @@ def test_split_plan_of_glimmer_shapes() -> None:
         assert tiles * splits >= 132 or per_split == 1, (depth, columns, tiles, splits)
 
 
+def test_the_merged_split_sum_switch_is_read_at_each_bind(monkeypatch) -> None:
+    """``DFLASH_MERGED_SPLIT_SUM`` decides when set (either way), else the module
+    default; round_profile's ``-merged`` arms set it for their block only."""
+    monkeypatch.delenv(tensor_qmm.MERGED_SPLIT_SUM_ENV, raising=False)
+    for default in (False, True):
+        monkeypatch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", default)
+        assert tensor_qmm.merge_split_sum() is default
+        for value, expected in (("1", True), ("0", False), ("", default)):
+            monkeypatch.setenv(tensor_qmm.MERGED_SPLIT_SUM_ENV, value)
+            assert tensor_qmm.merge_split_sum() is expected
+        monkeypatch.delenv(tensor_qmm.MERGED_SPLIT_SUM_ENV)
+    monkeypatch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", False)
+    with round_profile.kernel_arm("all-merged"):
+        assert tensor_qmm.merge_split_sum()
+    with round_profile.kernel_arm("all"):
+        assert not tensor_qmm.merge_split_sum()
+    assert tensor_qmm.MERGED_SPLIT_SUM_ENV not in os.environ
+
+
 def test_variant_knobs_apply_inside_and_are_restored_after() -> None:
     """benchmarks.matmul_variants: a variant's knobs reach the plan, the layouts and
     the mma helper's text while it runs, and everything is as before afterwards (also
     when the body raises)."""
     before = dict(tensor_qmm.MATMUL_SPECS)
     plan = split_plan(6656, 19968, 4)
-    with matmul_variants.variant(target=1056, budget=70 * 1024, plain_mma=True):
+    merged = tensor_qmm.MERGE_SPLIT_SUM
+    with matmul_variants.variant(
+        target=1056, budget=70 * 1024, plain_mma=True, merged=not merged
+    ):
+        assert tensor_qmm.MERGE_SPLIT_SUM is not merged
         assert split_plan(6656, 19968, 4) == (156, 7, 4)
         assert Layout(4, 1).stages == 2
         spec = tensor_qmm.MATMUL_SPECS[(4, 1)]
@@ -195,6 +219,7 @@ def test_variant_knobs_apply_inside_and_are_restored_after() -> None:
         with matmul_variants.variant(target=528):
             raise KeyError("inside")
     assert tensor_qmm.MATMUL_SPECS == before
+    assert tensor_qmm.MERGE_SPLIT_SUM is merged
     assert split_plan(6656, 19968, 4) == plan and Layout(4, 1).stages == 3
     assert tensor_qmm.launch_plan(16, 6656, 19968, 4, 64).groups == plan[0] * plan[1]
 
@@ -220,26 +245,38 @@ def test_variants_benchmark_refuses_bad_flags_and_the_cpu(capsys) -> None:
     chunks=st.integers(1, 80),
     columns=st.integers(1, 30_000),
     bits=st.sampled_from([4, 8, None]),
+    merged=st.booleans(),
 )
-def test_launch_plan_is_the_split_plan_kept_per_geometry(rows, chunks, columns, bits):
-    """The memoised plan launches what split_plan says, with the reduce only for a
-    split K, and is one object per geometry."""
+def test_launch_plan_is_the_split_plan_kept_per_geometry(
+    rows, chunks, columns, bits, merged
+):
+    """The memoised plan launches what split_plan says: a split K gets the reduce
+    launch, or (merged) the result, the partials and a counter per column tile in
+    one launch; one object per geometry and setting."""
     depth = chunks * Layout(bits or 0, 1).chunk
     group_size = None if bits is None else 64
-    plan = tensor_qmm.launch_plan(rows, depth, columns, bits, group_size)
+    plan = tensor_qmm.launch_plan(rows, depth, columns, bits, group_size, merged)
     tiles, splits, per_split = split_plan(depth, columns, bits)
     assert plan.spec is tensor_qmm.MATMUL_SPECS[(bits or 0, 1 if rows <= 16 else 2)]
     shift = 6 if bits else 0
+    merges = merged and splits > 1
     want = [rows, columns, depth, group_size or 0, tiles, splits, per_split, shift]
-    assert plan.params.tolist() == want
+    assert plan.params.tolist() == want + [int(merges)]
     assert plan.groups == tiles * splits and plan.columns == columns
     if splits == 1:
         assert plan.shapes == ((rows, columns), (1,)) and plan.reduce_params is None
+        assert plan.counters == 1
+    elif merges:
+        assert plan.shapes == ((rows, columns), (splits, rows, columns))
+        assert plan.reduce_params is None and plan.reduce_groups == 0
+        assert plan.counters == tiles
     else:
         assert plan.shapes == ((1,), (splits, rows, columns))
         assert plan.reduce_params.tolist() == [rows * columns, splits]
         assert plan.reduce_groups * tensor_qmm.REDUCE_THREADS >= rows * columns
-    assert tensor_qmm.launch_plan(rows, depth, columns, bits, group_size) is plan
+        assert plan.counters == 1
+    again = tensor_qmm.launch_plan(rows, depth, columns, bits, group_size, merged)
+    assert again is plan
 
 
 def test_a_rejected_geometry_is_rejected_on_every_call() -> None:
@@ -442,6 +479,18 @@ MUTANTS = {
     "fragments": _mutant(
         "fragments", _A_STEP0, "lo[mt][1], hi[mt][1], lo[mt][0], hi[mt][0], b[0], b[1]"
     ),
+    # Merged split sum: no CTA ever counts itself last, so no one writes the result.
+    "never_last": _mutant(
+        "never_last",
+        "atomicAdd(counter, 1) == splits - 1",
+        "atomicAdd(counter, 1) == splits",
+    ),
+    # Merged split sum: the first split's partial left out of the sum.
+    "first_split_dropped": _mutant(
+        "first_split_dropped",
+        "float sum = __ldcg(partial + e);",
+        "float sum = 0.0f * __ldcg(partial + e);",
+    ),
 }
 
 
@@ -453,6 +502,11 @@ def tensor_emulator(tmp_path_factory):
     emulator = TensorEmulator(tmp_path_factory.mktemp("tensor_emulator"), specs, GXX)
     assert emulator.build.ok, emulator.build.log
     return emulator
+
+
+def _launches(splits: int) -> int:
+    """Launches of one call: two when K is split and the sum is a launch of its own."""
+    return 2 if splits > 1 and not tensor_qmm.merge_split_sum() else 1
 
 
 @pytest.fixture
@@ -472,13 +526,13 @@ _FIXTURES = [HealthCheck.function_scoped_fixture]
 @given(case=served_cases(max_chunks=3, max_columns=200), late=st.booleans())
 def test_emulated_body_matches_oracle(emulated, case, late) -> None:
     """The body text itself (helpers emulated) against the float64 oracle, through
-    small_row_matmul (launch geometry, K split and its sum launch included)."""
+    small_row_matmul (launch geometry, K split and its sum included)."""
     emulated.late = late
     before = emulated.launches
     x, weight, _, _, bits, _ = case
     _, splits, _ = split_plan(x.shape[1], weight.shape[0], bits)
     assert _close_to_matmul_oracle(case, _kernel(case))
-    assert emulated.launches == before + (1 if splits == 1 else 2)
+    assert emulated.launches == before + _launches(splits)
 
 
 def test_emulated_fused_projections_give_each_member_its_columns(emulated) -> None:
@@ -501,7 +555,73 @@ def test_emulated_fused_projections_give_each_member_its_columns(emulated) -> No
         mx.eval(out)
         case = (x, layer["weight"], layer["scales"], layer["biases"], 4, 64)
         assert _close_to_matmul_oracle(case, out), index
-        assert emulated.launches == before + (1 if splits == 1 else 2)
+        assert emulated.launches == before + _launches(splits)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=_FIXTURES)
+@given(
+    case=served_cases(max_rows=20, max_chunks=4, max_columns=300),
+    late=st.booleans(),
+)
+def test_emulated_merged_split_sum_gives_the_two_launch_bits(
+    emulated, monkeypatch, case, late
+) -> None:
+    """The split sum merged into the matmul launch (its last CTA per column tile) gives
+    every element the bits of the separate reduce launch, in one launch instead of two.
+    """
+    emulated.late = late
+    x, weight, _, _, bits, _ = case
+    _, splits, _ = split_plan(x.shape[1], weight.shape[0], bits)
+    counts = {}
+    results = {}
+    for merged in (False, True):
+        monkeypatch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", merged)
+        before = emulated.launches
+        results[merged] = raw_bits(_kernel(case))
+        counts[merged] = emulated.launches - before
+    assert np.array_equal(results[True], results[False])
+    assert counts == {False: 1 if splits == 1 else 2, True: 1}
+
+
+def _run_merged(emulator, spec, case) -> mx.array:
+    """One launch of ``spec`` on a merged plan of ``case`` (K split)."""
+    x, weight, scales, biases, bits, group = case
+    plan = tensor_qmm.launch_plan(*x.shape, weight.shape[0], bits, group, True)
+    assert plan.reduce_params is None and plan.counters > 1
+    y, _ = emulator.launch(
+        spec,
+        [x, weight, scales, biases, plan.params, mx.zeros((plan.counters,), mx.int32)],
+        plan.shapes,
+        [x.dtype, mx.float32],
+        plan.groups,
+        x.dtype,
+    )
+    return y
+
+
+def test_emulator_catches_merged_sum_slips(tensor_emulator, monkeypatch) -> None:
+    """Negative controls of the merged split sum: a tile no CTA sums, or a sum that
+    leaves a split out, misses the oracle (the good body meets it with the reduce
+    launch's bits)."""
+    rng = np.random.default_rng(11)
+    depth, columns = 1024, 300  # 4 chunks split 4 ways, 3 column tiles
+    dense = mx.array(rng.standard_normal((columns, depth)).astype(np.float32))
+    x = mx.array(rng.standard_normal((7, depth)).astype(np.float32))
+    x = x.astype(mx.bfloat16)
+    case = (x, *mx.quantize(dense.astype(mx.bfloat16), group_size=64, bits=4), 4, 64)
+    assert split_plan(depth, columns, 4)[1] > 2
+    good = _run_merged(tensor_emulator, tensor_qmm.MATMUL_SPECS[(4, 1)], case)
+    assert _close_to_matmul_oracle(case, good)
+    monkeypatch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", False)
+    monkeypatch.setattr(qmm.backend, "BACKEND", "cuda")
+    monkeypatch.setattr(qmm.groups, "launch_groups", tensor_emulator.launch)
+    assert np.array_equal(raw_bits(good), raw_bits(_kernel(case)))
+    assert not _close_to_matmul_oracle(
+        case, _run_merged(tensor_emulator, MUTANTS["never_last"], case)
+    )
+    assert not _close_to_matmul_oracle(
+        case, _run_merged(tensor_emulator, MUTANTS["first_split_dropped"], case)
+    )
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=_FIXTURES)
@@ -532,11 +652,12 @@ def _run_spec(emulator, spec, case) -> mx.array:
     tiles = -(-weight.shape[0] // tensor_qmm.COLUMNS)
     chunks = x.shape[1] // Layout(4, 1).chunk
     ints = mx.array(
-        [x.shape[0], weight.shape[0], x.shape[1], group, tiles, 1, chunks, 6], mx.int32
+        [x.shape[0], weight.shape[0], x.shape[1], group, tiles, 1, chunks, 6, 0],
+        mx.int32,
     )
     y, _ = emulator.launch(
         spec,
-        [x, weight, scales, biases, ints],
+        [x, weight, scales, biases, ints, mx.zeros((1,), mx.int32)],
         [(x.shape[0], weight.shape[0]), (1,)],
         [x.dtype, mx.float32],
         tiles,
@@ -627,6 +748,28 @@ def test_cuda_tensor_matmul_matches_oracle(case) -> None:
 @given(case=served_cases(max_columns=200))
 def test_cuda_tensor_matmul_is_batch_invariant(case) -> None:
     _assert_batch_invariant(case)
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=40, deadline=None)
+@given(case=served_cases(max_columns=300))
+def test_cuda_merged_split_sum_gives_the_two_launch_bits_on_every_call(case) -> None:
+    """On the GPU: one bound call with the merged split sum, called three times (its
+    counters must re-arm), gives the two-launch bits each time."""
+    x, weight, scales, biases, bits, group = case
+    want = raw_bits(_kernel(case))
+    saved = tensor_qmm.MERGE_SPLIT_SUM
+    tensor_qmm.MERGE_SPLIT_SUM = True
+    try:
+        bound = qmm.bind_matmul(
+            x.shape, x.dtype, weight, scales, biases, bits=bits, group_size=group,
+            use_kernel=True,
+        )  # fmt: skip
+        for _ in range(3):
+            assert np.array_equal(raw_bits(bound(x)), want)
+    finally:
+        tensor_qmm.MERGE_SPLIT_SUM = saved
 
 
 @pytest.mark.cuda

@@ -372,6 +372,15 @@ inline bool dfl_copies_done() {
   }
   return true;
 }
+// The merged split sum's memory operations: groups run one after another here, so
+// the fence has nothing to order and the atomic is a plain read-modify-write.
+inline void __threadfence() {}
+inline int atomicAdd(int* address, int value) {
+  const int old = *address;
+  *address = old + value;
+  return old;
+}
+inline float __ldcg(const float* p) { return *p; }
 inline void dfl_pairs(uint4 v, uint32_t* r) {
   r[0] = __byte_perm(v.x, v.z, 0x5410);
   r[1] = __byte_perm(v.x, v.z, 0x7632);
