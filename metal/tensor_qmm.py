@@ -751,10 +751,11 @@ def bind_tensor_core(
     validated the call and checked :func:`tensor_core_serves`): its launches' inputs,
     shapes and counts are worked out once.
 
-    With :func:`merge_split_sum` and a K split, the bound call owns one counter per
-    column tile (zeros, re-armed by the kernel): its launches must not overlap each
-    other, which data dependence gives in decoding (a layer's next call reads what
-    its last one led to).
+    With :func:`merge_split_sum` and a K split, each launch gets its own zeroed counter
+    per column tile (an mlx fill, far cheaper on the host than the reduce launch).
+    Counters kept by the bound call would be shared by two of its launches that mlx
+    runs concurrently (two independent forwards evaluated together), and the last-CTA
+    election would then mix their partials.
 
     Returns:
         ``x -> x @ W.T`` for ``x`` of shape ``(rows, depth)`` and ``dtype``.
@@ -764,16 +765,21 @@ def bind_tensor_core(
     )
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)
-    # Merged: this bound call's own counters; else a shared placeholder, never written.
-    weights.append(
-        mx.zeros((plan.counters,), mx.int32) if plan.counters > 1 else _unused_counter()
-    )
     out_dtypes = [dtype, mx.float32]
     reduce_shapes = [(rows, plan.columns)]
 
     def launch(x: mx.array) -> mx.array:
+        # Merged: fresh counters for this launch; else a placeholder, never written.
+        counters = (
+            mx.zeros((plan.counters,), mx.int32) if plan.counters else _unused_counter()
+        )
         y, partial = groups.launch_groups(
-            plan.spec, [x, *weights], plan.shapes, out_dtypes, plan.groups, dtype
+            plan.spec,
+            [x, *weights, counters],
+            plan.shapes,
+            out_dtypes,
+            plan.groups,
+            dtype,
         )
         if plan.reduce_params is None:
             return y
@@ -807,8 +813,9 @@ class LaunchPlan:
             one-element placeholder when K is not split, or when the sum is a second
             launch).
         groups: Its CTAs.
-        counters: Length of the launch's counter input (the column tiles when the
-            split sum is merged, else 1, unused).
+        counters: Length of the zeroed counters each launch gets (the column tiles)
+            when the split sum is merged, else 0 (a one-element placeholder goes in,
+            never written).
         reduce_params: The reduce launch's scalars (None: no second launch).
         reduce_groups: The reduce launch's CTAs (0: none).
     """
@@ -847,7 +854,7 @@ def launch_plan(
     )  # fmt: skip
     if splits == 1:
         return LaunchPlan(
-            spec, columns, params, ((rows, columns), (1,)), tiles, 1, None, 0
+            spec, columns, params, ((rows, columns), (1,)), tiles, 0, None, 0
         )
     partials = (splits, rows, columns)
     if merged:
@@ -862,7 +869,7 @@ def launch_plan(
         params,
         ((1,), partials),
         tiles * splits,
-        1,
+        0,
         int_params(total, splits),
         -(-total // REDUCE_THREADS),
     )

@@ -265,7 +265,7 @@ def test_launch_plan_is_the_split_plan_kept_per_geometry(
     assert plan.groups == tiles * splits and plan.columns == columns
     if splits == 1:
         assert plan.shapes == ((rows, columns), (1,)) and plan.reduce_params is None
-        assert plan.counters == 1
+        assert plan.counters == 0
     elif merges:
         assert plan.shapes == ((rows, columns), (splits, rows, columns))
         assert plan.reduce_params is None and plan.reduce_groups == 0
@@ -274,7 +274,7 @@ def test_launch_plan_is_the_split_plan_kept_per_geometry(
         assert plan.shapes == ((1,), (splits, rows, columns))
         assert plan.reduce_params.tolist() == [rows * columns, splits]
         assert plan.reduce_groups * tensor_qmm.REDUCE_THREADS >= rows * columns
-        assert plan.counters == 1
+        assert plan.counters == 0
     again = tensor_qmm.launch_plan(rows, depth, columns, bits, group_size, merged)
     assert again is plan
 
@@ -583,11 +583,49 @@ def test_emulated_merged_split_sum_gives_the_two_launch_bits(
     assert counts == {False: 1 if splits == 1 else 2, True: 1}
 
 
+@pytest.mark.parametrize("columns", [100, 300])  # one column tile, three
+def test_each_merged_launch_gets_its_own_zeroed_counters(
+    emulated, monkeypatch, columns
+) -> None:
+    """Two launches of one bound call never share counters: mlx may run independent
+    launches concurrently, and shared counters would mix their partials. A one-tile
+    call gets its own too (not the never-written placeholder)."""
+    rng = np.random.default_rng(5)
+    dense = mx.array(rng.standard_normal((columns, 1024)).astype(np.float32))
+    x = mx.array(rng.standard_normal((3, 1024)).astype(np.float32)).astype(mx.bfloat16)
+    weight, scales, biases = mx.quantize(
+        dense.astype(mx.bfloat16), group_size=64, bits=4
+    )
+    tiles, splits, _ = split_plan(1024, columns, 4)
+    assert splits > 1
+    monkeypatch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", True)
+    counters = []
+    launch = qmm.groups.launch_groups
+
+    def spy(spec, inputs, *rest):
+        counters.append(inputs[-1])
+        return launch(spec, inputs, *rest)
+
+    monkeypatch.setattr(qmm.groups, "launch_groups", spy)
+    bound = qmm.bind_matmul(
+        x.shape, x.dtype, weight, scales, biases, bits=4, group_size=64,
+        use_kernel=True,
+    )  # fmt: skip
+    outs = [bound(x), bound(-x)]
+    mx.eval(outs)
+    assert len(counters) == 2 and counters[0] is not counters[1]
+    assert counters[0] is not tensor_qmm._unused_counter()
+    assert all(c.shape == (tiles,) and c.dtype == mx.int32 for c in counters)
+    for out, sign in zip(outs, (1, -1)):
+        case = (x * sign, weight, scales, biases, 4, 64)
+        assert _close_to_matmul_oracle(case, out)
+
+
 def _run_merged(emulator, spec, case) -> mx.array:
     """One launch of ``spec`` on a merged plan of ``case`` (K split)."""
     x, weight, scales, biases, bits, group = case
     plan = tensor_qmm.launch_plan(*x.shape, weight.shape[0], bits, group, True)
-    assert plan.reduce_params is None and plan.counters > 1
+    assert plan.reduce_params is None and plan.counters > 0
     y, _ = emulator.launch(
         spec,
         [x, weight, scales, biases, plan.params, mx.zeros((plan.counters,), mx.int32)],
@@ -755,19 +793,26 @@ def test_cuda_tensor_matmul_is_batch_invariant(case) -> None:
 @settings(max_examples=40, deadline=None)
 @given(case=served_cases(max_columns=300))
 def test_cuda_merged_split_sum_gives_the_two_launch_bits_on_every_call(case) -> None:
-    """On the GPU: one bound call with the merged split sum, called three times (its
-    counters must re-arm), gives the two-launch bits each time."""
+    """On the GPU: one bound call with the merged split sum gives the two-launch bits
+    on every call, also when mlx may run several of its launches concurrently (three
+    independent inputs evaluated together)."""
     x, weight, scales, biases, bits, group = case
-    want = raw_bits(_kernel(case))
+    inputs = [x, -x, x * 0.5]
     saved = tensor_qmm.MERGE_SPLIT_SUM
-    tensor_qmm.MERGE_SPLIT_SUM = True
     try:
+        tensor_qmm.MERGE_SPLIT_SUM = False
+        want = [raw_bits(_kernel((row, *case[1:]))) for row in inputs]
+        tensor_qmm.MERGE_SPLIT_SUM = True
         bound = qmm.bind_matmul(
             x.shape, x.dtype, weight, scales, biases, bits=bits, group_size=group,
             use_kernel=True,
         )  # fmt: skip
-        for _ in range(3):
-            assert np.array_equal(raw_bits(bound(x)), want)
+        for _ in range(2):
+            assert np.array_equal(raw_bits(bound(x)), want[0])
+        together = [bound(row) for row in inputs]
+        mx.eval(together)
+        for got, expected in zip(together, want):
+            assert np.array_equal(raw_bits(got), expected)
     finally:
         tensor_qmm.MERGE_SPLIT_SUM = saved
 
