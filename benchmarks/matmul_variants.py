@@ -6,11 +6,14 @@ Each variant changes one or more of the form's knobs for the time of its rows:
 * ``budget``: shared memory a stage ring may take (``tensor_qmm.SHARED_BUDGET``),
   which sets the pipeline depth and how many CTAs fit an SM;
 * ``plain_mma``: the mma helper as a non-volatile ``asm`` (the compiler may move it);
-* ``merged``: a K split's partials summed by the matmul launch itself
-  (``tensor_qmm.MERGE_SPLIT_SUM``), one launch instead of two.
+* ``merged`` / ``unmerged``: a K split's partials summed by the matmul launch
+  itself (``tensor_qmm.MERGE_SPLIT_SUM``, the default since session 13) or by a second,
+  reduce launch.
 
-For every variant, projection shape and row count it reports the device time per
-call (CUPTI, through ``torch.profiler``), the kernels per call, the time over the
+Each call is bound once (``qmm.bind_matmul``), as a patched layer runs it; a merged
+call's kernels include the fill of its fresh counters. For every variant, projection
+shape and row count it reports the device time per call (CUPTI, through
+``torch.profiler``), the kernels per call, the time over the
 bandwidth bound of the bytes read, and the largest difference from mlx's
 ``quantized_matmul`` (a variant that changes the K split changes the summation
 order, so its bits, within tolerance). mlx's own time is one row per shape.
@@ -35,7 +38,7 @@ from typing import Iterator, Optional, Sequence
 import mlx.core as mx
 
 from dflash.metal import backend, tensor_qmm
-from dflash.metal.qmm import small_row_matmul
+from dflash.metal.qmm import bind_matmul
 
 from .verify_kernels import GLIMMER, H200_BANDWIDTH, _weights, device_time
 
@@ -48,6 +51,7 @@ VARIANTS = {
     "budget70k-target528": {"budget": 70 * 1024, "target": 528},
     "plain_mma": {"plain_mma": True},
     "merged": {"merged": True},
+    "unmerged": {"merged": False},
 }
 # Muse Glimmer's unfused projections, as verify_kernels names them.
 SHAPES = {
@@ -143,10 +147,12 @@ def run(args: argparse.Namespace) -> dict:
             _add(result, shape, rows, "mlx", timed, bound_us, 0.0)
             for name in args.variants:
                 with variant(**VARIANTS[name]):
-                    ours = lambda: small_row_matmul(  # noqa: E731
-                        x, weight, scales, biases, bits=args.bits, group_size=64,
-                        use_kernel=True,
+                    # Bound once, as a patched layer runs it.
+                    bound = bind_matmul(
+                        x.shape, x.dtype, weight, scales, biases, bits=args.bits,
+                        group_size=64, use_kernel=True,
                     )  # fmt: skip
+                    ours = lambda: bound(x)  # noqa: E731
                     diff = float(mx.abs(ours().astype(mx.float32) - expected).max())
                     timed = device_time(ours, args.reps)
                 _add(result, shape, rows, name, timed, bound_us, diff)
