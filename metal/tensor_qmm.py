@@ -77,8 +77,9 @@ arithmetic. With the copy path above (``docs/benchmarks/h200-2026-12-01-s12``):
 30.4M -> 22.3M instructions for gate/up; gate/up 108.7 -> 70.6 us with 16 rows and
 66.1 with 1 (mlx 114.0 / 74.5), down 108.9 -> 71.3 and 66.1 (mlx 265.5 / 86.2).
 Still 4.2-4.6x the bound. The split sum merged into the matmul launch (session 13,
-``docs/benchmarks/h200-2026-12-01-s13``): 156 fewer launches a plain token, and
-4-11 % less device time per split call; see ``docs/verify-kernels-analysis.md``.
+``docs/benchmarks/h200-2026-12-01-s13``): 156 fewer launches a plain token; device
+time per call 2-16 % lower on 7 of 8 projection shapes, 6 % higher on q_proj with one
+row; see ``docs/verify-kernels-analysis.md``.
 """
 
 from __future__ import annotations
