@@ -220,6 +220,13 @@ def int_params(*values: int) -> mx.array:
     return mx.array(list(values), dtype=mx.int32)
 
 
+def launch_counters(count: int) -> mx.array:
+    """Zeroed int32 counters for one launch whose last threadgroup is elected by an
+    atomic, fresh each launch (two launches mlx runs concurrently must not share them);
+    for ``count`` 0 a shared one-element placeholder, which the kernel never writes."""
+    return mx.zeros((count,), mx.int32) if count else int_params(0)
+
+
 @functools.lru_cache(maxsize=512)
 def float_params(*values: float) -> mx.array:
     """Runtime float scalars of a launch as a float32 array (memoised, immutable)."""

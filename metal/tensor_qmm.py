@@ -770,13 +770,9 @@ def bind_tensor_core(
     reduce_shapes = [(rows, plan.columns)]
 
     def launch(x: mx.array) -> mx.array:
-        # Merged: fresh counters for this launch; else a placeholder, never written.
-        counters = (
-            mx.zeros((plan.counters,), mx.int32) if plan.counters else _unused_counter()
-        )
         y, partial = groups.launch_groups(
             plan.spec,
-            [x, *weights, counters],
+            [x, *weights, groups.launch_counters(plan.counters)],
             plan.shapes,
             out_dtypes,
             plan.groups,
@@ -795,11 +791,6 @@ def bind_tensor_core(
         return y
 
     return launch
-
-
-@functools.lru_cache(maxsize=1)
-def _unused_counter() -> mx.array:
-    return mx.zeros((1,), mx.int32)
 
 
 @dataclass(frozen=True)
