@@ -249,8 +249,8 @@ def test_cuda_scalar_body_still_matches_the_oracle(case: Case) -> None:
 
 # The kernels whose `cuda` tests passed and which were timed on the H200 on 2026-12-01:
 # attention and fold in docs/benchmarks/h200-2026-12-01-s8 (calls 4-5), the matmul forms
-# with session 13's merged split sum in docs/benchmarks/h200-2026-12-01-s13 (calls A, C,
-# E, F: merged off and on). A spec's
+# (merged split sum, session 14's text) in docs/benchmarks/h200-2026-12-01-s14 (calls A,
+# C, G). A spec's
 # name hashes its header and body, so any edit to a body changes it: then run the `cuda`
 # tests on a GPU again and record the new names here (README "What ran where" must stay
 # true).
@@ -258,12 +258,12 @@ RAN_ON_THE_H200 = {
     "dflash_attend_chunks_stream128_61137f4186",
     "dflash_attend_chunks_split128_b1f9a4989d",
     "dflash_fold_chunks_d7bc88cb96",
-    "dflash_tensor_q4_m1_f4e0c36725",
-    "dflash_tensor_q4_m2_c22a977a77",
-    "dflash_tensor_q8_m1_2c30949e3f",
-    "dflash_tensor_q8_m2_b4039cbe18",
-    "dflash_tensor_dense_m1_b519a29706",
-    "dflash_tensor_dense_m2_dbc518d563",
+    "dflash_tensor_q4_m1_40066247e4",
+    "dflash_tensor_q4_m2_7e9e3909d0",
+    "dflash_tensor_q8_m1_53026b1405",
+    "dflash_tensor_q8_m2_65f1e29cef",
+    "dflash_tensor_dense_m1_64cca3f027",
+    "dflash_tensor_dense_m2_b7bbaddc76",
     "dflash_tensor_split_sum_36ffdf3c69",
 }
 

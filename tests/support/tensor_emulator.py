@@ -306,11 +306,11 @@ inline void dfl_queue(unsigned char* dst, const unsigned char* src, int bytes, b
     dfl_land({c});
   }
 }
-inline void dfl_copy16(unsigned char* dst, const unsigned char* src, bool valid, bool fast) {
+inline void dfl_copy16(unsigned char* dst, const unsigned char* src, bool fast) {
   if (fast && (reinterpret_cast<size_t>(src) & 15)) {
     std::abort();  // cp.async would fault on a misaligned source
   }
-  dfl_queue(dst, src, 16, valid);
+  dfl_queue(dst, src, 16, true);
 }
 inline void dfl_copy_small(unsigned char* dst, const unsigned char* src, int bytes, bool fast) {
   if (bytes != 4 && bytes != 8 && bytes != 16) std::abort();  // no such cp.async size
