@@ -644,7 +644,37 @@ class KernelPatch:
 # them by default (its reference forms only serve tests).
 VERIFY_KERNEL_PARTS: Tuple[str, ...] = ("attention", "matmul", "projections")
 VERIFY_KERNELS_BY_DEFAULT: Dict[str, Tuple[str, ...]] = {"metal": (), "cuda": ()}
+# DFlash decoding (a drafter given) of a target whose every projection has one affine
+# quantized form, by (backend, architecture, bits, group size), only where measured: on an
+# H200, full-size Muse Glimmer in 4-bit groups of 64, rounds at tau = 6 took 0.72-0.87 of
+# kernels-off, faster in 18 of 19 pairs over sessions 10, 13 and 14
+# (docs/benchmarks/h200-2026-12-01-s14). Plain decoding keeps VERIFY_KERNELS_BY_DEFAULT:
+# its tokens cost more host time with our launches.
+DFLASH_KERNELS_BY_QUANTIZATION: Dict[Tuple[str, str, int, int], Tuple[str, ...]] = {
+    ("cuda", "muse_glimmer", 4, 64): VERIFY_KERNEL_PARTS,
+}
 VERIFY_KERNELS_ENV = "DFLASH_VERIFY_KERNELS"
+
+
+def quantized_form(model: nn.Module) -> Optional[Tuple[int, int]]:
+    """The one affine ``(bits, group_size)`` of every projection of ``model``.
+
+    Args:
+        model: An mlx-lm model.
+
+    Returns:
+        ``(bits, group_size)`` when every ``nn.Linear`` / ``nn.QuantizedLinear`` in the
+        model is quantized, in mlx's affine mode, with the same bits and group size;
+        None when some projection is dense, the forms differ, or there is none.
+    """
+    forms = set()
+    for module in model.modules():
+        if isinstance(module, nn.QuantizedLinear):
+            mode = getattr(module, "mode", "affine")
+            forms.add((module.bits, module.group_size) if mode == "affine" else None)
+        elif isinstance(module, nn.Linear):
+            return None
+    return forms.pop() if len(forms) == 1 else None
 
 
 def _env_parts() -> Optional[Tuple[str, ...]]:
@@ -673,16 +703,18 @@ def _env_parts() -> Optional[Tuple[str, ...]]:
 
 
 def wanted_parts(
-    model: nn.Module, use_kernel: Optional[bool] = None
+    model: nn.Module, use_kernel: Optional[bool] = None, speculative: bool = False
 ) -> Tuple[str, ...]:
     """Which verify-kernel parts :func:`verify_kernels` installs for ``model``.
 
     Args:
         model: The target.
         use_kernel: True (every part) / False (none) decide; None asks
-            ``DFLASH_VERIFY_KERNELS``, then ``DFLASH_KERNELS=0`` (none), then
-            :data:`VERIFY_KERNELS_BY_DEFAULT` for this backend (with the GPU as the
-            default device).
+            ``DFLASH_VERIFY_KERNELS``, then ``DFLASH_KERNELS=0`` (none), then (with
+            the GPU as the default device) :data:`DFLASH_KERNELS_BY_QUANTIZATION` for
+            DFlash decoding of a target in a measured quantized form, else
+            :data:`VERIFY_KERNELS_BY_DEFAULT` for this backend.
+        speculative: Whether the caller decodes with a drafter (DFlash rounds).
 
     Returns:
         A sub-tuple of :data:`VERIFY_KERNEL_PARTS` (empty for an architecture
@@ -698,18 +730,25 @@ def wanted_parts(
     parts = _env_parts()
     if parts is not None:
         return parts
-    if (
+    if not (
         backend.KERNELS_ENABLED
         and backend.BACKEND is not None
         and backend.gpu_is_default()
     ):
-        return VERIFY_KERNELS_BY_DEFAULT.get(backend.BACKEND, ())
-    return ()
+        return ()
+    parts = VERIFY_KERNELS_BY_DEFAULT.get(backend.BACKEND, ())
+    form = quantized_form(model) if speculative else None
+    if form is not None:
+        measured = (backend.BACKEND, architecture(model), *form)
+        return DFLASH_KERNELS_BY_QUANTIZATION.get(measured, parts)
+    return parts
 
 
-def wanted(model: nn.Module, use_kernel: Optional[bool] = None) -> bool:
+def wanted(
+    model: nn.Module, use_kernel: Optional[bool] = None, speculative: bool = False
+) -> bool:
     """Whether :func:`verify_kernels` installs any part for ``model`` (see :func:`wanted_parts`)."""
-    return bool(wanted_parts(model, use_kernel))
+    return bool(wanted_parts(model, use_kernel, speculative))
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -725,19 +764,26 @@ def verify_kernels(
 ) -> Iterator[Optional[KernelPatch]]:
     """Install :class:`KernelPatch` for the ``with`` block when :func:`wanted` says so.
 
-    What the generators use, so our plain decoding and DFlash decoding run the same
-    kernels. A model already patched (by the caller) is left as it is.
+    What the generators use. Switched on (``DFLASH_VERIFY_KERNELS``) our plain decoding
+    and DFlash decoding run the same kernels; by default only DFlash decoding of a
+    measured quantized form does (:data:`DFLASH_KERNELS_BY_QUANTIZATION`). A model
+    already patched (by the caller) is left as it is.
 
     Args:
         model: The target.
-        drafter: The drafter to patch with it (optional).
+        drafter: The drafter to patch with it; given, the caller decodes with DFlash
+            rounds (``speculative`` for :func:`wanted_parts`).
         use_kernel: As for :func:`wanted`; when installing, True runs the kernel forms,
             None the backend's default form.
 
     Yields:
         The installed patch, or None when nothing was installed.
     """
-    parts = () if is_patched(model) else wanted_parts(model, use_kernel)
+    parts = (
+        ()
+        if is_patched(model)
+        else wanted_parts(model, use_kernel, speculative=drafter is not None)
+    )
     if not parts:
         yield None
         return

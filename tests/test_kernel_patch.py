@@ -390,6 +390,103 @@ def test_default_table_and_dflash_kernels_switch(monkeypatch) -> None:
     assert not kernel_patch.wanted(target)
 
 
+def _on_a_cuda_gpu(monkeypatch) -> None:
+    monkeypatch.delenv(kernel_patch.VERIFY_KERNELS_ENV, raising=False)
+    monkeypatch.setattr(kernel_patch.backend, "BACKEND", "cuda")
+    monkeypatch.setattr(kernel_patch.backend, "gpu_is_default", lambda: True)
+    monkeypatch.setattr(kernel_patch.backend, "KERNELS_ENABLED", True)
+
+
+@pytest.mark.parametrize(
+    "arch, bits, group, dflash_parts",
+    [
+        ("muse_glimmer", 4, 64, kernel_patch.VERIFY_KERNEL_PARTS),  # measured
+        ("muse_glimmer", 8, 64, ()),
+        ("muse_glimmer", 4, 32, ()),
+        ("muse_glimmer", None, None, ()),
+        ("qwen3", 4, 64, ()),  # not measured
+    ],
+)
+def test_dflash_decoding_defaults_on_only_where_measured(
+    monkeypatch, arch, bits, group, dflash_parts
+) -> None:
+    """CUDA, 4-bit groups of 64, Muse Glimmer: DFlash rounds only; plain keeps the table."""
+    _on_a_cuda_gpu(monkeypatch)
+    target = tiny_model(arch, seed=27, window=16)
+    if bits:
+        nn.quantize(target, group_size=group, bits=bits)
+        assert kernel_patch.quantized_form(target) == (bits, group)
+    else:
+        assert kernel_patch.quantized_form(target) is None
+    assert kernel_patch.wanted_parts(target, speculative=True) == dflash_parts
+    assert kernel_patch.wanted_parts(target) == ()  # plain decoding
+    monkeypatch.setenv(kernel_patch.VERIFY_KERNELS_ENV, "0")
+    assert kernel_patch.wanted_parts(target, speculative=True) == ()
+    monkeypatch.delenv(kernel_patch.VERIFY_KERNELS_ENV)
+    monkeypatch.setattr(kernel_patch.backend, "KERNELS_ENABLED", False)
+    assert kernel_patch.wanted_parts(target, speculative=True) == ()
+    monkeypatch.setattr(kernel_patch.backend, "KERNELS_ENABLED", True)
+    monkeypatch.setattr(kernel_patch.backend, "BACKEND", "metal")  # never run there
+    assert kernel_patch.wanted_parts(target, speculative=True) == ()
+
+
+def test_quantized_form_wants_every_projection_in_one_form() -> None:
+    target = tiny_model("muse_glimmer", seed=28, window=16)
+    nn.quantize(target, group_size=64, bits=4)
+    assert kernel_patch.quantized_form(target) == (4, 64)
+    # One dense MLP left (as a class predicate can leave it): no form.
+    mixed = tiny_model("muse_glimmer", seed=28, window=16)
+    nn.quantize(
+        mixed,
+        64,
+        4,
+        class_predicate=lambda path, m: isinstance(m, (nn.Linear, nn.Embedding))
+        and "layers.0.mlp" not in path,
+    )
+    assert kernel_patch.quantized_form(mixed) is None
+    # Two quantized forms: no form.
+    two = tiny_model("muse_glimmer", seed=28, window=16)
+    nn.quantize(
+        two,
+        64,
+        8,
+        class_predicate=lambda path, m: isinstance(m, nn.Linear)
+        and "layers.1." in path,
+    )
+    nn.quantize(two, 64, 4, class_predicate=lambda path, m: type(m) is nn.Linear)
+    assert kernel_patch.quantized_form(two) is None
+
+
+def test_verify_kernels_asks_for_dflash_defaults_only_with_a_drafter(
+    monkeypatch,
+) -> None:
+    """A drafter makes the call speculative; the installed parts follow the rule."""
+    _on_a_cuda_gpu(monkeypatch)
+    installed = []
+
+    class Recorder:
+        def __init__(self, model, drafter, **parts) -> None:
+            installed.append(parts)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+    monkeypatch.setattr(kernel_patch, "KernelPatch", Recorder)
+    target = tiny_model("muse_glimmer", seed=29, window=16)
+    nn.quantize(target, group_size=64, bits=4)
+    with kernel_patch.verify_kernels(target) as patch:
+        assert patch is None
+    drafter = random_drafter(target, seed=12, block_size=8)
+    with kernel_patch.verify_kernels(target, drafter) as patch:
+        assert isinstance(patch, Recorder)
+    assert installed == [
+        dict(use_kernel=None, attention=True, matmul=True, projections=True)
+    ]
+
+
 @pytest.mark.parametrize(
     "env, parts",
     [
