@@ -77,7 +77,7 @@ def test_replayed_decode_tau_equals_the_rounds_of_real_decoding(demo):
     model, tokenizer, drafter = demo
     record = json.loads((DEMO_DIR / "bench-prompts.jsonl").read_text().splitlines()[1])
     prompt = mx.array(tokenizer.encode(record["prompt"]))
-    size, new_tokens = drafter.config.block_size, 96
+    size, new_tokens = drafter.config.block_size, 48
     stats = GenerationStats(size)
     for _ in dflash_generate_step(
         prompt, model, drafter, max_tokens=new_tokens, stats=stats
