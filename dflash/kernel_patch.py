@@ -647,7 +647,7 @@ VERIFY_KERNELS_BY_DEFAULT: Dict[str, Tuple[str, ...]] = {"metal": (), "cuda": ()
 # DFlash decoding (a drafter given) of a target whose every projection has one affine
 # quantized form, by (backend, architecture, bits, group size), only where measured: on an
 # H200, full-size Muse Glimmer in 4-bit groups of 64, rounds at tau = 6 took 0.72-0.83 of
-# kernels-off, faster in 18 of 19 pairs over sessions 10, 13 and 14
+# kernels-off, faster in 18 of 19 pairs over sessions 9, 10, 13 and 14
 # (docs/benchmarks/h200-2026-12-01-s14). Plain decoding keeps VERIFY_KERNELS_BY_DEFAULT:
 # its tokens cost more host time with our launches.
 DFLASH_KERNELS_BY_QUANTIZATION: Dict[Tuple[str, str, int, int], Tuple[str, ...]] = {

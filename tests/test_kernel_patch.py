@@ -378,23 +378,21 @@ def test_wanted_follows_argument_then_env(
     assert not kernel_patch.wanted(tiny_model("gpt_oss", seed=0), True)
 
 
-def test_default_table_and_dflash_kernels_switch(monkeypatch) -> None:
-    """On a GPU backend the table decides; ``DFLASH_KERNELS=0`` turns the default off."""
-    monkeypatch.delenv(kernel_patch.VERIFY_KERNELS_ENV, raising=False)
-    monkeypatch.setattr(kernel_patch.backend, "BACKEND", "cuda")
-    monkeypatch.setattr(kernel_patch.backend, "gpu_is_default", lambda: True)
-    monkeypatch.setitem(kernel_patch.VERIFY_KERNELS_BY_DEFAULT, "cuda", ("attention",))
-    target = tiny_model("muse_glimmer", seed=24, window=16)
-    assert kernel_patch.wanted_parts(target) == ("attention",)
-    monkeypatch.setattr(kernel_patch.backend, "KERNELS_ENABLED", False)
-    assert not kernel_patch.wanted(target)
-
-
 def _on_a_cuda_gpu(monkeypatch) -> None:
     monkeypatch.delenv(kernel_patch.VERIFY_KERNELS_ENV, raising=False)
     monkeypatch.setattr(kernel_patch.backend, "BACKEND", "cuda")
     monkeypatch.setattr(kernel_patch.backend, "gpu_is_default", lambda: True)
     monkeypatch.setattr(kernel_patch.backend, "KERNELS_ENABLED", True)
+
+
+def test_default_table_and_dflash_kernels_switch(monkeypatch) -> None:
+    """On a GPU backend the table decides; ``DFLASH_KERNELS=0`` turns the default off."""
+    _on_a_cuda_gpu(monkeypatch)
+    monkeypatch.setitem(kernel_patch.VERIFY_KERNELS_BY_DEFAULT, "cuda", ("attention",))
+    target = tiny_model("muse_glimmer", seed=24, window=16)
+    assert kernel_patch.wanted_parts(target) == ("attention",)
+    monkeypatch.setattr(kernel_patch.backend, "KERNELS_ENABLED", False)
+    assert not kernel_patch.wanted(target)
 
 
 @pytest.mark.parametrize(
