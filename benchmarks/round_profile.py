@@ -50,6 +50,7 @@ from dflash.fused_projections import FUSED_ENV
 from dflash.generation import generate_step
 from dflash.greedy import greedy_reference
 from dflash.kernel_patch import VERIFY_KERNELS_ENV
+from dflash.metal.backend import COMPILE_ENV
 from dflash.metal.tensor_qmm import MERGED_SPLIT_SUM_ENV
 from dflash.taps import TargetTaps
 
@@ -154,7 +155,8 @@ def taps_starting_early(start_early: bool) -> Iterator[None]:
 
 # ``--kernels`` arms and the ``DFLASH_VERIFY_KERNELS`` value each sets (None: the default);
 # the ``-unfused`` arms also set ``DFLASH_FUSED_PROJECTIONS=0`` (a launch per projection),
-# the ``-merged`` arms ``DFLASH_MERGED_SPLIT_SUM=1`` (a K split summed in the matmul launch).
+# the ``-merged`` arms ``DFLASH_MERGED_SPLIT_SUM=1`` (a K split summed in the matmul launch),
+# the ``-compiled`` arms ``DFLASH_COMPILE=1`` (bound matmuls replayed by ``mx.compile``).
 KERNEL_ARMS = {
     "default": None,
     "off": "0",
@@ -165,6 +167,8 @@ KERNEL_ARMS = {
     "all-unfused": "1",
     "matmul-merged": "matmul",
     "all-merged": "1",
+    "all-compiled": "1",
+    "default-compiled": None,
     "projections": "projections",
     "attention-projections": "attention,projections",
 }
@@ -190,10 +194,12 @@ def kernel_arm(arm: str) -> Iterator[None]:
     """The environment of ``--kernels`` arm ``arm`` for the block."""
     fused = "0" if arm.endswith("-unfused") else None
     merged = "1" if arm.endswith("-merged") else None
+    compiled = "1" if arm.endswith("-compiled") else None
     with (
         env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[arm]),
         env_value(FUSED_ENV, fused),
         env_value(MERGED_SPLIT_SUM_ENV, merged),
+        env_value(COMPILE_ENV, compiled),
     ):
         yield
 

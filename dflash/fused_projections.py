@@ -146,17 +146,16 @@ class FusedProjections:
     def _project(self, x: mx.array, use_kernel: Optional[bool]) -> Dict[int, mx.array]:
         """Every member's columns of ``x @ stack.T``, by member index (one launch)."""
         if self.form == "mlx":
-            y = self._mlx_product(x)
-        else:
-            key = (x.shape, x.dtype, use_kernel)
-            product = self._bound.get(key)
-            if product is None:
-                product = self._bound[key] = self._bind(x, use_kernel)
-            y = product(x)
-        return dict(enumerate(mx.split(y, self.splits, axis=-1)))
+            return dict(enumerate(mx.split(self._mlx_product(x), self.splits, axis=-1)))
+        key = (x.shape, x.dtype, use_kernel)
+        product = self._bound.get(key)
+        if product is None:
+            product = self._bound[key] = self._bind(x, use_kernel)
+        return dict(enumerate(product(x)))
 
     def _bind(self, x: mx.array, use_kernel: Optional[bool]):
-        """``x -> x @ stack.T`` for inputs of ``x``'s shape and dtype, planned once."""
+        """``x -> columns of x @ stack.T`` per member, for inputs of ``x``'s shape and
+        dtype, planned once."""
         depth = x.shape[-1]
         flat = (x.size // depth, depth)
         out_shape = (*x.shape[:-1], self.weight.shape[0])
@@ -164,7 +163,12 @@ class FusedProjections:
             flat, x.dtype, self.weight, self.scales, self.biases,
             bits=self.bits, group_size=self.group_size, use_kernel=use_kernel,
         )  # fmt: skip
-        return lambda x: matmul(x.reshape(flat)).reshape(out_shape)
+        splits = self.splits
+
+        def product(x: mx.array) -> List[mx.array]:
+            return mx.split(matmul(x.reshape(flat)).reshape(out_shape), splits, axis=-1)
+
+        return backend.compile_bound(product)
 
     def _mlx_product(self, x: mx.array) -> mx.array:
         """``x @ stack.T`` by mlx's own op, as each member's layer computes its own."""

@@ -380,7 +380,7 @@ def _bind_linear(layer: nn.Module, x: mx.array) -> Callable[[mx.array], mx.array
         y = matmul(x.reshape(flat)).reshape(out_shape)
         return y if bias is None else y + bias
 
-    return run
+    return backend.compile_bound(run)
 
 
 def _projection_class(base: type) -> type:

@@ -73,6 +73,34 @@ KERNELS_ENABLED: bool = env_switch(KERNELS_ENV) is not False
 SHADOW_KERNEL_BY_DEFAULT: dict[str, bool] = {METAL: True, CUDA: False}
 
 
+# A patched layer's bound forward is replayed through ``mx.compile``: mlx reuses the
+# traced launches in C++ instead of running our Python per call. On by default on CUDA
+# (measured there: docs/verify-kernels-analysis.md, session 15); ``DFLASH_COMPILE=0`` /
+# ``=1`` turn it off / on anywhere.
+COMPILE_ENV = "DFLASH_COMPILE"
+COMPILE_BY_DEFAULT = {CUDA: True, METAL: False}
+
+
+def compile_wanted() -> bool:
+    """Whether :func:`compile_bound` compiles: :data:`COMPILE_ENV`, else the backend's
+    default (:data:`COMPILE_BY_DEFAULT`; off without a GPU backend)."""
+    switch = env_switch(COMPILE_ENV)
+    if switch is not None:
+        return switch
+    return COMPILE_BY_DEFAULT.get(BACKEND, False)
+
+
+def compile_bound(forward: Callable) -> Callable:
+    """``forward`` through ``mx.compile`` when :func:`compile_wanted`, else as it is.
+
+    ``forward`` must be a pure function of its array arguments whose captured arrays
+    are evaluated and never replaced (a bound layer's weights: a layer whose arrays are
+    replaced is bound again). Its Python then runs once per input geometry (the trace),
+    and the same launches, so the same bits, are replayed at every later call.
+    """
+    return mx.compile(forward) if compile_wanted() else forward
+
+
 def shadow_kernel_by_default() -> bool:
     """Whether ``use_kernel=None`` launches the staging-shadow kernel on this backend."""
     return SHADOW_KERNEL_BY_DEFAULT.get(BACKEND, False)

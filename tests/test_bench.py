@@ -553,3 +553,14 @@ def test_the_public_loop_runs_side_by_side_on_the_tiny_scale_pair(tmp_path):
     rows = {row["mode"]: row for row in merged["comparison"]}
     assert rows["replay-tau2"]["ours_tau"] == 2 and rows["plain"]["ours_over_peer"] > 0
     assert (tmp_path / "side-by-side.md").read_text().count("| replay-tau") == 2
+
+
+def test_environment_records_the_switches_that_change_what_runs(monkeypatch):
+    from dflash.bench.report import environment
+
+    monkeypatch.setenv("DFLASH_COMPILE", "1")
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "0")
+    monkeypatch.setenv("UNRELATED_SETTING", "x")
+    env = environment("cmd")["env"]
+    assert env["DFLASH_COMPILE"] == "1" and env["MLX_USE_CUDA_GRAPHS"] == "0"
+    assert "UNRELATED_SETTING" not in env

@@ -9,7 +9,9 @@ float32 outputs agree; in bfloat16 they part at near-ties (printed with margins)
 
 from __future__ import annotations
 
+import gc
 import sys
+import weakref
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,7 +26,7 @@ from dflash.cache import SpeculativeCheckpoint, make_prompt_cache
 from dflash.drafter import DraftAttention
 from dflash.generation import generate_step
 from dflash.kernel_patch import KernelPatch, supports
-from dflash.metal import attention
+from dflash.metal import attention, backend
 
 
 def _f32(array: mx.array) -> np.ndarray:
@@ -60,6 +62,32 @@ def test_plain_and_speculative_logits_agree_bitwise(arch, dtype, block, bits) ->
     assert [int(t) for t, _ in plain] == [int(t) for t, _, _ in spec]
     for index, ((_, want), (_, got, _)) in enumerate(zip(plain, spec)):
         assert np.array_equal(_f32(want), _f32(got)), f"token {index}"
+
+
+@pytest.mark.parametrize(
+    "arch, dtype, bits", [("muse_glimmer", mx.bfloat16, 4), ("qwen3", mx.float16, None)]
+)
+def test_compiled_forwards_give_the_uncompiled_bits(monkeypatch, arch, dtype, bits):
+    """``mx.compile`` replays the bound matmuls' launches: plain and speculative
+    log-probabilities are bit for bit those of the uncompiled forwards."""
+    target = tiny_model(arch, seed=2, window=16)
+    target.set_dtype(dtype)
+    if bits:
+        nn.quantize(target, group_size=32, bits=bits)
+    drafter = random_drafter(target, seed=12, block_size=8)
+    drafter.set_dtype(dtype)
+    prompt = mx.random.randint(0, 250, (21,), key=mx.random.key(5))
+    runs = {}
+    for compiled in ("0", "1"):
+        monkeypatch.setenv(backend.COMPILE_ENV, compiled)
+        with KernelPatch(target, drafter):
+            runs[compiled] = _plain_and_speculative(target, drafter, prompt, 26)
+    (plain, spec), (plain_c, spec_c) = runs["0"], runs["1"]
+    assert len(plain) == len(plain_c) == 26 and len(spec) == len(spec_c) == 26
+    for index, ((_, want), (_, got)) in enumerate(zip(plain, plain_c)):
+        assert np.array_equal(_f32(want), _f32(got)), f"plain token {index}"
+    for index, ((_, want, _), (_, got, _)) in enumerate(zip(spec, spec_c)):
+        assert np.array_equal(_f32(want), _f32(got)), f"speculative token {index}"
 
 
 def _first_divergence(reference, ours):
@@ -195,10 +223,33 @@ def test_uninstall_restores_classes_and_module() -> None:
     assert np.array_equal(_f32(target(prompt)), before)
 
 
+def test_uninstall_frees_the_compiled_forwards(monkeypatch) -> None:
+    """Each generation installs the patch again: the compiled forwards of the last one
+    (and mlx's traces of them) must go with it, or a long-lived server grows."""
+    monkeypatch.setenv(backend.COMPILE_ENV, "1")
+    forwards, compile_bound = [], backend.compile_bound
+
+    def spy(forward):
+        forwards.append(weakref.ref(forward))
+        return compile_bound(forward)
+
+    monkeypatch.setattr(backend, "compile_bound", spy)
+    target = tiny_model("muse_glimmer", seed=14, window=16)
+    nn.quantize(target, group_size=32, bits=4)
+    with KernelPatch(target, matmul=True):
+        list(generate_step(mx.random.randint(0, 250, (9,)), target, max_tokens=3))
+    assert len(forwards) > 2 * len(target.layers)
+    gc.collect()
+    assert [ref for ref in forwards if ref() is not None] == []
+
+
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("name", ["weight", "bias"])
-def test_a_layer_given_new_arrays_is_bound_again(name) -> None:
+def test_a_layer_given_new_arrays_is_bound_again(monkeypatch, name, compiled) -> None:
     """A patched layer keeps its bound forward per input geometry only while it holds
-    the very arrays it was bound to: replace one and the next call uses the new one."""
+    the very arrays it was bound to: replace one and the next call uses the new one
+    (a compiled forward, which captured the old one, included)."""
+    monkeypatch.setenv(backend.COMPILE_ENV, "1" if compiled else "0")
     target = tiny_model("muse_glimmer", seed=13, window=16)
     layer = target.layers[0].self_attn.o_proj
     if name == "bias":
@@ -274,12 +325,15 @@ def test_kernel_route_uses_the_kernel_form(monkeypatch) -> None:
     assert len(taken) == len(target.layers)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("bits", [None, 4])
-def test_matmuls_take_the_small_row_route(monkeypatch, bits, fuse) -> None:
+def test_matmuls_take_the_small_row_route(monkeypatch, bits, fuse, compiled) -> None:
     """Every Linear / QuantizedLinear of a decode step or verify block; not a prefill.
     Fused, each attention module's q/k/v/gate and each MLP's gate/up are one call over
-    the members' stacked columns. A geometry seen before runs its bound form again."""
+    the members' stacked columns. A geometry seen before runs its bound form again;
+    compiled, without running its Python again (mlx replays the trace)."""
+    monkeypatch.setenv(backend.COMPILE_ENV, "1" if compiled else "0")
     calls, binds = [], []
     original = kernel_patch.bind_matmul
 
@@ -316,7 +370,8 @@ def test_matmuls_take_the_small_row_route(monkeypatch, bits, fuse) -> None:
         target(mx.random.randint(0, 250, (1, 16)), cache=cache)
         target(mx.random.randint(0, 250, (1, 1)), cache=cache)
         target(mx.random.randint(0, 250, (1, 1)), cache=cache)
-    want = [(16, bits, n) for n in per_forward] + 2 * [
+    one_row_runs = 1 if compiled else 2
+    want = [(16, bits, n) for n in per_forward] + one_row_runs * [
         (1, bits, n) for n in per_forward
     ]
     assert sorted(calls) == sorted(want)
@@ -383,6 +438,30 @@ def _on_a_cuda_gpu(monkeypatch) -> None:
     monkeypatch.setattr(kernel_patch.backend, "BACKEND", "cuda")
     monkeypatch.setattr(kernel_patch.backend, "gpu_is_default", lambda: True)
     monkeypatch.setattr(kernel_patch.backend, "KERNELS_ENABLED", True)
+
+
+@pytest.mark.parametrize(
+    "backend_name, env, wanted",
+    [
+        ("cuda", None, True),
+        ("metal", None, False),
+        (None, None, False),
+        ("cuda", "0", False),
+        (None, "1", True),
+        ("metal", "on", True),
+    ],
+)
+def test_compile_follows_env_then_backend(monkeypatch, backend_name, env, wanted):
+    monkeypatch.setattr(backend, "BACKEND", backend_name)
+    if env is None:
+        monkeypatch.delenv(backend.COMPILE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(backend.COMPILE_ENV, env)
+    assert backend.compile_wanted() is wanted
+    forward = lambda x: x + 1  # noqa: E731
+    compiled = backend.compile_bound(forward)
+    assert (compiled is not forward) is wanted
+    assert np.array_equal(np.asarray(compiled(mx.arange(3))), [1, 2, 3])
 
 
 def test_default_table_and_dflash_kernels_switch(monkeypatch) -> None:

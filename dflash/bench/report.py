@@ -64,7 +64,10 @@ def environment(command: str) -> Dict[str, Any]:
         "device": str(mx.default_device()),
         "device_info": _device_info(),
         "machine": f"{platform.platform()} ({platform.machine()}), {os.cpu_count()} CPUs",
-        "env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")},
+        # mlx's switches and ours (verify kernels, compile, layouts) change what runs.
+        "env": {
+            k: v for k, v in os.environ.items() if k.startswith(("MLX_", "DFLASH_"))
+        },
     }
 
 
