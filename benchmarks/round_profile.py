@@ -156,7 +156,8 @@ def taps_starting_early(start_early: bool) -> Iterator[None]:
 # ``--kernels`` arms and the ``DFLASH_VERIFY_KERNELS`` value each sets (None: the default);
 # the ``-unfused`` arms also set ``DFLASH_FUSED_PROJECTIONS=0`` (a launch per projection),
 # the ``-merged`` arms ``DFLASH_MERGED_SPLIT_SUM=1`` (a K split summed in the matmul launch),
-# the ``-compiled`` arms ``DFLASH_COMPILE=1`` (bound matmuls replayed by ``mx.compile``).
+# the ``-compiled`` / ``-uncompiled`` arms ``DFLASH_COMPILE=1`` / ``=0`` (bound matmuls
+# replayed by ``mx.compile`` or not; the other arms take the backend's default).
 KERNEL_ARMS = {
     "default": None,
     "off": "0",
@@ -169,6 +170,9 @@ KERNEL_ARMS = {
     "all-merged": "1",
     "all-compiled": "1",
     "default-compiled": None,
+    "matmul-uncompiled": "matmul",
+    "all-uncompiled": "1",
+    "default-uncompiled": None,
     "projections": "projections",
     "attention-projections": "attention,projections",
 }
@@ -194,7 +198,7 @@ def kernel_arm(arm: str) -> Iterator[None]:
     """The environment of ``--kernels`` arm ``arm`` for the block."""
     fused = "0" if arm.endswith("-unfused") else None
     merged = "1" if arm.endswith("-merged") else None
-    compiled = "1" if arm.endswith("-compiled") else None
+    compiled = {"-compiled": "1", "-uncompiled": "0"}.get(arm[arm.rfind("-") :])
     with (
         env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[arm]),
         env_value(FUSED_ENV, fused),

@@ -254,7 +254,8 @@ def test_compare_arms_pairs_each_run_with_the_first_arms_run_of_its_pass():
 
 def test_plain_phases_splits_each_token_and_counts_our_launches(tmp_path):
     """Every arm's token time is build + encode + rest; the kernel arms launch ours
-    (stubbed here), off and mlx-lm none; everything it patched is put back."""
+    (stubbed here), off and mlx-lm none; compiled, the matmuls' launches are replayed by
+    mlx and only the attention's run our Python; everything it patched is put back."""
     import importlib
 
     from benchmarks import plain_phases
@@ -263,19 +264,22 @@ def test_plain_phases_splits_each_token_and_counts_our_launches(tmp_path):
     generate_module = importlib.import_module("mlx_lm.generate")
     out = tmp_path / "phases.json"
     argv = ["--tokens", "10", "--skip", "2", "--passes", "1", "--stub-launches"]
-    plain_phases.main(argv + ["--kernels", "off,matmul,all", "--json", str(out)])
+    arms = "off,matmul-uncompiled,all-uncompiled,all-compiled"
+    plain_phases.main(argv + ["--kernels", arms, "--json", str(out)])
     report = json.loads(out.read_text())
     rows = {row["arm"]: row for row in report["passes"][0]["rows"]}
-    assert list(rows) == ["mlx-lm", "off", "matmul", "all"]
+    assert list(rows) == ["mlx-lm", *arms.split(",")]
     for row in rows.values():
         assert row["tokens"] == 10
         parts = row["build_ms"] + row["encode_ms"] + row["rest_ms"]
         assert parts == pytest.approx(row["wall_ms"], abs=2e-3)
     assert rows["mlx-lm"]["launches"] == rows["off"]["launches"] == 0
-    assert 0 < rows["matmul"]["launches"] < rows["all"]["launches"]
+    matmul, every = rows["matmul-uncompiled"], rows["all-uncompiled"]
+    assert 0 < matmul["launches"] < every["launches"]
+    assert rows["all-compiled"]["launches"] == every["launches"] - matmul["launches"]
     per_launch = {row["arm"]: row for row in report["passes"][0]["per_launch"]}
-    assert set(per_launch) == {"matmul", "all"}
-    assert per_launch["all"]["extra_launches"] == rows["all"]["launches"]
+    assert set(per_launch) == set(arms.split(",")[1:])
+    assert per_launch["all-uncompiled"]["extra_launches"] == every["launches"]
     assert generate_module.mx is mx
     assert groups.launch_groups.__module__ == groups.__name__
     with pytest.raises(SystemExit):

@@ -511,8 +511,10 @@ def _launches(splits: int) -> int:
 
 @pytest.fixture
 def emulated(tensor_emulator, monkeypatch):
-    """small_row_matmul on a pretend CUDA backend whose launches run the emulator."""
+    """small_row_matmul on a pretend CUDA backend whose launches run the emulator
+    (on the host, so not inside an ``mx.compile`` trace: compiled replay off)."""
     monkeypatch.setattr(qmm.backend, "BACKEND", "cuda")
+    monkeypatch.setenv(qmm.backend.COMPILE_ENV, "0")
     monkeypatch.setattr(qmm.groups, "launch_groups", tensor_emulator.launch)
     tensor_emulator.late = False
     yield tensor_emulator
