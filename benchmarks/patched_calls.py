@@ -1,9 +1,11 @@
 """Host cost of one patched layer call with the launches stubbed: our Python alone.
 
 Times a tiny 4-bit Muse Glimmer's ``o_proj`` (one row) and MLP forward, mlx's own and
-patched by the matmul part (:class:`dflash.kernel_patch.KernelPatch`), with every
-custom-kernel launch replaced by lazy zeros as CUDA would take it
-(:func:`benchmarks.launch_cost.stubbed_launches`). Runs on any machine, the CPU too; the
+patched by the matmul part (:class:`dflash.kernel_patch.KernelPatch`), uncompiled and
+replayed through ``mx.compile`` (``DFLASH_COMPILE``), with every custom-kernel launch
+replaced by lazy zeros as CUDA would take it
+(:func:`benchmarks.launch_cost.stubbed_launches`; so mlx's binding of a real launch,
+which compiled replay also skips, is in neither). Runs on any machine, the CPU too; the
 fastest of ``--repeat`` batches of ``--calls`` calls, µs per call.
 
 Run from the repository root::
@@ -22,8 +24,10 @@ import mlx.core as mx
 
 from dflash.bench.scale_target import build_target
 from dflash.kernel_patch import KernelPatch
+from dflash.metal.backend import COMPILE_ENV
 
 from .launch_cost import stubbed_launches
+from .round_profile import env_value
 
 
 def fastest_us(call: Callable[[], object], calls: int, repeat: int) -> float:
@@ -43,9 +47,16 @@ def measure(calls: int, repeat: int) -> dict:
         "mlx o_proj": fastest_us(lambda: o_proj(x_o), calls, repeat),
         "mlx mlp": fastest_us(lambda: mlp(x_mlp), calls, repeat),
     }
-    with stubbed_launches(), KernelPatch(model, attention=False, matmul=True):
-        rows["ours o_proj"] = fastest_us(lambda: o_proj(x_o), calls, repeat)
-        rows["ours mlp"] = fastest_us(lambda: mlp(x_mlp), calls, repeat)
+    for compiled, suffix in (("0", ""), ("1", " compiled")):
+        with (
+            env_value(COMPILE_ENV, compiled),
+            stubbed_launches(),
+            KernelPatch(model, attention=False, matmul=True),
+        ):
+            rows["ours o_proj" + suffix] = fastest_us(
+                lambda: o_proj(x_o), calls, repeat
+            )
+            rows["ours mlp" + suffix] = fastest_us(lambda: mlp(x_mlp), calls, repeat)
     return {name: round(us, 2) for name, us in rows.items()}
 
 

@@ -321,13 +321,22 @@ def common_model():
 
 
 def test_patched_calls_times_mlx_and_the_patched_layers(tmp_path):
-    """Four timings, the stubs gone afterwards, bad counts refused."""
+    """Six timings (ours uncompiled and compiled), the stubs and the compile switch
+    gone afterwards, bad counts refused."""
     from benchmarks import patched_calls
     from dflash.metal import backend, groups
 
     out = tmp_path / "patched.json"
+    switch = os.environ.get(backend.COMPILE_ENV)
     rows = patched_calls.main(["--calls", "3", "--repeat", "1", "--json", str(out)])
-    assert set(rows) == {"mlx o_proj", "mlx mlp", "ours o_proj", "ours mlp"}
+    ours = {"ours o_proj", "ours mlp"}
+    assert set(rows) == {
+        "mlx o_proj",
+        "mlx mlp",
+        *ours,
+        *(f"{n} compiled" for n in ours),
+    }
+    assert os.environ.get(backend.COMPILE_ENV) == switch
     assert all(us > 0 for us in rows.values())
     assert json.loads(out.read_text()) == rows
     assert groups.launch_groups.__module__ == groups.__name__
