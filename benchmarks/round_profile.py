@@ -198,7 +198,11 @@ def kernel_arm(arm: str) -> Iterator[None]:
     """The environment of ``--kernels`` arm ``arm`` for the block."""
     fused = "0" if arm.endswith("-unfused") else None
     merged = "1" if arm.endswith("-merged") else None
-    compiled = {"-compiled": "1", "-uncompiled": "0"}.get(arm[arm.rfind("-") :])
+    compiled = (
+        "1"
+        if arm.endswith("-compiled")
+        else "0" if arm.endswith("-uncompiled") else None
+    )
     with (
         env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[arm]),
         env_value(FUSED_ENV, fused),
