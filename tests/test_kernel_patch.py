@@ -18,6 +18,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from conftest import tiny_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm.generate import generate_step as mlx_generate_step
 from test_dflash_loop import random_drafter
 
@@ -26,7 +28,7 @@ from dflash.cache import SpeculativeCheckpoint, make_prompt_cache
 from dflash.drafter import DraftAttention
 from dflash.generation import generate_step
 from dflash.kernel_patch import KernelPatch, supports
-from dflash.metal import attention, backend
+from dflash.metal import attention, backend, qmm
 
 
 def _f32(array: mx.array) -> np.ndarray:
@@ -221,6 +223,39 @@ def test_uninstall_restores_classes_and_module() -> None:
     assert not any("_dflash_route" in vars(m) for m in modules)
     assert not any("_dflash_bound" in vars(m) for m in modules)
     assert np.array_equal(_f32(target(prompt)), before)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.integers(1, 32),
+    bits=st.sampled_from([None, 4, 8]),
+    group_size=st.sampled_from([32, 64, 128]),
+    groups_k=st.integers(1, 3),
+    columns=st.integers(1, 40),
+    dtype=st.sampled_from([mx.float32, mx.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_compiled_replay_gives_every_new_input_the_uncompiled_bits(
+    rows, bits, group_size, groups_k, columns, dtype, seed
+) -> None:
+    """A bound matmul is safe to compile: it keeps no per-call state in Python that a
+    trace would freeze, so each later input replayed gets the bits a fresh uncompiled
+    call gives it (on a GPU, the kernel form with its fresh counters per launch)."""
+    depth = group_size * groups_k
+    key = mx.random.key(seed)
+    weight = mx.random.normal((columns, depth), key=key).astype(dtype)
+    scales = biases = None
+    if bits:
+        weight, scales, biases = mx.quantize(weight, group_size=group_size, bits=bits)
+    group = group_size if bits else None
+    bound = qmm.bind_matmul(
+        (rows, depth), dtype, weight, scales, biases, bits=bits, group_size=group
+    )
+    compiled = mx.compile(bound)
+    for index in range(3):
+        x = mx.random.normal((rows, depth), key=mx.random.key(seed + index + 1))
+        x = x.astype(dtype)
+        assert np.array_equal(_f32(compiled(x)), _f32(bound(x))), f"input {index}"
 
 
 def test_uninstall_frees_the_compiled_forwards(monkeypatch) -> None:
