@@ -125,8 +125,9 @@ class FusedProjections:
         self.group_size = self.members[0].group_size if quantized else None
         self._source: Optional[mx.array] = None
         self._outputs: Dict[int, mx.array] = {}
-        # The kernel form's product per input (shape, dtype, use_kernel), planned once.
-        self._bound: Dict[tuple, Callable[[mx.array], mx.array]] = {}
+        # The kernel form's members' columns per input (shape, dtype, use_kernel),
+        # planned once (compiled where backend.compile_bound says so).
+        self._bound: Dict[tuple, Callable[[mx.array], List[mx.array]]] = {}
 
     def output(self, index: int, x: mx.array, use_kernel: Optional[bool]) -> mx.array:
         """Member ``index``'s projection of ``x`` (one launch for all members per input).
