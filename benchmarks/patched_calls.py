@@ -1,8 +1,9 @@
 """Host cost of one patched layer call with the launches stubbed: our Python alone.
 
 Times a tiny 4-bit Muse Glimmer's ``o_proj`` (one row) and MLP forward, mlx's own and
-patched by the matmul part (:class:`dflash.kernel_patch.KernelPatch`), uncompiled and
-replayed through ``mx.compile`` (``DFLASH_COMPILE``), with every custom-kernel launch
+patched by the matmul part (:class:`dflash.kernel_patch.KernelPatch`), uncompiled,
+replayed through ``mx.compile`` (``DFLASH_COMPILE``) and, for the MLP, compiled as one
+block (``DFLASH_COMPILED_BLOCKS``; the o_proj row is the same there), with every custom-kernel launch
 replaced by lazy zeros as CUDA would take it
 (:func:`benchmarks.launch_cost.stubbed_launches`; so mlx's binding of a real launch,
 which compiled replay also skips, is in neither). Runs on any machine, the CPU too; the
@@ -23,7 +24,7 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 
 from dflash.bench.scale_target import build_target
-from dflash.kernel_patch import KernelPatch
+from dflash.kernel_patch import COMPILED_BLOCKS_ENV, KernelPatch
 from dflash.metal.backend import COMPILE_ENV
 
 from .launch_cost import stubbed_launches
@@ -47,9 +48,11 @@ def measure(calls: int, repeat: int) -> dict:
         "mlx o_proj": fastest_us(lambda: o_proj(x_o), calls, repeat),
         "mlx mlp": fastest_us(lambda: mlp(x_mlp), calls, repeat),
     }
-    for compiled, suffix in (("0", ""), ("1", " compiled")):
+    arms = (("0", "0", ""), ("1", "0", " compiled"), ("1", "1", " compiled block"))
+    for compiled, blocks, suffix in arms:
         with (
             env_value(COMPILE_ENV, compiled),
+            env_value(COMPILED_BLOCKS_ENV, blocks),
             stubbed_launches(),
             KernelPatch(model, attention=False, matmul=True),
         ):

@@ -49,7 +49,8 @@ from dflash.folded_attention import FOLDED_ENV
 from dflash.fused_projections import FUSED_ENV
 from dflash.generation import generate_step
 from dflash.greedy import greedy_reference
-from dflash.kernel_patch import VERIFY_KERNELS_ENV
+from dflash.held_norms import HELD_NORMS_ENV
+from dflash.kernel_patch import COMPILED_BLOCKS_ENV, VERIFY_KERNELS_ENV
 from dflash.metal.backend import COMPILE_ENV
 from dflash.metal.tensor_qmm import MERGED_SPLIT_SUM_ENV
 from dflash.taps import TargetTaps
@@ -173,6 +174,9 @@ KERNEL_ARMS = {
     "matmul-uncompiled": "matmul",
     "all-uncompiled": "1",
     "default-uncompiled": None,
+    "default-unheld": None,
+    "default-unblocked": None,
+    "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
 }
@@ -203,11 +207,17 @@ def kernel_arm(arm: str) -> Iterator[None]:
         if arm.endswith("-compiled")
         else "0" if arm.endswith("-uncompiled") else None
     )
+    # "-unheld": the norms add one to their weight every call (dflash.held_norms off).
+    held = "0" if arm.endswith("-unheld") else None
+    # "-unblocked": each MLP's projections compiled one by one, not the block whole.
+    blocks = "0" if arm.endswith("-unblocked") else None
     with (
         env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[arm]),
         env_value(FUSED_ENV, fused),
         env_value(MERGED_SPLIT_SUM_ENV, merged),
         env_value(COMPILE_ENV, compiled),
+        env_value(HELD_NORMS_ENV, held),
+        env_value(COMPILED_BLOCKS_ENV, blocks),
     ):
         yield
 
@@ -346,7 +356,15 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         for row in report["device_time"]:
             print(json.dumps({k: v for k, v in row.items() if k != "top"}), flush=True)
     if args.profile:
-        report["profile"] = cprofile_text(partial(generate, replay), args.profile)
+        # One generation per kernel arm, under that arm's switches (its own plain
+        # continuation drives the replay, as in the timed runs).
+        report["profile"] = {}
+        for kernels in args.kernels:
+            replay.sequence = prompt.tolist() + plain[kernels]
+            with kernel_arm(kernels):
+                report["profile"][kernels] = cprofile_text(
+                    partial(generate, replay), args.profile
+                )
     if getattr(args, "profile_plain", 0):
         report["plain_profile"] = {}
         for kernels in args.kernels:
@@ -572,7 +590,13 @@ def main() -> None:
         default=["default"],
         help="comma list of verify-kernel arms: " + ", ".join(KERNEL_ARMS),
     )
-    parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="cProfile one DFlash generation under each kernel arm (top N by own time)",
+    )
     parser.add_argument(
         "--profile-plain",
         type=int,
@@ -593,8 +617,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     report = run(args)
-    if report.get("profile"):
-        print(report["profile"])
+    for arm, text in report.get("profile", {}).items():
+        print(f"# DFlash rounds, kernels {arm}\n{text}")
     for arm, text in report.get("plain_profile", {}).items():
         print(f"# our plain decoding, kernels {arm}\n{text}")
     if args.json:

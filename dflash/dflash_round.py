@@ -15,6 +15,7 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generation_stream
 
 from .cache import PromptCache, check_prompt_cache, make_prompt_cache
 from .cache.errors import IncompatibleCache
+from .held_norms import held_norms
 from .inputs import (
     ProgressCallback,
     Stream,
@@ -244,6 +245,7 @@ def dflash_generate_step(
         TargetTaps(model, drafter.config.target_layer_ids, start_early=True) as taps,
         mx.stream(stream),
         verify_kernels(model, drafter),
+        held_norms(model, drafter),
         attention_route(model),
     ):
         speculator = DFlashSpeculator(

@@ -18,6 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .cache import check_prompt_cache, make_prompt_cache
 from .dflash_round import dflash_generate_step
+from .held_norms import held_norms
 from .inputs import ProgressCallback, Stream, as_prompt_array, check_cache_options
 from .kernel_patch import verify_kernels
 from .sampling import LogitsProcessor, Sampler
@@ -103,7 +104,7 @@ def generate_step(
         input_embeddings=input_embeddings,
     )
     # The verify kernels, where installed, serve our plain decoding too (bitwise agreement).
-    with verify_kernels(model):
+    with verify_kernels(model), held_norms(model):
         for token, logprobs in steps:
             if stats is not None:
                 stats.record(0)

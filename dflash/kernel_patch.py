@@ -26,6 +26,9 @@
   keep mlx's). Tied embeddings used as the LM head (``as_linear``) are not routed.
   Sibling projections that read one input (q / k / v / gate, an MLP's gate / up) run
   as one launch over their stacked weights (:mod:`dflash.fused_projections`).
+* **MLP blocks** (``compile_blocks=True`` or ``DFLASH_COMPILED_BLOCKS=1``; off by
+  default): with ``matmul``, each MLP whose projections are all routed runs as one
+  ``mx.compile`` trace per input geometry.
 * **Projections alone** (``projections=True`` without ``matmul``): those sibling
   sets run as one mlx ``matmul`` / ``quantized_matmul`` each, with mlx's kernels
   (fewer, wider launches; nothing else routed). Not batch-invariant beyond what
@@ -53,6 +56,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from . import folded_attention as folded
 from .cache.checkpoint import DEFERRED, RingPlaneCheckpoint
@@ -76,8 +80,11 @@ SUPPORTED_ARCHITECTURES = ("muse_glimmer", "llama", "qwen3", "gemma3_text", "coh
 _ORIGINAL_CLASS = "_dflash_kernel_original_class"
 # A fused member's MemberSlot (plain attribute of the layer).
 _FUSED_SLOT = "_dflash_fused"
-# A matmul layer's bound forwards by input geometry (plain attribute, while installed).
+# A matmul layer's (or block's) bound forwards by input geometry (plain attribute, while
+# installed).
 _BOUND = "_dflash_bound"
+# Switch for whole MLP blocks through mx.compile (default off: measured slower).
+COMPILED_BLOCKS_ENV = "DFLASH_COMPILED_BLOCKS"
 
 # The route of the attention call in progress (None: not a patched call).
 _ACTIVE: contextvars.ContextVar[Optional["AttentionRoute"]] = contextvars.ContextVar(
@@ -405,6 +412,64 @@ def _projection_call(self, x: mx.array) -> mx.array:
     return slot.group.output(slot.index, x, None)
 
 
+def _block_class(base: type) -> type:
+    """A subclass of an MLP module run as one compiled forward per input geometry."""
+    return _swapped_class("block", base, _block_call)
+
+
+def _block_call(self, x: mx.array) -> mx.array:
+    """An MLP's forward as one ``mx.compile`` trace per input shape and dtype.
+
+    Its projections are our patched (batch-invariant) matmuls; the trace runs their
+    Python, the activation and the product once, and mlx replays the launches (the
+    activation and product fused into one elementwise kernel). Calls with more rows
+    than the route's ``max_queries`` (prefill chunks) keep the module's own forward.
+    The trace is dropped when any array of the block is replaced.
+
+    Shapes: x ``(..., H)``; returns ``(..., H)``.
+    """
+    forward = getattr(type(self), _ORIGINAL_CLASS).__call__
+    depth = x.shape[-1]
+    rows = x.size // depth if depth else 0
+    if not 0 < rows <= self._dflash_route.max_queries:
+        return forward(self, x)
+    bound: Dict[tuple, _BoundBlock] = self.__dict__[_BOUND]
+    key = (x.shape, x.dtype)
+    entry = bound.get(key)
+    if entry is None or not entry.holds():
+        entry = bound[key] = _BoundBlock(self, mx.compile(partial(forward, self)))
+    return entry.run(x)
+
+
+class _BoundBlock:
+    """A block's compiled forward and the arrays of each of its modules when traced."""
+
+    __slots__ = ("held", "run")
+
+    def __init__(self, block: nn.Module, run: Callable[[mx.array], mx.array]) -> None:
+        self.held = [(m, _arrays(m)) for m in block.modules()]
+        self.run = run
+
+    def holds(self) -> bool:
+        """Whether every module of the block still holds the very arrays traced."""
+        for module, arrays in self.held:
+            now = _arrays(module)
+            if len(now) != len(arrays) or not all(map(is_, now, arrays)):
+                return False
+        return True
+
+
+def _arrays(module: nn.Module) -> tuple:
+    return tuple(v for v in module.values() if isinstance(v, mx.array))
+
+
+def compiled_blocks_wanted() -> bool:
+    """Whether :class:`KernelPatch` compiles whole MLP blocks: ``DFLASH_COMPILED_BLOCKS``
+    (``0`` / ``1``), else off. Off by default: on the H200 (session 16) 4-bit rounds with
+    them were slower than without in 2 of 3 pairs (median ratio 1.30)."""
+    return bool(backend.env_switch(COMPILED_BLOCKS_ENV))
+
+
 def _matmul_args(layer: nn.Module, dtype: mx.Dtype):
     """``(weight, scales, biases, bits, group_size)`` of ``layer``, or None if unserved."""
     if dtype not in qmm.DTYPES:
@@ -425,6 +490,17 @@ def _matmul_args(layer: nn.Module, dtype: mx.Dtype):
     if weight.dtype != dtype:
         return None
     return weight, None, None, None, None
+
+
+def _children(module: nn.Module) -> List[nn.Module]:
+    """``module``'s direct child modules (not the module's arrays)."""
+    return [
+        child
+        for _, child in tree_flatten(
+            module.children(), is_leaf=lambda value: isinstance(value, nn.Module)
+        )
+        if isinstance(child, nn.Module)
+    ]
 
 
 def _swap(module: nn.Module, cls: type, route: AttentionRoute) -> None:
@@ -479,6 +555,9 @@ class KernelPatch:
         projections: Without ``matmul``, run those sibling sets as one mlx
             ``matmul`` / ``quantized_matmul`` each (mlx's kernels, fewer launches)
             for calls of at most ``max_queries`` rows.
+        compile_blocks: With ``matmul``, run each MLP block whose projections are all
+            routed as one ``mx.compile`` trace per input geometry (its Python once, the
+            activation and product fused). None: :func:`compiled_blocks_wanted`.
 
     Raises:
         ValueError: ``model``'s architecture is not one whose attention can be routed.
@@ -496,6 +575,7 @@ class KernelPatch:
         matmul: bool = True,
         fuse: Optional[bool] = None,
         projections: bool = False,
+        compile_blocks: Optional[bool] = None,
     ) -> None:
         if attention and not supports(model):
             raise ValueError(
@@ -511,6 +591,9 @@ class KernelPatch:
         self.matmul = matmul
         self.fuse = fuse_wanted() if fuse is None else bool(fuse)
         self.projections = bool(projections) and not matmul
+        self.compile_blocks = bool(matmul) and (
+            compiled_blocks_wanted() if compile_blocks is None else bool(compile_blocks)
+        )
         self._groups: List[FusedProjections] = []
         self._patched: List[nn.Module] = []
         self._modules: List[str] = []
@@ -557,6 +640,23 @@ class KernelPatch:
             found += [m for m in self.drafter.modules() if isinstance(m, DraftMLP)]
         return [m for m in found if isinstance(m, nn.Module)]
 
+    def mlp_blocks(self, matmul: List[nn.Module]) -> List[nn.Module]:
+        """The target's and the drafter's MLP modules whose every child is a layer in
+        ``matmul`` (what :meth:`install` compiles whole with ``compile_blocks``)."""
+        routed = {id(m) for m in matmul}
+        found = [getattr(layer, "mlp", None) for layer in target_layers(self.model)]
+        if self.drafter is not None:
+            from .drafter import DraftMLP
+
+            found += [m for m in self.drafter.modules() if isinstance(m, DraftMLP)]
+        return [
+            block
+            for block in found
+            if isinstance(block, nn.Module)
+            and block.children()
+            and all(id(child) in routed for child in _children(block))
+        ]
+
     def install(self) -> "KernelPatch":
         """Swap the classes and hook the model module (all or nothing).
 
@@ -571,8 +671,11 @@ class KernelPatch:
         matmul = self.matmul_modules() if self.matmul else []
         sets = sibling_sets(self.sibling_parents()) if self.projections else []
         members = [m for members in sets for m in members]
+        blocks = self.mlp_blocks(matmul) if self.compile_blocks else []
         busy = [
-            m for m in attention + matmul + members if hasattr(type(m), _ORIGINAL_CLASS)
+            m
+            for m in attention + matmul + members + blocks
+            if hasattr(type(m), _ORIGINAL_CLASS)
         ]
         if busy:
             raise RuntimeError(f"{len(busy)} modules already have kernels installed")
@@ -596,6 +699,9 @@ class KernelPatch:
             self._patched.append(module)
         for module in members:
             _swap(module, _projection_class(type(module)), self.route)
+            self._patched.append(module)
+        for module in blocks:
+            _swap(module, _block_class(type(module)), self.route)
             self._patched.append(module)
         try:
             if self.matmul and self.fuse:

@@ -13,6 +13,7 @@ from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generation_stream
 
 from .cache import SpeculativeCheckpoint, check_prompt_cache, make_prompt_cache
 from .cache.errors import IncompatibleCache
+from .held_norms import held_norms
 from .inputs import ProgressCallback, Stream, as_prompt_array, check_cache_options
 from .kernel_patch import attention_route
 from .rounds import VerifyRound, emit_rounds, prefill
@@ -214,7 +215,7 @@ def speculative_generate_step(
     speculator = DraftModelSpeculator(
         model, draft_model, target_cache, draft_cache, sampling
     )
-    with mx.stream(stream), attention_route(model):
+    with mx.stream(stream), attention_route(model), held_norms(model, draft_model):
         progress(0, prompt.size)
         prefill(
             model, target_cache, prompt[:-1], prefill_step_size, progress, prompt.size

@@ -69,8 +69,12 @@ def test_plain_and_speculative_logits_agree_bitwise(arch, dtype, block, bits) ->
 @pytest.mark.parametrize(
     "arch, dtype, bits", [("muse_glimmer", mx.bfloat16, 4), ("qwen3", mx.float16, None)]
 )
-def test_compiled_forwards_give_the_uncompiled_bits(monkeypatch, arch, dtype, bits):
-    """``mx.compile`` replays the bound matmuls' launches: plain and speculative
+@pytest.mark.parametrize("blocks", [False, True])
+def test_compiled_forwards_give_the_uncompiled_bits(
+    monkeypatch, arch, dtype, bits, blocks
+):
+    """``mx.compile`` replays the bound matmuls' launches (with ``blocks``, whole MLP
+    blocks, their activation and product fused): plain and speculative
     log-probabilities are bit for bit those of the uncompiled forwards."""
     target = tiny_model(arch, seed=2, window=16)
     target.set_dtype(dtype)
@@ -82,7 +86,11 @@ def test_compiled_forwards_give_the_uncompiled_bits(monkeypatch, arch, dtype, bi
     runs = {}
     for compiled in ("0", "1"):
         monkeypatch.setenv(backend.COMPILE_ENV, compiled)
-        with KernelPatch(target, drafter):
+        monkeypatch.setenv(
+            kernel_patch.COMPILED_BLOCKS_ENV, "1" if blocks and compiled == "1" else "0"
+        )
+        with KernelPatch(target, drafter) as patch:
+            assert patch.compile_blocks is (blocks and compiled == "1")
             runs[compiled] = _plain_and_speculative(target, drafter, prompt, 26)
     (plain, spec), (plain_c, spec_c) = runs["0"], runs["1"]
     assert len(plain) == len(plain_c) == 26 and len(spec) == len(spec_c) == 26
@@ -644,3 +652,84 @@ def test_verify_kernels_leaves_a_patched_model_alone() -> None:
             assert inner is None and outer.installed
         assert kernel_patch.is_patched(target)
     assert not kernel_patch.is_patched(target)
+
+
+@pytest.mark.parametrize(
+    "env, compile_env, wanted",
+    [("1", "0", True), ("0", "1", False), (None, "1", False), (None, "0", False)],
+)
+def test_compiled_blocks_follow_their_switch_then_compile(
+    monkeypatch, env, compile_env, wanted
+):
+    monkeypatch.setenv(backend.COMPILE_ENV, compile_env)
+    if env is None:
+        monkeypatch.delenv(kernel_patch.COMPILED_BLOCKS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(kernel_patch.COMPILED_BLOCKS_ENV, env)
+    assert kernel_patch.compiled_blocks_wanted() is wanted
+    target = tiny_model("muse_glimmer", seed=30, window=16)
+    with KernelPatch(target) as patch:
+        assert patch.compile_blocks is wanted
+        swapped = [
+            hasattr(type(layer.mlp), kernel_patch._ORIGINAL_CLASS)
+            for layer in target.layers
+        ]
+        assert swapped == [wanted] * len(target.layers)
+    with KernelPatch(target, matmul=False) as patch:
+        assert not patch.compile_blocks
+
+
+def test_an_mlp_block_runs_its_python_once_per_geometry_and_is_traced_again_for_new_arrays(
+    monkeypatch,
+):
+    """A compiled block replays its trace; a replaced projection weight is traced again
+    (a stale trace would keep the old weight); uninstalling restores the class and drops
+    the compiled forwards (and with them mlx's traces)."""
+    monkeypatch.setenv(kernel_patch.COMPILED_BLOCKS_ENV, "1")
+    monkeypatch.setenv(backend.COMPILE_ENV, "0")  # only the blocks' compiles counted
+    target = tiny_model("muse_glimmer", seed=31, window=16)
+    drafter = random_drafter(target, seed=32, block_size=8)
+    base = type(target.layers[0].mlp)
+    own_forward, shapes = base.__call__, []
+
+    def counted(self, x):
+        shapes.append(x.shape)
+        return own_forward(self, x)
+
+    monkeypatch.setattr(base, "__call__", counted)
+    compiled, compile = [], mx.compile
+
+    def spy(function, *args, **kwargs):
+        compiled.append(weakref.ref(function))
+        return compile(function, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_patch.mx, "compile", spy)
+    mlp = target.layers[0].mlp
+    x = mx.random.normal((1, 3, mlp.down_proj.weight.shape[0]), key=mx.random.key(3))
+    with KernelPatch(target, drafter) as patch:
+        blocks = patch.mlp_blocks(patch.matmul_modules())
+        drafter_mlps = [
+            m for m in drafter.modules() if type(m).__name__.endswith("DraftMLP")
+        ]
+        assert (
+            len(blocks) == len(target.layers) + len(drafter_mlps) > len(target.layers)
+        )
+        first = [mlp(x) for _ in range(3)]
+        assert shapes == [x.shape]
+        assert all(np.array_equal(_f32(first[0]), _f32(out)) for out in first)
+        np.testing.assert_array_equal(_f32(first[0]), _f32(own_forward(mlp, x)))
+        mlp.down_proj.weight = mlp.down_proj.weight * 2
+        again = mlp(x)
+        assert shapes == [x.shape, x.shape]
+        np.testing.assert_array_equal(_f32(again), _f32(own_forward(mlp, x)))
+        assert not np.array_equal(_f32(again), _f32(first[0]))
+        long = mx.zeros(
+            (1, 40, x.shape[-1])
+        )  # a prefill chunk keeps the module's forward
+        mlp(long)
+        mlp(long)
+        assert shapes[2:] == [long.shape, long.shape]
+    assert type(mlp) is base and kernel_patch._BOUND not in mlp.__dict__
+    assert len(compiled) == 2
+    gc.collect()
+    assert [ref for ref in compiled if ref() is not None] == []

@@ -15,7 +15,8 @@ from benchmarks import common, round_profile, round_timeline
 from dflash import kernel_patch
 from dflash.folded_attention import FOLDED_ENV
 from dflash.fused_projections import FUSED_ENV
-from dflash.kernel_patch import VERIFY_KERNELS_ENV
+from dflash.held_norms import HELD_NORMS_ENV, held_norms_wanted
+from dflash.kernel_patch import COMPILED_BLOCKS_ENV, VERIFY_KERNELS_ENV
 
 
 def test_round_profile_times_every_phase_of_a_lossless_tiny_run(tmp_path):
@@ -46,7 +47,8 @@ def test_round_profile_times_every_phase_of_a_lossless_tiny_run(tmp_path):
         # Host time outside the sync is made of the timed phases plus a small rest.
         assert result["round"] >= result["wait"]
         assert result["host_not_waiting"] >= result["verify_graph"]
-    assert "ncalls" in report["profile"]
+    assert list(report["profile"]) == ["default"]
+    assert "ncalls" in report["profile"]["default"]
     json.dumps(report)
 
 
@@ -103,6 +105,22 @@ def test_round_profile_kernel_arms_are_lossless_against_their_own_plain_decoding
     # One cProfile table of our plain decoding per arm; the routed arms show the route.
     assert list(report["plain_profile"]) == arms
     assert all("ncalls" in text for text in report["plain_profile"].values())
+
+
+def test_unheld_arms_turn_the_held_norms_off_for_their_block(monkeypatch):
+    monkeypatch.delenv(HELD_NORMS_ENV, raising=False)
+    for arm, verify, held in (
+        ("off-unheld", "0", False),
+        ("default-unheld", None, False),
+        ("off", "0", True),
+    ):
+        with round_profile.kernel_arm(arm):
+            assert os.environ.get(VERIFY_KERNELS_ENV) == verify
+            assert held_norms_wanted() is held
+        assert HELD_NORMS_ENV not in os.environ
+    with round_profile.kernel_arm("default-unblocked"):
+        assert os.environ.get(COMPILED_BLOCKS_ENV) == "0"
+    assert COMPILED_BLOCKS_ENV not in os.environ
 
 
 def test_round_profile_refuses_an_unknown_kernel_arm():
@@ -321,8 +339,8 @@ def common_model():
 
 
 def test_patched_calls_times_mlx_and_the_patched_layers(tmp_path):
-    """Six timings (ours uncompiled and compiled), the stubs and the compile switch
-    gone afterwards, bad counts refused."""
+    """Eight timings (ours uncompiled, compiled, compiled as a block), the stubs and
+    the compile switches gone afterwards, bad counts refused."""
     from benchmarks import patched_calls
     from dflash.metal import backend, groups
 
@@ -335,8 +353,10 @@ def test_patched_calls_times_mlx_and_the_patched_layers(tmp_path):
         "mlx mlp",
         *ours,
         *(f"{n} compiled" for n in ours),
+        *(f"{n} compiled block" for n in ours),
     }
     assert os.environ.get(backend.COMPILE_ENV) == switch
+    assert COMPILED_BLOCKS_ENV not in os.environ
     assert all(us > 0 for us in rows.values())
     assert json.loads(out.read_text()) == rows
     assert groups.launch_groups.__module__ == groups.__name__
