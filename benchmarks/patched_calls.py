@@ -2,9 +2,9 @@
 
 Times a tiny 4-bit Muse Glimmer's ``o_proj`` (one row) and MLP forward, mlx's own and
 patched by the matmul part (:class:`dflash.kernel_patch.KernelPatch`), uncompiled,
-replayed through ``mx.compile`` (``DFLASH_COMPILE``) and, for the MLP, compiled as one
-block (``DFLASH_COMPILED_BLOCKS``; the o_proj row is the same there), with every custom-kernel launch
-replaced by lazy zeros as CUDA would take it
+replayed through ``mx.compile`` (``DFLASH_COMPILE``) and compiled as whole MLP blocks
+(``DFLASH_COMPILED_BLOCKS``; only the MLP row differs there), with every custom-kernel
+launch replaced by lazy zeros as CUDA would take it
 (:func:`benchmarks.launch_cost.stubbed_launches`; so mlx's binding of a real launch,
 which compiled replay also skips, is in neither). Runs on any machine, the CPU too; the
 fastest of ``--repeat`` batches of ``--calls`` calls, µs per call.

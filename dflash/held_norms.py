@@ -145,18 +145,21 @@ class HeldNorms:
             return self
         # A module shared by two models (a draft model that is the target) once.
         norms = list({id(n): n for m in self.models for n in offset_norms(m)}.values())
-        for norm in norms:
-            base = type(norm)
-            verdict = (base, norm.weight.dtype)
-            if verdict not in _VERDICTS:
-                _VERDICTS[verdict] = forward_matches(norm)
-            if _VERDICTS[verdict]:
-                held = (norm.weight, 1.0 + norm.weight)
-                norm.__dict__[_HELD] = held
-                norm.__class__ = _held_class(base)
-                self._swapped.append((norm, base))
-        # One evaluation for every scale, outside any caller's graph or trace.
-        mx.eval([norm.__dict__[_HELD][1] for norm, _ in self._swapped])
+        try:
+            for norm in norms:
+                base = type(norm)
+                verdict = (base, norm.weight.dtype)
+                if verdict not in _VERDICTS:
+                    _VERDICTS[verdict] = forward_matches(norm)
+                if _VERDICTS[verdict]:
+                    norm.__dict__[_HELD] = (norm.weight, 1.0 + norm.weight)
+                    norm.__class__ = _held_class(base)
+                    self._swapped.append((norm, base))
+            # One evaluation for every scale, outside any caller's graph or trace.
+            mx.eval([norm.__dict__[_HELD][1] for norm, _ in self._swapped])
+        except BaseException:
+            self.uninstall()  # all or nothing
+            raise
         return self
 
     def uninstall(self) -> None:

@@ -631,9 +631,14 @@ class KernelPatch:
     def sibling_parents(self) -> List[nn.Module]:
         """Modules whose sibling projections may fuse: the target's attention and MLP
         modules and the drafter's MLPs (its attention reads two inputs)."""
-        found = []
-        for layer in target_layers(self.model):
-            found += [getattr(layer, name, None) for name in ("self_attn", "mlp")]
+        found = [
+            getattr(layer, "self_attn", None) for layer in target_layers(self.model)
+        ]
+        return [m for m in found if isinstance(m, nn.Module)] + self._mlps()
+
+    def _mlps(self) -> List[nn.Module]:
+        """The target's decoder-layer MLP modules and the drafter's."""
+        found = [getattr(layer, "mlp", None) for layer in target_layers(self.model)]
         if self.drafter is not None:
             from .drafter import DraftMLP
 
@@ -644,16 +649,10 @@ class KernelPatch:
         """The target's and the drafter's MLP modules whose every child is a layer in
         ``matmul`` (what :meth:`install` compiles whole with ``compile_blocks``)."""
         routed = {id(m) for m in matmul}
-        found = [getattr(layer, "mlp", None) for layer in target_layers(self.model)]
-        if self.drafter is not None:
-            from .drafter import DraftMLP
-
-            found += [m for m in self.drafter.modules() if isinstance(m, DraftMLP)]
         return [
             block
-            for block in found
-            if isinstance(block, nn.Module)
-            and block.children()
+            for block in self._mlps()
+            if block.children()
             and all(id(child) in routed for child in _children(block))
         ]
 

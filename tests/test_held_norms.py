@@ -196,3 +196,17 @@ def test_a_closed_generation_restores_the_norms(monkeypatch) -> None:
     assert sum(is_held(m) for m in model.modules()) == 4 * len(model.layers)
     steps.close()
     assert not any(is_held(m) for m in model.modules())
+
+
+def test_a_failing_install_leaves_every_norm_as_it_was(monkeypatch) -> None:
+    model = tiny_model("muse_glimmer", seed=7)
+    classes = _all_norm_classes(model)
+
+    def broken(norms):
+        raise RuntimeError("evaluation failed")
+
+    monkeypatch.setattr("dflash.held_norms.mx.eval", broken)
+    with pytest.raises(RuntimeError, match="evaluation failed"):
+        HeldNorms(model).install()
+    assert _all_norm_classes(model) == classes
+    assert not any("_dflash_held_scale" in m.__dict__ for m in model.modules())
