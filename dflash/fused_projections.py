@@ -118,6 +118,8 @@ class FusedProjections:
         stacked = _kept_stack(self.members)
         if stacked is None:
             stacked = _stack(self.members, names, self.bounds)
+        # Each member's views of the stack (what it holds while it is served by it).
+        self.views = _STACKS[id(self.members[0])].views
         self.weight = stacked["weight"]
         self.scales = stacked.get("scales")
         self.biases = stacked.get("biases")
@@ -128,6 +130,11 @@ class FusedProjections:
         # The kernel form's members' columns per input (shape, dtype, use_kernel),
         # planned once (compiled where backend.compile_bound says so).
         self._bound: Dict[tuple, Callable[[mx.array], List[mx.array]]] = {}
+
+    def serves(self, index: int, member: nn.Module) -> bool:
+        """Whether ``member`` (member ``index``) still holds its views of the stack; one
+        given a new array since is no longer what the stack computes."""
+        return all(member.get(name) is view for name, view in self.views[index].items())
 
     def output(self, index: int, x: mx.array, use_kernel: Optional[bool]) -> mx.array:
         """Member ``index``'s projection of ``x`` (one launch for all members per input).

@@ -373,7 +373,7 @@ def _bind_linear(layer: nn.Module, x: mx.array) -> Callable[[mx.array], mx.array
     if args is None or depth % 8:
         return partial(getattr(type(layer), _ORIGINAL_CLASS).__call__, layer)
     slot: Optional[MemberSlot] = layer.__dict__.get(_FUSED_SLOT)
-    if slot is not None:
+    if slot is not None and slot.group.serves(slot.index, layer):
         return partial(slot.group.output, slot.index, use_kernel=route.use_kernel)
     weight, scales, biases, bits, group_size = args
     matmul = bind_matmul(
@@ -399,7 +399,8 @@ def _projection_call(self, x: mx.array) -> mx.array:
     """A fused member's forward: its columns of the set's one mlx matmul.
 
     Calls with more rows than the route's ``max_queries`` (prefill chunks) keep the
-    layer's own forward, so the prompt's cache is what mlx-lm's would be.
+    layer's own forward, so the prompt's cache is what mlx-lm's would be; so does a
+    member given a new array since it was stacked.
 
     Shapes: x ``(..., K)``; returns ``(..., N)``.
     """
@@ -407,7 +408,11 @@ def _projection_call(self, x: mx.array) -> mx.array:
     depth = x.shape[-1]
     rows = x.size // depth if depth else 0
     slot: Optional[MemberSlot] = self.__dict__.get(_FUSED_SLOT)
-    if slot is None or not 0 < rows <= route.max_queries:
+    if (
+        slot is None
+        or not 0 < rows <= route.max_queries
+        or not slot.group.serves(slot.index, self)
+    ):
         return getattr(type(self), _ORIGINAL_CLASS).__call__(self, x)
     return slot.group.output(slot.index, x, None)
 

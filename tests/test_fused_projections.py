@@ -278,3 +278,30 @@ def test_projections_part_keeps_mlx_lm_logits_and_prefill(bits) -> None:
         assert all("_dflash_fused" not in m.__dict__ for m in target.modules())
     for unfused, fused in zip(logits[False], logits[True]):
         np.testing.assert_allclose(fused, unfused, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("part", ["matmul", "projections"])
+def test_a_member_given_a_new_weight_is_not_served_by_the_stale_stack(part) -> None:
+    """Replacing a fused member's weight while the patch is installed: the member then
+    computes with its new weight (the stack still holds the old one), its siblings keep
+    theirs."""
+    target = tiny_model("muse_glimmer", seed=13, window=16)
+    attn = target.layers[0].self_attn
+    x = mx.random.normal((1, 2, attn.q_proj.weight.shape[1]), key=mx.random.key(4))
+    options = (
+        dict(matmul=True) if part == "matmul" else dict(matmul=False, projections=True)
+    )
+    with KernelPatch(target, **options):
+        before = attn.q_proj(x)
+        k_before = attn.k_proj(x)
+        attn.q_proj.weight = attn.q_proj.weight * 2
+        after = attn.q_proj(x)
+        k_after = attn.k_proj(x)
+        want = x @ attn.q_proj.weight.T
+    np.testing.assert_allclose(
+        np.asarray(after), np.asarray(want), rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(after), 2 * np.asarray(before), rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_array_equal(np.asarray(k_after), np.asarray(k_before))
