@@ -38,7 +38,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import mlx.core as mx
 
 from dflash.bench.report import environment
-from dflash.bench.scale_target import build_target, random_prompt
+from dflash.bench.scale_target import QUANTS, build_target, random_prompt
 from dflash.generation import generate_step
 from dflash.metal import backend, groups
 
@@ -290,7 +290,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.plain_phases")
     parser.add_argument("--scale", choices=("full", "tiny"), default="tiny")
-    parser.add_argument("--quant", choices=("bf16", "4bit"), default="bf16")
+    parser.add_argument("--quant", choices=QUANTS, default="bf16")
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=32, help="tokens per run")
     parser.add_argument("--skip", type=int, default=4, help="leading tokens left out")

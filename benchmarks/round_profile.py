@@ -44,6 +44,7 @@ from dflash import dflash_round, rounds
 from dflash.bench.replay import ReplayDrafter
 from dflash.bench.report import environment
 from dflash.bench.scale import build_scale_pair, scale_prompts
+from dflash.bench.scale_target import QUANTS
 from dflash.dflash_round import DFlashSpeculator, dflash_generate_step
 from dflash.folded_attention import FOLDED_ENV
 from dflash.fused_projections import FUSED_ENV
@@ -265,7 +266,7 @@ def scale_parser(prog: str, scale: str, context: int, max_tokens: int):
     """The flags both round profilers take: the scale pair, the prompt, the budget."""
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--scale", choices=("full", "tiny"), default=scale)
-    parser.add_argument("--quant", choices=("bf16", "4bit"), default="bf16")
+    parser.add_argument("--quant", choices=QUANTS, default="bf16")
     parser.add_argument("--context", type=int, default=context)
     parser.add_argument("--max-tokens", type=int, default=max_tokens)
     parser.add_argument("--json", default=None)

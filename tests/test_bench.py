@@ -403,6 +403,13 @@ def test_scale_targets_are_seeded_and_quantized_by_mlx_lm():
     ]
     assert layers and all((m.bits, m.group_size) == (4, 64) for m in layers)
     assert scale_target.parameter_bytes(quantized) < scale_target.parameter_bytes(a) / 2
+    eight = scale_target.build_target("tiny", "8bit", seed=3)
+    layers = [m for _, m in eight.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert layers and all((m.bits, m.group_size) == (8, 64) for m in layers)
+    sizes = [scale_target.parameter_bytes(m) for m in (quantized, eight, a)]
+    assert sizes == sorted(sizes) and len(set(sizes)) == 3
+    with pytest.raises(ValueError, match="quant must be one of"):
+        scale_target.build_target("tiny", "3bit")
 
 
 def test_the_full_geometry_is_muse_glimmer_as_designed():

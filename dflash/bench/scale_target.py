@@ -40,9 +40,10 @@ GEOMETRIES: Dict[str, Dict[str, Any]] = {
         max_position_embeddings=4096,
     ),
 }
-QUANTS = ("bf16", "4bit")
+# Target forms: bf16, or mlx-lm's affine quantization (groups of 64) at these bits.
+QUANT_BITS_BY_NAME = {"4bit": 4, "8bit": 8}
+QUANTS = ("bf16", *QUANT_BITS_BY_NAME)
 QUANT_GROUP_SIZE = 64
-QUANT_BITS = 4
 INIT_STD = 0.02
 BRANCH_SCALE = 0.05
 TOP_LOGIT = 10.0
@@ -130,7 +131,8 @@ def build_target(
 
     Args:
         geometry: ``"full"`` or ``"tiny"``.
-        quant: ``"bf16"``, or ``"4bit"`` (mlx-lm's ``quantize_model``, affine, group 64).
+        quant: ``"bf16"``, ``"4bit"`` or ``"8bit"`` (mlx-lm's ``quantize_model``,
+            affine, group 64).
         seed: Weight seed.
 
     Returns:
@@ -142,11 +144,11 @@ def build_target(
     model = muse_glimmer.Model(args)
     randomize(model, seed, mx.bfloat16, branch_scale=BRANCH_SCALE)
     _decisive_head(model, seed)
-    if quant == "4bit":
+    if quant in QUANT_BITS_BY_NAME:
         from mlx_lm.utils import quantize_model
 
         with redirect_stdout(StringIO()):  # it prints bits per weight
-            quantize_model(model, {}, QUANT_GROUP_SIZE, QUANT_BITS)
+            quantize_model(model, {}, QUANT_GROUP_SIZE, QUANT_BITS_BY_NAME[quant])
         mx.eval(model.parameters())
         mx.clear_cache()
     model.eval()
