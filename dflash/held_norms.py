@@ -28,6 +28,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .metal import backend
+
 HELD_NORMS_ENV = "DFLASH_HELD_NORMS"
 
 # (module, class name) of mlx-lm norms whose forward is
@@ -50,17 +52,19 @@ _HELD = "_dflash_held_scale"
 
 def held_norms_wanted(use_held: Optional[bool] = None) -> bool:
     """Whether :func:`held_norms` installs: ``use_held`` decides, else
-    ``DFLASH_HELD_NORMS`` (``0`` off, ``1`` on), else on.
+    ``DFLASH_HELD_NORMS`` (read as the other ``DFLASH_*`` switches), else on.
 
     Raises:
-        ValueError: ``DFLASH_HELD_NORMS`` is set to something other than 0 or 1.
+        ValueError: ``DFLASH_HELD_NORMS`` is set to something that is not a switch value.
     """
     if use_held is not None:
         return bool(use_held)
-    value = os.environ.get(HELD_NORMS_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{HELD_NORMS_ENV} must be 0 or 1, got {value!r}")
-    return value != "0"
+    switch = backend.env_switch(HELD_NORMS_ENV)
+    if switch is None and os.environ.get(HELD_NORMS_ENV, "").strip():
+        raise ValueError(
+            f"{HELD_NORMS_ENV} must be 0 or 1, got {os.environ[HELD_NORMS_ENV]!r}"
+        )
+    return switch is not False
 
 
 def _held_call(self: nn.Module, x: mx.array) -> mx.array:
@@ -69,8 +73,8 @@ def _held_call(self: nn.Module, x: mx.array) -> mx.array:
     Shapes: x ``(..., D)``; returns ``(..., D)``.
     """
     weight = self.weight
-    held = self.__dict__.get(_HELD)
-    if held is None or held[0] is not weight:
+    held = self.__dict__[_HELD]  # set by HeldNorms.install before the class swap
+    if held[0] is not weight:
         held = self.__dict__[_HELD] = (weight, 1.0 + weight)
     return mx.fast.rms_norm(x, held[1], self.eps)
 

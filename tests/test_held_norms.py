@@ -154,7 +154,9 @@ def test_held_norms_follow_the_switch(monkeypatch) -> None:
     model = tiny_model("muse_glimmer", seed=0)
     with held_norms(model) as installed:
         assert installed is None and not any(is_held(m) for m in model.modules())
-    monkeypatch.setenv(HELD_NORMS_ENV, "yes")
+    monkeypatch.setenv(HELD_NORMS_ENV, "off")
+    assert held_norms_wanted() is False
+    monkeypatch.setenv(HELD_NORMS_ENV, "maybe")
     with pytest.raises(ValueError, match=HELD_NORMS_ENV):
         held_norms_wanted()
 
