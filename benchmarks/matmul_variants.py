@@ -2,13 +2,19 @@
 
 Each variant changes one or more of the form's knobs for the time of its rows:
 
-* ``target``: CTAs a launch aims for before K is split (``tensor_qmm.TARGET_GROUPS``);
+* ``target``: CTAs a launch aims for before K is split (``tensor_qmm.TARGET_GROUPS``;
+  the ``target*`` variants also turn the wave-aware split off, which ignores it);
 * ``budget``: shared memory a stage ring may take (``tensor_qmm.SHARED_BUDGET``),
   which sets the pipeline depth and how many CTAs fit an SM;
 * ``plain_mma``: the mma helper as a non-volatile ``asm`` (the compiler may move it);
 * ``merged`` / ``unmerged``: a K split's partials summed by the matmul launch
   itself (``tensor_qmm.MERGE_SPLIT_SUM``, the default since session 13) or by a second,
-  reduce launch.
+  reduce launch;
+* ``waves`` / ``target``: the wave-aware K split (``tensor_qmm.WAVE_SPLIT``) or the
+  ``TARGET_GROUPS`` rule; ``waves132``: the wave rule counting 132 resident CTAs
+  (``tensor_qmm.RESIDENT_CTAS``) instead of 264;
+* ``folded`` / ``unfolded``: the 4-bit bfloat16 form with the ``128 + q`` offset folded
+  into each group's bias (``tensor_qmm.FOLD_Q4_OFFSET``) or not.
 
 Each call is bound once (``qmm.bind_matmul``), as a patched layer runs it; a merged
 call's kernels include the fill of its fresh counters. For every variant, projection
@@ -44,20 +50,35 @@ from .verify_kernels import GLIMMER, H200_BANDWIDTH, _weights, device_time
 
 VARIANTS = {
     "current": {},
-    "target132": {"target": 132},
-    "target528": {"target": 528},
-    "target1056": {"target": 1056},
+    "target132": {"target": 132, "waves": False},
+    "target528": {"target": 528, "waves": False},
+    "target1056": {"target": 1056, "waves": False},
     "budget70k": {"budget": 70 * 1024},
-    "budget70k-target528": {"budget": 70 * 1024, "target": 528},
+    "budget70k-target528": {"budget": 70 * 1024, "target": 528, "waves": False},
     "plain_mma": {"plain_mma": True},
     "merged": {"merged": True},
     "unmerged": {"merged": False},
+    "folded": {"folded": True},
+    "unfolded": {"folded": False},
+    "waves": {"waves": True},
+    "target": {"waves": False},
+    # The wave rule with one resident CTA an SM: CTAs sharing an SM share its issue
+    # slots, so an SM's load is its CTAs' chunks (session 17's per-call data fit it).
+    "waves132": {"waves": True, "resident": 132},
 }
 # Muse Glimmer's unfused projections, as verify_kernels names them.
 SHAPES = {
     name: (depth, columns)
     for name, depth, columns in GLIMMER.projections
-    if name in ("mlp gate / up", "mlp down", "q_proj / gate_proj (attn)", "o_proj")
+    if name
+    in (
+        "mlp gate / up",
+        "mlp down",
+        "q_proj / gate_proj (attn)",
+        "o_proj",
+        "attn q/k/v/gate fused",
+        "mlp gate+up fused",
+    )
 }
 
 
@@ -67,6 +88,9 @@ def variant(
     budget: Optional[int] = None,
     plain_mma: bool = False,
     merged: Optional[bool] = None,
+    folded: Optional[bool] = None,
+    waves: Optional[bool] = None,
+    resident: Optional[int] = None,
 ) -> Iterator[None]:
     """Rebuild the tensor-core specs with the given knobs, restoring them after.
 
@@ -75,6 +99,9 @@ def variant(
         budget: ``SHARED_BUDGET`` in bytes (None: unchanged).
         plain_mma: Drop ``volatile`` from the mma helper's ``asm``.
         merged: ``MERGE_SPLIT_SUM`` (None: unchanged).
+        folded: ``FOLD_Q4_OFFSET`` (None: unchanged).
+        waves: ``WAVE_SPLIT`` (None: unchanged).
+        resident: ``RESIDENT_CTAS`` (None: unchanged).
     """
     saved = (
         tensor_qmm.TARGET_GROUPS,
@@ -82,8 +109,17 @@ def variant(
         tensor_qmm._HELPERS,
         dict(tensor_qmm.MATMUL_SPECS),
         tensor_qmm.MERGE_SPLIT_SUM,
+        tensor_qmm.FOLD_Q4_OFFSET,
+        tensor_qmm.WAVE_SPLIT,
+        tensor_qmm.RESIDENT_CTAS,
     )
     try:
+        if resident is not None:
+            tensor_qmm.RESIDENT_CTAS = resident
+        if waves is not None:
+            tensor_qmm.WAVE_SPLIT = waves
+        if folded is not None:
+            tensor_qmm.FOLD_Q4_OFFSET = folded
         if merged is not None:
             tensor_qmm.MERGE_SPLIT_SUM = merged
         if target is not None:
@@ -106,15 +142,20 @@ def variant(
             tensor_qmm._HELPERS,
             specs,
             tensor_qmm.MERGE_SPLIT_SUM,
+            tensor_qmm.FOLD_Q4_OFFSET,
+            tensor_qmm.WAVE_SPLIT,
+            tensor_qmm.RESIDENT_CTAS,
         ) = saved
         tensor_qmm.MATMUL_SPECS.update(specs)
         tensor_qmm.launch_plan.cache_clear()
+        tensor_qmm._wave_split.cache_clear()
 
 
 def _rebuild() -> None:
     for key, layout in tensor_qmm.LAYOUTS.items():
         tensor_qmm.MATMUL_SPECS[key] = tensor_qmm._spec(layout)
     tensor_qmm.launch_plan.cache_clear()
+    tensor_qmm._wave_split.cache_clear()
 
 
 def run(args: argparse.Namespace) -> dict:

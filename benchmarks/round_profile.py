@@ -53,7 +53,11 @@ from dflash.greedy import greedy_reference
 from dflash.held_norms import HELD_NORMS_ENV
 from dflash.kernel_patch import COMPILED_BLOCKS_ENV, VERIFY_KERNELS_ENV
 from dflash.metal.backend import COMPILE_ENV
-from dflash.metal.tensor_qmm import MERGED_SPLIT_SUM_ENV
+from dflash.metal.tensor_qmm import (
+    FOLDED_OFFSET_ENV,
+    MERGED_SPLIT_SUM_ENV,
+    WAVE_SPLIT_ENV,
+)
 from dflash.taps import TargetTaps
 
 from .common import busy_us, cupti_trace
@@ -177,6 +181,9 @@ KERNEL_ARMS = {
     "default-uncompiled": None,
     "default-unheld": None,
     "default-unblocked": None,
+    "default-blocked": None,
+    "default-folded": None,
+    "default-waves": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -210,9 +217,18 @@ def kernel_arm(arm: str) -> Iterator[None]:
     )
     # "-unheld": the norms add one to their weight every call (dflash.held_norms off).
     held = "0" if arm.endswith("-unheld") else None
-    # "-unblocked": each MLP's projections compiled one by one, not the block whole.
-    blocks = "0" if arm.endswith("-unblocked") else None
+    # "-unblocked" / "-blocked": each MLP's projections compiled one by one, or the MLP
+    # block as one trace (dflash.kernel_patch's compiled blocks, off by default).
+    blocks = (
+        "0" if arm.endswith("-unblocked") else "1" if arm.endswith("-blocked") else None
+    )
+    # "-folded": 4-bit matmuls in the folded-offset form (tensor_qmm.FOLD_Q4_OFFSET).
+    folded = "1" if arm.endswith("-folded") else None
+    # "-waves": the wave-aware K split of the matmuls (tensor_qmm.WAVE_SPLIT).
+    waves = "1" if arm.endswith("-waves") else None
     with (
+        env_value(WAVE_SPLIT_ENV, waves),
+        env_value(FOLDED_OFFSET_ENV, folded),
         env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[arm]),
         env_value(FUSED_ENV, fused),
         env_value(MERGED_SPLIT_SUM_ENV, merged),

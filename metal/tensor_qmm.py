@@ -53,12 +53,14 @@ strides). Each thread copies the same 16-byte piece of its columns and x rows ev
 chunk, so its sources are worked out once; x rows past the call's are zeroed once
 per stage and never copied (a 1-row call copies one row). Each weight byte is read
 from HBM once per call for all rows; x is re-read from L2 per column tile (half the
-weight bytes at 4 bits). When the
-column tiles alone give fewer than :data:`TARGET_GROUPS` CTAs (``N`` = 4,096
-or 6,656), K is split over CTAs, and the last CTA of each column tile to finish
-sums the float32 partials in split order (:func:`merge_split_sum`; else a second
-small launch does). ptxas: 96 / 114 / 88 registers (4-bit / 8-bit /
-dense, 16 rows), no spills.
+weight bytes at 4 bits). K is split over CTAs where that makes the call finish
+sooner: two CTAs fit an SM, so an H200 runs :data:`RESIDENT_CTAS` at once, and the
+split is the one with the fewest waves times chunks per CTA (:func:`split_plan`;
+before session 17, K was split until the CTAs reached :data:`TARGET_GROUPS`, which
+often spilled a few CTAs into a second wave). The last CTA of each column tile to
+finish sums the float32 partials in split order (:func:`merge_split_sum`; else a
+second small launch does). ptxas: 96 / 114 / 88 registers (4-bit / 8-bit / dense,
+16 rows), no spills.
 
 **Cost model** (4-bit, group 64, 16 rows): per warp and 32-element sub-chunk
 (512 weight bytes) about 110 issued instructions: 10 mma, 44 for dequantizing,
@@ -79,7 +81,11 @@ arithmetic. With the copy path above (``docs/benchmarks/h200-2026-12-01-s12``):
 Still 4.2-4.6x the bound. The split sum merged into the matmul launch (session 13,
 ``docs/benchmarks/h200-2026-12-01-s13``): 156 fewer launches a plain token; device
 time per call 2-16 % lower on 7 of 8 projection shapes, 6 % higher on q_proj with one
-row; see ``docs/verify-kernels-analysis.md``.
+row; see ``docs/verify-kernels-analysis.md``. The wave-aware split (session 17,
+``docs/benchmarks/h200-2026-12-02-s17``): down 79.2 -> 60.4 us with 16 rows and
+65.3 -> 51.5 with 1, gate 75.0 -> 69.4 and 64.6 -> 56.9, o 28.0 -> 26.9 and
+19.3 -> 18.1, q 20.98 -> 17.8 with 1 row but 27.6 -> 30.3 with 16. The folded offset
+(:data:`FOLD_Q4_OFFSET`, off): 1-2 % less on every shape.
 """
 
 from __future__ import annotations
@@ -103,6 +109,15 @@ MAX_ROWS = 32
 DTYPES = (mx.bfloat16, mx.float16)
 # CTAs a launch aims for before K is split (an H200 has 132 SMs; two CTAs fit each).
 TARGET_GROUPS = 264
+# The wave-aware K split: CTAs resident at once (two an SM on an H200: each form takes
+# 82 to 110 KB of shared memory), and a CTA's fixed cost (pipeline fill, partial
+# writes) in chunks. On since the H200 measured it (session 17: 7 of 8 projection
+# calls faster, Glimmer's down projection by a quarter); ``DFLASH_QMM_WAVE_SPLIT=0``
+# keeps the TARGET_GROUPS rule. Read at each bind.
+RESIDENT_CTAS = 264
+CTA_OVERHEAD_CHUNKS = 2
+WAVE_SPLIT = True
+WAVE_SPLIT_ENV = "DFLASH_QMM_WAVE_SPLIT"
 SHARED_BUDGET = 113 * 1024
 REDUCE_THREADS = 256
 # Sum a K split's partials in the matmul launch (its last CTA per column tile) rather
@@ -110,6 +125,12 @@ REDUCE_THREADS = 256
 # the H200 ran it (session 13); ``DFLASH_MERGED_SPLIT_SUM=0`` keeps the reduce launch.
 MERGE_SPLIT_SUM = True
 MERGED_SPLIT_SUM_ENV = "DFLASH_MERGED_SPLIT_SUM"
+# 4-bit bfloat16: feed the mma ``128 + q`` (the bits the magic-number load makes) and fold
+# the offset into the group's bias (``bias - 128 * scale``), dropping a pair fma per two
+# weights. Float16 keeps ``q`` (its offset, 1024, would cost too much float32 headroom).
+# ``DFLASH_QMM_FOLDED_OFFSET`` (on/off) decides when set; read at each bind.
+FOLD_Q4_OFFSET = False
+FOLDED_OFFSET_ENV = "DFLASH_QMM_FOLDED_OFFSET"
 
 
 def merge_split_sum() -> bool:
@@ -120,6 +141,20 @@ def merge_split_sum() -> bool:
     """
     switch = backend.env_switch(MERGED_SPLIT_SUM_ENV)
     return MERGE_SPLIT_SUM if switch is None else switch
+
+
+def wave_split() -> bool:
+    """Whether a call bound now takes the wave-aware K split (:func:`split_plan`):
+    ``DFLASH_QMM_WAVE_SPLIT`` when set, else :data:`WAVE_SPLIT`."""
+    switch = backend.env_switch(WAVE_SPLIT_ENV)
+    return WAVE_SPLIT if switch is None else switch
+
+
+def fold_q4_offset() -> bool:
+    """Whether a 4-bit call bound now uses the folded-offset form (see
+    :data:`FOLD_Q4_OFFSET`): ``DFLASH_QMM_FOLDED_OFFSET`` when set, else the default."""
+    switch = backend.env_switch(FOLDED_OFFSET_ENV)
+    return FOLD_Q4_OFFSET if switch is None else switch
 
 
 @dataclass(frozen=True)
@@ -308,6 +343,20 @@ DFL_FN void dfl_pairs(uint4 v, uint32_t* r) {
 }
 """
 
+# Helpers of the folded-offset 4-bit form only (plain C++ over the helpers above).
+_FOLDED_HELPERS = r"""
+// Folded-offset form: bfloat16 keeps 128 + q (exact) and the group's bias takes the
+// offset, in float32 (s * 128 is exact); float16 keeps q itself and its bias.
+DFL_FN uint32_t dfl_q4_offset(uint32_t v, const __nv_bfloat16*) {
+  return (v & 0x000F000Fu) | 0x43004300u;
+}
+DFL_FN uint32_t dfl_q4_offset(uint32_t v, const __half* tag) { return dfl_q4(v, tag); }
+DFL_FN float dfl_folded_bias(float bias, float s, const __nv_bfloat16*) {
+  return fmaf(-128.0f, s, bias);
+}
+DFL_FN float dfl_folded_bias(float bias, float, const __half*) { return bias; }
+"""
+
 # The lane's weight registers r_0..r_3 for n8 tile t of the sub-chunk, per form.
 _LOAD_B = {
     4: """
@@ -376,7 +425,7 @@ _CLOSE_AFFINE = """
           for (int j = 0; j < 2; ++j) {
             const int cl = warp * 32 + 8 * t + 2 * tig + j;
             const float s = float(reinterpret_cast<const T*>(base + S_OFF + cl * 16)[gl]);
-            const float bias = float(reinterpret_cast<const T*>(base + B_OFF + cl * 16)[gl]);
+            const float bias = {bias_of}(float(reinterpret_cast<const T*>(base + B_OFF + cl * 16)[gl]){bias_args});
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
               #pragma unroll
@@ -636,16 +685,30 @@ def _fill(text: str, values: dict) -> str:
     return text
 
 
-def _spec(layout: Layout) -> GroupKernelSpec:
+def _spec(layout: Layout, folded: bool = False) -> GroupKernelSpec:
+    """The matmul kernel of ``layout`` (``folded``: the folded-offset 4-bit form)."""
     affine = layout.bits != 0
+    if folded and layout.bits != 4:
+        raise ValueError(f"the folded-offset form is 4-bit only, got {layout.bits}")
+    load_b = _LOAD_B[layout.bits]
+    if folded:
+        load_b = load_b.replace("dfl_q4(", "dfl_q4_offset(")
+    close = _CLOSE_AFFINE if affine else _CLOSE_DENSE
+    close = _fill(
+        close,
+        {
+            "bias_of": "dfl_folded_bias" if folded else "",
+            "bias_args": ", s, tag" * folded,
+        },
+    )
     body = _fill(
         _BODY,
         {
             "issue_scales": _ISSUE_SCALES if affine else "",
             "xsum": _XSUM if affine else "",
             "declare_xs": _DECLARE_XS if affine else "",
-            "close": _CLOSE_AFFINE if affine else _CLOSE_DENSE,
-            "load_b": _LOAD_B[layout.bits],
+            "close": close,
+            "load_b": load_b,
             "extra_pointers": " | size_t(scales) | size_t(biases)" if affine else "",
             "bits_per_element": layout.bits or 16,
             "mtiles": layout.mtiles,
@@ -661,6 +724,7 @@ def _spec(layout: Layout) -> GroupKernelSpec:
         },
     )
     name = f"tensor_{'dense' if not affine else f'q{layout.bits}'}_m{layout.mtiles}"
+    name += "_folded" * folded
     if affine:
         inputs = ("x", "weight", "scales", "biases", "params", "counters")
         types = ("T", "uint32", "T", "T", "int32", "int32")
@@ -673,7 +737,7 @@ def _spec(layout: Layout) -> GroupKernelSpec:
         input_types=types,
         output_names=("y", "partial"),
         output_types=("T", "float32"),
-        helpers=_HELPERS,
+        helpers=_HELPERS + (_FOLDED_HELPERS if folded else ""),
         body=body,
         threads=THREADS,
         backends=(CUDA,),
@@ -684,6 +748,7 @@ def _spec(layout: Layout) -> GroupKernelSpec:
 
 LAYOUTS = {(bits, m): Layout(bits, m) for bits in (4, 8, 0) for m in (1, 2)}
 MATMUL_SPECS = {key: _spec(layout) for key, layout in LAYOUTS.items()}
+FOLDED_SPECS = {(4, m): _spec(LAYOUTS[(4, m)], folded=True) for m in (1, 2)}
 REDUCE_SPEC = GroupKernelSpec(
     base="tensor_split_sum",
     input_names=("partial", "params"),
@@ -695,7 +760,7 @@ REDUCE_SPEC = GroupKernelSpec(
     threads=REDUCE_THREADS,
     backends=(CUDA,),
 )
-SPECS = tuple(MATMUL_SPECS.values()) + (REDUCE_SPEC,)
+SPECS = tuple(MATMUL_SPECS.values()) + tuple(FOLDED_SPECS.values()) + (REDUCE_SPEC,)
 
 
 # ------------------------------------------------------------------- host side
@@ -724,17 +789,38 @@ def tensor_core_serves(
     return depth >= chunk and depth % chunk == 0
 
 
-def split_plan(depth: int, columns: int, bits: Optional[int]) -> tuple[int, int, int]:
+def split_plan(
+    depth: int, columns: int, bits: Optional[int], waves: Optional[bool] = None
+) -> tuple[int, int, int]:
     """``(column tiles, K splits, chunks per split)`` of a call: a function of K and N.
 
-    K is split over CTAs only when the column tiles alone give fewer than
-    :data:`TARGET_GROUPS` CTAs; every split holds at least one chunk.
+    By default K is split over CTAs only when the column tiles alone give fewer than
+    :data:`TARGET_GROUPS` CTAs. With ``waves`` the split is the one whose CTAs finish
+    soonest when :data:`RESIDENT_CTAS` run at a time: ``ceil(CTAs / resident)`` waves,
+    each as long as a CTA's chunks plus :data:`CTA_OVERHEAD_CHUNKS` (ties: fewer
+    splits). ``waves`` None: the rule in force (:func:`wave_split`). Every split holds
+    at least one chunk.
     """
     chunks = depth // Layout(bits or 0, 1).chunk
     tiles = -(-columns // COLUMNS)
+    if wave_split() if waves is None else waves:
+        return (tiles,) + _wave_split(chunks, tiles)
     want = min(chunks, max(1, -(-TARGET_GROUPS // tiles)))
     per_split = -(-chunks // want)
     return tiles, -(-chunks // per_split), per_split
+
+
+@functools.lru_cache(maxsize=1024)
+def _wave_split(chunks: int, tiles: int) -> tuple[int, int]:
+    """``(splits, chunks per split)`` of the wave-aware rule (see :func:`split_plan`)."""
+    best = None
+    for per_split in range(chunks, 0, -1):  # fewest splits first: ties keep them
+        splits = -(-chunks // per_split)
+        waves = -(-tiles * splits // RESIDENT_CTAS)
+        cost = waves * (per_split + CTA_OVERHEAD_CHUNKS)
+        if best is None or cost < best[0]:
+            best = (cost, splits, per_split)
+    return best[1], best[2]
 
 
 def bind_tensor_core(
@@ -762,8 +848,9 @@ def bind_tensor_core(
         ``x -> x @ W.T`` for ``x`` of shape ``(rows, depth)`` and ``dtype``.
     """
     plan = launch_plan(
-        rows, depth, weight.shape[0], bits, group_size, merge_split_sum()
-    )
+        rows, depth, weight.shape[0], bits, group_size, merge_split_sum(),
+        fold_q4_offset(), wave_split(),
+    )  # fmt: skip
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)
     out_dtypes = [dtype, mx.float32]
@@ -830,14 +917,19 @@ def launch_plan(
     bits: Optional[int],
     group_size: Optional[int],
     merged: bool = False,
+    folded: bool = False,
+    waves: bool = False,
 ) -> LaunchPlan:
     """The launch plan of a validated call, built once per geometry (host time).
 
     ``merged``: a K split's partials are summed by the matmul launch's last CTA per
-    column tile instead of a second launch (same order, same bits).
+    column tile instead of a second launch (same order, same bits). ``folded``: a
+    4-bit call takes the folded-offset form (:data:`FOLD_Q4_OFFSET`). ``waves``: the
+    wave-aware K split (:func:`split_plan`).
     """
-    spec = MATMUL_SPECS[(bits or 0, 1 if rows <= 16 else 2)]
-    tiles, splits, per_split = split_plan(depth, columns, bits)
+    key = (bits or 0, 1 if rows <= 16 else 2)
+    spec = FOLDED_SPECS[key] if folded and bits == 4 else MATMUL_SPECS[key]
+    tiles, splits, per_split = split_plan(depth, columns, bits, waves)
     shift = (group_size or 1).bit_length() - 1
     merged = merged and splits > 1
     params = int_params(

@@ -17,6 +17,7 @@ from dflash.folded_attention import FOLDED_ENV
 from dflash.fused_projections import FUSED_ENV
 from dflash.held_norms import HELD_NORMS_ENV, held_norms_wanted
 from dflash.kernel_patch import COMPILED_BLOCKS_ENV, VERIFY_KERNELS_ENV
+from dflash.metal import tensor_qmm
 
 
 def test_round_profile_times_every_phase_of_a_lossless_tiny_run(tmp_path):
@@ -118,9 +119,16 @@ def test_unheld_arms_turn_the_held_norms_off_for_their_block(monkeypatch):
             assert os.environ.get(VERIFY_KERNELS_ENV) == verify
             assert held_norms_wanted() is held
         assert HELD_NORMS_ENV not in os.environ
-    with round_profile.kernel_arm("default-unblocked"):
-        assert os.environ.get(COMPILED_BLOCKS_ENV) == "0"
-    assert COMPILED_BLOCKS_ENV not in os.environ
+    for arm, blocks in (("default-unblocked", "0"), ("default-blocked", "1")):
+        with round_profile.kernel_arm(arm):
+            assert os.environ.get(COMPILED_BLOCKS_ENV) == blocks
+        assert COMPILED_BLOCKS_ENV not in os.environ
+    with round_profile.kernel_arm("default-folded"):
+        assert tensor_qmm.fold_q4_offset()
+    assert tensor_qmm.FOLDED_OFFSET_ENV not in os.environ
+    with round_profile.kernel_arm("default-waves"):
+        assert tensor_qmm.wave_split()
+    assert tensor_qmm.WAVE_SPLIT_ENV not in os.environ
 
 
 def test_round_profile_refuses_an_unknown_kernel_arm():

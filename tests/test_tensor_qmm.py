@@ -69,8 +69,11 @@ def served_cases(draw, max_rows: int = 32, max_chunks: int = 4, max_columns: int
 def test_tensor_bodies_compile_for_sm90_without_spills(tmp_path: Path) -> None:
     """Every matmul form in bfloat16 and float16 (ptxas checks the mma PTX) and the
     split sum in every dtype; no form spills registers to local memory."""
+    specs = list(tensor_qmm.MATMUL_SPECS.values()) + list(
+        tensor_qmm.FOLDED_SPECS.values()
+    )
     forms = check_cuda(
-        list(tensor_qmm.MATMUL_SPECS.values()),
+        specs,
         tmp_path / "forms",
         NVCC,
         dtypes=HALF,
@@ -78,7 +81,7 @@ def test_tensor_bodies_compile_for_sm90_without_spills(tmp_path: Path) -> None:
     )
     assert forms.ok, f"{forms.command}\n{forms.log}"
     entries = re.findall(r"Compiling entry function", forms.log)
-    assert len(entries) == 2 * len(tensor_qmm.MATMUL_SPECS)
+    assert len(entries) == 2 * len(specs)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log)
     # One line per entry, and one per copy of the out-of-line plain-copy function.
     assert len(spills) >= len(entries)
@@ -160,7 +163,7 @@ def test_split_plan_covers_k_in_nonempty_splits(depth, columns, bits) -> None:
     chunk = Layout(bits or 0, 1).chunk
     if depth % chunk:
         return
-    tiles, splits, per_split = split_plan(depth, columns, bits)
+    tiles, splits, per_split = split_plan(depth, columns, bits, waves=False)
     chunks = depth // chunk
     assert tiles * tensor_qmm.COLUMNS >= columns > (tiles - 1) * tensor_qmm.COLUMNS
     assert (splits - 1) * per_split < chunks <= splits * per_split
@@ -170,11 +173,49 @@ def test_split_plan_covers_k_in_nonempty_splits(depth, columns, bits) -> None:
         assert tiles * splits < tensor_qmm.TARGET_GROUPS + tiles
 
 
-def test_split_plan_of_glimmer_shapes() -> None:
+@settings(max_examples=200, deadline=None)
+@given(
+    depth=st.integers(1, 400).map(lambda c: 256 * c),
+    columns=st.integers(1, 250_000),
+    bits=st.sampled_from([4, 8, None]),
+)
+def test_wave_split_covers_k_and_finishes_no_later(depth, columns, bits) -> None:
+    """The wave-aware split: a function of (K, N) only, every split holds a chunk and
+    together they hold K once; its modelled time (waves of resident CTAs, each as
+    long as a CTA's chunks plus the fixed cost) is no worse than the target rule's or
+    any other split's, and no split is added for nothing."""
+    chunk = Layout(bits or 0, 1).chunk
+    tiles, splits, per_split = split_plan(depth, columns, bits, waves=True)
+    chunks = depth // chunk
+    assert (splits - 1) * per_split < chunks <= splits * per_split
+
+    def cost(splits_, per_):
+        waves = -(-tiles * splits_ // tensor_qmm.RESIDENT_CTAS)
+        return waves * (per_ + tensor_qmm.CTA_OVERHEAD_CHUNKS)
+
+    mine = cost(splits, per_split)
+    assert mine <= cost(*split_plan(depth, columns, bits, False)[1:])
+    for per in range(1, chunks + 1):
+        other = -(-chunks // per)
+        assert mine < cost(other, per) or (mine == cost(other, per) and splits <= other)
+
+
+def test_wave_split_of_glimmer_shapes_fits_one_wave() -> None:
+    """On Muse Glimmer's split projections (4-bit) the wave-aware split keeps every
+    CTA in one wave of an H200 where the target rule spilled into a second."""
+    for depth, columns in ((6656, 4096), (4096, 6656), (19968, 6656), (6656, 8704)):
+        tiles, splits, _ = split_plan(depth, columns, 4, waves=False)
+        assert tiles * splits > tensor_qmm.RESIDENT_CTAS
+        tiles, splits, _ = split_plan(depth, columns, 4, waves=True)
+        assert tiles * splits <= tensor_qmm.RESIDENT_CTAS, (depth, columns)
+
+
+@pytest.mark.parametrize("waves", [False, True])
+def test_split_plan_of_glimmer_shapes(waves) -> None:
     """At least a CTA per SM of an H200 on every Glimmer projection at 4 bits, or
-    (k/v_proj: 26 chunks, 2 column tiles) one chunk per CTA."""
+    (k/v_proj: 26 chunks, 2 column tiles) one chunk per CTA, under either rule."""
     for depth, columns in GLIMMER + (LM_HEAD,):
-        tiles, splits, per_split = split_plan(depth, columns, 4)
+        tiles, splits, per_split = split_plan(depth, columns, 4, waves)
         assert tiles * splits >= 132 or per_split == 1, (depth, columns, tiles, splits)
 
 
@@ -202,13 +243,18 @@ def test_variant_knobs_apply_inside_and_are_restored_after() -> None:
     the mma helper's text while it runs, and everything is as before afterwards (also
     when the body raises)."""
     before = dict(tensor_qmm.MATMUL_SPECS)
-    plan = split_plan(6656, 19968, 4)
+    plan = split_plan(6656, 19968, 4, waves=False)
     merged = tensor_qmm.MERGE_SPLIT_SUM
+    folded = tensor_qmm.FOLD_Q4_OFFSET
+    waves = split_plan(6656, 39936, 4, waves=True)
     with matmul_variants.variant(
-        target=1056, budget=70 * 1024, plain_mma=True, merged=not merged
-    ):
+        target=1056, budget=70 * 1024, plain_mma=True, merged=not merged,
+        folded=not folded, resident=132,
+    ):  # fmt: skip
         assert tensor_qmm.MERGE_SPLIT_SUM is not merged
-        assert split_plan(6656, 19968, 4) == (156, 7, 4)
+        assert tensor_qmm.fold_q4_offset() is not folded
+        assert split_plan(6656, 39936, 4, waves=True) == (312, 2, 13) != waves
+        assert split_plan(6656, 19968, 4, waves=False) == (156, 7, 4)
         assert Layout(4, 1).stages == 2
         spec = tensor_qmm.MATMUL_SPECS[(4, 1)]
         assert (
@@ -220,7 +266,9 @@ def test_variant_knobs_apply_inside_and_are_restored_after() -> None:
             raise KeyError("inside")
     assert tensor_qmm.MATMUL_SPECS == before
     assert tensor_qmm.MERGE_SPLIT_SUM is merged
-    assert split_plan(6656, 19968, 4) == plan and Layout(4, 1).stages == 3
+    assert tensor_qmm.FOLD_Q4_OFFSET is folded
+    assert split_plan(6656, 39936, 4, waves=True) == waves == (312, 3, 9)
+    assert split_plan(6656, 19968, 4, waves=False) == plan and Layout(4, 1).stages == 3
     assert tensor_qmm.launch_plan(16, 6656, 19968, 4, 64).groups == plan[0] * plan[1]
 
 
@@ -246,17 +294,20 @@ def test_variants_benchmark_refuses_bad_flags_and_the_cpu(capsys) -> None:
     columns=st.integers(1, 30_000),
     bits=st.sampled_from([4, 8, None]),
     merged=st.booleans(),
+    waves=st.booleans(),
 )
 def test_launch_plan_is_the_split_plan_kept_per_geometry(
-    rows, chunks, columns, bits, merged
+    rows, chunks, columns, bits, merged, waves
 ):
     """The memoised plan launches what split_plan says: a split K gets the reduce
     launch, or (merged) the result, the partials and a counter per column tile in
     one launch; one object per geometry and setting."""
     depth = chunks * Layout(bits or 0, 1).chunk
     group_size = None if bits is None else 64
-    plan = tensor_qmm.launch_plan(rows, depth, columns, bits, group_size, merged)
-    tiles, splits, per_split = split_plan(depth, columns, bits)
+    plan = tensor_qmm.launch_plan(
+        rows, depth, columns, bits, group_size, merged, False, waves
+    )
+    tiles, splits, per_split = split_plan(depth, columns, bits, waves)
     assert plan.spec is tensor_qmm.MATMUL_SPECS[(bits or 0, 1 if rows <= 16 else 2)]
     shift = 6 if bits else 0
     merges = merged and splits > 1
@@ -275,7 +326,9 @@ def test_launch_plan_is_the_split_plan_kept_per_geometry(
         assert plan.reduce_params.tolist() == [rows * columns, splits]
         assert plan.reduce_groups * tensor_qmm.REDUCE_THREADS >= rows * columns
         assert plan.counters == 0
-    again = tensor_qmm.launch_plan(rows, depth, columns, bits, group_size, merged)
+    again = tensor_qmm.launch_plan(
+        rows, depth, columns, bits, group_size, merged, False, waves
+    )
     assert again is plan
 
 
@@ -397,6 +450,26 @@ def test_model_float32_sums_are_within_the_sum_tolerance(case) -> None:
     assert np.all(np.abs(got - want) <= 1e-6 * magnitude + 1e-30)
 
 
+@settings(max_examples=25, deadline=None)
+@given(case=served_cases(max_chunks=3, max_columns=40))
+def test_model_of_the_folded_offset_form_matches_oracle(case) -> None:
+    """The folded-offset 4-bit form (bfloat16 mma on ``128 + q``, the offset in the
+    bias) stays within the oracle's tolerance; its float32 sums lose at most the
+    offset's share, ``1e-6 * 256 * |x| @ |scale|.T`` more than the plain form's."""
+    x, weight, scales, biases, bits, group = case
+    got = model.model_matmul(*case, folded=True)
+    assert _close_to_matmul_oracle(case, got)
+    if bits != 4 or x.dtype != mx.bfloat16:
+        assert np.array_equal(raw_bits(got), raw_bits(model.model_matmul(*case)))
+        return
+    want, magnitude = _matmul_oracle(*case)
+    wide = np.repeat(np.abs(np.asarray(scales.astype(mx.float32))), group, axis=1)
+    offset_share = np.abs(np.asarray(x.astype(mx.float32), np.float64)) @ wide.T
+    sums = model.model_matmul(*case, keep_float32=True, folded=True)
+    error = np.abs(np.asarray(sums, np.float64) - want)
+    assert np.all(error <= 1e-6 * (magnitude + 256 * offset_share) + 1e-30)
+
+
 @settings(max_examples=10, deadline=None)
 @given(case=served_cases(max_rows=20, max_chunks=2, max_columns=24))
 def test_model_rows_do_not_depend_on_the_batch(case) -> None:
@@ -485,6 +558,14 @@ MUTANTS = {
         "atomicAdd(counter, 1) == splits - 1",
         "atomicAdd(counter, 1) == splits",
     ),
+    # Folded offset: the mma takes 128 + q but the bias is not moved by 128 scales.
+    "unfolded_bias": dataclasses.replace(
+        tensor_qmm.FOLDED_SPECS[(4, 1)],
+        base=tensor_qmm.FOLDED_SPECS[(4, 1)].base + "_unfolded_bias",
+        helpers=tensor_qmm.FOLDED_SPECS[(4, 1)].helpers.replace(
+            "return fmaf(-128.0f, s, bias);", "return bias;"
+        ),
+    ),
     # Merged split sum: the first split's partial left out of the sum.
     "first_split_dropped": _mutant(
         "first_split_dropped",
@@ -525,14 +606,24 @@ _FIXTURES = [HealthCheck.function_scoped_fixture]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=_FIXTURES)
-@given(case=served_cases(max_chunks=3, max_columns=200), late=st.booleans())
-def test_emulated_body_matches_oracle(emulated, case, late) -> None:
+@given(
+    case=served_cases(max_chunks=3, max_columns=200),
+    late=st.booleans(),
+    folded=st.booleans(),
+    waves=st.booleans(),
+)
+def test_emulated_body_matches_oracle(
+    emulated, monkeypatch, case, late, folded, waves
+) -> None:
     """The body text itself (helpers emulated) against the float64 oracle, through
-    small_row_matmul (launch geometry, K split and its sum included)."""
+    small_row_matmul (launch geometry, K split and its sum included), in the plain and
+    the folded-offset 4-bit forms, with either K-split rule."""
+    monkeypatch.setattr(tensor_qmm, "FOLD_Q4_OFFSET", folded)
+    monkeypatch.setattr(tensor_qmm, "WAVE_SPLIT", waves)
     emulated.late = late
     before = emulated.launches
     x, weight, _, _, bits, _ = case
-    _, splits, _ = split_plan(x.shape[1], weight.shape[0], bits)
+    _, splits, _ = split_plan(x.shape[1], weight.shape[0], bits, waves)
     assert _close_to_matmul_oracle(case, _kernel(case))
     assert emulated.launches == before + _launches(splits)
 
@@ -626,7 +717,9 @@ def test_each_merged_launch_gets_its_own_zeroed_counters(
 def _run_merged(emulator, spec, case) -> mx.array:
     """One launch of ``spec`` on a merged plan of ``case`` (K split)."""
     x, weight, scales, biases, bits, group = case
-    plan = tensor_qmm.launch_plan(*x.shape, weight.shape[0], bits, group, True)
+    plan = tensor_qmm.launch_plan(
+        *x.shape, weight.shape[0], bits, group, True, False, tensor_qmm.wave_split()
+    )
     assert plan.reduce_params is None and plan.counters > 0
     y, _ = emulator.launch(
         spec,
@@ -666,7 +759,10 @@ def test_emulator_catches_merged_sum_slips(tensor_emulator, monkeypatch) -> None
 
 @settings(max_examples=6, deadline=None, suppress_health_check=_FIXTURES)
 @given(case=served_cases(max_rows=20, max_chunks=2, max_columns=140))
-def test_emulated_body_is_batch_invariant(emulated, case) -> None:
+def test_emulated_body_is_batch_invariant(emulated, monkeypatch, case) -> None:
+    monkeypatch.setattr(
+        tensor_qmm, "FOLD_Q4_OFFSET", bool(case[4] == 4 and case[0].size % 2)
+    )
     emulated.late = True
     _assert_batch_invariant(case)
 
@@ -741,6 +837,44 @@ def test_emulator_catches_slips(
         assert _close_to_matmul_oracle(case, good)
         assert _slip_shows(tensor_emulator, MUTANTS[name], case) is caught, (name, late)
     tensor_emulator.late = False
+
+
+def test_emulated_folded_offset_form_is_its_own_kernel_and_bites(
+    tensor_emulator,
+) -> None:
+    """The folded-offset form passes the oracle through its own spec (bfloat16 and
+    float16), and a negative control that leaves the bias unmoved misses it."""
+    rng = np.random.default_rng(8)
+    dense = mx.array(rng.standard_normal((300, 1024)).astype(np.float32))
+    for dtype in HALF:
+        x = mx.array(rng.standard_normal((16, 1024)).astype(np.float32)).astype(dtype)
+        case = (x, *mx.quantize(dense.astype(dtype), group_size=64, bits=4), 4, 64)
+        folded = tensor_qmm.FOLDED_SPECS[(4, 1)]
+        assert folded.base != tensor_qmm.MATMUL_SPECS[(4, 1)].base
+        assert _close_to_matmul_oracle(case, _run_spec(tensor_emulator, folded, case))
+        # float16 keeps q and its bias, so the mutant changes nothing there.
+        slip = _slip_shows(tensor_emulator, MUTANTS["unfolded_bias"], case)
+        assert slip is (dtype == mx.bfloat16)
+
+
+def test_the_folded_offset_switch_is_read_at_each_bind(monkeypatch) -> None:
+    """``DFLASH_QMM_FOLDED_OFFSET`` decides when set, else the module default; a
+    4-bit plan takes the folded spec only then, other bits never; 8-bit refuses it."""
+    monkeypatch.delenv(tensor_qmm.FOLDED_OFFSET_ENV, raising=False)
+    for default in (False, True):
+        monkeypatch.setattr(tensor_qmm, "FOLD_Q4_OFFSET", default)
+        assert tensor_qmm.fold_q4_offset() is default
+        for value, expected in (("1", True), ("0", False), ("", default)):
+            monkeypatch.setenv(tensor_qmm.FOLDED_OFFSET_ENV, value)
+            assert tensor_qmm.fold_q4_offset() is expected
+        monkeypatch.delenv(tensor_qmm.FOLDED_OFFSET_ENV)
+    for rows, mtiles in ((16, 1), (32, 2)):
+        plan = tensor_qmm.launch_plan(rows, 6656, 19968, 4, 64, True, True)
+        assert plan.spec is tensor_qmm.FOLDED_SPECS[(4, mtiles)]
+        plan = tensor_qmm.launch_plan(rows, 6656, 19968, 8, 64, True, True)
+        assert plan.spec is tensor_qmm.MATMUL_SPECS[(8, mtiles)]
+    with pytest.raises(ValueError, match="4-bit only"):
+        tensor_qmm._spec(Layout(8, 1), folded=True)
 
 
 # ================================================================= on CUDA

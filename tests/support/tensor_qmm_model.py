@@ -160,6 +160,7 @@ def model_matmul(
     step: Callable = tensor_core_step,
     weight_regs: Optional[np.ndarray] = None,
     keep_float32: bool = False,
+    folded: bool = False,
 ) -> mx.array:
     """The tensor-core form's result for a served call, per the module docstring.
 
@@ -169,6 +170,8 @@ def model_matmul(
         weight_regs: Lane registers to use for B instead of the body's extraction
             (a negative control passes wrong ones).
         keep_float32: Return the float32 sums (before the rounding to x's dtype).
+        folded: The folded-offset 4-bit form: in bfloat16 the mma takes ``128 + q``
+            and each group's bias is ``fma(-128, scale, bias)`` (float16 is unchanged).
 
     Shapes: x ``(M, K)``; returns ``(M, N)`` in x's dtype.
     """
@@ -182,9 +185,12 @@ def model_matmul(
         b = [to_float(logical_operand(b_regs, s), dtype) for s in range(2)]
         close_every = tensor_qmm.Layout(0, 1).chunk
     else:
-        b = [logical_operand(b_regs, s).astype(np.float64) for s in range(2)]
+        offset = 128.0 if folded and bits == 4 and dtype == mx.bfloat16 else 0.0
+        b = [logical_operand(b_regs, s).astype(np.float64) + offset for s in range(2)]
         s_all = np.asarray(scales.astype(mx.float32))
         b_all = np.asarray(biases.astype(mx.float32))
+        if offset:
+            b_all = fma32(-offset, s_all, b_all)
         close_every = group_size
     ones = np.ones((1, 16))
     chunk = tensor_qmm.Layout(bits or 0, 1).chunk

@@ -1,0 +1,242 @@
+"""What a 16-row decoder layer costs the device and the host, per kernel arm.
+
+A stack of Muse Glimmer decoder layers (the scale target's geometry, random weights,
+4-bit / 8-bit / bf16) runs 16-row forwards with no cache (mlx's causal attention over
+the block), so every arm does the same work as a verify forward's layers apart from
+the attention over the context. Per layer it reports:
+
+* ``build_us``: the Python that builds a forward's graph;
+* ``wall_us``: forwards pipelined through ``mx.async_eval`` with one sync at the end,
+  so the slower of host and device sets it (on an H200 at 16 rows, the device);
+* with ``--trace`` (CUDA, needs PyTorch for CUPTI): each forward evaluated alone,
+  the kernels per layer, the device's busy time and span per layer, and the kernels
+  with the most device time.
+
+Arms: ``mlx`` (mlx-lm's layers as they are) and ``ours`` (our matmul part through
+:class:`dflash.kernel_patch.KernelPatch`, held norms), each also with every layer
+compiled as one ``mx.compile`` trace (``-compiled``). The compiled and eager outputs
+of each family are compared bit for bit. ``DFLASH_*`` switches (the K-split rule, the
+folded offset) apply as set in the environment.
+
+Run (from the repository root)::
+
+    python -m benchmarks.layer_stack --quant 4bit --arms mlx,ours --trace \\
+        --json docs/benchmarks/.../layer-stack.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from functools import partial
+from typing import Callable, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models import muse_glimmer
+
+from dflash.bench.report import environment
+from dflash.bench.scale_target import (
+    BRANCH_SCALE,
+    GEOMETRIES,
+    QUANT_BITS_BY_NAME,
+    QUANT_GROUP_SIZE,
+    QUANTS,
+    randomize,
+)
+from dflash.held_norms import held_norms
+from dflash.kernel_patch import KernelPatch
+
+ARMS = ("mlx", "mlx-compiled", "ours", "ours-compiled")
+Forward = Callable[[mx.array], mx.array]
+
+
+def build_layers(geometry: str, quant: str, layers: int, seed: int = 0):
+    """A Muse Glimmer model of ``layers`` decoder layers (small vocabulary), quantized
+    as the scale target is."""
+    args = muse_glimmer.ModelArgs(
+        **{**GEOMETRIES[geometry], "num_hidden_layers": layers, "vocab_size": 512}
+    )
+    model = muse_glimmer.Model(args)
+    randomize(model, seed, mx.bfloat16, branch_scale=BRANCH_SCALE)
+    if quant in QUANT_BITS_BY_NAME:
+        from mlx_lm.utils import quantize_model
+
+        with contextlib.redirect_stdout(None):  # it prints bits per weight
+            quantize_model(model, {}, QUANT_GROUP_SIZE, QUANT_BITS_BY_NAME[quant])
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def forward_of(model, compiled: bool) -> Forward:
+    """The layers' 16-row forward, eager or with each layer one compiled trace."""
+    steps = [
+        partial(layer.__call__, mask="causal", cache=None) for layer in model.layers
+    ]
+    if compiled:
+        steps = [mx.compile(step) for step in steps]
+
+    def forward(h: mx.array) -> mx.array:
+        for step in steps:
+            h = step(h)
+        return h
+
+    return forward
+
+
+def time_forward(
+    forward: Forward, inputs: List[mx.array], layers: int, forwards: int, passes: int
+) -> Dict[str, float]:
+    """Median per-layer ``build_us`` and ``wall_us`` over ``passes`` passes."""
+    mx.eval(forward(inputs[0]))
+    builds, walls = [], []
+    for _ in range(passes):
+        build = 0.0
+        start = time.perf_counter()
+        for index in range(forwards):
+            begin = time.perf_counter()
+            out = forward(inputs[index % len(inputs)])
+            build += time.perf_counter() - begin
+            mx.async_eval(out)
+        mx.eval(out)
+        walls.append((time.perf_counter() - start) / forwards / layers * 1e6)
+        builds.append(build / forwards / layers * 1e6)
+    return {
+        "build_us": round(statistics.median(builds), 1),
+        "wall_us": round(statistics.median(walls), 1),
+        "wall_min_us": round(min(walls), 1),
+    }
+
+
+def trace_forward(
+    forward: Forward, inputs: List[mx.array], layers: int, top: int = 15
+) -> dict:
+    """CUPTI kernels of three forwards, each evaluated alone (none overlap), per layer."""
+    from .common import busy_us, cupti_kernel_events
+
+    def run() -> None:
+        for index in range(3):
+            mx.eval(forward(inputs[index % len(inputs)]))
+
+    run()
+    kernels = cupti_kernel_events(run)
+    per_layer = 3 * layers
+    totals: Dict[str, List[float]] = defaultdict(lambda: [0.0, 0])
+    for name, _, duration in kernels:
+        totals[name[:100]][0] += duration / per_layer
+        totals[name[:100]][1] += 1
+    span = kernels[-1][1] + kernels[-1][2] - kernels[0][1] if kernels else 0.0
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+    return {
+        "kernels_per_layer": round(len(kernels) / per_layer, 2),
+        "busy_us_per_layer": round(busy_us(kernels) / per_layer, 1),
+        "span_us_per_layer": round(span / per_layer, 1),
+        "top": [
+            {"name": name, "us_per_layer": round(us, 1), "calls": calls}
+            for name, (us, calls) in ranked
+        ],
+    }
+
+
+@contextlib.contextmanager
+def arm_context(model, arm: str):
+    """Our matmul part and held norms for the ``ours`` arms; nothing for ``mlx``."""
+    if not arm.startswith("ours"):
+        yield
+        return
+    with (
+        held_norms(model, None, True),
+        KernelPatch(model, attention=False, matmul=True),
+    ):
+        yield
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Every arm, ``--reps`` times in turn; the result as printed rows."""
+    model = build_layers(args.geometry, args.quant, args.layers)
+    hidden = model.args.hidden_size
+    keys = mx.random.split(mx.random.key(1), 4)
+    inputs = [
+        (mx.random.normal((1, args.rows, hidden), key=key) * 0.5).astype(mx.bfloat16)
+        for key in keys
+    ]
+    mx.eval(inputs)
+    result = {
+        "meta": environment("python -m benchmarks.layer_stack " + " ".join(args.argv)),
+        "runs": [],
+        "traces": {},
+        "bitwise": {},
+    }
+    outputs: Dict[str, mx.array] = {}
+    for rep in range(args.reps):
+        for arm in args.arms:
+            with arm_context(model, arm):
+                forward = forward_of(model, arm.endswith("-compiled"))
+                timed = time_forward(
+                    forward, inputs, args.layers, args.forwards, args.passes
+                )
+                if arm not in outputs:
+                    outputs[arm] = forward(inputs[0])
+                    mx.eval(outputs[arm])
+                if args.trace and rep == 0:
+                    result["traces"][arm] = trace_forward(forward, inputs, args.layers)
+            row = {"rep": rep, "arm": arm, **timed}
+            result["runs"].append(row)
+            print(json.dumps(row), flush=True)
+    for arm, out in outputs.items():
+        family = arm.split("-")[0]
+        if family in outputs and arm != family:
+            same = bool(mx.array_equal(out, outputs[family]).item())
+            result["bitwise"][f"{arm} == {family}"] = same
+    print(json.dumps({"bitwise": result["bitwise"]}), flush=True)
+    for arm, trace in result["traces"].items():
+        print(json.dumps({"trace": arm, **trace}), flush=True)
+    return result
+
+
+def _arms(text: str) -> List[str]:
+    arms = [arm for arm in text.split(",") if arm]
+    unknown = [arm for arm in arms if arm not in ARMS]
+    if unknown or not arms:
+        raise argparse.ArgumentTypeError(
+            f"unknown arm(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(ARMS)}"
+        )
+    return arms
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.layer_stack")
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="full")
+    parser.add_argument("--quant", choices=QUANTS, default="4bit")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--forwards", type=int, default=40, help="forwards per pass")
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=1, help="rounds of every arm")
+    parser.add_argument("--arms", type=_arms, default=list(ARMS))
+    parser.add_argument("--trace", action="store_true", help="CUPTI (CUDA, PyTorch)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    for name in ("layers", "rows", "forwards", "passes", "reps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    args = parse_args(argv)
+    result = run(args)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(result, handle, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
