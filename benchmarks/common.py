@@ -301,6 +301,15 @@ def run_meta(
 Event = tuple[str, float, float]
 
 
+def write_json(path: Optional[str], data: object) -> None:
+    """Write a benchmark's result as indented JSON (nothing when ``path`` is None)."""
+    if path:
+        import json
+
+        with open(path, "w") as handle:
+            json.dump(data, handle, indent=1)
+
+
 def cupti_trace(run: Callable[[], object]) -> tuple[list[Event], list[Event]]:
     """The device kernels ``run`` launches and the CUDA API calls it makes, from CUPTI
     (through ``torch.profiler``).

@@ -51,6 +51,8 @@ from dflash.bench.scale_target import (
 from dflash.held_norms import held_norms
 from dflash.kernel_patch import KernelPatch
 
+from .common import write_json
+
 ARMS = ("mlx", "mlx-compiled", "ours", "ours-compiled")
 Forward = Callable[[mx.array], mx.array]
 
@@ -232,9 +234,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     result = run(args)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=1)
+    write_json(args.json, result)
     return result
 
 

@@ -103,29 +103,21 @@ def variant(
         waves: ``WAVE_SPLIT`` (None: unchanged).
         resident: ``RESIDENT_CTAS`` (None: unchanged).
     """
-    saved = (
-        tensor_qmm.TARGET_GROUPS,
-        tensor_qmm.SHARED_BUDGET,
-        tensor_qmm._HELPERS,
-        dict(tensor_qmm.MATMUL_SPECS),
-        tensor_qmm.MERGE_SPLIT_SUM,
-        tensor_qmm.FOLD_Q4_OFFSET,
-        tensor_qmm.WAVE_SPLIT,
-        tensor_qmm.RESIDENT_CTAS,
-    )
+    knobs = {
+        "TARGET_GROUPS": target,
+        "SHARED_BUDGET": budget,
+        "MERGE_SPLIT_SUM": merged,
+        "FOLD_Q4_OFFSET": folded,
+        "WAVE_SPLIT": waves,
+        "RESIDENT_CTAS": resident,
+    }
+    saved = {name: getattr(tensor_qmm, name) for name in (*knobs, "_HELPERS")}
+    specs = dict(tensor_qmm.MATMUL_SPECS)
+    folded_specs = dict(tensor_qmm.FOLDED_SPECS)
     try:
-        if resident is not None:
-            tensor_qmm.RESIDENT_CTAS = resident
-        if waves is not None:
-            tensor_qmm.WAVE_SPLIT = waves
-        if folded is not None:
-            tensor_qmm.FOLD_Q4_OFFSET = folded
-        if merged is not None:
-            tensor_qmm.MERGE_SPLIT_SUM = merged
-        if target is not None:
-            tensor_qmm.TARGET_GROUPS = target
-        if budget is not None:
-            tensor_qmm.SHARED_BUDGET = budget
+        for name, value in knobs.items():
+            if value is not None:
+                setattr(tensor_qmm, name, value)
         if plain_mma:
             helpers = tensor_qmm._HELPERS.replace(
                 'asm volatile(\n      "mma', 'asm(\n      "mma'
@@ -136,17 +128,10 @@ def variant(
         _rebuild()
         yield
     finally:
-        (
-            tensor_qmm.TARGET_GROUPS,
-            tensor_qmm.SHARED_BUDGET,
-            tensor_qmm._HELPERS,
-            specs,
-            tensor_qmm.MERGE_SPLIT_SUM,
-            tensor_qmm.FOLD_Q4_OFFSET,
-            tensor_qmm.WAVE_SPLIT,
-            tensor_qmm.RESIDENT_CTAS,
-        ) = saved
+        for name, value in saved.items():
+            setattr(tensor_qmm, name, value)
         tensor_qmm.MATMUL_SPECS.update(specs)
+        tensor_qmm.FOLDED_SPECS.update(folded_specs)
         tensor_qmm.launch_plan.cache_clear()
         tensor_qmm._wave_split.cache_clear()
 
@@ -154,6 +139,8 @@ def variant(
 def _rebuild() -> None:
     for key, layout in tensor_qmm.LAYOUTS.items():
         tensor_qmm.MATMUL_SPECS[key] = tensor_qmm._spec(layout)
+    for key in tensor_qmm.FOLDED_SPECS:
+        tensor_qmm.FOLDED_SPECS[key] = tensor_qmm._spec(tensor_qmm.LAYOUTS[key], True)
     tensor_qmm.launch_plan.cache_clear()
     tensor_qmm._wave_split.cache_clear()
 

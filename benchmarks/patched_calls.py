@@ -27,6 +27,7 @@ from dflash.bench.scale_target import build_target
 from dflash.kernel_patch import COMPILED_BLOCKS_ENV, KernelPatch
 from dflash.metal.backend import COMPILE_ENV
 
+from .common import write_json
 from .launch_cost import stubbed_launches
 from .round_profile import env_value
 
@@ -73,9 +74,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         parser.error("--calls and --repeat must be >= 1")
     rows = measure(args.calls, args.repeat)
     print(json.dumps(rows))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(rows, handle, indent=1)
+    write_json(args.json, rows)
     return rows
 
 

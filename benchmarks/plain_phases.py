@@ -42,7 +42,7 @@ from dflash.bench.scale_target import QUANTS, build_target, random_prompt
 from dflash.generation import generate_step
 from dflash.metal import backend, groups
 
-from .common import busy_us, cupti_trace
+from .common import busy_us, cupti_trace, write_json
 from .launch_cost import stubbed_launches
 from .round_profile import KERNEL_ARMS, _kernel_arms, kernel_arm, wall_ms_per_token
 
@@ -327,9 +327,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parse_args(argv)
     report = run(args)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=1)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

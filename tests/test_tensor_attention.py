@@ -258,10 +258,15 @@ RAN_ON_THE_H200 = {
     "dflash_attend_chunks_stream128_61137f4186",
     "dflash_attend_chunks_split128_b1f9a4989d",
     "dflash_fold_chunks_d7bc88cb96",
-    "dflash_tensor_q4_m1_40066247e4",
-    "dflash_tensor_q4_m2_7e9e3909d0",
-    "dflash_tensor_q8_m1_53026b1405",
-    "dflash_tensor_q8_m2_65f1e29cef",
+    # Session 17 (calls E and F, 30 `cuda` matmul tests each): the affine forms' group
+    # close gained the folded-offset hook (the same arithmetic when off), and the
+    # folded-offset 4-bit forms are new.
+    "dflash_tensor_q4_m1_9182eb0de6",
+    "dflash_tensor_q4_m2_02e06204e4",
+    "dflash_tensor_q8_m1_154707a3c8",
+    "dflash_tensor_q8_m2_e39dfe66c0",
+    "dflash_tensor_q4_m1_folded_a1ebb6aa67",
+    "dflash_tensor_q4_m2_folded_2a0e726306",
     "dflash_tensor_dense_m1_64cca3f027",
     "dflash_tensor_dense_m2_b7bbaddc76",
     "dflash_tensor_split_sum_36ffdf3c69",
