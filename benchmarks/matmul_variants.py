@@ -13,6 +13,8 @@ Each variant changes one or more of the form's knobs for the time of its rows:
 * ``waves`` / ``target``: the wave-aware K split (``tensor_qmm.WAVE_SPLIT``) or the
   ``TARGET_GROUPS`` rule; ``waves132``: the wave rule counting 132 resident CTAs
   (``tensor_qmm.RESIDENT_CTAS``) instead of 264;
+* ``kgroups2``: each chunk's K split between two warp groups of a CTA
+  (``tensor_qmm.K_GROUPS``: 256 threads, the same shared memory);
 * ``folded`` / ``unfolded``: the 4-bit bfloat16 form with the ``128 + q`` offset folded
   into each group's bias (``tensor_qmm.FOLD_Q4_OFFSET``) or not.
 
@@ -65,6 +67,8 @@ VARIANTS = {
     # The wave rule with one resident CTA an SM: CTAs sharing an SM share its issue
     # slots, so an SM's load is its CTAs' chunks (session 17's per-call data fit it).
     "waves132": {"waves": True, "resident": 132},
+    # Each chunk's K split between two warp groups of a CTA (256 threads).
+    "kgroups2": {"k_groups": 2},
 }
 # Muse Glimmer's unfused projections, as verify_kernels names them.
 SHAPES = {
@@ -91,6 +95,7 @@ def variant(
     folded: Optional[bool] = None,
     waves: Optional[bool] = None,
     resident: Optional[int] = None,
+    k_groups: Optional[int] = None,
 ) -> Iterator[None]:
     """Rebuild the tensor-core specs with the given knobs, restoring them after.
 
@@ -102,6 +107,7 @@ def variant(
         folded: ``FOLD_Q4_OFFSET`` (None: unchanged).
         waves: ``WAVE_SPLIT`` (None: unchanged).
         resident: ``RESIDENT_CTAS`` (None: unchanged).
+        k_groups: ``K_GROUPS`` (None: unchanged).
     """
     knobs = {
         "TARGET_GROUPS": target,
@@ -110,6 +116,7 @@ def variant(
         "FOLD_Q4_OFFSET": folded,
         "WAVE_SPLIT": waves,
         "RESIDENT_CTAS": resident,
+        "K_GROUPS": k_groups,
     }
     saved = {name: getattr(tensor_qmm, name) for name in (*knobs, "_HELPERS")}
     specs = dict(tensor_qmm.MATMUL_SPECS)

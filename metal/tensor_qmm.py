@@ -131,6 +131,11 @@ MERGED_SPLIT_SUM_ENV = "DFLASH_MERGED_SPLIT_SUM"
 # ``DFLASH_QMM_FOLDED_OFFSET`` (on/off) decides when set; read at each bind.
 FOLD_Q4_OFFSET = False
 FOLDED_OFFSET_ENV = "DFLASH_QMM_FOLDED_OFFSET"
+# Warp groups splitting each chunk's sub-chunks (K) within a CTA: 2 runs 256 threads on
+# the same shared memory, twice the warps an SM has to hide latency with, and adds the
+# second group's sums to the first's once at the end. Built by the benchmark's variants
+# (``matmul_variants``: ``kgroups2``); 1, the form the H200 has run, is what ships.
+K_GROUPS = 1
 
 
 def merge_split_sum() -> bool:
@@ -685,8 +690,14 @@ def _fill(text: str, values: dict) -> str:
     return text
 
 
-def _spec(layout: Layout, folded: bool = False) -> GroupKernelSpec:
-    """The matmul kernel of ``layout`` (``folded``: the folded-offset 4-bit form)."""
+def _spec(
+    layout: Layout, folded: bool = False, k_groups: Optional[int] = None
+) -> GroupKernelSpec:
+    """The matmul kernel of ``layout`` (``folded``: the folded-offset 4-bit form;
+    ``k_groups``: warp groups splitting K in a CTA, None: :data:`K_GROUPS`)."""
+    k_groups = K_GROUPS if k_groups is None else k_groups
+    if k_groups not in (1, 2):
+        raise ValueError(f"k_groups must be 1 or 2, got {k_groups}")
     affine = layout.bits != 0
     if folded and layout.bits != 4:
         raise ValueError(f"the folded-offset form is 4-bit only, got {layout.bits}")
@@ -715,7 +726,7 @@ def _spec(layout: Layout, folded: bool = False) -> GroupKernelSpec:
             "stages": layout.stages,
             "chunk": layout.chunk,
             "sub": SUB,
-            "threads": THREADS,
+            "threads": THREADS * k_groups,
             "columns": COLUMNS,
             "column_bytes": layout.column_bytes,
             "w_stride": layout.w_stride,
@@ -723,8 +734,10 @@ def _spec(layout: Layout, folded: bool = False) -> GroupKernelSpec:
             "stage_bytes": layout.stage_bytes,
         },
     )
+    if k_groups == 2:
+        body = _two_k_groups(body)
     name = f"tensor_{'dense' if not affine else f'q{layout.bits}'}_m{layout.mtiles}"
-    name += "_folded" * folded
+    name += "_folded" * folded + "_k2" * (k_groups == 2)
     if affine:
         inputs = ("x", "weight", "scales", "biases", "params", "counters")
         types = ("T", "uint32", "T", "T", "int32", "int32")
@@ -739,11 +752,88 @@ def _spec(layout: Layout, folded: bool = False) -> GroupKernelSpec:
         output_types=("T", "float32"),
         helpers=_HELPERS + (_FOLDED_HELPERS if folded else ""),
         body=body,
-        threads=THREADS,
+        threads=THREADS * k_groups,
         backends=(CUDA,),
         shared_memory=layout.shared_memory,
         dtypes=(mx.bfloat16, mx.float16),
     )
+
+
+# The two-K-group form as edits of the one-group text (which stays as the H200 ran it).
+_K2_EDITS = (
+    # Scales: still one thread per column (the first 128 threads).
+    (
+        """    {
+      static_assert(THREADS == COLUMNS, "one thread per column's scales");
+""",
+        """    if (int(lid) < COLUMNS) {
+""",
+    ),
+    # Warp w covers columns 32 (w % 4) .. and K group w / 4.
+    (
+        "  const int warp = int(lid) / 32;\n",
+        "  const int warp = (int(lid) / 32) % 4;\n  const int kgroup = int(lid) / 128;\n",
+    ),
+    # Each group takes its half of a chunk's sub-chunks (group boundaries: a group
+    # of K is 32, 64 or 128 elements, a half chunk 128 (affine) or 32 (dense)).
+    (
+        "    for (int sc = 0; sc < SUBS; ++sc) {\n",
+        "    for (int half_sc = 0; half_sc < SUBS / 2; ++half_sc) {\n"
+        "      const int sc = kgroup * (SUBS / 2) + half_sc;\n",
+    ),
+    ("      if (sc == SUBS - 1) {\n", "      if (half_sc == SUBS / 2 - 1) {\n"),
+    # The second group's sums join the first's, in that order, once.
+    (
+        "  // c0, c1: row gid, columns 2 tig, 2 tig + 1; c2, c3: row gid + 8.\n",
+        """  dfl_wait<0>();
+  DFL_BARRIER();
+  {
+    float* exchange = reinterpret_cast<float*>(smem) + (int(lid) % 128) * (MT * 16);
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      #pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (kgroup == 1) {
+            exchange[16 * mt + 4 * t + i] = acc[mt][t][i];
+          }
+        }
+      }
+    }
+    DFL_BARRIER();
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      #pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc[mt][t][i] = __fadd_rn(acc[mt][t][i], exchange[16 * mt + 4 * t + i]);
+        }
+      }
+    }
+  }
+  // c0, c1: row gid, columns 2 tig, 2 tig + 1; c2, c3: row gid + 8.
+""",
+    ),
+    (
+        "        if (r < n_rows && n < n_cols) {\n",
+        "        if (kgroup == 0 && r < n_rows && n < n_cols) {\n",
+    ),
+)
+
+
+def _two_k_groups(body: str) -> str:
+    """The body with K split between two warp groups of a CTA (see :data:`K_GROUPS`)."""
+    for old, new in _K2_EDITS:
+        if old not in body:
+            if old.startswith("      if (sc == SUBS - 1)"):
+                continue  # the affine forms close per group, not per chunk
+            if old.startswith("    {\n      static_assert"):
+                continue  # dense: no scales
+            raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
+        body = body.replace(old, new)
+    return body
 
 
 LAYOUTS = {(bits, m): Layout(bits, m) for bits in (4, 8, 0) for m in (1, 2)}

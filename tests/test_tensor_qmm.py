@@ -69,8 +69,10 @@ def served_cases(draw, max_rows: int = 32, max_chunks: int = 4, max_columns: int
 def test_tensor_bodies_compile_for_sm90_without_spills(tmp_path: Path) -> None:
     """Every matmul form in bfloat16 and float16 (ptxas checks the mma PTX) and the
     split sum in every dtype; no form spills registers to local memory."""
-    specs = list(tensor_qmm.MATMUL_SPECS.values()) + list(
-        tensor_qmm.FOLDED_SPECS.values()
+    specs = (
+        list(tensor_qmm.MATMUL_SPECS.values())
+        + list(tensor_qmm.FOLDED_SPECS.values())
+        + list(K2_SPECS.values())
     )
     forms = check_cuda(
         specs,
@@ -88,6 +90,37 @@ def test_tensor_bodies_compile_for_sm90_without_spills(tmp_path: Path) -> None:
     assert all(a == "0" and b == "0" for a, b in spills), forms.log
     reduce = check_cuda([tensor_qmm.REDUCE_SPEC], tmp_path / "reduce", NVCC)
     assert reduce.ok, f"{reduce.command}\n{reduce.log}"
+
+
+# The two-K-group forms (a benchmark variant, not shipped): compiled, emulated.
+K2_SPECS = {
+    key: tensor_qmm._spec(layout, k_groups=2)
+    for key, layout in tensor_qmm.LAYOUTS.items()
+}
+
+
+# Negative control: the second group's sums never reach the first's.
+K2_DROPPED = dataclasses.replace(
+    K2_SPECS[(4, 1)],
+    base=K2_SPECS[(4, 1)].base + "_dropped",
+    body=K2_SPECS[(4, 1)].body.replace(
+        "exchange[16 * mt + 4 * t + i] = acc[mt][t][i];",
+        "exchange[16 * mt + 4 * t + i] = 0.0f * acc[mt][t][i];",
+    ),
+)
+
+
+def test_two_k_group_forms_are_edits_of_the_shipped_text() -> None:
+    """256 threads on the same shared memory; the one-group text (what ran on the
+    H200) is untouched by building them; a third group is refused."""
+    for key, spec in K2_SPECS.items():
+        one = tensor_qmm.MATMUL_SPECS[key]
+        assert spec.threads == 2 * one.threads == 256
+        assert spec.shared_memory == one.shared_memory
+        assert spec.base == one.base + "_k2" and "kgroup" in spec.body
+        assert "kgroup" not in one.body
+    with pytest.raises(ValueError, match="k_groups must be 1 or 2"):
+        tensor_qmm._spec(Layout(4, 1), k_groups=3)
 
 
 def test_tensor_specs_are_cuda_only() -> None:
@@ -579,7 +612,12 @@ MUTANTS = {
 def tensor_emulator(tmp_path_factory):
     if GXX is None:
         pytest.skip("g++ not installed")
-    specs = tuple(tensor_qmm.SPECS) + tuple(MUTANTS.values())
+    specs = (
+        tuple(tensor_qmm.SPECS)
+        + tuple(MUTANTS.values())
+        + tuple(K2_SPECS.values())
+        + (K2_DROPPED,)
+    )
     emulator = TensorEmulator(tmp_path_factory.mktemp("tensor_emulator"), specs, GXX)
     assert emulator.build.ok, emulator.build.log
     return emulator
@@ -755,6 +793,53 @@ def test_emulator_catches_merged_sum_slips(tensor_emulator, monkeypatch) -> None
     assert not _close_to_matmul_oracle(
         case, _run_merged(tensor_emulator, MUTANTS["first_split_dropped"], case)
     )
+
+
+@pytest.fixture
+def two_k_groups(emulated, monkeypatch):
+    """The emulated matmul with the two-K-group forms in place of the shipped ones."""
+    for key, spec in K2_SPECS.items():
+        monkeypatch.setitem(tensor_qmm.MATMUL_SPECS, key, spec)
+    tensor_qmm.launch_plan.cache_clear()
+    yield emulated
+    tensor_qmm.launch_plan.cache_clear()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=_FIXTURES)
+@given(
+    case=served_cases(max_rows=32, max_chunks=3, max_columns=160), late=st.booleans()
+)
+def test_emulated_two_k_group_form_matches_oracle_and_is_batch_invariant(
+    two_k_groups, case, late
+) -> None:
+    """Each chunk's K split between two warp groups (256 threads; 4-bit, 8-bit and
+    dense, one or two m-tiles, K split or not): within the oracle's tolerance, and
+    each row alone gets the bits it gets in the batch."""
+    two_k_groups.late = late
+    before = two_k_groups.launches
+    assert _close_to_matmul_oracle(case, _kernel(case))
+    assert two_k_groups.launches > before
+    _assert_batch_invariant(case)
+
+
+def test_emulated_two_k_group_form_sums_a_split_k_once(two_k_groups) -> None:
+    """A K split over CTAs (merged sum) on top of the groups' own split: the oracle
+    holds for a Glimmer-like depth, and the two groups' sums both count (dropping the
+    second group's misses the oracle)."""
+    rng = np.random.default_rng(9)
+    depth, columns = 2048, 300
+    dense = mx.array(rng.standard_normal((columns, depth)).astype(np.float32))
+    x = mx.array(rng.standard_normal((16, depth)).astype(np.float32))
+    case = (
+        x.astype(mx.bfloat16),
+        *mx.quantize(dense.astype(mx.bfloat16), group_size=64, bits=4),
+        4,
+        64,
+    )
+    assert split_plan(depth, columns, 4)[1] > 1
+    assert _close_to_matmul_oracle(case, _kernel(case))
+    assert K2_DROPPED.body != K2_SPECS[(4, 1)].body
+    assert _slip_shows(two_k_groups, K2_DROPPED, case)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=_FIXTURES)
