@@ -119,8 +119,7 @@ def variant(
         "K_GROUPS": k_groups,
     }
     saved = {name: getattr(tensor_qmm, name) for name in (*knobs, "_HELPERS")}
-    specs = dict(tensor_qmm.MATMUL_SPECS)
-    folded_specs = dict(tensor_qmm.FOLDED_SPECS)
+    tables = {table: dict(getattr(tensor_qmm, table)) for table in _SPEC_TABLES}
     try:
         for name, value in knobs.items():
             if value is not None:
@@ -137,17 +136,26 @@ def variant(
     finally:
         for name, value in saved.items():
             setattr(tensor_qmm, name, value)
-        tensor_qmm.MATMUL_SPECS.update(specs)
-        tensor_qmm.FOLDED_SPECS.update(folded_specs)
+        for table, specs in tables.items():
+            getattr(tensor_qmm, table).update(specs)
         tensor_qmm.launch_plan.cache_clear()
         tensor_qmm._wave_split.cache_clear()
 
 
+# tensor_qmm's spec tables and how each is built: (folded, k_groups).
+_SPEC_TABLES = {
+    "MATMUL_SPECS": (False, 1),
+    "FOLDED_SPECS": (True, 1),
+    "K2_SPECS": (False, 2),
+    "K2_FOLDED_SPECS": (True, 2),
+}
+
+
 def _rebuild() -> None:
-    for key, layout in tensor_qmm.LAYOUTS.items():
-        tensor_qmm.MATMUL_SPECS[key] = tensor_qmm._spec(layout)
-    for key in tensor_qmm.FOLDED_SPECS:
-        tensor_qmm.FOLDED_SPECS[key] = tensor_qmm._spec(tensor_qmm.LAYOUTS[key], True)
+    for table, (folded, groups) in _SPEC_TABLES.items():
+        specs = getattr(tensor_qmm, table)
+        for key in specs:
+            specs[key] = tensor_qmm._spec(tensor_qmm.LAYOUTS[key], folded, groups)
     tensor_qmm.launch_plan.cache_clear()
     tensor_qmm._wave_split.cache_clear()
 

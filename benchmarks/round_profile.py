@@ -56,6 +56,7 @@ from dflash.metal.backend import COMPILE_ENV
 from dflash.metal.tensor_qmm import (
     FOLDED_OFFSET_ENV,
     MERGED_SPLIT_SUM_ENV,
+    TWO_K_GROUPS_ENV,
     WAVE_SPLIT_ENV,
 )
 from dflash.taps import TargetTaps
@@ -184,6 +185,7 @@ KERNEL_ARMS = {
     "default-blocked": None,
     "default-folded": None,
     "default-waves": None,
+    "default-kgroups2": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -226,7 +228,10 @@ def kernel_arm(arm: str) -> Iterator[None]:
     folded = "1" if arm.endswith("-folded") else None
     # "-waves": the wave-aware K split of the matmuls (tensor_qmm.WAVE_SPLIT).
     waves = "1" if arm.endswith("-waves") else None
+    # "-kgroups2": the matmul's two-K-group form (tensor_qmm.K_GROUPS).
+    two_groups = "1" if arm.endswith("-kgroups2") else None
     with (
+        env_value(TWO_K_GROUPS_ENV, two_groups),
         env_value(WAVE_SPLIT_ENV, waves),
         env_value(FOLDED_OFFSET_ENV, folded),
         env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[arm]),

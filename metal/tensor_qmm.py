@@ -133,9 +133,11 @@ FOLD_Q4_OFFSET = False
 FOLDED_OFFSET_ENV = "DFLASH_QMM_FOLDED_OFFSET"
 # Warp groups splitting each chunk's sub-chunks (K) within a CTA: 2 runs 256 threads on
 # the same shared memory, twice the warps an SM has to hide latency with, and adds the
-# second group's sums to the first's once at the end. Built by the benchmark's variants
-# (``matmul_variants``: ``kgroups2``); 1, the form the H200 has run, is what ships.
+# second group's sums to the first's once at the end. 1 (the form the H200 has run) is the
+# default; ``DFLASH_QMM_TWO_K_GROUPS=1`` picks 2 at bind (compiled and emulated, not yet
+# run on a GPU), as ``matmul_variants``' ``kgroups2`` does.
 K_GROUPS = 1
+TWO_K_GROUPS_ENV = "DFLASH_QMM_TWO_K_GROUPS"
 
 
 def merge_split_sum() -> bool:
@@ -153,6 +155,13 @@ def wave_split() -> bool:
     ``DFLASH_QMM_WAVE_SPLIT`` when set, else :data:`WAVE_SPLIT`."""
     switch = backend.env_switch(WAVE_SPLIT_ENV)
     return WAVE_SPLIT if switch is None else switch
+
+
+def k_groups() -> int:
+    """Warp groups a call bound now splits K between: 2 with ``DFLASH_QMM_TWO_K_GROUPS``
+    on, 1 with it off, else :data:`K_GROUPS`."""
+    switch = backend.env_switch(TWO_K_GROUPS_ENV)
+    return K_GROUPS if switch is None else 2 if switch else 1
 
 
 def fold_q4_offset() -> bool:
@@ -690,12 +699,9 @@ def _fill(text: str, values: dict) -> str:
     return text
 
 
-def _spec(
-    layout: Layout, folded: bool = False, k_groups: Optional[int] = None
-) -> GroupKernelSpec:
+def _spec(layout: Layout, folded: bool = False, k_groups: int = 1) -> GroupKernelSpec:
     """The matmul kernel of ``layout`` (``folded``: the folded-offset 4-bit form;
-    ``k_groups``: warp groups splitting K in a CTA, None: :data:`K_GROUPS`)."""
-    k_groups = K_GROUPS if k_groups is None else k_groups
+    ``k_groups``: warp groups splitting K in a CTA, see :data:`K_GROUPS`)."""
     if k_groups not in (1, 2):
         raise ValueError(f"k_groups must be 1 or 2, got {k_groups}")
     affine = layout.bits != 0
@@ -839,6 +845,11 @@ def _two_k_groups(body: str) -> str:
 LAYOUTS = {(bits, m): Layout(bits, m) for bits in (4, 8, 0) for m in (1, 2)}
 MATMUL_SPECS = {key: _spec(layout) for key, layout in LAYOUTS.items()}
 FOLDED_SPECS = {(4, m): _spec(LAYOUTS[(4, m)], folded=True) for m in (1, 2)}
+# The two-K-group forms (not in SPECS, the forms run on the H200).
+K2_SPECS = {key: _spec(layout, k_groups=2) for key, layout in LAYOUTS.items()}
+K2_FOLDED_SPECS = {
+    (4, m): _spec(LAYOUTS[(4, m)], folded=True, k_groups=2) for m in (1, 2)
+}
 REDUCE_SPEC = GroupKernelSpec(
     base="tensor_split_sum",
     input_names=("partial", "params"),
@@ -939,7 +950,7 @@ def bind_tensor_core(
     """
     plan = launch_plan(
         rows, depth, weight.shape[0], bits, group_size, merge_split_sum(),
-        fold_q4_offset(), wave_split(),
+        fold_q4_offset(), wave_split(), k_groups(),
     )  # fmt: skip
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)
@@ -1009,16 +1020,22 @@ def launch_plan(
     merged: bool = False,
     folded: bool = False,
     waves: bool = False,
+    k_groups: int = 1,
 ) -> LaunchPlan:
     """The launch plan of a validated call, built once per geometry (host time).
 
     ``merged``: a K split's partials are summed by the matmul launch's last CTA per
     column tile instead of a second launch (same order, same bits). ``folded``: a
     4-bit call takes the folded-offset form (:data:`FOLD_Q4_OFFSET`). ``waves``: the
-    wave-aware K split (:func:`split_plan`).
+    wave-aware K split (:func:`split_plan`). ``k_groups``: 2 takes the two-K-group form
+    (:data:`K_GROUPS`).
     """
     key = (bits or 0, 1 if rows <= 16 else 2)
-    spec = FOLDED_SPECS[key] if folded and bits == 4 else MATMUL_SPECS[key]
+    folded = folded and bits == 4
+    if k_groups == 2:
+        spec = K2_FOLDED_SPECS[key] if folded else K2_SPECS[key]
+    else:
+        spec = FOLDED_SPECS[key] if folded else MATMUL_SPECS[key]
     tiles, splits, per_split = split_plan(depth, columns, bits, waves)
     shift = (group_size or 1).bit_length() - 1
     merged = merged and splits > 1

@@ -73,6 +73,7 @@ def test_tensor_bodies_compile_for_sm90_without_spills(tmp_path: Path) -> None:
         list(tensor_qmm.MATMUL_SPECS.values())
         + list(tensor_qmm.FOLDED_SPECS.values())
         + list(K2_SPECS.values())
+        + list(tensor_qmm.K2_FOLDED_SPECS.values())
     )
     forms = check_cuda(
         specs,
@@ -92,11 +93,8 @@ def test_tensor_bodies_compile_for_sm90_without_spills(tmp_path: Path) -> None:
     assert reduce.ok, f"{reduce.command}\n{reduce.log}"
 
 
-# The two-K-group forms (a benchmark variant, not shipped): compiled, emulated.
-K2_SPECS = {
-    key: tensor_qmm._spec(layout, k_groups=2)
-    for key, layout in tensor_qmm.LAYOUTS.items()
-}
+# The two-K-group forms (opt-in, not yet run on a GPU): compiled, emulated.
+K2_SPECS = tensor_qmm.K2_SPECS
 
 
 # Negative control: the second group's sums never reach the first's.
@@ -121,6 +119,25 @@ def test_two_k_group_forms_are_edits_of_the_shipped_text() -> None:
         assert "kgroup" not in one.body
     with pytest.raises(ValueError, match="k_groups must be 1 or 2"):
         tensor_qmm._spec(Layout(4, 1), k_groups=3)
+
+
+def test_the_two_k_group_switch_is_read_at_each_bind(monkeypatch) -> None:
+    """``DFLASH_QMM_TWO_K_GROUPS`` decides when set, else :data:`K_GROUPS`; a plan with
+    two groups takes the two-group spec of its form."""
+    monkeypatch.delenv(tensor_qmm.TWO_K_GROUPS_ENV, raising=False)
+    assert tensor_qmm.k_groups() == tensor_qmm.K_GROUPS == 1
+    for value, expected in (("1", 2), ("0", 1), ("", 1)):
+        monkeypatch.setenv(tensor_qmm.TWO_K_GROUPS_ENV, value)
+        assert tensor_qmm.k_groups() == expected
+    for bits, folded, table in (
+        (4, False, tensor_qmm.K2_SPECS),
+        (8, True, tensor_qmm.K2_SPECS),
+        (4, True, tensor_qmm.K2_FOLDED_SPECS),
+    ):
+        plan = tensor_qmm.launch_plan(16, 6656, 4096, bits, 64, True, folded, True, 2)
+        assert plan.spec is table[(bits, 1)]
+    with round_profile.kernel_arm("default-kgroups2"):
+        assert tensor_qmm.k_groups() == 2
 
 
 def test_tensor_specs_are_cuda_only() -> None:
@@ -616,6 +633,7 @@ def tensor_emulator(tmp_path_factory):
         tuple(tensor_qmm.SPECS)
         + tuple(MUTANTS.values())
         + tuple(K2_SPECS.values())
+        + tuple(tensor_qmm.K2_FOLDED_SPECS.values())
         + (K2_DROPPED,)
     )
     emulator = TensorEmulator(tmp_path_factory.mktemp("tensor_emulator"), specs, GXX)
@@ -797,28 +815,28 @@ def test_emulator_catches_merged_sum_slips(tensor_emulator, monkeypatch) -> None
 
 @pytest.fixture
 def two_k_groups(emulated, monkeypatch):
-    """The emulated matmul with the two-K-group forms in place of the shipped ones."""
-    for key, spec in K2_SPECS.items():
-        monkeypatch.setitem(tensor_qmm.MATMUL_SPECS, key, spec)
-    tensor_qmm.launch_plan.cache_clear()
+    """The emulated matmul with the two-K-group forms picked at bind (the switch)."""
+    monkeypatch.setenv(tensor_qmm.TWO_K_GROUPS_ENV, "1")
     yield emulated
-    tensor_qmm.launch_plan.cache_clear()
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=_FIXTURES)
 @given(
-    case=served_cases(max_rows=32, max_chunks=3, max_columns=160), late=st.booleans()
+    case=served_cases(max_rows=32, max_chunks=3, max_columns=160),
+    late=st.booleans(),
+    folded=st.booleans(),
 )
 def test_emulated_two_k_group_form_matches_oracle_and_is_batch_invariant(
-    two_k_groups, case, late
+    two_k_groups, monkeypatch, case, late, folded
 ) -> None:
-    """Each chunk's K split between two warp groups (256 threads; 4-bit, 8-bit and
-    dense, one or two m-tiles, K split or not): within the oracle's tolerance, and
-    each row alone gets the bits it gets in the batch."""
+    """Each chunk's K split between two warp groups (256 threads; 4-bit, plain or
+    folded, 8-bit and dense, one or two m-tiles, K split or not): within the oracle's
+    tolerance, and each row alone gets the bits it gets in the batch."""
+    monkeypatch.setattr(tensor_qmm, "FOLD_Q4_OFFSET", folded)
     two_k_groups.late = late
-    before = two_k_groups.launches
+    before = len(two_k_groups.launched)
     assert _close_to_matmul_oracle(case, _kernel(case))
-    assert two_k_groups.launches > before
+    assert two_k_groups.launched[before].endswith("_k2")
     _assert_batch_invariant(case)
 
 
