@@ -228,6 +228,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for name in ("layers", "rows", "forwards", "passes", "reps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
+    if args.trace and not mx.cuda.is_available():
+        parser.error("--trace needs mlx's CUDA backend (CUPTI through PyTorch)")
     return args
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import pytest
 
 from benchmarks import layer_stack
@@ -42,6 +43,11 @@ def test_layer_stack_leaves_the_model_unpatched_after_each_arm():
         (["--arms", "mlx,fast"], "unknown arm(s) fast"),
         (["--layers", "0"], "--layers must be >= 1"),
         (["--quant", "3bit"], "invalid choice"),
+        pytest.param(
+            ["--trace"],
+            "--trace needs mlx's CUDA backend",
+            marks=pytest.mark.skipif(mx.cuda.is_available(), reason="CPU only"),
+        ),
     ],
 )
 def test_layer_stack_refuses_bad_flags(argv, message, capsys):
