@@ -69,6 +69,8 @@ VARIANTS = {
     "waves132": {"waves": True, "resident": 132},
     # Each chunk's K split between two warp groups of a CTA (256 threads).
     "kgroups2": {"k_groups": 2},
+    # Three CTAs an SM (a 70 KB stage ring) with the wave rule counting them.
+    "budget70k-waves396": {"budget": 70 * 1024, "waves": True, "resident": 396},
 }
 # Muse Glimmer's unfused projections, as verify_kernels names them.
 SHAPES = {
