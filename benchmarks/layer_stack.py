@@ -1,9 +1,12 @@
 """What a 16-row decoder layer costs the device and the host, per kernel arm.
 
 A stack of Muse Glimmer decoder layers (the scale target's geometry, random weights,
-4-bit / 8-bit / bf16) runs 16-row forwards with no cache (mlx's causal attention over
-the block), so every arm does the same work as a verify forward's layers apart from
-the attention over the context. Per layer it reports:
+4-bit / 8-bit / bf16) runs 16-row forwards. With no ``--context`` there is no cache
+(mlx's causal attention over the block), so every arm does the same work as a verify
+forward's layers apart from the attention over the context. With ``--context N`` each
+forward is a verify block over dflash planes holding ``N`` earlier rows (a sliding
+layer's ring, a full layer's growing plane), inside a checkpoint rolled back after it,
+and the ``ours`` arms route the attention too. Per layer it reports:
 
 * ``build_us``: the Python that builds a forward's graph;
 * ``wall_us``: forwards pipelined through ``mx.async_eval`` with one sync at the end,
@@ -13,8 +16,9 @@ the attention over the context. Per layer it reports:
   with the most device time.
 
 Arms: ``mlx`` (mlx-lm's layers as they are) and ``ours`` (our matmul part through
-:class:`dflash.kernel_patch.KernelPatch`, held norms), each also with every layer
-compiled as one ``mx.compile`` trace (``-compiled``). The compiled and eager outputs
+:class:`dflash.kernel_patch.KernelPatch`, with ``--context`` the attention part too; held
+norms), each also with every layer compiled as one ``mx.compile`` trace (``-compiled``;
+without ``--context`` only). The compiled and eager outputs
 of each family are compared bit for bit. ``DFLASH_*`` switches (the K-split rule, the
 folded offset) apply as set in the environment.
 
@@ -38,6 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models import muse_glimmer
+from mlx_lm.models.base import create_attention_mask
 
 from dflash.bench.report import environment
 from dflash.bench.scale_target import (
@@ -48,6 +53,8 @@ from dflash.bench.scale_target import (
     QUANTS,
     randomize,
 )
+from dflash.cache import make_prompt_cache
+from dflash.cache.checkpoint import SpeculativeCheckpoint
 from dflash.held_norms import held_norms
 from dflash.kernel_patch import KernelPatch
 
@@ -73,6 +80,43 @@ def build_layers(geometry: str, quant: str, layers: int, seed: int = 0):
     mx.eval(model.parameters())
     model.eval()
     return model
+
+
+def prefill(model, context: int, chunk: int = 512) -> list:
+    """dflash planes for ``model``'s layers holding ``context`` rows of random hidden
+    states (written chunk by chunk, as a prompt's prefill is)."""
+    cache = make_prompt_cache(model)
+    key = mx.random.key(2)
+    for start in range(0, context, chunk):
+        rows = min(chunk, context - start)
+        key, draw = mx.random.split(key)
+        hidden = mx.random.normal((1, rows, model.args.hidden_size), key=draw)
+        run_layers(model, (hidden * 0.5).astype(mx.bfloat16), cache)
+        mx.eval([plane.kv for plane in cache])
+    return cache
+
+
+def run_layers(model, h: mx.array, cache: list) -> mx.array:
+    """The layers over ``h`` with ``cache``, each with the mask mlx-lm's model makes."""
+    for layer, plane in zip(model.layers, cache):
+        sliding = layer.self_attn.layer_type == "sliding_attention"
+        window = model.args.sliding_window if sliding else None
+        h = layer(h, create_attention_mask(h, plane, window_size=window), plane)
+    return h
+
+
+def verify_forward_of(model, cache: list) -> Forward:
+    """A verify block's forward over ``cache``: written inside a checkpoint, rolled back
+    after (lazily, as a round that keeps no draft does)."""
+
+    def forward(h: mx.array) -> mx.array:
+        checkpoint = SpeculativeCheckpoint.begin(cache, h.shape[1])
+        try:
+            return run_layers(model, h, cache)
+        finally:
+            checkpoint.rollback()
+
+    return forward
 
 
 def forward_of(model, compiled: bool) -> Forward:
@@ -146,14 +190,15 @@ def trace_forward(
 
 
 @contextlib.contextmanager
-def arm_context(model, arm: str):
-    """Our matmul part and held norms for the ``ours`` arms; nothing for ``mlx``."""
+def arm_context(model, arm: str, attention: bool = False):
+    """Our matmul part (``attention``: and the attention part) and held norms for the
+    ``ours`` arms; nothing for ``mlx``."""
     if not arm.startswith("ours"):
         yield
         return
     with (
         held_norms(model, None, True),
-        KernelPatch(model, attention=False, matmul=True),
+        KernelPatch(model, attention=attention, matmul=True),
     ):
         yield
 
@@ -161,6 +206,7 @@ def arm_context(model, arm: str):
 def run(args: argparse.Namespace) -> dict:
     """Every arm, ``--reps`` times in turn; the result as printed rows."""
     model = build_layers(args.geometry, args.quant, args.layers)
+    cache = prefill(model, args.context) if args.context else None
     hidden = model.args.hidden_size
     keys = mx.random.split(mx.random.key(1), 4)
     inputs = [
@@ -177,8 +223,11 @@ def run(args: argparse.Namespace) -> dict:
     outputs: Dict[str, mx.array] = {}
     for rep in range(args.reps):
         for arm in args.arms:
-            with arm_context(model, arm):
-                forward = forward_of(model, arm.endswith("-compiled"))
+            with arm_context(model, arm, attention=cache is not None):
+                if cache is None:
+                    forward = forward_of(model, arm.endswith("-compiled"))
+                else:
+                    forward = verify_forward_of(model, cache)
                 timed = time_forward(
                     forward, inputs, args.layers, args.forwards, args.passes
                 )
@@ -217,6 +266,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--quant", choices=QUANTS, default="4bit")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument(
+        "--context", type=int, default=0, help="earlier rows in dflash planes (0: none)"
+    )
     parser.add_argument("--forwards", type=int, default=40, help="forwards per pass")
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--reps", type=int, default=1, help="rounds of every arm")
@@ -228,6 +280,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for name in ("layers", "rows", "forwards", "passes", "reps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")
+    if args.context < 0:
+        parser.error("--context must be >= 0")
+    if args.context and any(arm.endswith("-compiled") for arm in args.arms):
+        parser.error("--context takes the eager arms only (mlx, ours): a cache write")
     if args.trace and not mx.cuda.is_available():
         parser.error("--trace needs mlx's CUDA backend (CUPTI through PyTorch)")
     return args

@@ -29,6 +29,36 @@ def test_layer_stack_runs_every_arm_and_compiled_layers_keep_the_bits(tmp_path):
     assert json.loads(out.read_text())["runs"] == result["runs"]
 
 
+@pytest.mark.parametrize("arm", ["mlx", "ours"])
+def test_verify_forwards_over_a_context_leave_the_planes_as_they_were(arm):
+    """With --context each forward is a rolled-back verify block: the planes keep their
+    offsets, and the same block again gives the same bits (a ring that wrapped, a
+    growing plane; our attention route for ``ours``)."""
+    model = layer_stack.build_layers("tiny", "4bit", 4)
+    cache = layer_stack.prefill(model, 70)
+    offsets = [plane.offset for plane in cache]
+    block = mx.random.normal((1, 16, model.args.hidden_size)).astype(mx.bfloat16)
+    with layer_stack.arm_context(model, arm, attention=True):
+        forward = layer_stack.verify_forward_of(model, cache)
+        first = forward(block)
+        mx.eval(first)
+        assert [plane.offset for plane in cache] == offsets == [70] * 4
+        again = forward(block)
+        mx.eval(again)
+    assert mx.array_equal(first, again).item()
+    assert [plane.offset for plane in cache] == offsets
+
+
+def test_layer_stack_runs_verify_blocks_over_a_context():
+    result = layer_stack.main(
+        [
+            "--geometry", "tiny", "--layers", "2", "--context", "40", "--arms",
+            "mlx,ours", "--forwards", "2", "--passes", "1",
+        ]
+    )  # fmt: skip
+    assert [row["arm"] for row in result["runs"]] == ["mlx", "ours"]
+
+
 def test_layer_stack_leaves_the_model_unpatched_after_each_arm():
     model = layer_stack.build_layers("tiny", "bf16", 1)
     classes = [type(m) for m in model.modules()]
@@ -43,6 +73,8 @@ def test_layer_stack_leaves_the_model_unpatched_after_each_arm():
         (["--arms", "mlx,fast"], "unknown arm(s) fast"),
         (["--layers", "0"], "--layers must be >= 1"),
         (["--quant", "3bit"], "invalid choice"),
+        (["--context", "-1"], "--context must be >= 0"),
+        (["--context", "64"], "--context takes the eager arms only"),
         pytest.param(
             ["--trace"],
             "--trace needs mlx's CUDA backend",
