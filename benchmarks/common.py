@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import platform
 import statistics
 import sys
@@ -304,8 +305,6 @@ Event = tuple[str, float, float]
 def write_json(path: Optional[str], data: object) -> None:
     """Write a benchmark's result as indented JSON (nothing when ``path`` is None)."""
     if path:
-        import json
-
         with open(path, "w") as handle:
             json.dump(data, handle, indent=1)
 
@@ -322,7 +321,6 @@ def cupti_trace(run: Callable[[], object]) -> tuple[list[Event], list[Event]]:
         order; the API calls are the runtime's and the driver's (graph instantiation
         and update among them).
     """
-    import json
     import os
     import tempfile
 

@@ -121,7 +121,7 @@ def variant(
         "K_GROUPS": k_groups,
     }
     saved = {name: getattr(tensor_qmm, name) for name in (*knobs, "_HELPERS")}
-    tables = {table: dict(getattr(tensor_qmm, table)) for table in _SPEC_TABLES}
+    tables = {form: dict(specs) for form, specs in tensor_qmm.FORM_SPECS.items()}
     try:
         for name, value in knobs.items():
             if value is not None:
@@ -138,26 +138,16 @@ def variant(
     finally:
         for name, value in saved.items():
             setattr(tensor_qmm, name, value)
-        for table, specs in tables.items():
-            getattr(tensor_qmm, table).update(specs)
+        for form, specs in tables.items():
+            tensor_qmm.FORM_SPECS[form].update(specs)
         tensor_qmm.launch_plan.cache_clear()
         tensor_qmm._wave_split.cache_clear()
 
 
-# tensor_qmm's spec tables and how each is built: (folded, k_groups).
-_SPEC_TABLES = {
-    "MATMUL_SPECS": (False, 1),
-    "FOLDED_SPECS": (True, 1),
-    "K2_SPECS": (False, 2),
-    "K2_FOLDED_SPECS": (True, 2),
-}
-
-
 def _rebuild() -> None:
-    for table, (folded, groups) in _SPEC_TABLES.items():
-        specs = getattr(tensor_qmm, table)
-        for key in specs:
-            specs[key] = tensor_qmm._spec(tensor_qmm.LAYOUTS[key], folded, groups)
+    # In place: MATMUL_SPECS and the other names are these very dicts.
+    for (folded, groups), specs in tensor_qmm.FORM_SPECS.items():
+        specs.update(tensor_qmm.form_specs(folded, groups))
     tensor_qmm.launch_plan.cache_clear()
     tensor_qmm._wave_split.cache_clear()
 

@@ -34,7 +34,7 @@ import pstats
 import statistics
 import time
 from collections import Counter
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -207,39 +207,28 @@ def env_value(name: str, value: Optional[str]) -> Iterator[None]:
             os.environ[name] = saved
 
 
+# An arm's suffix (after its last "-") and the switch it sets for the arm's block.
+ARM_SUFFIXES = {
+    "unfused": (FUSED_ENV, "0"),  # a launch per projection
+    "merged": (MERGED_SPLIT_SUM_ENV, "1"),  # a K split summed in the matmul launch
+    "compiled": (COMPILE_ENV, "1"),  # bound matmuls replayed by mx.compile
+    "uncompiled": (COMPILE_ENV, "0"),
+    "unheld": (HELD_NORMS_ENV, "0"),  # norms add one to their weight every call
+    "blocked": (COMPILED_BLOCKS_ENV, "1"),  # each MLP block as one compiled trace
+    "unblocked": (COMPILED_BLOCKS_ENV, "0"),
+    "folded": (FOLDED_OFFSET_ENV, "1"),  # 4-bit matmuls with the offset in the bias
+    "waves": (WAVE_SPLIT_ENV, "1"),  # the wave-aware K split
+    "kgroups2": (TWO_K_GROUPS_ENV, "1"),  # the matmul's two-K-group form
+}
+
+
 @contextmanager
 def kernel_arm(arm: str) -> Iterator[None]:
     """The environment of ``--kernels`` arm ``arm`` for the block."""
-    fused = "0" if arm.endswith("-unfused") else None
-    merged = "1" if arm.endswith("-merged") else None
-    compiled = (
-        "1"
-        if arm.endswith("-compiled")
-        else "0" if arm.endswith("-uncompiled") else None
-    )
-    # "-unheld": the norms add one to their weight every call (dflash.held_norms off).
-    held = "0" if arm.endswith("-unheld") else None
-    # "-unblocked" / "-blocked": each MLP's projections compiled one by one, or the MLP
-    # block as one trace (dflash.kernel_patch's compiled blocks, off by default).
-    blocks = (
-        "0" if arm.endswith("-unblocked") else "1" if arm.endswith("-blocked") else None
-    )
-    # "-folded": 4-bit matmuls in the folded-offset form (tensor_qmm.FOLD_Q4_OFFSET).
-    folded = "1" if arm.endswith("-folded") else None
-    # "-waves": the wave-aware K split of the matmuls (tensor_qmm.WAVE_SPLIT).
-    waves = "1" if arm.endswith("-waves") else None
-    # "-kgroups2": the matmul's two-K-group form (tensor_qmm.K_GROUPS).
-    two_groups = "1" if arm.endswith("-kgroups2") else None
+    suffix = ARM_SUFFIXES.get(arm.rsplit("-", 1)[-1]) if "-" in arm else None
     with (
-        env_value(TWO_K_GROUPS_ENV, two_groups),
-        env_value(WAVE_SPLIT_ENV, waves),
-        env_value(FOLDED_OFFSET_ENV, folded),
         env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[arm]),
-        env_value(FUSED_ENV, fused),
-        env_value(MERGED_SPLIT_SUM_ENV, merged),
-        env_value(COMPILE_ENV, compiled),
-        env_value(HELD_NORMS_ENV, held),
-        env_value(COMPILED_BLOCKS_ENV, blocks),
+        env_value(*suffix) if suffix else nullcontext(),
     ):
         yield
 

@@ -741,7 +741,7 @@ def _spec(layout: Layout, folded: bool = False, k_groups: int = 1) -> GroupKerne
         },
     )
     if k_groups == 2:
-        body = _two_k_groups(body)
+        body = _two_k_groups(body, affine)
     name = f"tensor_{'dense' if not affine else f'q{layout.bits}'}_m{layout.mtiles}"
     name += "_folded" * folded + "_k2" * (k_groups == 2)
     if affine:
@@ -765,7 +765,8 @@ def _spec(layout: Layout, folded: bool = False, k_groups: int = 1) -> GroupKerne
     )
 
 
-# The two-K-group form as edits of the one-group text (which stays as the H200 ran it).
+# The two-K-group form as edits of the one-group text (which stays as the H200 ran it),
+# each with the forms it applies to ("affine", "dense" or both).
 _K2_EDITS = (
     # Scales: still one thread per column (the first 128 threads).
     (
@@ -774,11 +775,13 @@ _K2_EDITS = (
 """,
         """    if (int(lid) < COLUMNS) {
 """,
+        ("affine",),
     ),
     # Warp w covers columns 32 (w % 4) .. and K group w / 4.
     (
         "  const int warp = int(lid) / 32;\n",
         "  const int warp = (int(lid) / 32) % 4;\n  const int kgroup = int(lid) / 128;\n",
+        ("affine", "dense"),
     ),
     # Each group takes its half of a chunk's sub-chunks (group boundaries: a group
     # of K is 32, 64 or 128 elements, a half chunk 128 (affine) or 32 (dense)).
@@ -786,8 +789,14 @@ _K2_EDITS = (
         "    for (int sc = 0; sc < SUBS; ++sc) {\n",
         "    for (int half_sc = 0; half_sc < SUBS / 2; ++half_sc) {\n"
         "      const int sc = kgroup * (SUBS / 2) + half_sc;\n",
+        ("affine", "dense"),
     ),
-    ("      if (sc == SUBS - 1) {\n", "      if (half_sc == SUBS / 2 - 1) {\n"),
+    # Dense closes per chunk: each group at the end of its half.
+    (
+        "      if (sc == SUBS - 1) {\n",
+        "      if (half_sc == SUBS / 2 - 1) {\n",
+        ("dense",),
+    ),
     # The second group's sums join the first's, in that order, once.
     (
         "  // c0, c1: row gid, columns 2 tig, 2 tig + 1; c2, c3: row gid + 8.\n",
@@ -821,35 +830,51 @@ _K2_EDITS = (
   }
   // c0, c1: row gid, columns 2 tig, 2 tig + 1; c2, c3: row gid + 8.
 """,
+        ("affine", "dense"),
     ),
     (
         "        if (r < n_rows && n < n_cols) {\n",
         "        if (kgroup == 0 && r < n_rows && n < n_cols) {\n",
+        ("affine", "dense"),
     ),
 )
 
 
-def _two_k_groups(body: str) -> str:
+def _two_k_groups(body: str, affine: bool) -> str:
     """The body with K split between two warp groups of a CTA (see :data:`K_GROUPS`)."""
-    for old, new in _K2_EDITS:
-        if old not in body:
-            if old.startswith("      if (sc == SUBS - 1)"):
-                continue  # the affine forms close per group, not per chunk
-            if old.startswith("    {\n      static_assert"):
-                continue  # dense: no scales
+    form = "affine" if affine else "dense"
+    for old, new, forms in _K2_EDITS:
+        if form not in forms:
+            continue
+        if body.count(old) != 1:
             raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
         body = body.replace(old, new)
     return body
 
 
 LAYOUTS = {(bits, m): Layout(bits, m) for bits in (4, 8, 0) for m in (1, 2)}
-MATMUL_SPECS = {key: _spec(layout) for key, layout in LAYOUTS.items()}
-FOLDED_SPECS = {(4, m): _spec(LAYOUTS[(4, m)], folded=True) for m in (1, 2)}
-# The two-K-group forms (not in SPECS, the forms run on the H200).
-K2_SPECS = {key: _spec(layout, k_groups=2) for key, layout in LAYOUTS.items()}
-K2_FOLDED_SPECS = {
-    (4, m): _spec(LAYOUTS[(4, m)], folded=True, k_groups=2) for m in (1, 2)
+
+
+def form_specs(folded: bool, k_groups: int) -> dict:
+    """The matmul specs of one form by layout key (the folded forms: 4-bit only)."""
+    return {
+        key: _spec(layout, folded, k_groups)
+        for key, layout in LAYOUTS.items()
+        if key[0] == 4 or not folded
+    }
+
+
+# Every form's specs by (folded, k_groups); the two-K-group forms are not in SPECS (the
+# forms run on the H200).
+FORM_SPECS = {
+    (folded, groups): form_specs(folded, groups)
+    for folded in (False, True)
+    for groups in (1, 2)
 }
+MATMUL_SPECS = FORM_SPECS[(False, 1)]
+FOLDED_SPECS = FORM_SPECS[(True, 1)]
+K2_SPECS = FORM_SPECS[(False, 2)]
+K2_FOLDED_SPECS = FORM_SPECS[(True, 2)]
 REDUCE_SPEC = GroupKernelSpec(
     base="tensor_split_sum",
     input_names=("partial", "params"),
@@ -1031,11 +1056,7 @@ def launch_plan(
     (:data:`K_GROUPS`).
     """
     key = (bits or 0, 1 if rows <= 16 else 2)
-    folded = folded and bits == 4
-    if k_groups == 2:
-        spec = K2_FOLDED_SPECS[key] if folded else K2_SPECS[key]
-    else:
-        spec = FOLDED_SPECS[key] if folded else MATMUL_SPECS[key]
+    spec = FORM_SPECS[(folded and bits == 4, k_groups)][key]
     tiles, splits, per_split = split_plan(depth, columns, bits, waves)
     shift = (group_size or 1).bit_length() - 1
     merged = merged and splits > 1
