@@ -9,6 +9,7 @@ layer's ring, a full layer's growing plane), inside a checkpoint rolled back aft
 and the ``ours`` arms route the attention too. Per layer it reports:
 
 * ``build_us``: the Python that builds a forward's graph;
+* ``encode_us``: the host's ``mx.async_eval`` of it (on CUDA: encoding every kernel);
 * ``wall_us``: forwards pipelined through ``mx.async_eval`` with one sync at the end,
   so the slower of host and device sets it (on an H200 at 16 rows, the device);
 * with ``--trace`` (CUDA, needs PyTorch for CUPTI): each forward evaluated alone,
@@ -138,22 +139,32 @@ def forward_of(model, compiled: bool) -> Forward:
 def time_forward(
     forward: Forward, inputs: List[mx.array], layers: int, forwards: int, passes: int
 ) -> Dict[str, float]:
-    """Median per-layer ``build_us`` and ``wall_us`` over ``passes`` passes."""
+    """Median per-layer ``build_us``, ``encode_us`` and ``wall_us`` over ``passes`` passes.
+
+    ``encode_us`` is the host's ``mx.async_eval`` of a built forward (on CUDA it encodes
+    and launches every kernel); ``build_us + encode_us`` above ``wall_us``'s device share
+    means the host paces the layers.
+    """
     mx.eval(forward(inputs[0]))
-    builds, walls = [], []
+    per_layer = 1e6 / forwards / layers
+    builds, encodes, walls = [], [], []
     for _ in range(passes):
-        build = 0.0
+        build = encode = 0.0
         start = time.perf_counter()
         for index in range(forwards):
             begin = time.perf_counter()
             out = forward(inputs[index % len(inputs)])
-            build += time.perf_counter() - begin
+            built = time.perf_counter()
             mx.async_eval(out)
+            build += built - begin
+            encode += time.perf_counter() - built
         mx.eval(out)
-        walls.append((time.perf_counter() - start) / forwards / layers * 1e6)
-        builds.append(build / forwards / layers * 1e6)
+        walls.append((time.perf_counter() - start) * per_layer)
+        builds.append(build * per_layer)
+        encodes.append(encode * per_layer)
     return {
         "build_us": round(statistics.median(builds), 1),
+        "encode_us": round(statistics.median(encodes), 1),
         "wall_us": round(statistics.median(walls), 1),
         "wall_min_us": round(min(walls), 1),
     }

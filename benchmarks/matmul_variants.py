@@ -13,8 +13,9 @@ Each variant changes one or more of the form's knobs for the time of its rows:
 * ``waves`` / ``target``: the wave-aware K split (``tensor_qmm.WAVE_SPLIT``) or the
   ``TARGET_GROUPS`` rule; ``waves132``: the wave rule counting 132 resident CTAs
   (``tensor_qmm.RESIDENT_CTAS``) instead of 264;
-* ``kgroups2``: each chunk's K split between two warp groups of a CTA
-  (``tensor_qmm.K_GROUPS``: 256 threads, the same shared memory);
+* ``kgroups2`` / ``kgroups1``: each chunk's K split between two warp groups of a CTA
+  (``tensor_qmm.K_GROUPS``: 256 threads, the same shared memory; the default since
+  session 18) or one;
 * ``folded`` / ``unfolded``: the 4-bit bfloat16 form with the ``128 + q`` offset folded
   into each group's bias (``tensor_qmm.FOLD_Q4_OFFSET``) or not.
 
@@ -69,6 +70,7 @@ VARIANTS = {
     "waves132": {"waves": True, "resident": 132},
     # Each chunk's K split between two warp groups of a CTA (256 threads).
     "kgroups2": {"k_groups": 2},
+    "kgroups1": {"k_groups": 1},
     # Three CTAs an SM (a 70 KB stage ring) with the wave rule counting them.
     "budget70k-waves396": {"budget": 70 * 1024, "waves": True, "resident": 396},
 }

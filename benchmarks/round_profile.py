@@ -186,6 +186,7 @@ KERNEL_ARMS = {
     "default-folded": None,
     "default-waves": None,
     "default-kgroups2": None,
+    "default-kgroups1": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -218,7 +219,8 @@ ARM_SUFFIXES = {
     "unblocked": (COMPILED_BLOCKS_ENV, "0"),
     "folded": (FOLDED_OFFSET_ENV, "1"),  # 4-bit matmuls with the offset in the bias
     "waves": (WAVE_SPLIT_ENV, "1"),  # the wave-aware K split
-    "kgroups2": (TWO_K_GROUPS_ENV, "1"),  # the matmul's two-K-group form
+    "kgroups2": (TWO_K_GROUPS_ENV, "1"),  # the matmul's two-K-group form (the default)
+    "kgroups1": (TWO_K_GROUPS_ENV, "0"),  # one warp group a CTA
 }
 
 

@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from ..metal.backend import BACKEND, env_switch
+from ..metal.layout import leading_view
 from ..metal.ring import ShadowStager, ring_write
 from ..metal.sources import CUDA
 from . import gate
@@ -114,7 +115,7 @@ def take_rows(buffer: mx.array, rows, head_major: bool) -> mx.array:
 
 def kv_half(kv: mx.array, index: int) -> mx.array:
     """``kv[index]`` as a view (an integer index would launch a gather, i.e. a copy)."""
-    return mx.squeeze(kv[index : index + 1], axis=0)
+    return leading_view(kv, index)
 
 
 def kv_halves(kv: mx.array) -> Tuple[mx.array, mx.array]:

@@ -24,6 +24,7 @@ from .inputs import (
     resolve_block_size,
 )
 from .kernel_patch import attention_route, verify_kernels
+from .metal.layout import leading_view
 from .rounds import VerifyRound, emit_rounds, prefill
 from .sampling import LogitsProcessor, Sampler, Sampling, log_normalize
 from .stats import GenerationStats
@@ -99,8 +100,9 @@ class DFlashSpeculator:
             proposal = self.drafter.propose(
                 block, self.context, temperature=self.sampling.temperature
             )
-            q = mx.log(proposal.probs[0]) if self.sampling.rejection else None
-            return proposal.tokens[0].astype(mx.uint32), q
+            rejection = self.sampling.rejection
+            q = mx.log(leading_view(proposal.probs, 0)) if rejection else None
+            return leading_view(proposal.tokens, 0).astype(mx.uint32), q
         logprobs = log_normalize(self.drafter(block, self.context)[0, 1:])
         return self.sampling.propose(logprobs)
 

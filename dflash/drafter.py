@@ -36,6 +36,7 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .cache.plane import bucket_end, bucketable, resolve_bucket_keys
+from .metal.layout import leading_view
 
 SLIDING_ATTENTION = "sliding_attention"
 FULL_ATTENTION = "full_attention"
@@ -694,7 +695,7 @@ class GroupedDynamicCausalConv(nn.Module):
         dynamic = self.kernel_projection(x).reshape(
             batch, length, 2, self.kernel_size, self.groups
         )
-        mixed = self._convolve(x, dynamic[:, :, 0], self.base_kernel[0])
+        mixed = self._convolve(x, dynamic[:, :, 0], leading_view(self.base_kernel, 0))
         return mixed, dynamic[:, :, 1]
 
     def finish(self, y: mx.array, dynamic: mx.array) -> mx.array:
@@ -709,7 +710,7 @@ class GroupedDynamicCausalConv(nn.Module):
 
         Shapes: y (b, B, H), dynamic (b, B, kernel_size, groups) -> (b, B, H).
         """
-        return self._convolve(y, dynamic, self.base_kernel[1])
+        return self._convolve(y, dynamic, leading_view(self.base_kernel, 1))
 
     def _convolve(self, x: mx.array, dynamic: mx.array, base: mx.array) -> mx.array:
         batch, length, hidden = x.shape

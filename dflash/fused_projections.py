@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .metal import backend
-from .metal.qmm import bind_matmul
+from .metal.qmm import bind_matmul, compile_around
 
 # Member names per parent: an attention module's input projections, an MLP's gate / up.
 SIBLINGS = (("q_proj", "k_proj", "v_proj", "gate_proj"), ("gate_proj", "up_proj"))
@@ -173,10 +173,11 @@ class FusedProjections:
         )  # fmt: skip
         splits = self.splits
 
-        def product(x: mx.array) -> List[mx.array]:
-            return mx.split(matmul(x.reshape(flat)).reshape(out_shape), splits, axis=-1)
+        def product(x: mx.array, counters: Optional[mx.array]) -> List[mx.array]:
+            y = matmul(x.reshape(flat), counters).reshape(out_shape)
+            return mx.split(y, splits, axis=-1)
 
-        return backend.compile_bound(product)
+        return compile_around(matmul, product)
 
     def _mlx_product(self, x: mx.array) -> mx.array:
         """``x @ stack.T`` by mlx's own op, as each member's layer computes its own."""

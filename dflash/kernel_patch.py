@@ -60,7 +60,7 @@ from mlx.utils import tree_flatten
 
 from . import folded_attention as folded
 from .cache.checkpoint import DEFERRED, RingPlaneCheckpoint
-from .cache.plane import KvPlane, RingPlane
+from .cache.plane import KvPlane, RingPlane, kv_halves
 from .fused_projections import (
     FusedProjections,
     MemberSlot,
@@ -69,7 +69,7 @@ from .fused_projections import (
 )
 from .metal import backend, qmm
 from .metal.attention import KeyPlane, small_query_attention, visible_bounds
-from .metal.qmm import bind_matmul
+from .metal.qmm import bind_matmul, compile_around
 from .taps import target_layers
 
 # mlx-lm architectures whose attention calls base.scaled_dot_product_attention with the
@@ -185,8 +185,7 @@ def _key_source(cache: KvPlane, keys: mx.array, values: mx.array, count: int, wi
         plane = KeyPlane.from_kv(
             cache.kv, meta.len, meta.origin_logical, meta.origin_physical
         )
-        pending = guard.pending
-        return plane, pending[0], pending[1]
+        return (plane, *kv_halves(guard.pending))
     first, _ = visible_bounds(start, window or 0, True, cache.offset)
     if first >= cache.origin_logical:
         # The chunk was written and nothing a query needs was evicted.
@@ -383,11 +382,11 @@ def _bind_linear(layer: nn.Module, x: mx.array) -> Callable[[mx.array], mx.array
     flat, out_shape = (rows, depth), (*x.shape[:-1], weight.shape[0])
     bias = layer["bias"] if "bias" in layer else None
 
-    def run(x: mx.array) -> mx.array:
-        y = matmul(x.reshape(flat)).reshape(out_shape)
+    def run(x: mx.array, counters: Optional[mx.array]) -> mx.array:
+        y = matmul(x.reshape(flat), counters).reshape(out_shape)
         return y if bias is None else y + bias
 
-    return backend.compile_bound(run)
+    return compile_around(matmul, run)
 
 
 def _projection_class(base: type) -> type:
@@ -442,7 +441,9 @@ def _block_call(self, x: mx.array) -> mx.array:
     key = (x.shape, x.dtype)
     entry = bound.get(key)
     if entry is None or not entry.holds():
-        entry = bound[key] = _BoundBlock(self, mx.compile(partial(forward, self)))
+        entry = bound[key] = _BoundBlock(
+            self, backend.compile_traced(partial(forward, self))
+        )
     return entry.run(x)
 
 

@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from .cache import SpeculativeCheckpoint
 from .inputs import ProgressCallback
+from .metal.layout import leading_view
 from .sampling import Sampling
 from .stats import GenerationStats
 
@@ -91,7 +92,7 @@ class VerifyRound:
         self.tokens: Optional[List[int]] = None
         self.checkpoint = SpeculativeCheckpoint.begin(cache, block.shape[0])
         try:
-            logits = model(block[None], cache=cache)[0]
+            logits = leading_view(model(block[None], cache=cache), 0)
             self.after_forward()
             self.packed, self.logprobs = sampling.accept(logits, block, q)
         except BaseException:

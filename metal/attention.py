@@ -44,6 +44,7 @@ import numpy as np
 
 from . import backend, groups, tensor_attention
 from .groups import GroupKernelSpec, float_params, int_params
+from .layout import leading_view
 
 # Keys per chunk: the unit of the fixed reduction order (absolute positions).
 CHUNK = 256
@@ -100,7 +101,8 @@ class KeyPlane:
         """
         if kv.ndim != 5 or kv.shape[0] != 2:
             raise ValueError(f"kv must have shape (2, B, Hkv, C, D), got {kv.shape}")
-        return cls(kv[0], kv[1], length, origin_logical, origin_physical)
+        keys, values = leading_view(kv, 0), leading_view(kv, 1)
+        return cls(keys, values, length, origin_logical, origin_physical)
 
     @property
     def end(self) -> int:

@@ -18,6 +18,7 @@ than restate it.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 from typing import Any, Callable, Optional, Sequence
@@ -98,7 +99,29 @@ def compile_bound(forward: Callable) -> Callable:
     replaced is bound again). Its Python then runs once per input geometry (the trace),
     and the same launches, so the same bits, are replayed at every later call.
     """
-    return mx.compile(forward) if compile_wanted() else forward
+    return compile_traced(forward) if compile_wanted() else forward
+
+
+_TRACING = contextvars.ContextVar("dflash_tracing", default=False)
+
+
+def compile_traced(forward: Callable) -> Callable:
+    """``mx.compile(forward)``, with :func:`tracing` true while its Python runs (the
+    trace): what must be fresh at every replay is then made inside the trace."""
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        token = _TRACING.set(True)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            _TRACING.reset(token)
+
+    return mx.compile(traced)
+
+
+def tracing() -> bool:
+    """Whether the running Python is an ``mx.compile`` trace of :func:`compile_traced`."""
+    return _TRACING.get()
 
 
 def shadow_kernel_by_default() -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -220,11 +221,50 @@ def int_params(*values: int) -> mx.array:
     return mx.array(list(values), dtype=mx.int32)
 
 
+class CounterPool:
+    """Zeroed int32 counters, each region handed out once, cut from one fill.
+
+    A launch whose last threadgroup is elected by an atomic needs zeroed counters that
+    no other launch shares (mlx may run two launches at once). A fresh ``mx.zeros`` per
+    launch costs a fill kernel each (four a decoder layer); regions of one pooled
+    array cost one fill per :attr:`size` counters. A region is never handed out twice,
+    so launches never share one, whatever mlx runs concurrently.
+    """
+
+    def __init__(self, size: int = 1 << 16) -> None:
+        self.size = size
+        self._zeros: Optional[mx.array] = None
+        self._next = size
+        self._lock = threading.Lock()
+
+    def _fill(self) -> mx.array:
+        return mx.zeros((self.size,), mx.int32)
+
+    def take(self, count: int) -> mx.array:
+        """``count`` (>= 1) zeroed counters no other call of this pool gets."""
+        if count > self.size:
+            return mx.zeros((count,), mx.int32)
+        with self._lock:
+            if self._next + count > self.size:
+                self._zeros, self._next = self._fill(), 0
+            start, self._next = self._next, self._next + count
+            return self._zeros[start : start + count]
+
+
+COUNTER_POOL = CounterPool()
+
+
 def launch_counters(count: int) -> mx.array:
     """Zeroed int32 counters for one launch whose last threadgroup is elected by an
-    atomic, fresh each launch (two launches mlx runs concurrently must not share them);
-    for ``count`` 0 a shared one-element placeholder, which the kernel never writes."""
-    return mx.zeros((count,), mx.int32) if count else int_params(0)
+    atomic, fresh each launch (from :data:`COUNTER_POOL`; inside an ``mx.compile``
+    trace a fill of their own, as a pool region the trace captured would be shared by
+    every replay); for ``count`` 0 a shared one-element placeholder, which the kernel
+    never writes."""
+    if not count:
+        return int_params(0)
+    if backend.tracing():
+        return mx.zeros((count,), mx.int32)
+    return COUNTER_POOL.take(count)
 
 
 @functools.lru_cache(maxsize=512)

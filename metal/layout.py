@@ -22,6 +22,16 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
+
+def leading_view(array: mx.array, index: int) -> mx.array:
+    """``array[index]`` (an index on the first axis) as a view.
+
+    A lone integer index is a gather in mlx, i.e. a copy of the whole slice (a plane
+    half, a block's logits) on every call; a one-wide slice squeezed is a view.
+    """
+    return mx.squeeze(array[index : index + 1], axis=0)
+
+
 ROW_DTYPES: tuple[mx.Dtype, ...] = (mx.float16, mx.bfloat16, mx.float32)
 
 # Kernel indices are 32-bit: one launch may touch at most this many words.

@@ -384,7 +384,8 @@ def small_row_matmul(
     return bound(x)
 
 
-BoundMatmul = Callable[[mx.array], mx.array]
+# ``(x, counters=None) -> x @ W.T``; see :func:`compile_around` for ``counters``.
+BoundMatmul = Callable[..., mx.array]
 
 
 def bind_matmul(
@@ -446,8 +447,28 @@ def bind_matmul(
     )
 
 
-def _bound_form(form, weight, scales, biases, bits, group_size, x: mx.array):
+def _bound_form(form, weight, scales, biases, bits, group_size, x: mx.array, _=None):
     return form(x, weight, scales, biases, bits, group_size)
+
+
+def compile_around(matmul: BoundMatmul, forward: Callable) -> Callable:
+    """``forward`` (``(x, counters) -> ...``, calling ``matmul(..., counters)``) as a
+    function of ``x``, compiled where ``backend.compile_bound`` says so.
+
+    A matmul whose launch takes zeroed counters (``matmul.counters``, a merged K split)
+    gets a fresh region of the counter pool at every call, outside the trace: a region
+    captured by the trace would be shared by every replay, so by two replays mlx runs
+    at once.
+    """
+    count = getattr(matmul, "counters", 0)
+    if not count:
+        return backend.compile_bound(functools.partial(forward, counters=None))
+    compiled = backend.compile_bound(forward)
+
+    def run(x: mx.array):
+        return compiled(x, groups.launch_counters(count))
+
+    return run
 
 
 def uses_tensor_cores(

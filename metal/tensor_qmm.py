@@ -133,10 +133,10 @@ FOLD_Q4_OFFSET = False
 FOLDED_OFFSET_ENV = "DFLASH_QMM_FOLDED_OFFSET"
 # Warp groups splitting each chunk's sub-chunks (K) within a CTA: 2 runs 256 threads on
 # the same shared memory, twice the warps an SM has to hide latency with, and adds the
-# second group's sums to the first's once at the end. 1 (the form the H200 has run) is the
-# default; ``DFLASH_QMM_TWO_K_GROUPS=1`` picks 2 at bind (compiled and emulated, not yet
-# run on a GPU), as ``matmul_variants``' ``kgroups2`` does.
-K_GROUPS = 1
+# second group's sums to the first's once at the end. 2 since the H200 measured it
+# (session 18: all 12 Glimmer projection calls of 1 and 16 rows faster, 16 rows by
+# 10-20 %); ``DFLASH_QMM_TWO_K_GROUPS=0`` picks the one-group form at bind.
+K_GROUPS = 2
 TWO_K_GROUPS_ENV = "DFLASH_QMM_TWO_K_GROUPS"
 
 
@@ -886,7 +886,12 @@ REDUCE_SPEC = GroupKernelSpec(
     threads=REDUCE_THREADS,
     backends=(CUDA,),
 )
-SPECS = tuple(MATMUL_SPECS.values()) + tuple(FOLDED_SPECS.values()) + (REDUCE_SPEC,)
+SPECS = (
+    tuple(MATMUL_SPECS.values())
+    + tuple(FOLDED_SPECS.values())
+    + tuple(K2_SPECS.values())
+    + (REDUCE_SPEC,)
+)
 
 
 # ------------------------------------------------------------------- host side
@@ -965,13 +970,17 @@ def bind_tensor_core(
     shapes and counts are worked out once.
 
     With :func:`merge_split_sum` and a K split, each launch gets its own zeroed counter
-    per column tile (an mlx fill, far cheaper on the host than the reduce launch).
-    Counters kept by the bound call would be shared by two of its launches that mlx
-    runs concurrently (two independent forwards evaluated together), and the last-CTA
-    election would then mix their partials.
+    per column tile: a region of ``groups.COUNTER_POOL`` (one fill for many launches,
+    far cheaper than the reduce launch). Counters kept by the bound call would be
+    shared by two of its launches that mlx runs concurrently (two independent forwards
+    evaluated together), and the last-CTA election would then mix their partials.
 
     Returns:
-        ``x -> x @ W.T`` for ``x`` of shape ``(rows, depth)`` and ``dtype``.
+        ``(x, counters=None) -> x @ W.T`` for ``x`` of shape ``(rows, depth)`` and
+        ``dtype``; its ``counters`` attribute is how many zeroed counters a launch
+        takes (0: none). ``counters=None`` takes them from the pool; a caller that
+        compiles the call passes them in (:func:`~dflash.metal.qmm.compile_around`),
+        as a region captured by a trace would be reused by every replay.
     """
     plan = launch_plan(
         rows, depth, weight.shape[0], bits, group_size, merge_split_sum(),
@@ -982,10 +991,12 @@ def bind_tensor_core(
     out_dtypes = [dtype, mx.float32]
     reduce_shapes = [(rows, plan.columns)]
 
-    def launch(x: mx.array) -> mx.array:
+    def launch(x: mx.array, counters: Optional[mx.array] = None) -> mx.array:
+        if counters is None:
+            counters = groups.launch_counters(plan.counters)
         y, partial = groups.launch_groups(
             plan.spec,
-            [x, *weights, groups.launch_counters(plan.counters)],
+            [x, *weights, counters],
             plan.shapes,
             out_dtypes,
             plan.groups,
@@ -1003,6 +1014,7 @@ def bind_tensor_core(
         )
         return y
 
+    launch.counters = plan.counters
     return launch
 
 

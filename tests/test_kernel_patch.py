@@ -9,7 +9,10 @@ float32 outputs agree; in bfloat16 they part at near-ties (printed with margins)
 
 from __future__ import annotations
 
+import collections
 import gc
+import io
+import re
 import sys
 import weakref
 
@@ -25,6 +28,7 @@ from test_dflash_loop import random_drafter
 
 from dflash import dflash_generate_step, fused_projections, kernel_patch
 from dflash.cache import SpeculativeCheckpoint, make_prompt_cache
+from dflash.cache.plane import kv_halves
 from dflash.drafter import DraftAttention
 from dflash.generation import generate_step
 from dflash.kernel_patch import KernelPatch, supports
@@ -192,6 +196,41 @@ def test_verify_block_is_read_beside_the_ring(monkeypatch) -> None:
             # A growing plane holds the written block (rows past len are its undo).
             assert (plane.length, block_keys) == (35, None)
             assert kwargs["window"] is None
+
+
+def _primitive_counts(*arrays: mx.array) -> dict:
+    """How many of each primitive the graph of ``arrays`` holds (from mlx's dot export)."""
+    text = io.StringIO()
+    mx.export_to_dot(text, *arrays)
+    return collections.Counter(re.findall(r'label ="([^"]+)"', text.getvalue()))
+
+
+def test_kernel_route_reads_planes_and_blocks_as_views() -> None:
+    """The keys and values the kernel is given are views of the plane and of the
+    held-back block: no gather, which would copy a whole plane half every layer."""
+    stacked = mx.zeros((2, 1, 2, 8, 4))
+    assert _primitive_counts(stacked[0])["Gather"] == 1  # the control: kv[0] copies
+    assert _primitive_counts(*kv_halves(stacked))["Gather"] == 0
+    target = tiny_model("muse_glimmer", seed=3, window=16)
+    cache = make_prompt_cache(target)
+    target(mx.random.randint(0, 250, (1, 29)), cache=cache)
+    windows = [
+        16 if layer.self_attn.layer_type == "sliding_attention" else None
+        for layer in target.layers
+    ]
+    with SpeculativeCheckpoint.begin(cache, 6) as checkpoint:
+        target(mx.random.randint(0, 250, (1, 6)), cache=cache)
+        pending = [getattr(plane.guard, "pending", None) for plane in cache]
+        mx.eval([plane.kv for plane in cache] + [p for p in pending if p is not None])
+        for plane, window in zip(cache, windows):
+            source, block_keys, block_values = kernel_patch._key_source(
+                plane, None, None, 6, window
+            )
+            arrays = [source.keys, source.values]
+            arrays += [a for a in (block_keys, block_values) if a is not None]
+            assert (block_keys is not None) == (window is not None)
+            assert _primitive_counts(*arrays)["Gather"] == 0
+        checkpoint.commit(2)
 
 
 def test_prefill_chunks_keep_mlx_attention(monkeypatch) -> None:
@@ -384,10 +423,11 @@ def test_matmuls_take_the_small_row_route(monkeypatch, bits, fuse, compiled) -> 
         binds.append(x_shape[0])
         bound = original(x_shape, x_dtype, weight, *args, **kwargs)
 
-        def run(x):
+        def run(x, counters=None):
             calls.append((x.shape[0], kwargs["bits"], weight.shape[0]))
-            return bound(x)
+            return bound(x, counters)
 
+        run.counters = getattr(bound, "counters", 0)
         return run
 
     monkeypatch.setattr(kernel_patch, "bind_matmul", spy)

@@ -21,7 +21,10 @@ def test_layer_stack_runs_every_arm_and_compiled_layers_keep_the_bits(tmp_path):
     )  # fmt: skip
     arms = [row["arm"] for row in result["runs"]]
     assert arms == list(layer_stack.ARMS) * 2
-    assert all(row["build_us"] > 0 and row["wall_us"] > 0 for row in result["runs"])
+    assert all(
+        row["build_us"] > 0 and row["encode_us"] > 0 and row["wall_us"] > 0
+        for row in result["runs"]
+    )
     assert result["bitwise"] == {
         "mlx-compiled == mlx": True,
         "ours-compiled == ours": True,

@@ -270,6 +270,14 @@ RAN_ON_THE_H200 = {
     "dflash_tensor_dense_m1_64cca3f027",
     "dflash_tensor_dense_m2_b7bbaddc76",
     "dflash_tensor_split_sum_36ffdf3c69",
+    # Session 18 (call A1, 30 `cuda` matmul tests with DFLASH_QMM_TWO_K_GROUPS=1): the
+    # two-K-group forms, the default since.
+    "dflash_tensor_q4_m1_k2_5aeb54e29a",
+    "dflash_tensor_q4_m2_k2_31f80be16d",
+    "dflash_tensor_q8_m1_k2_1afad8dd0a",
+    "dflash_tensor_q8_m2_k2_3b2bbe9a18",
+    "dflash_tensor_dense_m1_k2_4f304c5941",
+    "dflash_tensor_dense_m2_k2_b75cdcd65d",
 }
 
 

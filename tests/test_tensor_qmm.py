@@ -93,7 +93,8 @@ def test_tensor_bodies_compile_for_sm90_without_spills(tmp_path: Path) -> None:
     assert reduce.ok, f"{reduce.command}\n{reduce.log}"
 
 
-# The two-K-group forms (opt-in, not yet run on a GPU): compiled, emulated.
+# The two-K-group forms (the default since the H200 ran them in session 18): compiled,
+# emulated.
 K2_SPECS = tensor_qmm.K2_SPECS
 
 
@@ -125,8 +126,8 @@ def test_the_two_k_group_switch_is_read_at_each_bind(monkeypatch) -> None:
     """``DFLASH_QMM_TWO_K_GROUPS`` decides when set, else :data:`K_GROUPS`; a plan with
     two groups takes the two-group spec of its form."""
     monkeypatch.delenv(tensor_qmm.TWO_K_GROUPS_ENV, raising=False)
-    assert tensor_qmm.k_groups() == tensor_qmm.K_GROUPS == 1
-    for value, expected in (("1", 2), ("0", 1), ("", 1)):
+    assert tensor_qmm.k_groups() == tensor_qmm.K_GROUPS == 2
+    for value, expected in (("1", 2), ("0", 1), ("", 2)):
         monkeypatch.setenv(tensor_qmm.TWO_K_GROUPS_ENV, value)
         assert tensor_qmm.k_groups() == expected
     for bits, folded, table in (
@@ -768,6 +769,95 @@ def test_each_merged_launch_gets_its_own_zeroed_counters(
     for out, sign in zip(outs, (1, -1)):
         case = (x * sign, weight, scales, biases, 4, 64)
         assert _close_to_matmul_oracle(case, out)
+
+
+class _NumberedPool(qmm.groups.CounterPool):
+    """A pool whose fills hold distinct numbers, so a region shows where it was cut."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.fills = 0
+
+    def _fill(self) -> mx.array:
+        self.fills += 1
+        return mx.arange(self.fills * self.size, (self.fills + 1) * self.size)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(1, 48),
+    counts=st.lists(st.integers(1, 60), min_size=1, max_size=25),
+)
+def test_counter_regions_are_never_handed_out_twice(size, counts) -> None:
+    """Every region has the length asked for, and no counter is in two regions; one
+    longer than the pool is an array of its own."""
+    pool = _NumberedPool(size)
+    seen = []
+    for count in counts:
+        region = pool.take(count)
+        assert region.shape == (count,) and region.dtype in (mx.int32, mx.int64)
+        if count <= size:
+            seen += region.tolist()
+        else:
+            assert not region.any().item()  # zeros of its own
+    assert len(seen) == len(set(seen))
+    assert pool.fills <= sum(count <= size for count in counts)
+    assert all(
+        qmm.groups.CounterPool().take(count).tolist() == [0] * count for count in (1, 7)
+    )
+
+
+def test_a_compiled_trace_makes_its_own_counters(monkeypatch) -> None:
+    """Inside a trace ``launch_counters`` makes a fill of its own (a pool region the
+    trace captured would be shared by every replay); outside, it cuts from the pool."""
+    pool = _NumberedPool(16)
+    monkeypatch.setattr(qmm.groups, "COUNTER_POOL", pool)
+    assert not qmm.backend.tracing()
+    inside = []
+
+    def forward(x: mx.array) -> mx.array:
+        inside.append(qmm.backend.tracing())
+        return x + qmm.groups.launch_counters(5).sum()
+
+    compiled = qmm.backend.compile_traced(forward)
+    assert [compiled(mx.array(i)).item() for i in range(3)] == [0, 1, 2]
+    assert inside == [True] and not qmm.backend.tracing()
+    assert pool.fills == 0
+    assert qmm.groups.launch_counters(5).tolist() == [16, 17, 18, 19, 20]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_compiled_matmul_takes_fresh_counters_at_every_call(
+    monkeypatch, compiled
+) -> None:
+    """``compile_around`` hands a matmul that takes counters a new pool region at
+    every call, compiled or not (the trace runs once; the regions differ each call)."""
+    monkeypatch.setenv(qmm.backend.COMPILE_ENV, "1" if compiled else "0")
+    pool = _NumberedPool(64)
+    monkeypatch.setattr(qmm.groups, "COUNTER_POOL", pool)
+    got, traces = [], []
+
+    def matmul(x: mx.array, counters=None) -> mx.array:
+        return x * 2
+
+    matmul.counters = 3
+
+    def forward(x: mx.array, counters) -> mx.array:
+        traces.append(1)
+        got.append(counters)
+        return matmul(x, counters) + counters.sum() * 0
+
+    run = qmm.compile_around(matmul, forward)
+    outs = [run(mx.array([1.0, 2.0])) for _ in range(4)]
+    assert all(out.tolist() == [2.0, 4.0] for out in outs)
+    assert pool._next == 12 and pool.fills == 1
+    assert len(traces) == (1 if compiled else 4)
+    if not compiled:
+        assert [c.tolist() for c in got] == [
+            [64 + 3 * i + j for j in range(3)] for i in range(4)
+        ]
+    plain = qmm.compile_around(lambda x, _=None: x, lambda x, counters: x + 1)
+    assert plain(mx.array(1)).item() == 2 and pool._next == 12
 
 
 def _run_merged(emulator, spec, case) -> mx.array:
