@@ -12,6 +12,9 @@ and the ``ours`` arms route the attention too. Per layer it reports:
 * ``encode_us``: the host's ``mx.async_eval`` of it (on CUDA: encoding every kernel);
 * ``wall_us``: forwards pipelined through ``mx.async_eval`` with one sync at the end,
   so the slower of host and device sets it (on an H200 at 16 rows, the device);
+* with ``--stub-launches`` (any machine): our kernel path forced as on CUDA, every launch
+  replaced by lazy zeros, so ``build_us`` is the CUDA route's host Python (``encode_us`` and
+  ``wall_us`` then time the stand-ins, not a GPU);
 * with ``--trace`` (CUDA, needs PyTorch for CUPTI): each forward evaluated alone,
   the kernels per layer, the device's busy time and span per layer, and the kernels
   with the most device time.
@@ -60,6 +63,7 @@ from dflash.held_norms import held_norms
 from dflash.kernel_patch import KernelPatch
 
 from .common import write_json
+from .launch_cost import stubbed_launches
 
 ARMS = ("mlx", "mlx-compiled", "ours", "ours-compiled")
 Forward = Callable[[mx.array], mx.array]
@@ -214,6 +218,23 @@ def arm_context(model, arm: str, attention: bool = False):
         yield
 
 
+def run_arm(args, model, cache, inputs, arm: str, rep: int, result, outputs) -> dict:
+    """One arm's timings (its first output kept in ``outputs``, its CUPTI trace in
+    ``result`` on the first rep)."""
+    with arm_context(model, arm, attention=cache is not None):
+        if cache is None:
+            forward = forward_of(model, arm.endswith("-compiled"))
+        else:
+            forward = verify_forward_of(model, cache)
+        timed = time_forward(forward, inputs, args.layers, args.forwards, args.passes)
+        if arm not in outputs:
+            outputs[arm] = forward(inputs[0])
+            mx.eval(outputs[arm])
+        if args.trace and rep == 0:
+            result["traces"][arm] = trace_forward(forward, inputs, args.layers)
+    return timed
+
+
 def run(args: argparse.Namespace) -> dict:
     """Every arm, ``--reps`` times in turn; the result as printed rows."""
     model = build_layers(args.geometry, args.quant, args.layers)
@@ -232,24 +253,15 @@ def run(args: argparse.Namespace) -> dict:
         "bitwise": {},
     }
     outputs: Dict[str, mx.array] = {}
-    for rep in range(args.reps):
-        for arm in args.arms:
-            with arm_context(model, arm, attention=cache is not None):
-                if cache is None:
-                    forward = forward_of(model, arm.endswith("-compiled"))
-                else:
-                    forward = verify_forward_of(model, cache)
-                timed = time_forward(
-                    forward, inputs, args.layers, args.forwards, args.passes
+    with stubbed_launches() if args.stub_launches else contextlib.nullcontext():
+        for rep in range(args.reps):
+            for arm in args.arms:
+                row = {"rep": rep, "arm": arm}
+                row.update(
+                    run_arm(args, model, cache, inputs, arm, rep, result, outputs)
                 )
-                if arm not in outputs:
-                    outputs[arm] = forward(inputs[0])
-                    mx.eval(outputs[arm])
-                if args.trace and rep == 0:
-                    result["traces"][arm] = trace_forward(forward, inputs, args.layers)
-            row = {"rep": rep, "arm": arm, **timed}
-            result["runs"].append(row)
-            print(json.dumps(row), flush=True)
+                result["runs"].append(row)
+                print(json.dumps(row), flush=True)
     for arm, out in outputs.items():
         family = arm.split("-")[0]
         if family in outputs and arm != family:
@@ -285,6 +297,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=1, help="rounds of every arm")
     parser.add_argument("--arms", type=_arms, default=list(ARMS))
     parser.add_argument("--trace", action="store_true", help="CUPTI (CUDA, PyTorch)")
+    parser.add_argument(
+        "--stub-launches",
+        action="store_true",
+        help="our kernel path as on CUDA with every launch replaced by lazy zeros: "
+        "build_us is then the CUDA route's host Python on any machine",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -295,6 +313,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error("--context must be >= 0")
     if args.context and any(arm.endswith("-compiled") for arm in args.arms):
         parser.error("--context takes the eager arms only (mlx, ours): a cache write")
+    if args.trace and args.stub_launches:
+        parser.error("--trace times real launches; --stub-launches replaces them")
     if args.trace and not mx.cuda.is_available():
         parser.error("--trace needs mlx's CUDA backend (CUPTI through PyTorch)")
     return args

@@ -62,6 +62,27 @@ def test_layer_stack_runs_verify_blocks_over_a_context():
     assert [row["arm"] for row in result["runs"]] == ["mlx", "ours"]
 
 
+def test_stubbed_launches_time_the_cuda_route_and_are_undone(monkeypatch):
+    """--stub-launches takes our kernel path as CUDA would (every launch a stand-in, so
+    the attention route's Python runs on the CPU too) and restores the backend after."""
+    from dflash.metal import attention, backend
+
+    calls = []
+    route = attention.kernel_attention
+    monkeypatch.setattr(
+        attention, "kernel_attention", lambda *a: calls.append(1) or route(*a)
+    )
+    before = backend.BACKEND
+    result = layer_stack.main(
+        [
+            "--geometry", "tiny", "--layers", "2", "--context", "40", "--arms",
+            "ours", "--forwards", "2", "--passes", "1", "--stub-launches",
+        ]
+    )  # fmt: skip
+    assert calls and result["runs"][0]["build_us"] > 0
+    assert backend.BACKEND == before
+
+
 def test_layer_stack_leaves_the_model_unpatched_after_each_arm():
     model = layer_stack.build_layers("tiny", "bf16", 1)
     classes = [type(m) for m in model.modules()]
@@ -78,6 +99,7 @@ def test_layer_stack_leaves_the_model_unpatched_after_each_arm():
         (["--quant", "3bit"], "invalid choice"),
         (["--context", "-1"], "--context must be >= 0"),
         (["--context", "64"], "--context takes the eager arms only"),
+        (["--trace", "--stub-launches"], "--trace times real launches"),
         pytest.param(
             ["--trace"],
             "--trace needs mlx's CUDA backend",
