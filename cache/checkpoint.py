@@ -30,13 +30,13 @@ import mlx.core as mx
 import numpy as np
 
 from ..metal import retain_rows, ring_write, wrapped_rows
+from ..metal.layout import leading_view
 from .errors import CacheError, RollbackError
 from .plane import (
     KvPlane,
     PlaneMeta,
     RingPlane,
     WriteGuard,
-    kv_half,
     take_kv_rows,
 )
 
@@ -208,7 +208,7 @@ class RingPlaneCheckpoint(PlaneCheckpoint):
             first_live = max(0, final.origin_logical - meta.origin_logical)
             if first_live < self.retained_count:
                 rows = take_kv_rows(
-                    kv_half(self.retained_block, self.retained_slot),
+                    leading_view(self.retained_block, self.retained_slot),
                     slice(first_live, self.retained_count),
                     plane.head_major,
                 )

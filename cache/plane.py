@@ -113,14 +113,9 @@ def take_rows(buffer: mx.array, rows, head_major: bool) -> mx.array:
     return buffer[:, rows]
 
 
-def kv_half(kv: mx.array, index: int) -> mx.array:
-    """``kv[index]`` as a view (an integer index would launch a gather, i.e. a copy)."""
-    return leading_view(kv, index)
-
-
 def kv_halves(kv: mx.array) -> Tuple[mx.array, mx.array]:
     """The keys and values halves of a stacked ``(2, ...)`` array, as views."""
-    return kv_half(kv, 0), kv_half(kv, 1)
+    return leading_view(kv, 0), leading_view(kv, 1)
 
 
 def take_kv_rows(kv: mx.array, rows: slice, head_major: bool) -> mx.array:
@@ -337,13 +332,13 @@ class KvPlane(ABC):
     def keys(self) -> Optional[mx.array]:
         """The keys buffer (a view of ``kv[0]``), every row of the storage."""
         self.settle()
-        return None if self.kv is None else kv_half(self.kv, 0)
+        return None if self.kv is None else leading_view(self.kv, 0)
 
     @property
     def values(self) -> Optional[mx.array]:
         """The values buffer (a view of ``kv[1]``), every row of the storage."""
         self.settle()
-        return None if self.kv is None else kv_half(self.kv, 1)
+        return None if self.kv is None else leading_view(self.kv, 1)
 
     @keys.setter
     def keys(self, keys: Optional[mx.array]) -> None:
@@ -359,7 +354,9 @@ class KvPlane(ABC):
         if rows is None:
             self.set_buffers(None, None)
             return
-        other = mx.zeros_like(rows) if self.kv is None else kv_half(self.kv, 1 - half)
+        other = (
+            mx.zeros_like(rows) if self.kv is None else leading_view(self.kv, 1 - half)
+        )
         pair = (rows, other) if half == 0 else (other, rows)
         self.set_buffers(*pair)
 

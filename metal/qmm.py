@@ -447,7 +447,10 @@ def bind_matmul(
     )
 
 
-def _bound_form(form, weight, scales, biases, bits, group_size, x: mx.array, _=None):
+def _bound_form(
+    form, weight, scales, biases, bits, group_size, x: mx.array, counters=None
+):
+    # The reference and scalar forms elect no threadgroup: ``counters`` is never given.
     return form(x, weight, scales, biases, bits, group_size)
 
 
