@@ -41,9 +41,11 @@ split partials are functions of ``K`` and ``N`` only. The one atomic (a counter 
 column tile) only elects which CTA does that sum, never its order. So each row gets
 the same bits alone as in any batch, in any slot.
 
-**Tiling.** A CTA of 4 warps (128 threads) covers 128 columns (32 per warp: four
-n8 tiles) and every row, over a contiguous range of 256-element chunks of K
-(64 for dense). Each chunk's weights (128 bytes per column at 4 bits and dense,
+**Tiling.** A warp group of 4 warps (128 threads) covers 128 columns (32 per warp:
+four n8 tiles) and every row, over a contiguous range of 256-element chunks of K
+(64 for dense); a CTA holds :data:`K_GROUPS` such groups, each taking its half of
+every chunk's sub-chunks, the second group's sums added to the first's once at the
+end. Each chunk's weights (128 bytes per column at 4 bits and dense,
 256 at 8), x rows, scales and biases are copied to shared memory with 16-byte
 ``cp.async`` (one 4-, 8- or 16-byte copy per column for its scales, as many for
 its biases), coalesced (8 lanes per 128-byte column run),
@@ -85,7 +87,9 @@ row; see ``docs/verify-kernels-analysis.md``. The wave-aware split (session 17,
 ``docs/benchmarks/h200-2026-12-02-s17``): down 79.2 -> 60.4 us with 16 rows and
 65.3 -> 51.5 with 1, gate 75.0 -> 69.4 and 64.6 -> 56.9, o 28.0 -> 26.9 and
 19.3 -> 18.1, q 20.98 -> 17.8 with 1 row but 27.6 -> 30.3 with 16. The folded offset
-(:data:`FOLD_Q4_OFFSET`, off): 1-2 % less on every shape.
+(:data:`FOLD_Q4_OFFSET`, off): 1-2 % less on every shape. Two K groups (session 18,
+``docs/benchmarks/h200-2026-12-02-s18``): 10-20 % less with 16 rows on all six
+Glimmer shapes (q 30.3 -> 24.2 us, down 60.3 -> 54.5), 0.7-6 % with 1 row.
 """
 
 from __future__ import annotations
@@ -864,8 +868,8 @@ def form_specs(folded: bool, k_groups: int) -> dict:
     }
 
 
-# Every form's specs by (folded, k_groups); the two-K-group forms are not in SPECS (the
-# forms run on the H200).
+# Every form's specs by (folded, k_groups). SPECS holds the forms run on the H200 (all
+# but the two-K-group folded ones).
 FORM_SPECS = {
     (folded, groups): form_specs(folded, groups)
     for folded in (False, True)
