@@ -194,6 +194,7 @@ def trace_forward(
     span = kernels[-1][1] + kernels[-1][2] - kernels[0][1] if kernels else 0.0
     ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
     return {
+        "sequence": kernel_sequence(kernels, 3),
         "kernels_per_layer": round(len(kernels) / per_layer, 2),
         "busy_us_per_layer": round(busy_us(kernels) / per_layer, 1),
         "span_us_per_layer": round(span / per_layer, 1),
@@ -202,6 +203,26 @@ def trace_forward(
             for name, (us, calls) in ranked
         ],
     }
+
+
+def kernel_sequence(kernels: Sequence[tuple], forwards: int) -> List[str]:
+    """The middle forward's kernels in launch order, each name without its template
+    arguments or parameter list (where a copy or a norm sits between two launches)."""
+    ordered = sorted(kernels, key=lambda kernel: kernel[1])
+    per_forward = len(ordered) // forwards if forwards else 0
+    middle = ordered[per_forward * (forwards // 2) : per_forward * (forwards // 2 + 1)]
+    return [short_kernel_name(name) for name, _, _ in middle]
+
+
+def short_kernel_name(name: str) -> str:
+    """``name`` without its return type, template arguments and parameters, keeping the
+    template's arity (``copy_g_nd<..3..>`` tells a 3-D copy from a 2-D one)."""
+    head = name.split("(", 1)[0]
+    base, _, template = head.partition("<")
+    base = base.split(" ")[-1].split("::")[-1]
+    dims = [part.strip() for part in template.rstrip(">").split(",") if part.strip()]
+    numbers = [part for part in dims if part.isdigit()]
+    return base + (f"<{','.join(numbers)}>" if numbers else "")
 
 
 @contextlib.contextmanager

@@ -55,6 +55,7 @@ from dflash.kernel_patch import COMPILED_BLOCKS_ENV, VERIFY_KERNELS_ENV
 from dflash.metal.backend import COMPILE_ENV
 from dflash.metal.tensor_qmm import (
     FOLDED_OFFSET_ENV,
+    MEMBER_MAJOR_ENV,
     MERGED_SPLIT_SUM_ENV,
     TWO_K_GROUPS_ENV,
     WAVE_SPLIT_ENV,
@@ -187,6 +188,7 @@ KERNEL_ARMS = {
     "default-waves": None,
     "default-kgroups2": None,
     "default-kgroups1": None,
+    "default-interleaved": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -221,6 +223,7 @@ ARM_SUFFIXES = {
     "waves": (WAVE_SPLIT_ENV, "1"),  # the wave-aware K split
     "kgroups2": (TWO_K_GROUPS_ENV, "1"),  # the matmul's two-K-group form (the default)
     "kgroups1": (TWO_K_GROUPS_ENV, "0"),  # one warp group a CTA
+    "interleaved": (MEMBER_MAJOR_ENV, "0"),  # fused members' columns row by row
 }
 
 

@@ -38,6 +38,7 @@ import mlx.nn as nn
 
 from .metal import backend
 from .metal.qmm import bind_matmul, compile_around
+from .metal.tensor_qmm import member_views
 
 # Member names per parent: an attention module's input projections, an MLP's gate / up.
 SIBLINGS = (("q_proj", "k_proj", "v_proj", "gate_proj"), ("gate_proj", "up_proj"))
@@ -170,12 +171,19 @@ class FusedProjections:
         matmul = bind_matmul(
             flat, x.dtype, self.weight, self.scales, self.biases,
             bits=self.bits, group_size=self.group_size, use_kernel=use_kernel,
+            members=self.splits,
         )  # fmt: skip
         splits = self.splits
+        # Stored member by member (the tensor-core form): each member is a view.
+        edges = getattr(matmul, "member_edges", ())
+        lead = x.shape[:-1]
 
         def product(x: mx.array, counters: Optional[mx.array]) -> List[mx.array]:
-            y = matmul(x.reshape(flat), counters).reshape(out_shape)
-            return mx.split(y, splits, axis=-1)
+            y = matmul(x.reshape(flat), counters)
+            if edges:
+                views = member_views(y, edges)
+                return [view.reshape(*lead, view.shape[-1]) for view in views]
+            return mx.split(y.reshape(out_shape), splits, axis=-1)
 
         return compile_around(matmul, product)
 

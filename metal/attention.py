@@ -691,11 +691,15 @@ ATTEND_CHUNKS_BODY = (
 # row sees (sum > 0), then sum and weighted values rescaled by exp(m_u - M), added in
 # ascending chunk order; a chunk the row does not see adds an exact zero. No load depends
 # on an earlier iteration, so unrolled loops keep many loads in flight (a chain of
-# dependent loads per chunk cost ~0.5 us a chunk on an H200). params: total, dim, n_chunks.
+# dependent loads per chunk cost ~0.5 us a chunk on an H200). The output is stored
+# (B, S, Hq, D), so the model's transpose back to (B, S, Hq * D) is a view, not a copy.
+# params: total, dim, n_chunks, n_heads, n_queries.
 FOLD_CHUNKS_BODY = """
   const int total_threads = fold_params[0];
   const int dim = fold_params[1];
   const int n_chunks = fold_params[2];
+  const int n_heads = fold_params[3];
+  const int n_queries = fold_params[4];
   const int gid = int(group) * THREADS + int(lid);
   if (gid >= total_threads) {
     return;
@@ -724,7 +728,10 @@ FOLD_CHUNKS_BODY = """
     l = DFL_FMA(l_u, w, l);
     acc = DFL_FMA(a_u, w, acc);
   }
-  out[gid] = T(acc / l);
+  const int b = qrow / (n_heads * n_queries);
+  const int h = (qrow / n_queries) % n_heads;
+  const int s = qrow % n_queries;
+  out[((b * n_queries + s) * n_heads + h) * dim + d] = T(acc / l);
 """
 
 ATTEND_CHUNKS = GroupKernelSpec(
@@ -819,8 +826,8 @@ def _launch(plan: Plan, rows_per_group: int) -> Launch:
         ints=ints,
         chunk_shapes=(rows + (plan.chunks, 2), rows + (plan.chunks, plan.dim)),
         chunk_groups=plan.batch * plan.kv_heads * plan.chunks * row_blocks,
-        fold_ints=int_params(total, plan.dim, plan.chunks),
-        out_shape=rows + (plan.dim,),
+        fold_ints=int_params(total, plan.dim, plan.chunks, plan.heads, plan.queries),
+        out_shape=(plan.batch, plan.queries, plan.heads, plan.dim),
         fold_groups=-(-total // THREADS),
     )
 
@@ -839,7 +846,8 @@ def kernel_attention(
     The chunk pass is the tensor-core one where it serves (CUDA, 16-bit types, see
     :func:`uses_tensor_cores`), else the scalar body; the fold is shared.
 
-    Shapes: queries ``(B, Hq, S, D)``; returns ``(B, Hq, S, D)``.
+    Shapes: queries ``(B, Hq, S, D)``; returns ``(B, Hq, S, D)``, a transposed view of
+    the ``(B, S, Hq, D)`` buffer the fold stores.
     """
     if not kernel_serves(plan):
         raise ValueError(
@@ -877,7 +885,8 @@ def kernel_attention(
         launch.fold_groups,
         dtype,
     )
-    return out
+    # Stored (B, S, Hq, D): this view is (B, Hq, S, D), and transposing it back is free.
+    return out.transpose(0, 2, 1, 3)
 
 
 # ------------------------------------------------------------------- public

@@ -398,6 +398,7 @@ def bind_matmul(
     bits: Optional[int] = None,
     group_size: Optional[int] = None,
     use_kernel: Optional[bool] = None,
+    members: Sequence[int] = (),
 ) -> BoundMatmul:
     """:func:`small_row_matmul` with everything but ``x`` fixed: checked, routed and
     planned once.
@@ -412,6 +413,10 @@ def bind_matmul(
         x_dtype: Their dtype.
         weight, scales, biases, bits, group_size, use_kernel: As
             :func:`small_row_matmul`.
+        members: For stacked sibling weights, the first row of each member after
+            the first: the tensor-core form may then store the members as blocks
+            (``member_edges`` on the result; see
+            :func:`~dflash.metal.tensor_qmm.bind_tensor_core`).
 
     Returns:
         ``x -> x @ W.T`` for ``x`` of exactly ``x_shape`` and ``x_dtype`` (not checked
@@ -439,7 +444,7 @@ def bind_matmul(
             )
     if use_kernel and uses_tensor_cores(x_dtype, rows, depth, weight.shape[0], bits):
         return tensor_qmm.bind_tensor_core(
-            rows, depth, weight, scales, biases, bits, group_size, x_dtype
+            rows, depth, weight, scales, biases, bits, group_size, x_dtype, members
         )
     form = kernel_matmul if use_kernel else reference_matmul
     return functools.partial(

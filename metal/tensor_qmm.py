@@ -96,7 +96,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
@@ -142,6 +142,12 @@ FOLDED_OFFSET_ENV = "DFLASH_QMM_FOLDED_OFFSET"
 # 10-20 %); ``DFLASH_QMM_TWO_K_GROUPS=0`` picks the one-group form at bind.
 K_GROUPS = 2
 TWO_K_GROUPS_ENV = "DFLASH_QMM_TWO_K_GROUPS"
+# Sibling projections fused into one launch (q / k / v / gate): each member's columns
+# stored as one contiguous block, so its result is a view that mlx-lm's reshape and
+# RMS norm take as it is (row-interleaved members cost mlx a copy kernel each).
+# ``DFLASH_QMM_MEMBER_MAJOR=0`` keeps the plain layout; read at each bind.
+MEMBER_MAJOR = True
+MEMBER_MAJOR_ENV = "DFLASH_QMM_MEMBER_MAJOR"
 
 
 def merge_split_sum() -> bool:
@@ -166,6 +172,26 @@ def k_groups() -> int:
     on, 1 with it off, else :data:`K_GROUPS`."""
     switch = backend.env_switch(TWO_K_GROUPS_ENV)
     return K_GROUPS if switch is None else 2 if switch else 1
+
+
+def member_major() -> bool:
+    """Whether a fused call bound now stores its members as blocks (see
+    :data:`MEMBER_MAJOR`): ``DFLASH_QMM_MEMBER_MAJOR`` when set, else the default."""
+    switch = backend.env_switch(MEMBER_MAJOR_ENV)
+    return MEMBER_MAJOR if switch is None else switch
+
+
+def member_edges(edges: Sequence[int], columns: int) -> tuple[int, ...]:
+    """The member edges (first column of each member after the first) a member-major
+    store takes: all of them when each is a multiple of the column tile, strictly
+    increasing inside ``(0, columns)`` (a tile then lies in one member), and
+    :func:`member_major` is on; else ``()``, the plain layout."""
+    edges = tuple(int(edge) for edge in edges)
+    if not edges or edges[0] <= 0 or edges[-1] >= columns:
+        return ()
+    if any(a >= b for a, b in zip(edges, edges[1:])) or any(e % COLUMNS for e in edges):
+        return ()
+    return edges if member_major() else ()
 
 
 def fold_q4_offset() -> bool:
@@ -521,6 +547,18 @@ _BODY = r"""
   const int gid = lane / 4;
   const int tig = lane % 4;
   const int col0 = tile * COLUMNS;
+  // Member-major output: params[9] member edges follow (multiples of COLUMNS), and
+  // each member's columns are stored as one contiguous (rows, width) block, so its
+  // result is a view; with none, the plain (rows, n_cols) layout.
+  int out_lo = 0;
+  int out_hi = n_cols;
+  for (int j = 0; j < params[9]; ++j) {
+    const int edge = params[10 + j];
+    out_lo = edge <= col0 ? edge : out_lo;
+    out_hi = edge > col0 && edge < out_hi ? edge : out_hi;
+  }
+  const size_t out_base = size_t(out_lo) * size_t(n_rows);
+  const int out_width = out_hi - out_lo;
   const size_t row_bytes = size_t(depth) * size_t({bits_per_element}) / 8;
   const int groups_k = group_size > 0 ? depth / group_size : 0;
   const int per_chunk = group_size > 0 ? CHUNK / group_size : 0;
@@ -640,7 +678,7 @@ _BODY = r"""
         const int n = col0 + warp * 32 + 8 * t + 2 * tig + i % 2;
         if (r < n_rows && n < n_cols) {
           if (splits == 1) {
-            y[size_t(r) * n_cols + n] = T(acc[mt][t][i]);
+            y[out_base + size_t(r) * out_width + (n - out_lo)] = T(acc[mt][t][i]);
           } else {
             partial[(size_t(split) * n_rows + r) * n_cols + n] = acc[mt][t][i];
           }
@@ -670,7 +708,7 @@ _BODY = r"""
           for (int k = 1; k < splits; ++k) {
             sum = __fadd_rn(sum, __ldcg(partial + size_t(k) * total + e));
           }
-          y[e] = T(sum);
+          y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)] = T(sum);
         }
       }
       // Dead (each launch's counters are fresh) but kept: without this store ptxas
@@ -683,16 +721,27 @@ _BODY = r"""
 """
 
 _REDUCE = r"""
-  // y = the split partials summed in split order, rounded once.
+  // y = the split partials summed in split order, rounded once, stored in the
+  // matmul's output layout (params[3] member edges from params[4]; see the matmul).
   const int total = params[0];
   const int splits = params[1];
+  const int n_cols = params[2];
   const int i = int(group) * {threads} + int(lid);
   if (i < total) {
     float s = partial[i];
     for (int k = 1; k < splits; ++k) {
       s = __fadd_rn(s, partial[size_t(k) * total + i]);
     }
-    y[i] = T(s);
+    const int n = i % n_cols;
+    int lo = 0;
+    int hi = n_cols;
+    for (int j = 0; j < params[3]; ++j) {
+      const int edge = params[4 + j];
+      lo = edge <= n ? edge : lo;
+      hi = edge > n && edge < hi ? edge : hi;
+    }
+    y[size_t(lo) * size_t(total / n_cols) + size_t(i / n_cols) * (hi - lo) + (n - lo)] =
+        T(s);
   }
 """
 
@@ -967,6 +1016,7 @@ def bind_tensor_core(
     bits: Optional[int],
     group_size: Optional[int],
     dtype: mx.Dtype,
+    members: Sequence[int] = (),
 ) -> Callable[[mx.array], mx.array]:
     """The tensor-core form (one launch; two when K is split and the split sum is not
     merged) with everything but ``x`` fixed (see ``qmm.bind_matmul``, which has
@@ -985,10 +1035,17 @@ def bind_tensor_core(
         takes (0: none). ``counters=None`` takes them from the pool; a caller that
         compiles the call passes them in (:func:`~dflash.metal.qmm.compile_around`),
         as a region captured by a trace would be reused by every replay.
+
+        ``members`` (the first column of each sibling after the first, of a fused
+        call) asks for the member-major store: where :func:`member_edges` takes them,
+        the launch's ``member_edges`` attribute holds them and the result's buffer
+        holds each member's ``(rows, width)`` block in turn (its ``(rows, N)`` shape
+        is then only a container: read it through :func:`member_views`).
     """
+    edges = member_edges(members, weight.shape[0])
     plan = launch_plan(
         rows, depth, weight.shape[0], bits, group_size, merge_split_sum(),
-        fold_q4_offset(), wave_split(), k_groups(),
+        fold_q4_offset(), wave_split(), k_groups(), edges,
     )  # fmt: skip
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)
@@ -1019,7 +1076,23 @@ def bind_tensor_core(
         return y
 
     launch.counters = plan.counters
+    launch.member_edges = edges
     return launch
+
+
+def member_views(y: mx.array, edges: Sequence[int]) -> list[mx.array]:
+    """Each member's ``(rows, width)`` result in a member-major ``y`` (views).
+
+    Shapes: y ``(rows, N)``, members stored as blocks at ``edges``; returns
+    ``(rows, width)`` per member.
+    """
+    rows, columns = y.shape
+    flat = y.reshape(-1)
+    bounds = (0, *edges, columns)
+    return [
+        flat[lo * rows : hi * rows].reshape(rows, hi - lo)
+        for lo, hi in zip(bounds, bounds[1:])
+    ]
 
 
 @dataclass(frozen=True)
@@ -1062,6 +1135,7 @@ def launch_plan(
     folded: bool = False,
     waves: bool = False,
     k_groups: int = 1,
+    edges: tuple[int, ...] = (),
 ) -> LaunchPlan:
     """The launch plan of a validated call, built once per geometry (host time).
 
@@ -1069,7 +1143,8 @@ def launch_plan(
     column tile instead of a second launch (same order, same bits). ``folded``: a
     4-bit call takes the folded-offset form (:data:`FOLD_Q4_OFFSET`). ``waves``: the
     wave-aware K split (:func:`split_plan`). ``k_groups``: 2 takes the two-K-group form
-    (:data:`K_GROUPS`).
+    (:data:`K_GROUPS`). ``edges``: the member-major store's member edges (validated by
+    :func:`member_edges`; ``()``: the plain layout).
     """
     key = (bits or 0, 1 if rows <= 16 else 2)
     spec = FORM_SPECS[(folded and bits == 4, k_groups)][key]
@@ -1078,7 +1153,7 @@ def launch_plan(
     merged = merged and splits > 1
     params = int_params(
         rows, columns, depth, group_size or 0, tiles, splits, per_split, shift,
-        int(merged),
+        int(merged), len(edges), *edges,
     )  # fmt: skip
     if splits == 1:
         return LaunchPlan(
@@ -1098,6 +1173,6 @@ def launch_plan(
         ((1,), partials),
         tiles * splits,
         0,
-        int_params(total, splits),
+        int_params(total, splits, columns, len(edges), *edges),
         -(-total // REDUCE_THREADS),
     )

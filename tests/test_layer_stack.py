@@ -111,3 +111,19 @@ def test_layer_stack_refuses_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit):
         layer_stack.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_kernel_sequence_is_the_middle_forward_in_launch_order():
+    """Three forwards of two kernels, listed out of order: the middle one's, by start."""
+    kernels = [
+        ("void ns::copy_g_nd<__nv_bfloat16, int, 3, 8>(float const*)", 12.0, 1.0),
+        ("ns::custom_kernel_dflash_fold_chunks_abc(float const*)", 2.0, 1.0),
+        ("void ns::copy_g_nd<__nv_bfloat16, int, 2, 8>(float const*)", 1.0, 1.0),
+        ("ns::custom_kernel_dflash_fold_chunks_abc(float const*)", 21.0, 1.0),
+        ("void ns::rms_norm_small<__nv_bfloat16, 64, 1>(float const*)", 11.0, 1.0),
+        ("ns::custom_kernel_dflash_fold_chunks_abc(float const*)", 22.0, 1.0),
+    ]
+    assert layer_stack.kernel_sequence(kernels, 3) == [
+        "rms_norm_small<64,1>",
+        "copy_g_nd<3,8>",
+    ]

@@ -257,27 +257,25 @@ def test_cuda_scalar_body_still_matches_the_oracle(case: Case) -> None:
 RAN_ON_THE_H200 = {
     "dflash_attend_chunks_stream128_61137f4186",
     "dflash_attend_chunks_split128_b1f9a4989d",
-    "dflash_fold_chunks_d7bc88cb96",
-    # Session 17 (calls E and F, 30 `cuda` matmul tests each): the affine forms' group
-    # close gained the folded-offset hook (the same arithmetic when off), and the
-    # folded-offset 4-bit forms are new.
-    "dflash_tensor_q4_m1_9182eb0de6",
-    "dflash_tensor_q4_m2_02e06204e4",
-    "dflash_tensor_q8_m1_154707a3c8",
-    "dflash_tensor_q8_m2_e39dfe66c0",
-    "dflash_tensor_q4_m1_folded_a1ebb6aa67",
-    "dflash_tensor_q4_m2_folded_2a0e726306",
-    "dflash_tensor_dense_m1_64cca3f027",
-    "dflash_tensor_dense_m2_b7bbaddc76",
-    "dflash_tensor_split_sum_36ffdf3c69",
-    # Session 18 (call A1, 30 `cuda` matmul tests with DFLASH_QMM_TWO_K_GROUPS=1): the
-    # two-K-group forms, the default since.
-    "dflash_tensor_q4_m1_k2_5aeb54e29a",
-    "dflash_tensor_q4_m2_k2_31f80be16d",
-    "dflash_tensor_q8_m1_k2_1afad8dd0a",
-    "dflash_tensor_q8_m2_k2_3b2bbe9a18",
-    "dflash_tensor_dense_m1_k2_4f304c5941",
-    "dflash_tensor_dense_m2_k2_b75cdcd65d",
+    # Session 19 (call D: 32 `cuda` attention tests, 42 `cuda` matmul tests, the route's
+    # tests): the fold stores (B, S, Hq, D); every matmul form takes member edges (the
+    # member-major store of fused siblings, the plain layout without them).
+    "dflash_fold_chunks_c01c9dc4da",
+    "dflash_tensor_q4_m1_bbc3c862f6",
+    "dflash_tensor_q4_m2_eeb83625a2",
+    "dflash_tensor_q8_m1_f627bb3344",
+    "dflash_tensor_q8_m2_71001ecfb6",
+    "dflash_tensor_q4_m1_folded_f287375884",
+    "dflash_tensor_q4_m2_folded_b0f0f4c588",
+    "dflash_tensor_dense_m1_ff5a4ac55a",
+    "dflash_tensor_dense_m2_b7669a81d8",
+    "dflash_tensor_split_sum_4ed96840a0",
+    "dflash_tensor_q4_m1_k2_ee2653ba77",
+    "dflash_tensor_q4_m2_k2_5133f0f5ee",
+    "dflash_tensor_q8_m1_k2_5d7cfa86df",
+    "dflash_tensor_q8_m2_k2_e97f988cc0",
+    "dflash_tensor_dense_m1_k2_922a8ee20e",
+    "dflash_tensor_dense_m2_k2_a75096fb37",
 }
 
 

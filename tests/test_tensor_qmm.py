@@ -33,7 +33,7 @@ from benchmarks import matmul_variants, round_profile
 from dflash.fused_projections import FusedProjections
 from dflash.metal import qmm, tensor_qmm
 from dflash.metal.qmm import small_row_matmul
-from dflash.metal.tensor_qmm import Layout, physical_k, split_plan
+from dflash.metal.tensor_qmm import Layout, member_views, physical_k, split_plan
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
 HALF = (mx.bfloat16, mx.float16)
@@ -346,24 +346,27 @@ def test_variants_benchmark_refuses_bad_flags_and_the_cpu(capsys) -> None:
     bits=st.sampled_from([4, 8, None]),
     merged=st.booleans(),
     waves=st.booleans(),
+    members=st.booleans(),
 )
 def test_launch_plan_is_the_split_plan_kept_per_geometry(
-    rows, chunks, columns, bits, merged, waves
+    rows, chunks, columns, bits, merged, waves, members
 ):
     """The memoised plan launches what split_plan says: a split K gets the reduce
     launch, or (merged) the result, the partials and a counter per column tile in
-    one launch; one object per geometry and setting."""
+    one launch; member edges follow in both launches' scalars; one object per
+    geometry and setting."""
     depth = chunks * Layout(bits or 0, 1).chunk
     group_size = None if bits is None else 64
+    edges = tensor_qmm.member_edges((tensor_qmm.COLUMNS,) * members, columns)
     plan = tensor_qmm.launch_plan(
-        rows, depth, columns, bits, group_size, merged, False, waves
+        rows, depth, columns, bits, group_size, merged, False, waves, 1, edges
     )
     tiles, splits, per_split = split_plan(depth, columns, bits, waves)
     assert plan.spec is tensor_qmm.MATMUL_SPECS[(bits or 0, 1 if rows <= 16 else 2)]
     shift = 6 if bits else 0
     merges = merged and splits > 1
     want = [rows, columns, depth, group_size or 0, tiles, splits, per_split, shift]
-    assert plan.params.tolist() == want + [int(merges)]
+    assert plan.params.tolist() == want + [int(merges), len(edges), *edges]
     assert plan.groups == tiles * splits and plan.columns == columns
     if splits == 1:
         assert plan.shapes == ((rows, columns), (1,)) and plan.reduce_params is None
@@ -374,11 +377,17 @@ def test_launch_plan_is_the_split_plan_kept_per_geometry(
         assert plan.counters == tiles
     else:
         assert plan.shapes == ((1,), (splits, rows, columns))
-        assert plan.reduce_params.tolist() == [rows * columns, splits]
+        assert plan.reduce_params.tolist() == [
+            rows * columns,
+            splits,
+            columns,
+            len(edges),
+            *edges,
+        ]
         assert plan.reduce_groups * tensor_qmm.REDUCE_THREADS >= rows * columns
         assert plan.counters == 0
     again = tensor_qmm.launch_plan(
-        rows, depth, columns, bits, group_size, merged, False, waves
+        rows, depth, columns, bits, group_size, merged, False, waves, 1, edges
     )
     assert again is plan
 
@@ -617,6 +626,29 @@ MUTANTS = {
             "return fmaf(-128.0f, s, bias);", "return bias;"
         ),
     ),
+    # Member-major store: both stores write the plain layout whatever the edges say.
+    "plain_member_store": dataclasses.replace(
+        tensor_qmm.MATMUL_SPECS[(4, 1)],
+        base=tensor_qmm.MATMUL_SPECS[(4, 1)].base + "_plain_member_store",
+        body=tensor_qmm.MATMUL_SPECS[(4, 1)]
+        .body.replace(
+            "y[out_base + size_t(r) * out_width + (n - out_lo)]",
+            "y[size_t(r) * n_cols + n]",
+        )
+        .replace(
+            "y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)]", "y[e]"
+        ),
+    ),
+    # Member-major store: the separate split sum writes the plain layout.
+    "plain_member_sum": dataclasses.replace(
+        tensor_qmm.REDUCE_SPEC,
+        base=tensor_qmm.REDUCE_SPEC.base + "_plain_member_sum",
+        body=tensor_qmm.REDUCE_SPEC.body.replace(
+            "y[size_t(lo) * size_t(total / n_cols) + size_t(i / n_cols) * (hi - lo) + "
+            "(n - lo)]",
+            "y[i]",
+        ),
+    ),
     # Merged split sum: the first split's partial left out of the sum.
     "first_split_dropped": _mutant(
         "first_split_dropped",
@@ -706,6 +738,132 @@ def test_emulated_fused_projections_give_each_member_its_columns(emulated) -> No
         case = (x, layer["weight"], layer["scales"], layer["biases"], 4, 64)
         assert _close_to_matmul_oracle(case, out), index
         assert emulated.launches == before + _launches(splits)
+
+
+def _member_layers(widths, depth: int, seed: int) -> list:
+    """4-bit (group 64) projections of ``depth`` inputs, one per width."""
+    mx.random.seed(seed)
+    layers = []
+    for width in widths:
+        dense = nn.Linear(depth, width, bias=False)
+        dense.set_dtype(mx.bfloat16)
+        layers.append(nn.QuantizedLinear.from_linear(dense, group_size=64, bits=4))
+    mx.eval([layer.parameters() for layer in layers])
+    return layers
+
+
+def _member_case(x, layer) -> tuple:
+    return (x, layer["weight"], layer["scales"], layer["biases"], 4, 64)
+
+
+@pytest.mark.parametrize("merged", [True, False])
+def test_emulated_member_major_members_have_the_plain_bits(
+    emulated, monkeypatch, merged
+) -> None:
+    """Fused members whose edges are multiples of the column tile are stored one block
+    each (the tensor-core body, emulated, K split 4 ways): every member matches the
+    oracle of its own weights and has the plain layout's bits, with the split's sum
+    merged into the launch or a launch of its own."""
+    monkeypatch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", merged)
+    layers = _member_layers((128, 256, 128), 1024, 3)
+    x = mx.random.normal((5, 1024)).astype(mx.bfloat16)
+    assert split_plan(1024, 512, 4)[1] == 4
+    taken = []
+    edges_of = tensor_qmm.member_edges
+
+    def spy(edges, columns):
+        taken.append(edges_of(edges, columns))
+        return taken[-1]
+
+    monkeypatch.setattr(tensor_qmm, "member_edges", spy)
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv(tensor_qmm.MEMBER_MAJOR_ENV, switch)
+        group = FusedProjections(layers)
+        outs = [group.output(index, x, use_kernel=True) for index in range(3)]
+        mx.eval(outs)
+        for layer, out in zip(layers, outs):
+            assert _close_to_matmul_oracle(_member_case(x, layer), out)
+        results[switch] = [raw_bits(out) for out in outs]
+    assert taken == [(128, 384), ()]
+    assert all(map(np.array_equal, results["1"], results["0"]))
+
+
+def test_member_edges_take_only_tile_aligned_inner_edges(monkeypatch) -> None:
+    columns = tensor_qmm.COLUMNS
+    assert tensor_qmm.member_edges((columns, 3 * columns), 4 * columns) == (
+        columns,
+        3 * columns,
+    )
+    for edges in [
+        (),
+        (64,),
+        (columns, columns),
+        (4 * columns,),
+        (2 * columns, columns),
+    ]:
+        assert tensor_qmm.member_edges(edges, 4 * columns) == (), edges
+    monkeypatch.setenv(tensor_qmm.MEMBER_MAJOR_ENV, "0")
+    assert tensor_qmm.member_edges((columns,), 2 * columns) == ()
+
+
+@pytest.mark.parametrize(
+    "depth, store", [(256, "direct"), (512, "merged"), (512, "reduce")]
+)
+def test_emulator_catches_a_plain_store_of_member_major_members(
+    tensor_emulator, depth, store
+) -> None:
+    """Negative control: a store that writes the plain layout while the plan gives
+    member edges (the matmul's own store without a K split or with the merged sum,
+    the separate sum launch's) leaves a member's view holding other columns; the good
+    bodies meet every member's oracle."""
+    layers = _member_layers((128, 256), depth, 4)
+    stacked = [
+        mx.concatenate([layer[name] for layer in layers])
+        for name in ("weight", "scales", "biases")
+    ]
+    x = mx.random.normal((6, depth)).astype(mx.bfloat16)
+    plan = tensor_qmm.launch_plan(
+        6, depth, 384, 4, 64, store == "merged", False, tensor_qmm.wave_split(), 1,
+        (128,),
+    )  # fmt: skip
+    assert plan.shapes[1][0] == (1 if store == "direct" else 2)  # the K split
+    assert (plan.reduce_params is not None) == (store == "reduce")
+    good_specs = (tensor_qmm.MATMUL_SPECS[(4, 1)], tensor_qmm.REDUCE_SPEC)
+    if store == "reduce":
+        bad_specs = (good_specs[0], MUTANTS["plain_member_sum"])
+    else:
+        bad_specs = (MUTANTS["plain_member_store"], good_specs[1])
+    cases = [_member_case(x, layer) for layer in layers]
+    good = _launch_with_sum(tensor_emulator, good_specs, plan, x, stacked)
+    bad = _launch_with_sum(tensor_emulator, bad_specs, plan, x, stacked)
+    assert all(map(_close_to_matmul_oracle, cases, member_views(good, (128,))))
+    assert not all(map(_close_to_matmul_oracle, cases, member_views(bad, (128,))))
+
+
+def _launch_with_sum(emulator, specs, plan, x, weights) -> mx.array:
+    """One call of ``plan`` with ``specs`` (the matmul, the reduce launch when the plan
+    has one)."""
+    counters = mx.zeros((max(plan.counters, 1),), mx.int32)
+    y, partial = emulator.launch(
+        specs[0],
+        [x, *weights, plan.params, counters],
+        plan.shapes,
+        [x.dtype, mx.float32],
+        plan.groups,
+        x.dtype,
+    )
+    if plan.reduce_params is None:
+        return y
+    (y,) = emulator.launch(
+        specs[1],
+        [partial, plan.reduce_params],
+        [(x.shape[0], plan.columns)],
+        [x.dtype],
+        plan.reduce_groups,
+        x.dtype,
+    )
+    return y
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=_FIXTURES)
@@ -1236,3 +1394,42 @@ def test_cuda_tensor_matmul_glimmer_shapes(shape, rows, bits) -> None:
         assert _close_to_matmul_oracle(case, out, slack=4.0)
     alone = _kernel(case, slice(0, 1))
     assert np.array_equal(raw_bits(alone), raw_bits(out[0:1]))
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("bits", [4, 8, None])
+@pytest.mark.parametrize("merged", [True, False])
+def test_cuda_member_major_members_have_the_plain_bits(
+    monkeypatch, rows, bits, merged
+) -> None:
+    """On the GPU: an attention's fused q / k / v / gate (narrower, same pattern) stored
+    member by member gives every member the plain layout's bits and its own oracle,
+    also with several inputs evaluated together."""
+    mx.random.seed(rows + (bits or 0))
+    layers = []
+    for width in (1024, 128, 128, 1024):
+        dense = nn.Linear(2048, width, bias=False)
+        dense.set_dtype(mx.bfloat16)
+        if bits is not None:
+            dense = nn.QuantizedLinear.from_linear(dense, group_size=64, bits=bits)
+        layers.append(dense)
+    mx.eval([layer.parameters() for layer in layers])
+    monkeypatch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", merged)
+    inputs = [mx.random.normal((rows, 2048)).astype(mx.bfloat16) for _ in range(3)]
+    results = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(tensor_qmm.MEMBER_MAJOR_ENV, switch)
+        group = FusedProjections(layers)
+        results[switch] = [
+            [group.output(index, x, use_kernel=True) for index in range(4)]
+            for x in inputs
+        ]
+        mx.eval(results[switch])
+    for plain, blocks in zip(results["0"], results["1"]):
+        assert all(map(np.array_equal, map(raw_bits, plain), map(raw_bits, blocks)))
+    for layer, out in zip(layers, results["1"][0]):
+        weights = (layer["weight"], layer.get("scales"), layer.get("biases"))
+        case = (inputs[0], *weights, bits, 64 if bits else None)
+        assert _close_to_matmul_oracle(case, out, slack=4.0)
