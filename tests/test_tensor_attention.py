@@ -258,17 +258,9 @@ RAN_ON_THE_H200 = {
     "dflash_attend_chunks_stream128_61137f4186",
     "dflash_attend_chunks_split128_b1f9a4989d",
     # Session 19 (call D: 32 `cuda` attention tests, 42 `cuda` matmul tests, the route's
-    # tests): the fold stores (B, S, Hq, D); every matmul form takes member edges (the
-    # member-major store of fused siblings, the plain layout without them).
+    # tests, all with the default switches): the fold stores (B, S, Hq, D); the matmul
+    # forms take member edges (the member-major store of fused siblings).
     "dflash_fold_chunks_c01c9dc4da",
-    "dflash_tensor_q4_m1_bbc3c862f6",
-    "dflash_tensor_q4_m2_eeb83625a2",
-    "dflash_tensor_q8_m1_f627bb3344",
-    "dflash_tensor_q8_m2_71001ecfb6",
-    "dflash_tensor_q4_m1_folded_f287375884",
-    "dflash_tensor_q4_m2_folded_b0f0f4c588",
-    "dflash_tensor_dense_m1_ff5a4ac55a",
-    "dflash_tensor_dense_m2_b7669a81d8",
     "dflash_tensor_split_sum_4ed96840a0",
     "dflash_tensor_q4_m1_k2_ee2653ba77",
     "dflash_tensor_q4_m2_k2_5133f0f5ee",
@@ -276,6 +268,20 @@ RAN_ON_THE_H200 = {
     "dflash_tensor_q8_m2_k2_e97f988cc0",
     "dflash_tensor_dense_m1_k2_922a8ee20e",
     "dflash_tensor_dense_m2_k2_a75096fb37",
+}
+# Opt-in forms whose text changed with the member-major store (session 19) and which have
+# not run on a GPU since: one K group (DFLASH_QMM_TWO_K_GROUPS=0) and the folded offset
+# (DFLASH_QMM_FOLDED_OFFSET=1). Their earlier text passed the `cuda` tests in sessions
+# 14-18; the change is the same store text the default forms ran with. The README says so.
+NOT_RUN_SINCE_CHANGED = {
+    "dflash_tensor_q4_m1_bbc3c862f6",
+    "dflash_tensor_q4_m2_eeb83625a2",
+    "dflash_tensor_q8_m1_f627bb3344",
+    "dflash_tensor_q8_m2_71001ecfb6",
+    "dflash_tensor_dense_m1_ff5a4ac55a",
+    "dflash_tensor_dense_m2_b7669a81d8",
+    "dflash_tensor_q4_m1_folded_f287375884",
+    "dflash_tensor_q4_m2_folded_b0f0f4c588",
 }
 
 
@@ -286,4 +292,8 @@ def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
     }
     shipped.add(attention.FOLD_CHUNKS.name("cuda"))
     shipped.update(spec.name("cuda") for spec in tensor_qmm.SPECS)
-    assert shipped == RAN_ON_THE_H200
+    assert shipped == RAN_ON_THE_H200 | NOT_RUN_SINCE_CHANGED
+    # Every form the default switches launch ran.
+    defaults = {spec.name("cuda") for spec in tensor_qmm.K2_SPECS.values()}
+    assert defaults <= RAN_ON_THE_H200 and tensor_qmm.K_GROUPS == 2
+    assert not tensor_qmm.FOLD_Q4_OFFSET
