@@ -548,9 +548,10 @@ ATTEND_CHUNKS_BODY = (
     const int row = rb * ROWS + r;
     float value = 0.0f;
     if (row < head_rows) {
-      const int qrow = (b * n_heads + h * group_size + row / n_queries) * n_queries
-          + row % n_queries;
-      value = float(queries[qrow * dim + d]);
+      // Queries come (B, S, Hq, D): see kernel_attention.
+      const int qsrc = (b * n_queries + row % n_queries) * n_heads + h * group_size
+          + row / n_queries;
+      value = float(queries[qsrc * dim + d]);
     }
     q_tile[r][d] = value;
   }
@@ -868,9 +869,13 @@ def kernel_attention(
         if layout is None
         else tensor_attention.attend_spec(plan.dim, layout)
     )
+    # The kernels read queries (B, S, Hq, D): mlx-lm's attention hands them over as the
+    # transpose of such an array (RoPE and scaling keep that layout), so this is a view
+    # and mlx copies nothing before the launch; a (B, Hq, S, D) array is copied once.
     stats, weighted = groups.launch_groups(
         spec,
-        [queries, keys, values, block_keys, block_values, launch.ints]
+        [queries.transpose(0, 2, 1, 3), keys, values, block_keys, block_values]
+        + [launch.ints]
         + [float_params(float(scale), float(softcap or 0.0))],
         launch.chunk_shapes,
         [mx.float32, mx.float32],

@@ -251,12 +251,10 @@ _ROWS = """\
   bool row_ok[2];
   int first[2];
   int last[2];
-  int qrow[2];
   for (int i = 0; i < 2; ++i) {
     row[i] = rb * ROWS + @TILE@ * 16 + gid + 8 * i;
     row_ok[i] = row[i] < head_rows;
     const int r = row_ok[i] ? row[i] : 0;
-    qrow[i] = (b * n_heads + h * group_size + r / n_queries) * n_queries + r % n_queries;
     first[i] = 1;
     last[i] = 0;
     if (row_ok[i]) {
@@ -272,8 +270,12 @@ _QUERY_FRAGMENTS = """\
     for (int j = 0; j < 4; ++j) {
       const int i = j & 1;
       const int d = ks * 16 + tig * 2 + (j >> 1) * 8;
+      // Queries come (B, S, Hq, D) (see attention.kernel_attention).
+      const int r = row_ok[i] ? row[i] : 0;
+      const int qsrc =
+          (b * n_queries + r % n_queries) * n_heads + h * group_size + r / n_queries;
       q_frag[ks][j] = @LIVE@row_ok[i]
-          ? *reinterpret_cast<const uint32_t*>(queries + qrow[i] * DIM + d)
+          ? *reinterpret_cast<const uint32_t*>(queries + qsrc * DIM + d)
           : 0u;
     }
   }
@@ -621,7 +623,9 @@ def _stream_body(dim: int) -> str:
     if (!row_ok[i]) {
       continue;
     }
-    const int at = qrow[i] * n_chunks + u;
+    const int qrow = (b * n_heads + h * group_size + row[i] / n_queries) * n_queries
+        + row[i] % n_queries;
+    const int at = qrow * n_chunks + u;
     if (tig == 0) {
       part_stats[at * 2] = m_run[i];
       part_stats[at * 2 + 1] = l_run[i];

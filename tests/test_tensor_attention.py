@@ -247,16 +247,25 @@ def test_cuda_scalar_body_still_matches_the_oracle(case: Case) -> None:
         attention.TENSOR_CORES = saved
 
 
-# The kernels whose `cuda` tests passed and which were timed on the H200 on 2026-12-01:
-# attention and fold in docs/benchmarks/h200-2026-12-01-s8 (calls 4-5), the matmul forms
-# (merged split sum, session 14's text) in docs/benchmarks/h200-2026-12-01-s14 (calls A,
-# C, G). A spec's
-# name hashes its header and body, so any edit to a body changes it: then run the `cuda`
-# tests on a GPU again and record the new names here (README "What ran where" must stay
-# true).
+# The kernels whose `cuda` tests passed on the H200, by the session that ran their text
+# (docs/benchmarks/). A spec's name hashes its header and body, so any edit to a body
+# changes it: then run the `cuda` tests on a GPU again and record the new names here
+# (README "What ran where" must stay true).
 RAN_ON_THE_H200 = {
-    "dflash_attend_chunks_stream128_61137f4186",
-    "dflash_attend_chunks_split128_b1f9a4989d",
+    # Session 20 (docs/benchmarks/h200-2026-12-02-s20, calls H-I): both attention layouts
+    # read (B, S, Hq, D) queries (32 `cuda` attention tests, 92 route tests); the opt-in
+    # matmul forms, one K group and the folded offset, through the 42 `cuda` matmul tests
+    # each with their switch set.
+    "dflash_attend_chunks_stream128_f6bed75984",
+    "dflash_attend_chunks_split128_56623e56c5",
+    "dflash_tensor_q4_m1_bbc3c862f6",
+    "dflash_tensor_q4_m2_eeb83625a2",
+    "dflash_tensor_q8_m1_f627bb3344",
+    "dflash_tensor_q8_m2_71001ecfb6",
+    "dflash_tensor_dense_m1_ff5a4ac55a",
+    "dflash_tensor_dense_m2_b7669a81d8",
+    "dflash_tensor_q4_m1_folded_f287375884",
+    "dflash_tensor_q4_m2_folded_b0f0f4c588",
     # Session 19 (call D: 32 `cuda` attention tests, 42 `cuda` matmul tests, the route's
     # tests, all with the default switches): the fold stores (B, S, Hq, D); the matmul
     # forms take member edges (the member-major store of fused siblings).
@@ -269,20 +278,9 @@ RAN_ON_THE_H200 = {
     "dflash_tensor_dense_m1_k2_922a8ee20e",
     "dflash_tensor_dense_m2_k2_a75096fb37",
 }
-# Opt-in forms whose text changed with the member-major store (session 19) and which have
-# not run on a GPU since: one K group (DFLASH_QMM_TWO_K_GROUPS=0) and the folded offset
-# (DFLASH_QMM_FOLDED_OFFSET=1). Their earlier text passed the `cuda` tests in sessions
-# 14-18; the change is the same store text the default forms ran with. The README says so.
-NOT_RUN_SINCE_CHANGED = {
-    "dflash_tensor_q4_m1_bbc3c862f6",
-    "dflash_tensor_q4_m2_eeb83625a2",
-    "dflash_tensor_q8_m1_f627bb3344",
-    "dflash_tensor_q8_m2_71001ecfb6",
-    "dflash_tensor_dense_m1_ff5a4ac55a",
-    "dflash_tensor_dense_m2_b7669a81d8",
-    "dflash_tensor_q4_m1_folded_f287375884",
-    "dflash_tensor_q4_m2_folded_b0f0f4c588",
-}
+# Forms whose text changed and which have not run on a GPU since (none today). A form
+# listed here must be named in the README's "What ran where".
+NOT_RUN_SINCE_CHANGED: set = set()
 
 
 def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
