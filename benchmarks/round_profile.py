@@ -60,6 +60,7 @@ from dflash.metal.tensor_qmm import (
     TWO_K_GROUPS_ENV,
     WAVE_SPLIT_ENV,
 )
+from dflash.prepared_heads import HEAD_PREP_ENV
 from dflash.taps import TargetTaps
 
 from .common import busy_us, cupti_trace
@@ -189,6 +190,7 @@ KERNEL_ARMS = {
     "default-kgroups2": None,
     "default-kgroups1": None,
     "default-interleaved": None,
+    "default-unprepared": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -224,6 +226,7 @@ ARM_SUFFIXES = {
     "kgroups2": (TWO_K_GROUPS_ENV, "1"),  # the matmul's two-K-group form (the default)
     "kgroups1": (TWO_K_GROUPS_ENV, "0"),  # one warp group a CTA
     "interleaved": (MEMBER_MAJOR_ENV, "0"),  # fused members' columns row by row
+    "unprepared": (HEAD_PREP_ENV, "0"),  # q/k norms, scale and RoPE as mlx's five ops
 }
 
 

@@ -17,6 +17,11 @@
   Metal the fused shadow kernel still runs, as it also builds the held-back block),
   a written chunk from the plane; a staging shadow is read only when the ring was
   overwritten already (a staged chunk outside a checkpoint).
+* **Prepared heads** (Muse Glimmer; ``head_prep``, ``DFLASH_HEAD_PREP=0`` off): the
+  target's attention forward runs its q/k RMS norms, the query scale and RoPE as one
+  :func:`dflash.metal.heads.head_prep` launch for the calls the route serves
+  (:mod:`dflash.prepared_heads`; the class is taken only after a probe shows the
+  re-stated forward gives the class's own bits).
 * **Drafter attention.** Each :class:`~dflash.drafter.DraftAttention` gets a
   subclass whose forward attends the context plane and the block's own keys in
   place (the block is not copied into the plane's scratch rows).
@@ -59,6 +64,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import folded_attention as folded
+from . import prepared_heads
 from .cache.checkpoint import DEFERRED, RingPlaneCheckpoint
 from .cache.plane import KvPlane, RingPlane, kv_halves
 from .fused_projections import (
@@ -282,6 +288,26 @@ def _routed_class(base: type) -> type:
             _ACTIVE.reset(token)
 
     return _swapped_class("routed", base, __call__)
+
+
+def _prepared_class(base: type) -> type:
+    """A subclass of ``base`` (a class :mod:`dflash.prepared_heads` re-states) whose
+    served calls prepare their heads in one launch, with this module's route active."""
+
+    def __call__(self, x, mask=None, cache=None):
+        route = self._dflash_route
+        token = _ACTIVE.set(route)
+        try:
+            if x.shape[1] > route.max_queries:
+                return base.__call__(self, x, mask, cache)
+            attend = prepared_heads.model_attention(base)
+            return prepared_heads.attention_forward(
+                self, x, mask, cache, attend, route.use_kernel
+            )
+        finally:
+            _ACTIVE.reset(token)
+
+    return _swapped_class("prepared", base, __call__)
 
 
 def _draft_class(base: type) -> type:
@@ -564,6 +590,9 @@ class KernelPatch:
         compile_blocks: With ``matmul``, run each MLP block whose projections are all
             routed as one ``mx.compile`` trace per input geometry (its Python once, the
             activation and product fused). None: :func:`compiled_blocks_wanted`.
+        head_prep: With ``attention``, run the q/k norms, scale and RoPE of the
+            target's attention classes :mod:`dflash.prepared_heads` re-states as one
+            launch. None: :func:`dflash.prepared_heads.head_prep_wanted`.
 
     Raises:
         ValueError: ``model``'s architecture is not one whose attention can be routed.
@@ -582,6 +611,7 @@ class KernelPatch:
         fuse: Optional[bool] = None,
         projections: bool = False,
         compile_blocks: Optional[bool] = None,
+        head_prep: Optional[bool] = None,
     ) -> None:
         if attention and not supports(model):
             raise ValueError(
@@ -600,6 +630,7 @@ class KernelPatch:
         self.compile_blocks = bool(matmul) and (
             compiled_blocks_wanted() if compile_blocks is None else bool(compile_blocks)
         )
+        self.head_prep = bool(attention) and prepared_heads.head_prep_wanted(head_prep)
         self._groups: List[FusedProjections] = []
         self._patched: List[nn.Module] = []
         self._modules: List[str] = []
@@ -684,13 +715,22 @@ class KernelPatch:
         ]
         if busy:
             raise RuntimeError(f"{len(busy)} modules already have kernels installed")
+        # Probed before anything is swapped (the probe runs the module's own forward).
+        prepared = {
+            id(module)
+            for module in attention
+            if self.head_prep
+            and prepared_heads.serves(module)
+            and prepared_heads.forward_matches(module, type(module))
+        }
         for module in attention:
             base = type(module)
-            cls = (
-                _draft_class(base)
-                if isinstance(module, DraftAttention)
-                else _routed_class(base)
-            )
+            if isinstance(module, DraftAttention):
+                cls = _draft_class(base)
+            elif id(module) in prepared:
+                cls = _prepared_class(base)
+            else:
+                cls = _routed_class(base)
             _swap(module, cls, self.route)
             self._patched.append(module)
             if (

@@ -17,9 +17,11 @@ reference (see ``docs/metal.md``):
   in place (a wrapped ring in logical order) plus a held-back block, window and
   causal limits from positions, batch-invariant (:mod:`dflash.metal.attention`);
 * :func:`small_row_matmul`: ``x @ W.T`` for 1 to 32 rows, dense or mlx's
-  affine-quantized weights, batch-invariant (:mod:`dflash.metal.qmm`).
+  affine-quantized weights, batch-invariant (:mod:`dflash.metal.qmm`);
+* :func:`head_prep`: the RMS norms, scale and RoPE of a layer's queries and keys
+  in one launch, with mlx's arithmetic (:mod:`dflash.metal.heads`).
 
-The verify kernels (the last two) cooperate inside threadgroups; their shared
+The verify kernels (the last three) cooperate inside threadgroups; their shared
 bodies, per-backend headers and prologues are described in :mod:`dflash.metal.groups`.
 
 The kernels take arrays, never cache objects: ``dflash.cache`` runs them on its
@@ -29,6 +31,7 @@ measurement behind it, is in :mod:`dflash.metal.backend`.
 
 from .attention import KeyPlane, small_query_attention
 from .backend import kernel_backend
+from .heads import head_prep
 from .qmm import small_row_matmul
 from .retain import restore_rows, retain_rows
 from .ring import ShadowStager, ring_write, wrapped_rows
@@ -36,6 +39,7 @@ from .ring import ShadowStager, ring_write, wrapped_rows
 __all__ = [
     "KeyPlane",
     "ShadowStager",
+    "head_prep",
     "kernel_backend",
     "restore_rows",
     "retain_rows",

@@ -32,7 +32,7 @@ from dflash.cache.plane import kv_halves
 from dflash.drafter import DraftAttention
 from dflash.generation import generate_step
 from dflash.kernel_patch import KernelPatch, supports
-from dflash.metal import attention, backend, qmm
+from dflash.metal import attention, backend, heads, qmm
 
 
 def _f32(array: mx.array) -> np.ndarray:
@@ -400,6 +400,7 @@ def test_kernel_route_uses_the_kernel_form(monkeypatch) -> None:
         return attention.reference_attention(*args)
 
     monkeypatch.setattr(attention, "kernel_attention", kernel)
+    monkeypatch.setattr(heads, "kernel_head_prep", heads.reference_head_prep)
     monkeypatch.setattr(attention.backend, "BACKEND", "metal")
     target = tiny_model("muse_glimmer", seed=9, window=16)
     with KernelPatch(target, use_kernel=True, matmul=False):

@@ -18,6 +18,7 @@ from dflash.fused_projections import FUSED_ENV
 from dflash.held_norms import HELD_NORMS_ENV, held_norms_wanted
 from dflash.kernel_patch import COMPILED_BLOCKS_ENV, VERIFY_KERNELS_ENV
 from dflash.metal import tensor_qmm
+from dflash.prepared_heads import HEAD_PREP_ENV, head_prep_wanted
 
 
 def test_round_profile_times_every_phase_of_a_lossless_tiny_run(tmp_path):
@@ -129,6 +130,9 @@ def test_unheld_arms_turn_the_held_norms_off_for_their_block(monkeypatch):
     with round_profile.kernel_arm("default-waves"):
         assert tensor_qmm.wave_split()
     assert tensor_qmm.WAVE_SPLIT_ENV not in os.environ
+    with round_profile.kernel_arm("default-unprepared"):
+        assert not head_prep_wanted()
+    assert head_prep_wanted() and HEAD_PREP_ENV not in os.environ
 
 
 def test_round_profile_refuses_an_unknown_kernel_arm():

@@ -112,6 +112,12 @@ inline float exp(float x) { return __builtin_expf(x); }
 inline float tanh(float x) { return __builtin_tanhf(x); }
 inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 inline float fmax(float a, float b) { return __builtin_fmaxf(a, b); }
+inline float exp2(float x) { return __builtin_exp2f(x); }
+inline float rsqrt(float x) { return 1.0f / __builtin_sqrtf(x); }
+namespace precise {
+inline float cos(float x) { return __builtin_cosf(x); }
+inline float sin(float x) { return __builtin_sinf(x); }
+}  // namespace precise
 }  // namespace metal
 using namespace metal;
 """

@@ -1,0 +1,150 @@
+"""Muse Glimmer's attention forward with its heads prepared in one launch.
+
+mlx-lm's Glimmer attention runs five small kernels between its q/k projections and the
+attention: a scaleless RMS norm of the queries and of the keys, the queries' multiply
+by ``qk_scale_factor``, and RoPE of each (on sliding layers). :func:`attention_forward`
+is that forward with those five replaced by one :func:`dflash.metal.heads.head_prep`
+launch, for the calls the kernel route serves (at most ``max_queries`` tokens: decode
+steps and verify blocks); longer calls keep mlx-lm's forward.
+
+The head prep's reference is mlx's own ops in mlx-lm's order, so on the CPU (and with
+``use_kernel=False``) the forward gives the original's bits. Before a class is taken,
+:func:`forward_matches` checks that: this forward (reference form) against the class's
+own on a probe input, bit for bit, once per (class, RoPE or not, dtype). An mlx-lm
+whose Glimmer attention computes something else keeps its own forward.
+
+Switch: ``DFLASH_HEAD_PREP=0`` keeps mlx-lm's forward (routed as before); default on
+wherever the kernel patch routes attention.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .metal import backend
+from .metal.heads import head_prep
+
+HEAD_PREP_ENV = "DFLASH_HEAD_PREP"
+# (module, class name) of the attention forwards this module re-states (mlx-lm 0.32.2).
+PREPARED_CLASSES = frozenset({("mlx_lm.models.muse_glimmer", "Attention")})
+
+# The probe's verdict per (class, uses RoPE, dtype).
+_VERDICTS: Dict[Tuple[type, bool, mx.Dtype], bool] = {}
+
+
+def head_prep_wanted(use_head_prep: Optional[bool] = None) -> bool:
+    """Whether the kernel patch prepares heads in one launch: ``use_head_prep`` decides,
+    else ``DFLASH_HEAD_PREP``, else on.
+
+    Raises:
+        ValueError: ``DFLASH_HEAD_PREP`` is set to something that is not a switch value.
+    """
+    if use_head_prep is not None:
+        return bool(use_head_prep)
+    switch = backend.env_switch(HEAD_PREP_ENV)
+    if switch is None and os.environ.get(HEAD_PREP_ENV, "").strip():
+        raise ValueError(
+            f"{HEAD_PREP_ENV} must be 0 or 1, got {os.environ[HEAD_PREP_ENV]!r}"
+        )
+    return switch is not False
+
+
+def _activation_dtype(module: nn.Module) -> mx.Dtype:
+    """The dtype the module's projections compute in (their scales' or weight's)."""
+    projection = module.q_proj
+    return getattr(projection, "scales", projection.weight).dtype
+
+
+def serves(module: nn.Module) -> bool:
+    """Whether :func:`attention_forward` can stand for ``module``'s own forward: a class
+    of :data:`PREPARED_CLASSES` with the attributes it reads and mlx's default RoPE over
+    the whole head."""
+    base = type(module)
+    if (base.__module__, base.__name__) not in PREPARED_CLASSES:
+        return False
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "n_heads")
+    names += ("n_kv_heads", "head_dim", "scale", "qk_scale_factor", "eps", "use_rope")
+    if not all(hasattr(module, name) for name in names):
+        return False
+    if not module.use_rope:
+        return True
+    rope = getattr(module, "rope", None)
+    return (
+        type(rope) is nn.RoPE
+        and rope.dims == module.head_dim
+        and not rope.traditional
+        and rope.base is not None
+    )
+
+
+def attention_forward(
+    module: nn.Module,
+    x: mx.array,
+    mask: Any,
+    cache: Any,
+    attend: Callable,
+    use_kernel: Optional[bool],
+) -> mx.array:
+    """Glimmer's attention forward, q/k norm, scale and RoPE in one launch.
+
+    Args:
+        module: The Glimmer attention module.
+        x: The layer's input.
+        mask: As mlx-lm passes it.
+        cache: The layer's cache (or None).
+        attend: The model module's ``scaled_dot_product_attention`` (hooked or not).
+        use_kernel: Passed to :func:`head_prep`.
+
+    Shapes: x ``(B, L, H)``; returns ``(B, L, H)``.
+    """
+    batch, length, _ = x.shape
+    queries = module.q_proj(x).reshape(batch, length, module.n_heads, module.head_dim)
+    keys = module.k_proj(x).reshape(batch, length, module.n_kv_heads, module.head_dim)
+    values = module.v_proj(x).reshape(batch, length, module.n_kv_heads, module.head_dim)
+    rope = module.rope if module.use_rope else None
+    queries, keys = head_prep(
+        queries,
+        keys,
+        eps=module.eps,
+        q_scale=module.qk_scale_factor,
+        rope_base=None if rope is None else rope.base,
+        rope_scale=1.0 if rope is None else rope.scale,
+        start=cache.offset if cache is not None and rope is not None else 0,
+        use_kernel=use_kernel,
+    )
+    queries = queries.transpose(0, 2, 1, 3)
+    keys = keys.transpose(0, 2, 1, 3)
+    values = values.transpose(0, 2, 1, 3)
+    if cache is not None:
+        keys, values = cache.update_and_fetch(keys, values)
+    out = attend(queries, keys, values, cache=cache, scale=module.scale, mask=mask)
+    out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
+    out = out * mx.sigmoid(module.gate_proj(x))
+    return module.o_proj(out)
+
+
+def model_attention(base: type) -> Callable:
+    """The ``scaled_dot_product_attention`` of ``base``'s model module, as it is now
+    (the kernel patch's dispatcher while installed)."""
+    return sys.modules[base.__module__].scaled_dot_product_attention
+
+
+def forward_matches(module: nn.Module, base: type) -> bool:
+    """Whether :func:`attention_forward` (reference form) gives ``base``'s own forward's
+    bits on a probe input for ``module`` (cached per class, RoPE use and dtype)."""
+    dtype = _activation_dtype(module)
+    verdict = (base, bool(module.use_rope), dtype)
+    if verdict not in _VERDICTS:
+        hidden = module.o_proj.weight.shape[0]  # o_proj's outputs, packed or not
+        probe = mx.random.normal((1, 3, hidden), key=mx.random.key(0)).astype(dtype)
+        own = base.__call__(module, probe, mask=None, cache=None)
+        ours = attention_forward(
+            module, probe, None, None, model_attention(base), use_kernel=False
+        )
+        _VERDICTS[verdict] = own.dtype == ours.dtype and bool(mx.array_equal(own, ours))
+    return _VERDICTS[verdict]

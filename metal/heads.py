@@ -1,0 +1,436 @@
+"""Heads prepared for attention in one launch: RMS norm, scale and RoPE of q and k.
+
+Models with a norm on each head (Muse Glimmer, Qwen 3, Gemma 3, the DFlash drafter)
+spend five small kernels a decoder layer between the q/k projections and the
+attention: ``rms_norm`` of the queries and of the keys, a multiply by the query scale,
+``rope`` of each. A verify layer is paced by the host (each launch costs its Python,
+mlx's graph node and its encode), so :func:`head_prep` does all of it in one launch.
+
+**The same arithmetic as mlx's three ops**, step by step, so that on CUDA its bits can
+equal ``mx.fast.rms_norm``, ``* scale`` and ``mx.fast.rope`` (mlx 0.32.4; checked by
+the ``cuda`` tests):
+
+* the sum of squares of a head is cut as mlx's small RMS-norm kernel cuts it: vectors
+  of ``16 / itemsize`` elements, each summed in order with fused multiply-adds; the
+  first 32 vectors' sums are added by a halving tree (the order of a warp's xor
+  butterfly: ``s[i] += s[i + m]`` for ``m`` = 16, 8, 4, 2, 1), the next 32 likewise,
+  and the two added; then ``rsqrt(sum / D + eps)``;
+* each element: ``T(x * normalizer)``, times the weight in ``T`` when the norm has
+  one, times ``T(scale)`` in ``T`` (a product of two 8- or 11-bit significands is
+  exact in float32, so one rounding, as ``T * T``);
+* RoPE (mlx's default, non-traditional form over the whole head): element ``i`` of
+  the first half pairs with ``i + D/2``; ``theta = (rope_scale * position) *
+  exp2(-(i / (D/2)) * log2(base))``, ``x1 cos - x2 sin`` and ``x1 sin + x2 cos`` in
+  float32, rounded to ``T``.
+
+**Batch invariance**: every head of every token is prepared from its own elements and
+its position alone, so a 16-token verify gives each row the bits of a one-token step.
+
+Three forms, one contract: the pure-MLX reference (:func:`reference_head_prep`:
+mlx's own ops in mlx-lm's order, hence bit-equal to the model's unpatched forward on
+every backend), and one body (:data:`HEAD_PREP`) for the Metal kernel and its CUDA
+twin. The Metal form is compiled and emulated on the CPU only (never run on a Mac).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import math
+from typing import Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from . import backend, groups
+from .groups import GroupKernelSpec, float_params, int_params
+
+THREADS = 256
+LANES = 32
+ROWS_PER_GROUP = THREADS // LANES
+# mlx's small RMS-norm kernel: 64 threads of one 16-byte vector each covers a head.
+MAX_VECTORS = 2 * LANES
+MAX_DIM = 256
+DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+
+# Flags (params[7]).
+Q_WEIGHT = 1
+K_WEIGHT = 2
+ROPE = 4
+
+# Per-backend float maths the body needs beyond groups.HEADERS (kept here: the shared
+# headers are hashed into every kernel's name).
+HEAD_PREP_HELPERS = """
+#ifdef __CUDACC__
+#define DFL_RSQRT(x) rsqrtf(x)
+#define DFL_EXP2(x) exp2f(x)
+#define DFL_COS(x) cosf(x)
+#define DFL_SIN(x) sinf(x)
+#else
+#define DFL_RSQRT(x) rsqrt(x)
+#define DFL_EXP2(x) exp2(x)
+#define DFL_COS(x) precise::cos(x)
+#define DFL_SIN(x) precise::sin(x)
+#endif
+"""
+
+# One row (a head of a token, q rows first, then k rows) per 32 threads; lane l holds
+# vectors l and l + 32 of the row.
+# params: q_rows, k_rows, dim, q_heads, k_heads, seq, start, flags.
+# fparams: q_eps, k_eps, q_scale, k_scale, log2(rope base), rope scale.
+HEAD_PREP_BODY = f"""
+  const int ROWS = {ROWS_PER_GROUP};
+  const int LANES = {LANES};
+  const int q_rows = params[0];
+  const int k_rows = params[1];
+  const int dim = params[2];
+  const int q_heads = params[3];
+  const int k_heads = params[4];
+  const int seq = params[5];
+  const int start = params[6];
+  const int flags = params[7];
+  const int VEC = int(16 / sizeof(T));
+  const int slot = int(lid) / LANES;
+  const int lane = int(lid) % LANES;
+  const int row = int(group) * ROWS + slot;
+  const bool live = row < q_rows + k_rows;
+  const bool is_q = row < q_rows;
+  const int r = is_q ? row : row - q_rows;
+  const int heads = is_q ? q_heads : k_heads;
+  const bool weighted = (flags & (is_q ? {Q_WEIGHT} : {K_WEIGHT})) != 0;
+  DFL_SHARED float partial[{ROWS_PER_GROUP}][{MAX_VECTORS}];
+  DFL_SHARED float normed[{ROWS_PER_GROUP}][{MAX_DIM}];
+
+  // Sum of squares, vector by vector as mlx's RMS norm cuts a head.
+  for (int half = 0; half < 2; ++half) {{
+    const int vector = lane + half * LANES;
+    float sum = 0.0f;
+    if (live && vector * VEC < dim) {{
+      for (int j = 0; j < VEC; ++j) {{
+        const int e = vector * VEC + j;
+        const float t = is_q ? float(q[r * dim + e]) : float(k[r * dim + e]);
+        sum = DFL_FMA(t, t, sum);
+      }}
+    }}
+    partial[slot][vector] = sum;
+  }}
+  DFL_BARRIER();
+
+  // The warps' xor-butterfly order as a halving tree, twice, then the two added.
+  float warp_sum[2];
+  for (int half = 0; half < 2; ++half) {{
+    float tree[LANES];
+    for (int i = 0; i < LANES; ++i) {{
+      tree[i] = partial[slot][half * LANES + i];
+    }}
+    for (int m = LANES / 2; m > 0; m /= 2) {{
+      for (int i = 0; i < m; ++i) {{
+        tree[i] = tree[i] + tree[i + m];
+      }}
+    }}
+    warp_sum[half] = tree[0];
+  }}
+  const float total = warp_sum[0] + warp_sum[1];
+  const float eps = is_q ? fparams[0] : fparams[1];
+  const float normalizer = DFL_RSQRT(total / float(dim) + eps);
+  const T scale = T(is_q ? fparams[2] : fparams[3]);
+
+  for (int half = 0; half < 2; ++half) {{
+    const int vector = lane + half * LANES;
+    if (live && vector * VEC < dim) {{
+      for (int j = 0; j < VEC; ++j) {{
+        const int e = vector * VEC + j;
+        const float x = is_q ? float(q[r * dim + e]) : float(k[r * dim + e]);
+        T value = T(x * normalizer);
+        if (weighted) {{
+          const float w = is_q ? float(q_weight[e]) : float(k_weight[e]);
+          value = T(w * float(value));
+        }}
+        value = T(float(value) * float(scale));
+        normed[slot][e] = float(value);
+      }}
+    }}
+  }}
+  DFL_BARRIER();
+
+  if (!live) {{
+    return;
+  }}
+  const int position = start + (r / heads) % seq;
+  const int pairs = dim / 2;
+  for (int half = 0; half < 2; ++half) {{
+    const int vector = lane + half * LANES;
+    if (vector * VEC >= dim) {{
+      continue;
+    }}
+    for (int j = 0; j < VEC; ++j) {{
+      const int e = vector * VEC + j;
+      float value = normed[slot][e];
+      if ((flags & {ROPE}) != 0) {{
+        const int i = e < pairs ? e : e - pairs;
+        const float d = float(i) / float(pairs);
+        const float inv_freq = DFL_EXP2(-d * fparams[4]);
+        const float at = fparams[5] * float(position);
+        const float theta = at * inv_freq;
+        const float costheta = DFL_COS(theta);
+        const float sintheta = DFL_SIN(theta);
+        const float x1 = normed[slot][i];
+        const float x2 = normed[slot][i + pairs];
+        if (e < pairs) {{
+          value = x1 * costheta - x2 * sintheta;
+        }} else {{
+          value = x1 * sintheta + x2 * costheta;
+        }}
+      }}
+      if (is_q) {{
+        q_out[r * dim + e] = T(value);
+      }} else {{
+        k_out[r * dim + e] = T(value);
+      }}
+    }}
+  }}
+"""
+
+HEAD_PREP = GroupKernelSpec(
+    base="head_prep",
+    input_names=("q", "k", "q_weight", "k_weight", "params", "fparams"),
+    input_types=("T", "T", "T", "T", "int32", "float32"),
+    output_names=("q_out", "k_out"),
+    output_types=("T", "T"),
+    helpers=HEAD_PREP_HELPERS,
+    body=HEAD_PREP_BODY,
+    threads=THREADS,
+)
+SPECS = (HEAD_PREP,)
+
+
+@functools.lru_cache(maxsize=None)
+def _libm_log2f():
+    """libm's ``log2f`` (what mlx's RoPE calls on the host), or None where not found."""
+    name = ctypes.util.find_library("m")
+    if name is None:
+        return None
+    try:
+        function = ctypes.CDLL(name).log2f
+    except (OSError, AttributeError):
+        return None
+    function.restype = ctypes.c_float
+    function.argtypes = [ctypes.c_float]
+    return function
+
+
+def log2_base(base: float) -> float:
+    """``log2(base)`` in float32 as mlx's RoPE hands it to its kernels
+    (``std::log2`` of the float base)."""
+    function = _libm_log2f()
+    if function is not None:
+        return float(function(float(np.float32(base))))
+    return float(np.float32(math.log2(float(np.float32(base)))))
+
+
+def vector_width(dtype: mx.Dtype) -> int:
+    """Elements of one 16-byte vector of ``dtype`` (mlx's RMS norm reads)."""
+    return 16 // dtype.size
+
+
+def kernel_serves(dim: int, dtype: mx.Dtype) -> bool:
+    """Whether the kernel takes heads of ``dim`` elements of ``dtype``."""
+    width = vector_width(dtype)
+    return dim <= MAX_DIM and dim % width == 0 and dim // width <= MAX_VECTORS
+
+
+def _check(
+    queries: mx.array,
+    keys: mx.array,
+    q_weight: Optional[mx.array],
+    k_weight: Optional[mx.array],
+    start: int,
+) -> None:
+    """Raise ValueError for arguments :func:`head_prep` cannot take."""
+    if queries.ndim != 4 or keys.ndim != 4:
+        raise ValueError(
+            f"queries and keys must be (B, S, H, D), got {queries.shape} and "
+            f"{keys.shape}"
+        )
+    if queries.shape[:2] != keys.shape[:2] or queries.shape[3] != keys.shape[3]:
+        raise ValueError(
+            f"queries {queries.shape} and keys {keys.shape} must share B, S and D"
+        )
+    if queries.dtype != keys.dtype or queries.dtype not in DTYPES:
+        raise ValueError(
+            f"queries and keys must share one of {DTYPES}, got {queries.dtype} and "
+            f"{keys.dtype}"
+        )
+    if queries.shape[3] % 2:
+        raise ValueError(f"head dim must be even for RoPE, got {queries.shape[3]}")
+    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if weight is not None and (
+            weight.shape != (queries.shape[3],) or weight.dtype != queries.dtype
+        ):
+            raise ValueError(
+                f"{name} must be ({queries.shape[3]},) {queries.dtype}, got "
+                f"{weight.shape} {weight.dtype}"
+            )
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be an int >= 0, got {start!r}")
+
+
+def reference_head_prep(
+    queries: mx.array,
+    keys: mx.array,
+    *,
+    eps: float,
+    k_eps: Optional[float] = None,
+    q_weight: Optional[mx.array] = None,
+    k_weight: Optional[mx.array] = None,
+    q_scale: float = 1.0,
+    k_scale: float = 1.0,
+    rope_base: Optional[float] = None,
+    rope_scale: float = 1.0,
+    start: int = 0,
+) -> Tuple[mx.array, mx.array]:
+    """mlx's own ops in mlx-lm's order: ``rms_norm``, ``* scale``, ``rope``.
+
+    Shapes: queries ``(B, S, Hq, D)``, keys ``(B, S, Hkv, D)``; returns both shapes.
+    """
+    prepared = []
+    for heads, weight, norm_eps, scale in (
+        (queries, q_weight, eps, q_scale),
+        (keys, k_weight, eps if k_eps is None else k_eps, k_scale),
+    ):
+        heads = mx.fast.rms_norm(heads, weight, norm_eps)
+        if scale != 1.0:
+            heads = heads * scale
+        if rope_base is not None:
+            # RoPE's positions run along the second-to-last axis: (B, H, S, D).
+            heads = mx.fast.rope(
+                heads.transpose(0, 2, 1, 3),
+                heads.shape[3],
+                traditional=False,
+                base=rope_base,
+                scale=rope_scale,
+                offset=start,
+            ).transpose(0, 2, 1, 3)
+        prepared.append(heads)
+    return prepared[0], prepared[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _no_weight(dtype: mx.Dtype) -> mx.array:
+    """A one-element stand-in for an absent norm weight (the kernel never reads it)."""
+    return mx.zeros((1,), dtype)
+
+
+def kernel_head_prep(
+    queries: mx.array,
+    keys: mx.array,
+    *,
+    eps: float,
+    k_eps: Optional[float] = None,
+    q_weight: Optional[mx.array] = None,
+    k_weight: Optional[mx.array] = None,
+    q_scale: float = 1.0,
+    k_scale: float = 1.0,
+    rope_base: Optional[float] = None,
+    rope_scale: float = 1.0,
+    start: int = 0,
+) -> Tuple[mx.array, mx.array]:
+    """One launch of :data:`HEAD_PREP` (arguments as :func:`head_prep`).
+
+    Shapes: queries ``(B, S, Hq, D)``, keys ``(B, S, Hkv, D)``; returns both shapes.
+    """
+    batch, seq, q_heads, dim = queries.shape
+    k_heads = keys.shape[2]
+    q_rows, k_rows = batch * seq * q_heads, batch * seq * k_heads
+    flags = (
+        (Q_WEIGHT if q_weight is not None else 0)
+        | (K_WEIGHT if k_weight is not None else 0)
+        | (ROPE if rope_base is not None else 0)
+    )
+    fparams = float_params(
+        float(eps),
+        float(eps if k_eps is None else k_eps),
+        float(q_scale),
+        float(k_scale),
+        log2_base(rope_base) if rope_base is not None else 0.0,
+        float(rope_scale),
+    )
+    blank = _no_weight(queries.dtype)
+    q_out, k_out = groups.launch_groups(
+        HEAD_PREP,
+        [
+            queries,
+            keys,
+            blank if q_weight is None else q_weight,
+            blank if k_weight is None else k_weight,
+            int_params(q_rows, k_rows, dim, q_heads, k_heads, seq, start, flags),
+            fparams,
+        ],
+        [queries.shape, keys.shape],
+        [queries.dtype, queries.dtype],
+        -(-(q_rows + k_rows) // ROWS_PER_GROUP),
+        queries.dtype,
+    )
+    return q_out, k_out
+
+
+def head_prep(
+    queries: mx.array,
+    keys: mx.array,
+    *,
+    eps: float,
+    k_eps: Optional[float] = None,
+    q_weight: Optional[mx.array] = None,
+    k_weight: Optional[mx.array] = None,
+    q_scale: float = 1.0,
+    k_scale: float = 1.0,
+    rope_base: Optional[float] = None,
+    rope_scale: float = 1.0,
+    start: int = 0,
+    use_kernel: Optional[bool] = None,
+) -> Tuple[mx.array, mx.array]:
+    """RMS-normed, scaled and rotated queries and keys, in one launch on a GPU.
+
+    Args:
+        queries: The q projection's heads.
+        keys: The k projection's heads.
+        eps: The queries' norm epsilon (also the keys' unless ``k_eps``).
+        k_eps: The keys' norm epsilon.
+        q_weight: The queries' norm weight ``(D,)`` (None: no weight).
+        k_weight: The keys' norm weight ``(D,)`` (None: no weight).
+        q_scale: Multiplies the normed queries (in their dtype, as ``x * scale``).
+        k_scale: Multiplies the normed keys.
+        rope_base: RoPE's base over the whole head (mlx's non-traditional form);
+            None: no RoPE.
+        rope_scale: RoPE's position scale.
+        start: Position of the first token (``S`` consecutive positions).
+        use_kernel: None: the kernel on a GPU backend, the reference elsewhere;
+            True / False force one form (the reference also where the kernel does
+            not take the head dim).
+
+    Shapes: queries ``(B, S, Hq, D)``, keys ``(B, S, Hkv, D)``; returns both shapes.
+
+    Returns:
+        ``(queries, keys)`` prepared.
+
+    Raises:
+        ValueError: shapes, dtypes, weights or ``start`` that do not fit.
+    """
+    _check(queries, keys, q_weight, k_weight, start)
+    arguments = dict(
+        eps=eps,
+        k_eps=k_eps,
+        q_weight=q_weight,
+        k_weight=k_weight,
+        q_scale=q_scale,
+        k_scale=k_scale,
+        rope_base=rope_base,
+        rope_scale=rope_scale,
+        start=start,
+    )
+    if backend.use_kernel_path(use_kernel, True) and kernel_serves(
+        queries.shape[3], queries.dtype
+    ):
+        return kernel_head_prep(queries, keys, **arguments)
+    return reference_head_prep(queries, keys, **arguments)
