@@ -65,7 +65,8 @@ from dflash.kernel_patch import KernelPatch
 from .common import write_json
 from .launch_cost import stubbed_launches
 
-ARMS = ("mlx", "mlx-compiled", "ours", "ours-compiled")
+# ``ours-unprepared``: ours with Glimmer's q/k norms, scale and RoPE as mlx's five ops.
+ARMS = ("mlx", "mlx-compiled", "ours", "ours-compiled", "ours-unprepared")
 Forward = Callable[[mx.array], mx.array]
 
 
@@ -234,7 +235,12 @@ def arm_context(model, arm: str, attention: bool = False):
         return
     with (
         held_norms(model, None, True),
-        KernelPatch(model, attention=attention, matmul=True),
+        KernelPatch(
+            model,
+            attention=attention,
+            matmul=True,
+            head_prep=False if arm.endswith("-unprepared") else None,
+        ),
     ):
         yield
 

@@ -220,6 +220,7 @@ def _libm_log2f():
     return function
 
 
+@functools.lru_cache(maxsize=64)
 def log2_base(base: float) -> float:
     """``log2(base)`` in float32 as mlx's RoPE hands it to its kernels
     (``std::log2`` of the float base)."""
@@ -322,6 +323,19 @@ def _no_weight(dtype: mx.Dtype) -> mx.array:
     return mx.zeros((1,), dtype)
 
 
+@functools.lru_cache(maxsize=256)
+def _float_params(eps, k_eps, q_scale, k_scale, rope_base, rope_scale) -> mx.array:
+    """The launch's float scalars (one array per layer's constants, memoised)."""
+    return float_params(
+        float(eps),
+        float(eps if k_eps is None else k_eps),
+        float(q_scale),
+        float(k_scale),
+        log2_base(rope_base) if rope_base is not None else 0.0,
+        float(rope_scale),
+    )
+
+
 def kernel_head_prep(
     queries: mx.array,
     keys: mx.array,
@@ -348,14 +362,7 @@ def kernel_head_prep(
         | (K_WEIGHT if k_weight is not None else 0)
         | (ROPE if rope_base is not None else 0)
     )
-    fparams = float_params(
-        float(eps),
-        float(eps if k_eps is None else k_eps),
-        float(q_scale),
-        float(k_scale),
-        log2_base(rope_base) if rope_base is not None else 0.0,
-        float(rope_scale),
-    )
+    fparams = _float_params(eps, k_eps, q_scale, k_scale, rope_base, rope_scale)
     blank = _no_weight(queries.dtype)
     q_out, k_out = groups.launch_groups(
         HEAD_PREP,
