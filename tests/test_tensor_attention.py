@@ -31,7 +31,7 @@ from test_verify_kernels import (
     assert_seamless,
 )
 
-from dflash.metal import attention, groups, tensor_attention, tensor_qmm
+from dflash.metal import attention, groups, heads, tensor_attention, tensor_qmm
 from dflash.metal.groups import build_group_kernel
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
@@ -255,7 +255,8 @@ RAN_ON_THE_H200 = {
     # Session 20 (docs/benchmarks/h200-2026-12-02-s20, calls H-I): both attention layouts
     # read (B, S, Hq, D) queries (32 `cuda` attention tests, 92 route tests); the opt-in
     # matmul forms, one K group and the folded offset, through the 42 `cuda` matmul tests
-    # each with their switch set.
+    # each with their switch set. Calls J-L: head prep (15 `cuda` tests, mlx's bits).
+    "dflash_head_prep_3f35be8a1b",
     "dflash_attend_chunks_stream128_f6bed75984",
     "dflash_attend_chunks_split128_56623e56c5",
     "dflash_tensor_q4_m1_bbc3c862f6",
@@ -289,6 +290,7 @@ def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
         for layout in tensor_attention.LAYOUTS.values()
     }
     shipped.add(attention.FOLD_CHUNKS.name("cuda"))
+    shipped.add(heads.HEAD_PREP.name("cuda"))
     shipped.update(spec.name("cuda") for spec in tensor_qmm.SPECS)
     assert shipped == RAN_ON_THE_H200 | NOT_RUN_SINCE_CHANGED
     # Every form the default switches launch ran.
