@@ -22,7 +22,6 @@ an op).
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
@@ -57,14 +56,7 @@ def held_norms_wanted(use_held: Optional[bool] = None) -> bool:
     Raises:
         ValueError: ``DFLASH_HELD_NORMS`` is set to something that is not a switch value.
     """
-    if use_held is not None:
-        return bool(use_held)
-    switch = backend.env_switch(HELD_NORMS_ENV)
-    if switch is None and os.environ.get(HELD_NORMS_ENV, "").strip():
-        raise ValueError(
-            f"{HELD_NORMS_ENV} must be 0 or 1, got {os.environ[HELD_NORMS_ENV]!r}"
-        )
-    return switch is not False
+    return backend.strict_switch(HELD_NORMS_ENV, use_held)
 
 
 def _held_call(self: nn.Module, x: mx.array) -> mx.array:

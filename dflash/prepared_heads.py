@@ -19,7 +19,6 @@ wherever the kernel patch routes attention.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -44,14 +43,7 @@ def head_prep_wanted(use_head_prep: Optional[bool] = None) -> bool:
     Raises:
         ValueError: ``DFLASH_HEAD_PREP`` is set to something that is not a switch value.
     """
-    if use_head_prep is not None:
-        return bool(use_head_prep)
-    switch = backend.env_switch(HEAD_PREP_ENV)
-    if switch is None and os.environ.get(HEAD_PREP_ENV, "").strip():
-        raise ValueError(
-            f"{HEAD_PREP_ENV} must be 0 or 1, got {os.environ[HEAD_PREP_ENV]!r}"
-        )
-    return switch is not False
+    return backend.strict_switch(HEAD_PREP_ENV, use_head_prep)
 
 
 def _activation_dtype(module: nn.Module) -> mx.Dtype:

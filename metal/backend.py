@@ -63,6 +63,20 @@ def env_switch(name: str) -> Optional[bool]:
     return None
 
 
+def strict_switch(name: str, given: Optional[bool], default: bool = True) -> bool:
+    """``given`` when not None, else the on/off switch ``name``, else ``default``.
+
+    Raises:
+        ValueError: ``name`` is set to something that is not an on/off word.
+    """
+    if given is not None:
+        return bool(given)
+    switch = env_switch(name)
+    if switch is None and os.environ.get(name, "").strip():
+        raise ValueError(f"{name} must be 0 or 1, got {os.environ[name]!r}")
+    return default if switch is None else switch
+
+
 # ``DFLASH_KERNELS=0`` makes every default (``use_kernel=None``) pick the pure-MLX
 # reference; an explicit ``use_kernel=True`` still launches the kernel.
 KERNELS_ENV = "DFLASH_KERNELS"

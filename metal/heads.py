@@ -38,6 +38,7 @@ import ctypes
 import ctypes.util
 import functools
 import math
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -241,13 +242,43 @@ def kernel_serves(dim: int, dtype: mx.Dtype) -> bool:
     return dim <= MAX_DIM and dim % width == 0 and dim // width <= MAX_VECTORS
 
 
-def _check(
-    queries: mx.array,
-    keys: mx.array,
-    q_weight: Optional[mx.array],
-    k_weight: Optional[mx.array],
-    start: int,
-) -> None:
+@dataclass(frozen=True, eq=False)
+class Prep:
+    """What one :func:`head_prep` call does (its keyword arguments).
+
+    Attributes:
+        eps: The queries' norm epsilon (also the keys' unless ``k_eps``).
+        k_eps: The keys' norm epsilon.
+        q_weight: The queries' norm weight ``(D,)`` (None: no weight).
+        k_weight: The keys' norm weight ``(D,)`` (None: no weight).
+        q_scale: Multiplies the normed queries (in their dtype, as ``x * scale``).
+        k_scale: Multiplies the normed keys.
+        rope_base: RoPE's base over the whole head (mlx's non-traditional form);
+            None: no RoPE.
+        rope_scale: RoPE's position scale.
+        start: Position of the first token (``S`` consecutive positions).
+    """
+
+    eps: float
+    k_eps: Optional[float] = None
+    q_weight: Optional[mx.array] = None
+    k_weight: Optional[mx.array] = None
+    q_scale: float = 1.0
+    k_scale: float = 1.0
+    rope_base: Optional[float] = None
+    rope_scale: float = 1.0
+    start: int = 0
+
+    def norms(self) -> tuple:
+        """``(weight, eps, scale)`` of the queries, then of the keys."""
+        k_eps = self.eps if self.k_eps is None else self.k_eps
+        return (
+            (self.q_weight, self.eps, self.q_scale),
+            (self.k_weight, k_eps, self.k_scale),
+        )
+
+
+def _check(queries: mx.array, keys: mx.array, prep: Prep) -> None:
     """Raise ValueError for arguments :func:`head_prep` cannot take."""
     if queries.ndim != 4 or keys.ndim != 4:
         raise ValueError(
@@ -265,7 +296,7 @@ def _check(
         )
     if queries.shape[3] % 2:
         raise ValueError(f"head dim must be even for RoPE, got {queries.shape[3]}")
-    for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
+    for name, weight in (("q_weight", prep.q_weight), ("k_weight", prep.k_weight)):
         if weight is not None and (
             weight.shape != (queries.shape[3],) or weight.dtype != queries.dtype
         ):
@@ -273,47 +304,34 @@ def _check(
                 f"{name} must be ({queries.shape[3]},) {queries.dtype}, got "
                 f"{weight.shape} {weight.dtype}"
             )
+    start = prep.start
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise ValueError(f"start must be an int >= 0, got {start!r}")
 
 
 def reference_head_prep(
-    queries: mx.array,
-    keys: mx.array,
-    *,
-    eps: float,
-    k_eps: Optional[float] = None,
-    q_weight: Optional[mx.array] = None,
-    k_weight: Optional[mx.array] = None,
-    q_scale: float = 1.0,
-    k_scale: float = 1.0,
-    rope_base: Optional[float] = None,
-    rope_scale: float = 1.0,
-    start: int = 0,
+    queries: mx.array, keys: mx.array, prep: Prep
 ) -> Tuple[mx.array, mx.array]:
     """mlx's own ops in mlx-lm's order: ``rms_norm``, ``* scale``, ``rope``.
 
     Shapes: queries ``(B, S, Hq, D)``, keys ``(B, S, Hkv, D)``; returns both shapes.
     """
     prepared = []
-    for heads, weight, norm_eps, scale in (
-        (queries, q_weight, eps, q_scale),
-        (keys, k_weight, eps if k_eps is None else k_eps, k_scale),
-    ):
-        heads = mx.fast.rms_norm(heads, weight, norm_eps)
+    for given, (weight, eps, scale) in zip((queries, keys), prep.norms()):
+        out = mx.fast.rms_norm(given, weight, eps)
         if scale != 1.0:
-            heads = heads * scale
-        if rope_base is not None:
+            out = out * scale
+        if prep.rope_base is not None:
             # RoPE's positions run along the second-to-last axis: (B, H, S, D).
-            heads = mx.fast.rope(
-                heads.transpose(0, 2, 1, 3),
-                heads.shape[3],
+            out = mx.fast.rope(
+                out.transpose(0, 2, 1, 3),
+                out.shape[3],
                 traditional=False,
-                base=rope_base,
-                scale=rope_scale,
-                offset=start,
+                base=prep.rope_base,
+                scale=prep.rope_scale,
+                offset=prep.start,
             ).transpose(0, 2, 1, 3)
-        prepared.append(heads)
+        prepared.append(out)
     return prepared[0], prepared[1]
 
 
@@ -337,20 +355,9 @@ def _float_params(eps, k_eps, q_scale, k_scale, rope_base, rope_scale) -> mx.arr
 
 
 def kernel_head_prep(
-    queries: mx.array,
-    keys: mx.array,
-    *,
-    eps: float,
-    k_eps: Optional[float] = None,
-    q_weight: Optional[mx.array] = None,
-    k_weight: Optional[mx.array] = None,
-    q_scale: float = 1.0,
-    k_scale: float = 1.0,
-    rope_base: Optional[float] = None,
-    rope_scale: float = 1.0,
-    start: int = 0,
+    queries: mx.array, keys: mx.array, prep: Prep
 ) -> Tuple[mx.array, mx.array]:
-    """One launch of :data:`HEAD_PREP` (arguments as :func:`head_prep`).
+    """One launch of :data:`HEAD_PREP`.
 
     Shapes: queries ``(B, S, Hq, D)``, keys ``(B, S, Hkv, D)``; returns both shapes.
     """
@@ -358,20 +365,28 @@ def kernel_head_prep(
     k_heads = keys.shape[2]
     q_rows, k_rows = batch * seq * q_heads, batch * seq * k_heads
     flags = (
-        (Q_WEIGHT if q_weight is not None else 0)
-        | (K_WEIGHT if k_weight is not None else 0)
-        | (ROPE if rope_base is not None else 0)
+        (Q_WEIGHT if prep.q_weight is not None else 0)
+        | (K_WEIGHT if prep.k_weight is not None else 0)
+        | (ROPE if prep.rope_base is not None else 0)
     )
-    fparams = _float_params(eps, k_eps, q_scale, k_scale, rope_base, rope_scale)
+    fparams = _float_params(
+        prep.eps,
+        prep.k_eps,
+        prep.q_scale,
+        prep.k_scale,
+        prep.rope_base,
+        prep.rope_scale,
+    )
     blank = _no_weight(queries.dtype)
+    ints = int_params(q_rows, k_rows, dim, q_heads, k_heads, seq, prep.start, flags)
     q_out, k_out = groups.launch_groups(
         HEAD_PREP,
         [
             queries,
             keys,
-            blank if q_weight is None else q_weight,
-            blank if k_weight is None else k_weight,
-            int_params(q_rows, k_rows, dim, q_heads, k_heads, seq, start, flags),
+            blank if prep.q_weight is None else prep.q_weight,
+            blank if prep.k_weight is None else prep.k_weight,
+            ints,
             fparams,
         ],
         [queries.shape, keys.shape],
@@ -402,16 +417,8 @@ def head_prep(
     Args:
         queries: The q projection's heads.
         keys: The k projection's heads.
-        eps: The queries' norm epsilon (also the keys' unless ``k_eps``).
-        k_eps: The keys' norm epsilon.
-        q_weight: The queries' norm weight ``(D,)`` (None: no weight).
-        k_weight: The keys' norm weight ``(D,)`` (None: no weight).
-        q_scale: Multiplies the normed queries (in their dtype, as ``x * scale``).
-        k_scale: Multiplies the normed keys.
-        rope_base: RoPE's base over the whole head (mlx's non-traditional form);
-            None: no RoPE.
-        rope_scale: RoPE's position scale.
-        start: Position of the first token (``S`` consecutive positions).
+        eps, k_eps, q_weight, k_weight, q_scale, k_scale, rope_base, rope_scale,
+            start: As the attributes of :class:`Prep`.
         use_kernel: None: the kernel on a GPU backend, the reference elsewhere;
             True / False force one form (the reference also where the kernel does
             not take the head dim).
@@ -424,20 +431,12 @@ def head_prep(
     Raises:
         ValueError: shapes, dtypes, weights or ``start`` that do not fit.
     """
-    _check(queries, keys, q_weight, k_weight, start)
-    arguments = dict(
-        eps=eps,
-        k_eps=k_eps,
-        q_weight=q_weight,
-        k_weight=k_weight,
-        q_scale=q_scale,
-        k_scale=k_scale,
-        rope_base=rope_base,
-        rope_scale=rope_scale,
-        start=start,
+    prep = Prep(
+        eps, k_eps, q_weight, k_weight, q_scale, k_scale, rope_base, rope_scale, start
     )
+    _check(queries, keys, prep)
     if backend.use_kernel_path(use_kernel, True) and kernel_serves(
         queries.shape[3], queries.dtype
     ):
-        return kernel_head_prep(queries, keys, **arguments)
-    return reference_head_prep(queries, keys, **arguments)
+        return kernel_head_prep(queries, keys, prep)
+    return reference_head_prep(queries, keys, prep)

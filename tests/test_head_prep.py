@@ -144,6 +144,22 @@ def _same_bits(got, want) -> bool:
     )
 
 
+def assert_each_token_gets_its_bits_alone(case: Case) -> None:
+    """Each token of a block, run through the kernel, equals that token run alone at
+    its position, bit for bit."""
+    queries, keys, weights = case.arrays()
+    arguments = case.arguments(weights)
+    together = heads.head_prep(queries, keys, use_kernel=True, **arguments)
+    for s in range(case.seq):
+        alone = heads.head_prep(
+            queries[:, s : s + 1],
+            keys[:, s : s + 1],
+            use_kernel=True,
+            **{**arguments, "start": case.start + s},
+        )
+        assert _same_bits(alone, [t[:, s : s + 1] for t in together]), (case, s)
+
+
 # ------------------------------------------------------------------ compile
 
 
@@ -193,21 +209,11 @@ def test_emulated_kernel_gives_the_oracle_bits(metal_on_cpu, case: Case) -> None
 def test_each_token_of_a_block_gets_the_bits_it_gets_alone(
     metal_on_cpu, case: Case
 ) -> None:
-    queries, keys, weights = case.arrays()
-    arguments = case.arguments(weights)
-    together = heads.head_prep(queries, keys, use_kernel=True, **arguments)
-    for s in range(case.seq):
-        alone = heads.head_prep(
-            queries[:, s : s + 1],
-            keys[:, s : s + 1],
-            use_kernel=True,
-            **{**arguments, "start": case.start + s},
-        )
-        assert _same_bits(alone, [t[:, s : s + 1] for t in together]), (case, s)
+    assert_each_token_gets_its_bits_alone(case)
 
 
-def _float64_maths(heads, weight, eps, scale, rope_base, start) -> np.ndarray:
-    x = np.array(heads.astype(mx.float32)).astype(np.float64)
+def _float64_maths(given, weight, eps, scale, rope_base, start) -> np.ndarray:
+    x = np.array(given.astype(mx.float32)).astype(np.float64)
     y = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
     if weight is not None:
         y = y * np.array(weight.astype(mx.float32))
@@ -262,8 +268,14 @@ def test_reference_is_mlx_lms_ops_in_order() -> None:
     """The reference is bit for bit ``rms_norm(x) * scale`` then ``rope`` on (B, H, S, D)."""
     case = Case(mx.bfloat16, 64, 1, 5, 4, 2, 123, 500000.0, False, False, 3.87, 1e-5, 3)
     queries, keys, weights = case.arrays()
-    got = heads.reference_head_prep(
-        queries, keys, eps=1e-5, q_scale=3.87, rope_base=500000.0, start=123
+    got = heads.head_prep(
+        queries,
+        keys,
+        eps=1e-5,
+        q_scale=3.87,
+        rope_base=500000.0,
+        start=123,
+        use_kernel=False,
     )
     q = (mx.fast.rms_norm(queries, None, 1e-5) * 3.87).transpose(0, 2, 1, 3)
     k = mx.fast.rms_norm(keys, None, 1e-5).transpose(0, 2, 1, 3)
@@ -333,7 +345,7 @@ def test_cuda_kernel_gives_mlxs_bits(case: Case) -> None:
     queries, keys, weights = case.arrays()
     arguments = case.arguments(weights)
     got = heads.head_prep(queries, keys, use_kernel=True, **arguments)
-    want = heads.reference_head_prep(queries, keys, **arguments)
+    want = heads.head_prep(queries, keys, use_kernel=False, **arguments)
     assert _same_bits(got, want), case
 
 
@@ -347,7 +359,7 @@ def test_cuda_kernel_gives_mlxs_bits_at_glimmer_shapes(seq, start, dtype) -> Non
     queries, keys, weights = case.arrays()
     arguments = case.arguments(weights)
     got = heads.head_prep(queries, keys, use_kernel=True, **arguments)
-    want = heads.reference_head_prep(queries, keys, **arguments)
+    want = heads.head_prep(queries, keys, use_kernel=False, **arguments)
     assert _same_bits(got, want)
 
 
@@ -356,14 +368,4 @@ def test_cuda_kernel_gives_mlxs_bits_at_glimmer_shapes(seq, start, dtype) -> Non
 @settings(max_examples=20, deadline=None)
 @given(case=cases(dims=(64, 128), max_seq=16))
 def test_cuda_kernel_is_batch_invariant(case: Case) -> None:
-    queries, keys, weights = case.arrays()
-    arguments = case.arguments(weights)
-    together = heads.head_prep(queries, keys, use_kernel=True, **arguments)
-    for s in range(case.seq):
-        alone = heads.head_prep(
-            queries[:, s : s + 1],
-            keys[:, s : s + 1],
-            use_kernel=True,
-            **{**arguments, "start": case.start + s},
-        )
-        assert _same_bits(alone, [t[:, s : s + 1] for t in together]), (case, s)
+    assert_each_token_gets_its_bits_alone(case)

@@ -87,9 +87,9 @@ def test_served_calls_take_one_head_prep_each(monkeypatch) -> None:
 def test_use_kernel_reaches_the_head_prep_kernel(monkeypatch) -> None:
     taken = []
 
-    def kernel(queries, keys, **kwargs):
-        taken.append(kwargs["start"])
-        return heads.reference_head_prep(queries, keys, **kwargs)
+    def kernel(queries, keys, prep):
+        taken.append(prep.start)
+        return heads.reference_head_prep(queries, keys, prep)
 
     monkeypatch.setattr(heads, "kernel_head_prep", kernel)
     monkeypatch.setattr(attention, "kernel_attention", attention.reference_attention)

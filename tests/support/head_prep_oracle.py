@@ -100,29 +100,14 @@ def _prepare(
 
 
 def oracle_head_prep(
-    queries: mx.array,
-    keys: mx.array,
-    *,
-    eps: float,
-    k_eps: Optional[float] = None,
-    q_weight: Optional[mx.array] = None,
-    k_weight: Optional[mx.array] = None,
-    q_scale: float = 1.0,
-    k_scale: float = 1.0,
-    rope_base: Optional[float] = None,
-    rope_scale: float = 1.0,
-    start: int = 0,
+    queries: mx.array, keys: mx.array, **arguments
 ) -> Tuple[np.ndarray, np.ndarray]:
-    """The kernel's arithmetic in NumPy (arguments as ``head_prep``), float32 arrays."""
+    """The kernel's arithmetic in NumPy (keyword arguments as ``head_prep``'s), float32
+    arrays."""
+    prep = heads.Prep(**arguments)
+    rope = (prep.rope_base, prep.rope_scale, prep.start)
+    (q_weight, q_eps, q_scale), (k_weight, k_eps, k_scale) = prep.norms()
     return (
-        _prepare(queries, q_weight, eps, q_scale, rope_base, rope_scale, start),
-        _prepare(
-            keys,
-            k_weight,
-            eps if k_eps is None else k_eps,
-            k_scale,
-            rope_base,
-            rope_scale,
-            start,
-        ),
+        _prepare(queries, q_weight, q_eps, q_scale, *rope),
+        _prepare(keys, k_weight, k_eps, k_scale, *rope),
     )

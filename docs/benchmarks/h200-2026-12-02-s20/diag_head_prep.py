@@ -26,8 +26,8 @@ for dtype in (mx.bfloat16, mx.float16, mx.float32):
         k = mx.random.normal((1, seq, 2, 128), key=k2).astype(dtype)
         for rope in (None, 500000.0):
             args = dict(eps=1e-5, q_scale=3.87, rope_base=rope, start=start)
-            got = hp.kernel_head_prep(q, k, **args)
-            want = hp.reference_head_prep(q, k, **args)
+            got = hp.head_prep(q, k, use_kernel=True, **args)
+            want = hp.head_prep(q, k, use_kernel=False, **args)
             row = dict(
                 dtype=str(dtype),
                 seq=seq,

@@ -17,7 +17,7 @@ def ours(i):
 
 
 def ref(i):
-    return heads.reference_head_prep(q, k, start=4000 + i, **args)
+    return heads.head_prep(q, k, start=4000 + i, use_kernel=False, **args)
 
 
 def mlxlm(i):
