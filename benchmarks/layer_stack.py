@@ -65,8 +65,18 @@ from dflash.kernel_patch import KernelPatch
 from .common import write_json
 from .launch_cost import stubbed_launches
 
-# ``ours-unprepared``: ours with Glimmer's q/k norms, scale and RoPE as mlx's five ops.
-ARMS = ("mlx", "mlx-compiled", "ours", "ours-compiled", "ours-unprepared")
+# ``ours-unprepared``: ours with Glimmer's q/k norms, scale and RoPE as mlx's five ops;
+# ``ours-residual``: ours with the post-norms, residual adds and pre-norm fused (opt-in);
+# ``ours-ungated``: ours with Glimmer's output gate as mlx's two ops after the attention.
+ARMS = (
+    "mlx",
+    "mlx-compiled",
+    "ours",
+    "ours-compiled",
+    "ours-unprepared",
+    "ours-residual",
+    "ours-ungated",
+)
 Forward = Callable[[mx.array], mx.array]
 
 
@@ -240,6 +250,8 @@ def arm_context(model, arm: str, attention: bool = False):
             attention=attention,
             matmul=True,
             head_prep=False if arm.endswith("-unprepared") else None,
+            residual_norms=True if arm.endswith("-residual") else None,
+            gate_epilogue=False if arm.endswith("-ungated") else None,
         ),
     ):
         yield

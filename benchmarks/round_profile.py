@@ -60,7 +60,8 @@ from dflash.metal.tensor_qmm import (
     TWO_K_GROUPS_ENV,
     WAVE_SPLIT_ENV,
 )
-from dflash.prepared_heads import HEAD_PREP_ENV
+from dflash.prepared_heads import GATE_EPILOGUE_ENV, HEAD_PREP_ENV
+from dflash.residual_layers import RESIDUAL_NORMS_ENV
 from dflash.taps import TargetTaps
 
 from .common import busy_us, cupti_trace
@@ -191,6 +192,8 @@ KERNEL_ARMS = {
     "default-kgroups1": None,
     "default-interleaved": None,
     "default-unprepared": None,
+    "default-residual": None,
+    "default-ungated": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -227,6 +230,8 @@ ARM_SUFFIXES = {
     "kgroups1": (TWO_K_GROUPS_ENV, "0"),  # one warp group a CTA
     "interleaved": (MEMBER_MAJOR_ENV, "0"),  # fused members' columns row by row
     "unprepared": (HEAD_PREP_ENV, "0"),  # q/k norms, scale and RoPE as mlx's five ops
+    "residual": (RESIDUAL_NORMS_ENV, "1"),  # post-norms, adds, pre-norm fused (opt-in)
+    "ungated": (GATE_EPILOGUE_ENV, "0"),  # Glimmer's gate as mlx's ops after attention
 }
 
 

@@ -243,10 +243,11 @@ def dflash_generate_step(
     stats.block_size = block_size
     progress = prompt_progress_callback or (lambda *_: None)
     sampling = Sampling(sampler, logits_processors, prompt[:-1])
+    # The kernels before the taps: a tapped layer keeps mlx-lm's forward.
     with (
-        TargetTaps(model, drafter.config.target_layer_ids, start_early=True) as taps,
         mx.stream(stream),
         verify_kernels(model, drafter),
+        TargetTaps(model, drafter.config.target_layer_ids, start_early=True) as taps,
         held_norms(model, drafter),
         attention_route(model),
     ):

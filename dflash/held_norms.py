@@ -172,6 +172,36 @@ class HeldNorms:
         self.uninstall()
 
 
+def is_centered(norm: nn.Module) -> bool:
+    """Whether ``norm`` is a one-dimensional norm of a class in
+    :data:`OFFSET_NORM_CLASSES` (held or not) whose forward is the held form."""
+    base = getattr(type(norm), _ORIGINAL_CLASS, type(norm))
+    if (base.__module__, base.__name__) not in OFFSET_NORM_CLASSES:
+        return False
+    weight = norm["weight"] if "weight" in norm else None
+    if not isinstance(weight, mx.array) or weight.ndim != 1:
+        return False
+    verdict = (base, weight.dtype)
+    if verdict not in _VERDICTS:
+        _VERDICTS[verdict] = forward_matches(norm)
+    return _VERDICTS[verdict]
+
+
+def centered_scale(norm: nn.Module) -> mx.array:
+    """``1.0 + norm.weight`` as the norm's forward passes it: the held array while the
+    norm is held, else computed now (the same op, so the same bits).
+
+    Shapes: returns ``(D,)``.
+    """
+    weight = norm.weight
+    held = norm.__dict__.get(_HELD)
+    if held is None:
+        return 1.0 + weight
+    if held[0] is not weight:
+        held = norm.__dict__[_HELD] = (weight, 1.0 + weight)
+    return held[1]
+
+
 def is_held(module: nn.Module) -> bool:
     """Whether ``module`` is a norm swapped by :class:`HeldNorms`."""
     return hasattr(type(module), _ORIGINAL_CLASS)

@@ -21,7 +21,14 @@
   target's attention forward runs its q/k RMS norms, the query scale and RoPE as one
   :func:`dflash.metal.heads.head_prep` launch for the calls the route serves
   (:mod:`dflash.prepared_heads`; the class is taken only after a probe shows the
-  re-stated forward gives the class's own bits).
+  re-stated forward gives the class's own bits), and hands its output gate to the
+  route, whose fold applies it (``DFLASH_GATE_EPILOGUE=0`` off).
+* **Residual norms** (Muse Glimmer; opt-in: ``residual_norms=True`` or
+  ``DFLASH_RESIDUAL_NORMS=1``; measured slower, :mod:`dflash.residual_layers`): each decoder layer runs its post-attention norm, residual add and
+  pre-feedforward norm as one :func:`dflash.metal.norms.residual_norm` launch,
+  and its post-feedforward norm and add as another, for the calls the route serves
+  (:mod:`dflash.residual_layers`; probed as the prepared heads are; a tapped layer is
+  left alone, so the generators install the patch before the taps).
 * **Drafter attention.** Each :class:`~dflash.drafter.DraftAttention` gets a
   subclass whose forward attends the context plane and the block's own keys in
   place (the block is not copied into the plane's scratch rows).
@@ -64,7 +71,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import folded_attention as folded
-from . import prepared_heads
+from . import prepared_heads, residual_layers
 from .cache.checkpoint import DEFERRED, RingPlaneCheckpoint
 from .cache.plane import KvPlane, RingPlane, kv_halves
 from .fused_projections import (
@@ -106,11 +113,14 @@ class AttentionRoute:
         use_kernel: Passed to :func:`small_query_attention` (None: kernel on a GPU).
         max_queries: Calls with more queries (prefill chunks) keep mlx's attention.
         chunk: Keys per chunk of the fixed reduction order.
+        gate_epilogue: Prepared Glimmer attention hands its output gate to the route,
+            which applies it in the attention's last pass.
     """
 
     use_kernel: Optional[bool] = None
     max_queries: int = 32
     chunk: int = 256
+    gate_epilogue: bool = True
 
     def attend(
         self,
@@ -120,13 +130,16 @@ class AttentionRoute:
         cache: Any,
         scale: float,
         mask: Any,
+        gate: Optional[mx.array] = None,
     ) -> Optional[mx.array]:
         """The routed attention, or None when this call must keep mlx's.
 
         ``keys`` / ``values`` are what ``cache.update_and_fetch`` returned; they are read
         only when the plane no longer holds the rows (a staged chunk outside a checkpoint).
+        ``gate``: multiply the result by ``mx.sigmoid(gate)`` (inside the kernel).
 
-        Shapes: queries ``(B, Hq, S, D)``; returns ``(B, Hq, S, D)``.
+        Shapes: queries ``(B, Hq, S, D)``; gate ``(B, S, Hq * D)``; returns
+        ``(B, Hq, S, D)``.
         """
         count = queries.shape[2]
         if (
@@ -151,6 +164,7 @@ class AttentionRoute:
             causal=True,
             query_start=cache.offset - count,
             chunk=self.chunk,
+            gate=gate,
             use_kernel=self.use_kernel,
         )
 
@@ -301,13 +315,27 @@ def _prepared_class(base: type) -> type:
             if x.shape[1] > route.max_queries:
                 return base.__call__(self, x, mask, cache)
             attend = prepared_heads.model_attention(base)
+            gated = route.attend if route.gate_epilogue else None
             return prepared_heads.attention_forward(
-                self, x, mask, cache, attend, route.use_kernel
+                self, x, mask, cache, attend, route.use_kernel, gated
             )
         finally:
             _ACTIVE.reset(token)
 
     return _swapped_class("prepared", base, __call__)
+
+
+def _residual_class(base: type) -> type:
+    """A subclass of ``base`` (a decoder layer :mod:`dflash.residual_layers` re-states)
+    whose served calls run each post-norm, residual add and pre-norm as one launch."""
+
+    def __call__(self, x, mask=None, cache=None):
+        route = self._dflash_route
+        if x.size // x.shape[-1] > route.max_queries:
+            return base.__call__(self, x, mask, cache)
+        return residual_layers.layer_forward(self, x, mask, cache, route.use_kernel)
+
+    return _swapped_class("residual", base, __call__)
 
 
 def _draft_class(base: type) -> type:
@@ -593,6 +621,13 @@ class KernelPatch:
         head_prep: With ``attention``, run the q/k norms, scale and RoPE of the
             target's attention classes :mod:`dflash.prepared_heads` re-states as one
             launch. None: :func:`dflash.prepared_heads.head_prep_wanted`.
+        residual_norms: With ``attention``, run the target's decoder layers that
+            :mod:`dflash.residual_layers` re-states with their norm-add(-norm) groups
+            as one launch each. None:
+            :func:`dflash.residual_layers.residual_norms_wanted`.
+        gate_epilogue: With ``head_prep``, apply Muse Glimmer's output gate in the
+            attention's last pass (two kernels fewer a layer). None:
+            :func:`dflash.prepared_heads.gate_epilogue_wanted`.
 
     Raises:
         ValueError: ``model``'s architecture is not one whose attention can be routed.
@@ -612,6 +647,8 @@ class KernelPatch:
         projections: bool = False,
         compile_blocks: Optional[bool] = None,
         head_prep: Optional[bool] = None,
+        residual_norms: Optional[bool] = None,
+        gate_epilogue: Optional[bool] = None,
     ) -> None:
         if attention and not supports(model):
             raise ValueError(
@@ -622,7 +659,12 @@ class KernelPatch:
             raise ValueError(f"max_queries must be >= 1, got {max_queries}")
         self.model = model
         self.drafter = drafter
-        self.route = AttentionRoute(use_kernel, max_queries, chunk)
+        self.route = AttentionRoute(
+            use_kernel,
+            max_queries,
+            chunk,
+            prepared_heads.gate_epilogue_wanted(gate_epilogue),
+        )
         self.attention = attention
         self.matmul = matmul
         self.fuse = fuse_wanted() if fuse is None else bool(fuse)
@@ -631,6 +673,9 @@ class KernelPatch:
             compiled_blocks_wanted() if compile_blocks is None else bool(compile_blocks)
         )
         self.head_prep = bool(attention) and prepared_heads.head_prep_wanted(head_prep)
+        self.residual_norms = bool(attention) and residual_layers.residual_norms_wanted(
+            residual_norms
+        )
         self._groups: List[FusedProjections] = []
         self._patched: List[nn.Module] = []
         self._modules: List[str] = []
@@ -693,6 +738,18 @@ class KernelPatch:
             and all(id(child) in routed for child in _children(block))
         ]
 
+    def residual_layers(self) -> List[nn.Module]:
+        """The target's decoder layers :meth:`install` runs with fused residual norms
+        (served classes whose probe passes; empty without ``residual_norms``)."""
+        if not self.residual_norms:
+            return []
+        return [
+            layer
+            for layer in target_layers(self.model)
+            if residual_layers.serves(layer)
+            and residual_layers.forward_matches(layer, type(layer))
+        ]
+
     def install(self) -> "KernelPatch":
         """Swap the classes and hook the model module (all or nothing).
 
@@ -708,9 +765,10 @@ class KernelPatch:
         sets = sibling_sets(self.sibling_parents()) if self.projections else []
         members = [m for members in sets for m in members]
         blocks = self.mlp_blocks(matmul) if self.compile_blocks else []
+        layers = self.residual_layers()
         busy = [
             m
-            for m in attention + matmul + members + blocks
+            for m in attention + matmul + members + blocks + layers
             if hasattr(type(m), _ORIGINAL_CLASS)
         ]
         if busy:
@@ -747,6 +805,9 @@ class KernelPatch:
             self._patched.append(module)
         for module in blocks:
             _swap(module, _block_class(type(module)), self.route)
+            self._patched.append(module)
+        for module in layers:
+            _swap(module, _residual_class(type(module)), self.route)
             self._patched.append(module)
         try:
             if self.matmul and self.fuse:

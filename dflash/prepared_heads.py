@@ -13,8 +13,14 @@ The head prep's reference is mlx's own ops in mlx-lm's order, so on the CPU (and
 own on a probe input, bit for bit, once per (class, RoPE or not, dtype). An mlx-lm
 whose Glimmer attention computes something else keeps its own forward.
 
-Switch: ``DFLASH_HEAD_PREP=0`` keeps mlx-lm's forward (routed as before); default on
-wherever the kernel patch routes attention.
+The output gate (``out * sigmoid(gate_proj(x))``) is handed to the kernel route, which
+applies it in the attention's last pass (the fold's epilogue, mlx's own ``Sigmoid`` and
+``Multiply`` on CUDA): two kernels fewer a layer. A call the route does not serve runs
+mlx-lm's attention and gate.
+
+Switches: ``DFLASH_HEAD_PREP=0`` keeps mlx-lm's forward (routed as before);
+``DFLASH_GATE_EPILOGUE=0`` keeps the gate as mlx's two ops. Both default on wherever
+the kernel patch routes attention.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from .metal import backend
 from .metal.heads import head_prep
 
 HEAD_PREP_ENV = "DFLASH_HEAD_PREP"
+GATE_EPILOGUE_ENV = "DFLASH_GATE_EPILOGUE"
 # (module, class name) of the attention forwards this module re-states (mlx-lm 0.32.2).
 PREPARED_CLASSES = frozenset({("mlx_lm.models.muse_glimmer", "Attention")})
 
@@ -44,6 +51,18 @@ def head_prep_wanted(use_head_prep: Optional[bool] = None) -> bool:
         ValueError: ``DFLASH_HEAD_PREP`` is set to something that is not a switch value.
     """
     return backend.strict_switch(HEAD_PREP_ENV, use_head_prep)
+
+
+def gate_epilogue_wanted(use_gate_epilogue: Optional[bool] = None) -> bool:
+    """Whether prepared attention hands its output gate to the kernel route (applied in
+    the attention's last pass): the argument decides, else ``DFLASH_GATE_EPILOGUE``,
+    else on.
+
+    Raises:
+        ValueError: ``DFLASH_GATE_EPILOGUE`` is set to something that is not a switch
+            value.
+    """
+    return backend.strict_switch(GATE_EPILOGUE_ENV, use_gate_epilogue)
 
 
 def _activation_dtype(module: nn.Module) -> mx.Dtype:
@@ -81,6 +100,7 @@ def attention_forward(
     cache: Any,
     attend: Callable,
     use_kernel: Optional[bool],
+    gated_attend: Optional[Callable] = None,
 ) -> mx.array:
     """Glimmer's attention forward, q/k norm, scale and RoPE in one launch.
 
@@ -91,6 +111,8 @@ def attention_forward(
         cache: The layer's cache (or None).
         attend: The model module's ``scaled_dot_product_attention`` (hooked or not).
         use_kernel: Passed to :func:`head_prep`.
+        gated_attend: The kernel route's attention taking the output gate (it returns
+            None for a call it does not serve; then ``attend`` and mlx-lm's gate run).
 
     Shapes: x ``(B, L, H)``; returns ``(B, L, H)``.
     """
@@ -114,9 +136,15 @@ def attention_forward(
     values = values.transpose(0, 2, 1, 3)
     if cache is not None:
         keys, values = cache.update_and_fetch(keys, values)
+    gate = module.gate_proj(x)
+    out = None
+    if gated_attend is not None:
+        out = gated_attend(queries, keys, values, cache, module.scale, mask, gate)
+    if out is not None:  # gated inside the attention's last pass
+        return module.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
     out = attend(queries, keys, values, cache=cache, scale=module.scale, mask=mask)
     out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
-    out = out * mx.sigmoid(module.gate_proj(x))
+    out = out * mx.sigmoid(gate)
     return module.o_proj(out)
 
 

@@ -19,9 +19,11 @@ reference (see ``docs/metal.md``):
 * :func:`small_row_matmul`: ``x @ W.T`` for 1 to 32 rows, dense or mlx's
   affine-quantized weights, batch-invariant (:mod:`dflash.metal.qmm`);
 * :func:`head_prep`: the RMS norms, scale and RoPE of a layer's queries and keys
-  in one launch, with mlx's arithmetic (:mod:`dflash.metal.heads`).
+  in one launch, with mlx's arithmetic (:mod:`dflash.metal.heads`);
+* :func:`residual_norm`: a branch's RMS norm, the residual add and the next RMS
+  norm in one launch, with mlx's arithmetic (:mod:`dflash.metal.norms`).
 
-The verify kernels (the last three) cooperate inside threadgroups; their shared
+The verify kernels (the last five) cooperate inside threadgroups; their shared
 bodies, per-backend headers and prologues are described in :mod:`dflash.metal.groups`.
 
 The kernels take arrays, never cache objects: ``dflash.cache`` runs them on its
@@ -32,6 +34,7 @@ measurement behind it, is in :mod:`dflash.metal.backend`.
 from .attention import KeyPlane, small_query_attention
 from .backend import kernel_backend
 from .heads import head_prep
+from .norms import residual_norm
 from .qmm import small_row_matmul
 from .retain import restore_rows, retain_rows
 from .ring import ShadowStager, ring_write, wrapped_rows
@@ -41,6 +44,7 @@ __all__ = [
     "ShadowStager",
     "head_prep",
     "kernel_backend",
+    "residual_norm",
     "restore_rows",
     "retain_rows",
     "ring_write",

@@ -401,6 +401,7 @@ def reference_attention(
     plan: Plan,
     scale: float,
     softcap: Optional[float],
+    gate: Optional[mx.array] = None,
 ) -> mx.array:
     """The pure-MLX form of :func:`small_query_attention` (batch-invariant).
 
@@ -412,12 +413,33 @@ def reference_attention(
         plan: The validated geometry (:func:`make_plan`).
         scale: Score scale.
         softcap: Logit soft-cap (None or 0: none).
+        gate: Output gate: the result times ``mx.sigmoid(gate)`` (None: none).
 
     Returns:
         Attention output in the queries' dtype.
 
-    Shapes: queries ``(B, Hq, S, D)``; returns ``(B, Hq, S, D)``.
+    Shapes: queries ``(B, Hq, S, D)``; gate ``(B, S, Hq, D)``; returns
+    ``(B, Hq, S, D)``.
     """
+    out = _reference_attention(
+        queries, plane, block_keys, block_values, plan, scale, softcap
+    )
+    if gate is None:
+        return out
+    # mlx-lm's order: the output back in (B, S, Hq, D), times the gate's sigmoid.
+    return (out.transpose(0, 2, 1, 3) * mx.sigmoid(gate)).transpose(0, 2, 1, 3)
+
+
+def _reference_attention(
+    queries: mx.array,
+    plane: KeyPlane,
+    block_keys: Optional[mx.array],
+    block_values: Optional[mx.array],
+    plan: Plan,
+    scale: float,
+    softcap: Optional[float],
+) -> mx.array:
+    """:func:`reference_attention` without a gate."""
     batch, heads, count, dim = queries.shape
     group = heads // plan.kv_heads
     queries32 = queries.astype(mx.float32).reshape(
@@ -759,7 +781,42 @@ FOLD_CHUNKS = GroupKernelSpec(
     threads=THREADS,
     small_inputs=("fold_params",),
 )
-SPECS = (ATTEND_CHUNKS, FOLD_CHUNKS)
+
+# The fold with Glimmer's output gate as its epilogue: ``out * sigmoid(gate)``, with the
+# gate (B, S, Hq * D) laid out as the output. On CUDA it is mlx's own ``Sigmoid`` and
+# ``Multiply`` functors (the header mlx's kernels use), so the bits are those of
+# ``mx.sigmoid`` and ``*`` after the plain fold; the Metal form computes the sigmoid in
+# float32 as mlx's Metal formula writes it, rounded to ``T`` (emulated only).
+FOLD_GATE_HELPERS = """
+#ifdef __CUDACC__
+#include "mlx/backend/cuda/device/unary_ops.cuh"
+#define DFL_GATED(value, gate) (T(value) * ::mlx::core::cu::Sigmoid{}(gate))
+#else
+DFL_FN float dfl_sigmoid(float x) {
+  const float y = 1.0f / (1.0f + exp(fabs(x)));
+  return x < 0.0f ? y : 1.0f - y;
+}
+#define DFL_GATED(value, gate) \\
+  static_cast<T>(float(T(value)) * float(T(dfl_sigmoid(float(gate)))))
+#endif
+"""
+FOLD_STORE = "  out[((b * n_queries + s) * n_heads + h) * dim + d] = T(acc / l);\n"
+FOLD_GATED_STORE = (
+    "  const int at = ((b * n_queries + s) * n_heads + h) * dim + d;\n"
+    "  out[at] = DFL_GATED(acc / l, gate[at]);\n"
+)
+FOLD_GATED = GroupKernelSpec(
+    base="fold_gated",
+    input_names=("part_stats", "part_values", "fold_params", "gate"),
+    input_types=("float32", "float32", "int32", "T"),
+    output_names=("out",),
+    output_types=("T",),
+    helpers=FOLD_GATE_HELPERS,
+    body=FOLD_CHUNKS.body.replace(FOLD_STORE, FOLD_GATED_STORE),
+    threads=THREADS,
+    small_inputs=("fold_params",),
+)
+SPECS = (ATTEND_CHUNKS, FOLD_CHUNKS, FOLD_GATED)
 
 
 # ``DFLASH_TENSOR_CORES=0`` keeps CUDA on the scalar body (for comparisons); otherwise
@@ -841,14 +898,15 @@ def kernel_attention(
     plan: Plan,
     scale: float,
     softcap: Optional[float],
+    gate: Optional[mx.array] = None,
 ) -> mx.array:
     """The custom-kernel form (two launches); same contract as the reference.
 
     The chunk pass is the tensor-core one where it serves (CUDA, 16-bit types, see
     :func:`uses_tensor_cores`), else the scalar body; the fold is shared.
 
-    Shapes: queries ``(B, Hq, S, D)``; returns ``(B, Hq, S, D)``, a transposed view of
-    the ``(B, S, Hq, D)`` buffer the fold stores.
+    Shapes: queries ``(B, Hq, S, D)``; gate ``(B, S, Hq, D)``; returns
+    ``(B, Hq, S, D)``, a transposed view of the ``(B, S, Hq, D)`` buffer the fold stores.
     """
     if not kernel_serves(plan):
         raise ValueError(
@@ -882,9 +940,10 @@ def kernel_attention(
         launch.chunk_groups,
         dtype,
     )
+    fold_inputs = [stats, weighted, launch.fold_ints]
     (out,) = groups.launch_groups(
-        FOLD_CHUNKS,
-        [stats, weighted, launch.fold_ints],
+        FOLD_CHUNKS if gate is None else FOLD_GATED,
+        fold_inputs if gate is None else fold_inputs + [gate],
         [launch.out_shape],
         [dtype],
         launch.fold_groups,
@@ -909,6 +968,7 @@ def small_query_attention(
     softcap: Optional[float] = None,
     query_start: Optional[int] = None,
     chunk: int = CHUNK,
+    gate: Optional[mx.array] = None,
     use_kernel: Optional[bool] = None,
 ) -> mx.array:
     """Attention of a few queries over a plane's live rows and a held-back block.
@@ -931,6 +991,9 @@ def small_query_attention(
         query_start: Position of query 0.
         chunk: Keys per chunk of the fixed reduction order (the kernel takes at
             most 256); results are batch-invariant for any fixed ``chunk``.
+        gate: An output gate (Muse Glimmer's): the result is multiplied by
+            ``mx.sigmoid(gate)``, as mlx-lm does after the attention, inside the
+            kernel's last pass (None: no gate).
         use_kernel: None picks the kernel on a GPU backend (default device GPU,
             ``DFLASH_KERNELS`` not 0, shape within the kernel's limits), else the
             reference; True forces the kernel, False the reference.
@@ -939,7 +1002,8 @@ def small_query_attention(
         The attention output, in the queries' dtype.
 
     Shapes: queries ``(B, Hq, S, D)``; plane ``(B, Hkv, C, D)``; block
-    ``(B, Hkv, NB, D)``; returns ``(B, Hq, S, D)``.
+    ``(B, Hkv, NB, D)``; gate ``(B, S, Hq * D)`` (or any shape of that row-major
+    order and size); returns ``(B, Hq, S, D)``.
 
     Raises:
         ValueError: On any inconsistent argument (nothing is launched).
@@ -957,5 +1021,22 @@ def small_query_attention(
         use_kernel = kernel_serves(plan) and backend.use_kernel_path(None, auto=True)
     elif use_kernel:
         backend.use_kernel_path(True, auto=True)
+    if gate is not None:
+        gate = _gate_rows(gate, queries)
     form = kernel_attention if use_kernel else reference_attention
-    return form(queries, plane, block_keys, block_values, plan, scale, softcap)
+    return form(queries, plane, block_keys, block_values, plan, scale, softcap, gate)
+
+
+def _gate_rows(gate: mx.array, queries: mx.array) -> mx.array:
+    """``gate`` as ``(B, S, Hq, D)`` (a view of a row-major array).
+
+    Raises:
+        ValueError: its size or dtype does not match the queries'.
+    """
+    batch, heads, count, dim = queries.shape
+    if gate.size != batch * count * heads * dim or gate.dtype != queries.dtype:
+        raise ValueError(
+            f"gate must hold B * S * Hq * D = {batch * count * heads * dim} "
+            f"{queries.dtype} elements, got {gate.shape} {gate.dtype}"
+        )
+    return gate.reshape(batch, count, heads, dim)

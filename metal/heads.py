@@ -379,7 +379,7 @@ def kernel_head_prep(
     )
     blank = _no_weight(queries.dtype)
     ints = int_params(q_rows, k_rows, dim, q_heads, k_heads, seq, prep.start, flags)
-    q_out, k_out = groups.launch_groups(
+    q_out, k_out = groups.launch_replayed(
         HEAD_PREP,
         [
             queries,

@@ -32,7 +32,9 @@ from dflash.cache.plane import kv_halves
 from dflash.drafter import DraftAttention
 from dflash.generation import generate_step
 from dflash.kernel_patch import KernelPatch, supports
-from dflash.metal import attention, backend, heads, qmm
+from dflash.metal import attention, backend, heads
+from dflash.metal import norms as rn
+from dflash.metal import qmm
 
 
 def _f32(array: mx.array) -> np.ndarray:
@@ -401,6 +403,7 @@ def test_kernel_route_uses_the_kernel_form(monkeypatch) -> None:
 
     monkeypatch.setattr(attention, "kernel_attention", kernel)
     monkeypatch.setattr(heads, "kernel_head_prep", heads.reference_head_prep)
+    monkeypatch.setattr(rn, "kernel_residual_norm", rn.reference_residual_norm)
     monkeypatch.setattr(attention.backend, "BACKEND", "metal")
     target = tiny_model("muse_glimmer", seed=9, window=16)
     with KernelPatch(target, use_kernel=True, matmul=False):

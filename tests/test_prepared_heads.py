@@ -20,6 +20,7 @@ from dflash.cache import make_prompt_cache
 from dflash.generation import generate_step
 from dflash.kernel_patch import KernelPatch
 from dflash.metal import attention, backend, groups, heads
+from dflash.metal import norms as rn
 
 
 def _f32(array: mx.array) -> np.ndarray:
@@ -84,6 +85,29 @@ def test_served_calls_take_one_head_prep_each(monkeypatch) -> None:
     assert calls == [1] * layers + [16] * layers
 
 
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_served_calls_hand_the_gate_to_the_route(monkeypatch, switch) -> None:
+    """Each served call's output gate reaches the route's attention (applied in its last
+    pass), the same bits as mlx-lm's gate after it; ``DFLASH_GATE_EPILOGUE=0`` keeps
+    mlx's two ops."""
+    gates = []
+    original = kernel_patch.small_query_attention
+
+    def spy(*args, gate=None, **kwargs):
+        gates.append(gate is not None)
+        return original(*args, gate=gate, **kwargs)
+
+    if switch is not None:
+        monkeypatch.setenv(prepared_heads.GATE_EPILOGUE_ENV, switch)
+    target = tiny_model("muse_glimmer", seed=4, window=16)
+    want = _forwards(target, head_prep=True, gate_epilogue=False)
+    monkeypatch.setattr(kernel_patch, "small_query_attention", spy)
+    got = _forwards(target, head_prep=True)
+    assert gates and all(gates) == (switch is None) and any(gates) == (switch is None)
+    for g, w in zip(got, want):
+        assert np.array_equal(_f32(g), _f32(w))
+
+
 def test_use_kernel_reaches_the_head_prep_kernel(monkeypatch) -> None:
     taken = []
 
@@ -93,6 +117,7 @@ def test_use_kernel_reaches_the_head_prep_kernel(monkeypatch) -> None:
 
     monkeypatch.setattr(heads, "kernel_head_prep", kernel)
     monkeypatch.setattr(attention, "kernel_attention", attention.reference_attention)
+    monkeypatch.setattr(rn, "kernel_residual_norm", rn.reference_residual_norm)
     monkeypatch.setattr(backend, "BACKEND", "metal")
     target = tiny_model("muse_glimmer", seed=9, window=16)
     with KernelPatch(target, use_kernel=True, matmul=False):
@@ -121,6 +146,7 @@ def test_plain_and_speculative_agree_bitwise_through_the_emulated_kernel(
     monkeypatch.setattr(backend, "BACKEND", "metal")
     monkeypatch.setattr(groups, "launch_groups", emulator.launch)
     monkeypatch.setattr(attention, "kernel_attention", attention.reference_attention)
+    monkeypatch.setattr(rn, "kernel_residual_norm", rn.reference_residual_norm)
     target = tiny_model("muse_glimmer", seed=1, window=16)
     target.set_dtype(dtype)
     drafter = random_drafter(target, seed=11, block_size=block)

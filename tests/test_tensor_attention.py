@@ -31,7 +31,14 @@ from test_verify_kernels import (
     assert_seamless,
 )
 
-from dflash.metal import attention, groups, heads, tensor_attention, tensor_qmm
+from dflash.metal import (
+    attention,
+    groups,
+    heads,
+    norms,
+    tensor_attention,
+    tensor_qmm,
+)
 from dflash.metal.groups import build_group_kernel
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
@@ -252,6 +259,11 @@ def test_cuda_scalar_body_still_matches_the_oracle(case: Case) -> None:
 # changes it: then run the `cuda` tests on a GPU again and record the new names here
 # (README "What ran where" must stay true).
 RAN_ON_THE_H200 = {
+    # Session 21 (docs/benchmarks/h200-2026-12-02-s21, calls E-F): the residual norm
+    # (10 `cuda` tests, mlx's bits; opt-in). Call G: the gated fold (3 `cuda` tests,
+    # mlx's sigmoid and multiply bits; 8 full-size layers bit-equal to the ungated).
+    "dflash_residual_norm_2b66ef2ad0",
+    "dflash_fold_gated_e567aac492",
     # Session 20 (docs/benchmarks/h200-2026-12-02-s20, calls H-I): both attention layouts
     # read (B, S, Hq, D) queries (32 `cuda` attention tests, 92 route tests); the opt-in
     # matmul forms, one K group and the folded offset, through the 42 `cuda` matmul tests
@@ -290,7 +302,9 @@ def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
         for layout in tensor_attention.LAYOUTS.values()
     }
     shipped.add(attention.FOLD_CHUNKS.name("cuda"))
+    shipped.add(attention.FOLD_GATED.name("cuda"))
     shipped.add(heads.HEAD_PREP.name("cuda"))
+    shipped.add(norms.RESIDUAL_NORM.name("cuda"))
     shipped.update(spec.name("cuda") for spec in tensor_qmm.SPECS)
     assert shipped == RAN_ON_THE_H200 | NOT_RUN_SINCE_CHANGED
     # Every form the default switches launch ran.

@@ -18,7 +18,10 @@ What is proven where:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
+import functools
 from pathlib import Path
 
 import mlx.core as mx
@@ -353,6 +356,133 @@ def test_metal_body_sees_no_dead_row(metal_on_cpu) -> None:
     out = built.attend(True)
     assert not np.isnan(np.asarray(out.astype(mx.float32))).any()
     assert close_to_oracle(built, out)
+
+
+# ------------------------------------------------------------------ the gated fold
+
+
+def _gate_for(built) -> mx.array:
+    """A gate of the output's (B, S, Hq * D) layout, spanning the sigmoid's range."""
+    c = built.case
+    batch, heads, count, dim = built.queries.shape
+    gate = 4.0 * mx.random.normal(
+        (batch, count, heads * dim), key=mx.random.key(c.seed)
+    )
+    return gate.astype(c.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _libm_expf():
+    function = ctypes.CDLL(ctypes.util.find_library("m")).expf
+    function.restype, function.argtypes = ctypes.c_float, [ctypes.c_float]
+    return function
+
+
+def _metal_gated(out: mx.array, gate: mx.array) -> mx.array:
+    """The Metal form's epilogue in NumPy: ``T(T(out) * T(sigmoid(gate)))``, the sigmoid
+    as mlx's Metal formula in float32 (libm's expf, what the emulated body calls)."""
+    dtype = out.dtype
+    batch, heads, count, dim = out.shape
+    flat = np.asarray(out.transpose(0, 2, 1, 3).astype(mx.float32)).reshape(-1)
+    g = np.asarray(gate.astype(mx.float32)).reshape(-1)
+    expf = _libm_expf()
+    e = np.array([expf(float(abs(v))) for v in g], np.float32)
+    y = (np.float32(1.0) / (np.float32(1.0) + e)).astype(np.float32)
+    sig = np.where(g < 0, y, (np.float32(1.0) - y).astype(np.float32))
+    sig = np.asarray(mx.array(sig).astype(dtype).astype(mx.float32))
+    gated = mx.array((flat * sig).astype(np.float32)).astype(dtype)
+    return gated.reshape(batch, count, heads, dim).transpose(0, 2, 1, 3)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=_SHARED)
+@given(case=cases(**_SMALL))
+def test_metal_gated_fold_is_the_fold_times_the_gates_sigmoid(
+    metal_on_cpu, case: Case
+) -> None:
+    """The gated fold's epilogue on the fold's own output, bit for bit (emulated)."""
+    built = build(case)
+    gate = _gate_for(built)
+    plain = built.attend(True)
+    gated = built.attend(True, gate=gate)
+    assert np.array_equal(bits(gated), bits(_metal_gated(plain, gate))), case
+
+
+# Negative control: the gate read in the fold's thread order (b, h, s) instead of the
+# output's (b, s, h) layout.
+_GATE_MUTANT = dataclasses.replace(
+    attention.FOLD_GATED,
+    base="fold_gated_thread_order",
+    body=attention.FOLD_GATED.body.replace("gate[at]", "gate[gid]"),
+)
+
+
+@pytest.fixture(scope="module")
+def gate_mutant_emulator(tmp_path_factory):
+    specs = (attention.ATTEND_CHUNKS, attention.FOLD_CHUNKS, _GATE_MUTANT)
+    return built_emulator(GroupEmulator, tmp_path_factory, "gate_mutant", specs)
+
+
+def test_a_gate_read_in_the_wrong_order_fails(
+    gate_mutant_emulator, monkeypatch
+) -> None:
+    _route_groups(monkeypatch, gate_mutant_emulator)
+    monkeypatch.setattr(attention, "FOLD_GATED", _GATE_MUTANT)
+    case = Case(1, 1, 2, 16, mx.bfloat16, False, 1, 0, 3, 3, 0, None, False, 5.0, 64, 1)
+    built = build(case)
+    gate = _gate_for(built)
+    got = built.attend(True, gate=gate)
+    assert not np.array_equal(bits(got), bits(_metal_gated(built.attend(True), gate)))
+
+
+def test_reference_gate_is_mlx_lms_multiply() -> None:
+    case = Case(1, 2, 4, 32, mx.bfloat16, True, 24, 100, 9, 9, 17, 20, True, None, 8, 5)
+    built = build(case)
+    gate = _gate_for(built)
+    plain = built.attend(False)
+    batch, heads, count, dim = plain.shape
+    want = plain.transpose(0, 2, 1, 3).reshape(batch, count, -1) * mx.sigmoid(gate)
+    got = built.attend(False, gate=gate).transpose(0, 2, 1, 3).reshape(batch, count, -1)
+    assert np.array_equal(bits(got), bits(want))
+
+
+def test_a_gate_of_the_wrong_size_or_dtype_raises() -> None:
+    case = Case(1, 2, 4, 32, mx.bfloat16, True, 24, 100, 9, 9, 17, 20, True, None, 8, 5)
+    built = build(case)
+    gate = _gate_for(built)
+    with pytest.raises(ValueError, match="gate must hold"):
+        built.attend(False, gate=gate[..., 1:])
+    with pytest.raises(ValueError, match="gate must hold"):
+        built.attend(False, gate=gate.astype(mx.float32))
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=40, deadline=None)
+@given(case=cases())
+def test_cuda_gated_fold_gives_mlxs_sigmoid_and_multiply(case: Case) -> None:
+    """On CUDA the epilogue is mlx's own functors: the bits of ``out * mx.sigmoid(g)``
+    after the plain fold."""
+    built = build(case)
+    gate = _gate_for(built)
+    plain = built.attend(True)
+    batch, heads, count, dim = plain.shape
+    want = plain.transpose(0, 2, 1, 3).reshape(batch, count, -1) * mx.sigmoid(gate)
+    got = built.attend(True, gate=gate).transpose(0, 2, 1, 3).reshape(batch, count, -1)
+    assert np.array_equal(bits(got), bits(want)), case
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_cuda_gated_fold_at_glimmer_shapes(dtype) -> None:
+    case = Case(1, 2, 16, 128, dtype, True, 2048, 4096, 16, 16, 777, 2048, True,
+                None, 256, 1)  # fmt: skip
+    built = build(case)
+    gate = _gate_for(built)
+    plain = built.attend(True)
+    want = plain.transpose(0, 2, 1, 3).reshape(1, 16, -1) * mx.sigmoid(gate)
+    got = built.attend(True, gate=gate).transpose(0, 2, 1, 3).reshape(1, 16, -1)
+    assert np.array_equal(bits(got), bits(want))
 
 
 # ------------------------------------------------------------------ CUDA (GPU)

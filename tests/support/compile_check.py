@@ -45,6 +45,7 @@ from dflash.metal.sources import (
 HERE = Path(__file__).resolve().parent
 METAL_SHIM = HERE / "shim_metal.h"
 CUDA_SHIM = HERE / "shim_cuda_utils.h"
+CUDA_UNARY_SHIM = HERE / "shim_cuda_unary_ops.h"
 
 WORDS: tuple[mx.Dtype, ...] = (mx.uint16, mx.uint32, mx.uint64)
 INDEX_INPUTS = ("dests", "params")
@@ -229,6 +230,7 @@ def check_cuda(
     header = include / "mlx/backend/cuda/device/utils.cuh"
     header.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(CUDA_SHIM, header)
+    shutil.copyfile(CUDA_UNARY_SHIM, header.parent / "unary_ops.cuh")
     source = workdir / "cuda_bodies.cu"
     source.write_text(
         "\n".join(cuda_translation_unit(s, w) for s in specs for w in WORDS)

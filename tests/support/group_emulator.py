@@ -40,9 +40,7 @@ import numpy as np
 from dflash.metal.groups import GroupKernelSpec
 from dflash.metal.sources import CUDA, METAL
 
-from .compile_check import (
-    CUDA_SHIM,
-)
+from .compile_check import CUDA_SHIM, CUDA_UNARY_SHIM
 from .compile_check import METAL_SHIM as SHARED_METAL_SHIM
 from .compile_check import CompileResult, find_compiler, run_compiler
 from .driver import DRIVER_INCLUDES, buffer_args, driver_main
@@ -114,6 +112,7 @@ inline float fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 inline float fmax(float a, float b) { return __builtin_fmaxf(a, b); }
 inline float exp2(float x) { return __builtin_exp2f(x); }
 inline float rsqrt(float x) { return 1.0f / __builtin_sqrtf(x); }
+inline float fabs(float x) { return __builtin_fabsf(x); }
 namespace precise {
 inline float cos(float x) { return __builtin_cosf(x); }
 inline float sin(float x) { return __builtin_sinf(x); }
@@ -284,7 +283,10 @@ def check_cuda(
     header = workdir / "include/mlx/backend/cuda/device/utils.cuh"
     header.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(CUDA_SHIM, header)
-    parts = [CUDA_DEFAULT_HEADER]
+    shutil.copyfile(CUDA_UNARY_SHIM, header.parent / "unary_ops.cuh")
+    # mlx's device headers once, outside the units' namespaces (the bodies name their
+    # functors from the global namespace, where mlx's JIT puts them).
+    parts = [CUDA_DEFAULT_HEADER, '#include "mlx/backend/cuda/device/unary_ops.cuh"\n']
     for i, spec in enumerate(specs):
         for dtype in spec.dtypes if dtypes is None else dtypes:
             parts.append(f"namespace unit{i}_{type_suffix(dtype)} {{\n")

@@ -1,0 +1,136 @@
+"""Muse Glimmer's decoder layer with its post-norms, residual adds and pre-norm fused.
+
+mlx-lm's Glimmer decoder layer (a sandwich of four centered RMS norms) runs, after the
+attention's output projection, ``rms_norm``, the residual ``add`` and the MLP's
+``rms_norm``, and after the MLP ``rms_norm`` and ``add``: five kernels.
+:func:`layer_forward` is that forward with each group as one
+:func:`dflash.metal.norms.residual_norm` launch (two), for the calls the kernel
+route serves (at most ``max_queries`` tokens: decode steps and verify blocks); longer
+calls keep mlx-lm's forward.
+
+The kernel's reference is mlx's own ops in mlx-lm's order, so on the CPU (and with
+``use_kernel=False``) the forward gives the original's bits. Before a class is taken,
+:func:`forward_matches` checks that: this forward (reference form) against the class's
+own on a probe input, bit for bit, once per (class, dtype). An mlx-lm whose Glimmer
+layer computes something else keeps its own forward. Only a layer of exactly the
+re-stated class is taken (a tapped layer, whose class records its output, is not: its
+recording would be skipped).
+
+**Off by default** (``DFLASH_RESIDUAL_NORMS=1`` or ``KernelPatch(residual_norms=True)``
+turns it on). Measured on an H200 (session 21, ``docs/benchmarks/h200-2026-12-02-s21``):
+the kernel gives mlx's bits and cuts a 4-bit verify layer from 19.25 to 16.25 kernels,
+but costs more than the five ops it replaces, on both sides:
+
+* host: a custom-kernel launch costs ~9-12 µs of build (mlx's binding writes the
+  kernel's whole source at every call; a compiled replay ~9.5) and ~6-8 µs of encode,
+  against ~0.6-1.4 and ~4-4.5 for one of mlx's own ops, so two launches cost more
+  than three norms and two adds (15.9 + 17.0 against 12.7 + 8.7 µs);
+* device: 27.2 µs a layer against 23.9 for mlx's norms and adds (one row a threadgroup
+  of scalar loads, against mlx's vector loads).
+
+The layer stack with it on was slower in 7 of 8 pairs across two runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .held_norms import centered_scale, is_centered
+from .metal import backend
+from .metal.norms import residual_norm
+
+RESIDUAL_NORMS_ENV = "DFLASH_RESIDUAL_NORMS"
+# (module, class name) of the decoder-layer forwards this module re-states (mlx-lm
+# 0.32.2).
+RESIDUAL_CLASSES = frozenset({("mlx_lm.models.muse_glimmer", "DecoderLayer")})
+NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+
+# The probe's verdict per (class, dtype).
+_VERDICTS: Dict[Tuple[type, mx.Dtype], bool] = {}
+
+
+def residual_norms_wanted(use_residual_norms: Optional[bool] = None) -> bool:
+    """Whether the kernel patch fuses the layers' residual norms: the argument decides,
+    else ``DFLASH_RESIDUAL_NORMS``, else off (measured slower; module docstring).
+
+    Raises:
+        ValueError: ``DFLASH_RESIDUAL_NORMS`` is set to something that is not a switch
+            value.
+    """
+    return backend.strict_switch(RESIDUAL_NORMS_ENV, use_residual_norms, default=False)
+
+
+def serves(layer: nn.Module) -> bool:
+    """Whether :func:`layer_forward` can stand for ``layer``'s own forward: exactly a
+    class of :data:`RESIDUAL_CLASSES`, with the attention, MLP and four centered norms
+    it reads."""
+    base = type(layer)
+    if (base.__module__, base.__name__) not in RESIDUAL_CLASSES:
+        return False
+    if not all(hasattr(layer, name) for name in ("self_attn", "mlp") + NORMS):
+        return False
+    return all(is_centered(getattr(layer, name)) for name in NORMS)
+
+
+def _dtype(layer: nn.Module) -> mx.Dtype:
+    """The dtype the layer's norms hold (its activations')."""
+    return layer.post_attention_layernorm.weight.dtype
+
+
+def layer_forward(
+    layer: nn.Module, x: mx.array, mask: Any, cache: Any, use_kernel: Optional[bool]
+) -> mx.array:
+    """Glimmer's decoder-layer forward with each norm-add(-norm) group as one launch.
+
+    Args:
+        layer: The Glimmer decoder layer.
+        x: The layer's input.
+        mask: As mlx-lm passes it.
+        cache: The layer's cache (or None).
+        use_kernel: Passed to :func:`residual_norm`.
+
+    Shapes: x ``(B, L, H)``; returns ``(B, L, H)``.
+    """
+    post_attention = layer.post_attention_layernorm
+    pre_feedforward = layer.pre_feedforward_layernorm
+    post_feedforward = layer.post_feedforward_layernorm
+    attended = layer.self_attn(layer.input_layernorm(x), mask, cache)
+    h, normed = residual_norm(
+        attended,
+        x,
+        centered_scale(post_attention),
+        post_attention.eps,
+        next_weight=centered_scale(pre_feedforward),
+        next_eps=pre_feedforward.eps,
+        use_kernel=use_kernel,
+    )
+    out, _ = residual_norm(
+        layer.mlp(normed),
+        h,
+        centered_scale(post_feedforward),
+        post_feedforward.eps,
+        use_kernel=use_kernel,
+    )
+    return out
+
+
+def forward_matches(layer: nn.Module, base: type) -> bool:
+    """Whether :func:`layer_forward` (reference form) gives ``base``'s own forward's
+    bits on a probe input for ``layer`` (cached per class and dtype)."""
+    dtype = _dtype(layer)
+    verdict = (base, dtype)
+    if verdict not in _VERDICTS:
+        hidden = layer.post_attention_layernorm.weight.shape[0]
+        probe = mx.random.normal((1, 3, hidden), key=mx.random.key(0)).astype(dtype)
+        own = base.__call__(layer, probe, None, None)
+        ours = layer_forward(layer, probe, None, None, use_kernel=False)
+        _VERDICTS[verdict] = own.dtype == ours.dtype and bool(mx.array_equal(own, ours))
+    return _VERDICTS[verdict]
