@@ -237,7 +237,9 @@ def _launch_positional(key: tuple, *inputs: mx.array) -> list[mx.array]:
     """:func:`launch_groups` of ``key``'s geometry over positional inputs (what
     :func:`launch_replayed` traces)."""
     spec, output_shapes, output_dtypes, groups, dtype = key
-    return launch_groups(spec, list(inputs), output_shapes, output_dtypes, groups, dtype)
+    return launch_groups(
+        spec, list(inputs), output_shapes, output_dtypes, groups, dtype
+    )
 
 
 # The compiled launches per (spec, output shapes, output dtypes, groups, dtype).
@@ -311,6 +313,13 @@ def launch_counters(count: int) -> mx.array:
     if backend.tracing():
         return mx.zeros((count,), mx.int32)
     return COUNTER_POOL.take(count)
+
+
+@functools.lru_cache(maxsize=None)
+def unused_input(dtype: mx.Dtype) -> mx.array:
+    """A one-element stand-in bound to an input a launch never reads (an absent norm
+    weight)."""
+    return mx.zeros((1,), dtype)
 
 
 @functools.lru_cache(maxsize=512)

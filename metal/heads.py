@@ -335,12 +335,6 @@ def reference_head_prep(
     return prepared[0], prepared[1]
 
 
-@functools.lru_cache(maxsize=None)
-def _no_weight(dtype: mx.Dtype) -> mx.array:
-    """A one-element stand-in for an absent norm weight (the kernel never reads it)."""
-    return mx.zeros((1,), dtype)
-
-
 @functools.lru_cache(maxsize=256)
 def _float_params(eps, k_eps, q_scale, k_scale, rope_base, rope_scale) -> mx.array:
     """The launch's float scalars (one array per layer's constants, memoised)."""
@@ -377,7 +371,7 @@ def kernel_head_prep(
         prep.rope_base,
         prep.rope_scale,
     )
-    blank = _no_weight(queries.dtype)
+    blank = groups.unused_input(queries.dtype)
     ints = int_params(q_rows, k_rows, dim, q_heads, k_heads, seq, prep.start, flags)
     q_out, k_out = groups.launch_replayed(
         HEAD_PREP,

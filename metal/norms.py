@@ -44,6 +44,7 @@ import mlx.core as mx
 
 from . import backend, groups
 from .groups import GroupKernelSpec, float_params, int_params
+from .heads import vector_width
 
 THREADS = 128
 LANES = 32
@@ -207,11 +208,6 @@ RESIDUAL_NORM = GroupKernelSpec(
 SPECS = (RESIDUAL_NORM,)
 
 
-def vector_width(dtype: mx.Dtype) -> int:
-    """Elements of one 16-byte vector of ``dtype`` (mlx's RMS norm reads)."""
-    return 16 // dtype.size
-
-
 def norm_geometry(dim: int, dtype: mx.Dtype) -> Optional[Tuple[int, int]]:
     """``(block, chunks)`` of mlx's small-row RMS norm for rows of ``dim`` elements of
     ``dtype`` (its dispatch rule, read in mlx 0.32.4's ``rms_norm.cu``), or None where
@@ -281,12 +277,6 @@ def reference_residual_norm(
     return h, mx.fast.rms_norm(h, next_weight, next_eps)
 
 
-@functools.lru_cache(maxsize=None)
-def _no_weight(dtype: mx.Dtype) -> mx.array:
-    """A one-element stand-in for an absent next weight (the kernel never reads it)."""
-    return mx.zeros((1,), dtype)
-
-
 @functools.lru_cache(maxsize=256)
 def _float_params(eps: float, next_eps: float) -> mx.array:
     """The launch's float scalars (memoised per layer's constants)."""
@@ -317,7 +307,7 @@ def kernel_residual_norm(
             branch,
             residual,
             weight,
-            next_weight if has_next else _no_weight(branch.dtype),
+            next_weight if has_next else groups.unused_input(branch.dtype),
             ints,
             fparams,
         ],

@@ -33,7 +33,7 @@ def _prepared(model) -> list:
     return [type(layer.self_attn) is cls for layer in model.layers]
 
 
-def _forwards(model, **patch) -> list:
+def patched_forwards(model, **patch) -> list:
     """Logits of a prefill, decode steps and a verify-sized block, under a patch."""
     with KernelPatch(model, **patch):
         cache = make_prompt_cache(model)
@@ -58,8 +58,8 @@ def test_prepared_forward_gives_mlx_lms_bits_on_the_reference(dtype, bits) -> No
         nn.quantize(target, group_size=32, bits=bits)
     with KernelPatch(target, head_prep=True):
         assert all(_prepared(target))
-    prepared = _forwards(target, head_prep=True)
-    routed = _forwards(target, head_prep=False)
+    prepared = patched_forwards(target, head_prep=True)
+    routed = patched_forwards(target, head_prep=False)
     for got, want in zip(prepared, routed):
         assert np.array_equal(_f32(got), _f32(want))
 
@@ -100,9 +100,9 @@ def test_served_calls_hand_the_gate_to_the_route(monkeypatch, switch) -> None:
     if switch is not None:
         monkeypatch.setenv(prepared_heads.GATE_EPILOGUE_ENV, switch)
     target = tiny_model("muse_glimmer", seed=4, window=16)
-    want = _forwards(target, head_prep=True, gate_epilogue=False)
+    want = patched_forwards(target, head_prep=True, gate_epilogue=False)
     monkeypatch.setattr(kernel_patch, "small_query_attention", spy)
-    got = _forwards(target, head_prep=True)
+    got = patched_forwards(target, head_prep=True)
     assert gates and all(gates) == (switch is None) and any(gates) == (switch is None)
     for g, w in zip(got, want):
         assert np.array_equal(_f32(g), _f32(w))

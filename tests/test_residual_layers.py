@@ -14,6 +14,7 @@ from mlx_lm.models import muse_glimmer
 from support.compilers import built_emulator
 from support.group_emulator import GroupEmulator
 from test_dflash_loop import random_drafter
+from test_prepared_heads import patched_forwards
 
 from dflash import dflash_generate_step, kernel_patch, residual_layers
 from dflash.cache import make_prompt_cache
@@ -47,20 +48,6 @@ def _randomize_norms(model, seed: int) -> None:
             )
 
 
-def _forwards(model, **patch) -> list:
-    """Logits of a prefill, decode steps and a verify-sized block, under a patch."""
-    with KernelPatch(model, **patch):
-        cache = make_prompt_cache(model)
-        outs = [model(mx.random.randint(0, 250, (1, 40), key=mx.random.key(1)), cache)]
-        for token in range(5):
-            outs.append(model(mx.array([[token + 3]]), cache))
-        outs.append(
-            model(mx.random.randint(0, 250, (1, 7), key=mx.random.key(2)), cache)
-        )
-        mx.eval(outs)
-    return outs
-
-
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("bits", [None, 4])
 @pytest.mark.parametrize("held", [False, True])
@@ -76,8 +63,8 @@ def test_fused_forward_gives_mlx_lms_bits_on_the_reference(dtype, bits, held) ->
         assert all(_fused(target))
     held_context = HeldNorms(target) if held else _nothing()
     with held_context:
-        fused = _forwards(target, residual_norms=True)
-        unfused = _forwards(target, residual_norms=False)
+        fused = patched_forwards(target, residual_norms=True)
+        unfused = patched_forwards(target, residual_norms=False)
     for got, want in zip(fused, unfused):
         assert np.array_equal(_f32(got), _f32(want))
 
