@@ -21,10 +21,11 @@ turns it on). Measured on an H200 (session 21, ``docs/benchmarks/h200-2026-12-02
 the kernel gives mlx's bits and cuts a 4-bit verify layer from 19.25 to 16.25 kernels,
 but costs more than the five ops it replaces, on both sides:
 
-* host: a custom-kernel launch costs ~9-12 µs of build (mlx's binding writes the
-  kernel's whole source at every call; a compiled replay ~9.5) and ~6-8 µs of encode,
-  against ~0.6-1.4 and ~4-4.5 for one of mlx's own ops, so two launches cost more
-  than three norms and two adds (15.9 + 17.0 against 12.7 + 8.7 µs);
+* host: a custom-kernel launch costs 9-13 µs of build in the host's fast state (mlx's
+  binding writes the kernel's whole source at every call; a compiled replay ~9.5) and
+  6-8 µs of encode, against 0.6-0.7 and 4-4.5 for one of mlx's own ops (twice all of
+  that in its slow state), so two launches cost more than three norms and two adds
+  (15.9 + 17.0 against 12.7 + 8.7 µs);
 * device: 27.2 µs a layer against 23.9 for mlx's norms and adds (one row a threadgroup
   of scalar loads, against mlx's vector loads).
 
