@@ -42,6 +42,8 @@ import mlx.core as mx
 
 from dflash.metal import backend, groups
 from dflash.metal.attention import KeyPlane, small_query_attention
+from dflash.metal.heads import Prep, head_prep, reference_head_prep
+from dflash.metal.norms import reference_residual_norm, residual_norm
 from dflash.metal.qmm import small_row_matmul
 
 from .verify_kernels import device_time
@@ -105,7 +107,35 @@ def make_ops(small: bool) -> dict[str, Op]:
         "ours small_query_attention 1 query": lambda: small_query_attention(
             q1, step_plane, scale=scale
         ),
+        **norm_ops(x, heads, kv_heads, dim),
         **bare_kernel_ops(x1),
+    }
+
+
+def norm_ops(x: mx.array, heads: int, kv_heads: int, dim: int) -> dict[str, Op]:
+    """mlx's small ops around a Glimmer attention and our launches that stand for them:
+    head prep (five ops) and the residual norm (three), ours launched through the
+    replayed trace where ``DFLASH_COMPILE`` says so (CUDA by default)."""
+    rows, width = x.shape
+    residual = mx.random.normal(x.shape).astype(x.dtype)
+    weight = (1.0 + 0.1 * mx.random.normal((width,))).astype(x.dtype)
+    q = mx.random.normal((1, rows, heads, dim)).astype(x.dtype)
+    k = mx.random.normal((1, rows, kv_heads, dim)).astype(x.dtype)
+    mx.eval(residual, weight, q, k)
+    prep = dict(eps=1e-5, q_scale=3.87, rope_base=500000.0, start=4096)
+
+    # Each op returns one of its outputs; the others are built, and evaluated with it
+    # where the graph joins (a lone unevaluated output would not be dispatched).
+    return {
+        "mlx rms_norm": lambda: mx.fast.rms_norm(x, weight, 1e-5),
+        "mlx head prep (5 ops)": lambda: reference_head_prep(q, k, Prep(**prep))[0],
+        "ours head_prep": lambda: head_prep(q, k, **prep)[0],
+        "mlx residual + norms (3 ops)": lambda: reference_residual_norm(
+            x, residual, weight, 1e-8, weight, 1e-5
+        )[1],
+        "ours residual_norm": lambda: residual_norm(
+            x, residual, weight, 1e-8, next_weight=weight, next_eps=1e-5
+        )[1],
     }
 
 
