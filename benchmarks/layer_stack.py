@@ -67,7 +67,8 @@ from .launch_cost import stubbed_launches
 
 # ``ours-unprepared``: ours with Glimmer's q/k norms, scale and RoPE as mlx's five ops;
 # ``ours-residual``: ours with the post-norms, residual adds and pre-norm fused (opt-in);
-# ``ours-ungated``: ours with Glimmer's output gate as mlx's two ops after the attention.
+# ``ours-ungated``: ours with Glimmer's output gate as mlx's two ops after the attention;
+# ``ours-blocked``: ours with each MLP block one compiled trace (opt-in compile_blocks).
 ARMS = (
     "mlx",
     "mlx-compiled",
@@ -76,6 +77,7 @@ ARMS = (
     "ours-unprepared",
     "ours-residual",
     "ours-ungated",
+    "ours-blocked",
 )
 Forward = Callable[[mx.array], mx.array]
 
@@ -252,6 +254,7 @@ def arm_context(model, arm: str, attention: bool = False):
             head_prep=False if arm.endswith("-unprepared") else None,
             residual_norms=True if arm.endswith("-residual") else None,
             gate_epilogue=False if arm.endswith("-ungated") else None,
+            compile_blocks=True if arm.endswith("-blocked") else None,
         ),
     ):
         yield

@@ -31,11 +31,14 @@ def test_layer_stack_runs_every_arm_and_compiled_layers_keep_the_bits(tmp_path):
         "ours-unprepared == ours": True,
         "ours-residual == ours": True,
         "ours-ungated == ours": True,
+        "ours-blocked == ours": True,
     }
     assert json.loads(out.read_text())["runs"] == result["runs"]
 
 
-@pytest.mark.parametrize("arm", ["mlx", "ours", "ours-unprepared", "ours-residual"])
+@pytest.mark.parametrize(
+    "arm", ["mlx", "ours", "ours-unprepared", "ours-residual", "ours-blocked"]
+)
 def test_verify_forwards_over_a_context_leave_the_planes_as_they_were(arm):
     """With --context each forward is a rolled-back verify block: the planes keep their
     offsets, and the same block again gives the same bits (a ring that wrapped, a
