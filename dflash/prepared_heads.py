@@ -138,7 +138,7 @@ def attention_forward(
         keys, values = cache.update_and_fetch(keys, values)
     gate = module.gate_proj(x)
     out = None
-    if gated_attend is not None:
+    if gated_attend is not None and gate.dtype == queries.dtype:
         out = gated_attend(queries, keys, values, cache, module.scale, mask, gate)
     if out is not None:  # gated inside the attention's last pass
         return module.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))

@@ -41,7 +41,7 @@ import mlx.nn as nn
 
 from .held_norms import centered_scale, is_centered
 from .metal import backend
-from .metal.norms import residual_norm
+from .metal.norms import reference_residual_norm, residual_norm
 
 RESIDUAL_NORMS_ENV = "DFLASH_RESIDUAL_NORMS"
 # (module, class name) of the decoder-layer forwards this module re-states (mlx-lm
@@ -100,27 +100,50 @@ def layer_forward(
 
     Shapes: x ``(B, L, H)``; returns ``(B, L, H)``.
     """
-    post_attention = layer.post_attention_layernorm
-    pre_feedforward = layer.pre_feedforward_layernorm
-    post_feedforward = layer.post_feedforward_layernorm
     attended = layer.self_attn(layer.input_layernorm(x), mask, cache)
-    h, normed = residual_norm(
+    h, normed = _residual(
         attended,
         x,
-        centered_scale(post_attention),
-        post_attention.eps,
-        next_weight=centered_scale(pre_feedforward),
-        next_eps=pre_feedforward.eps,
-        use_kernel=use_kernel,
+        layer.post_attention_layernorm,
+        layer.pre_feedforward_layernorm,
+        use_kernel,
     )
-    out, _ = residual_norm(
-        layer.mlp(normed),
-        h,
-        centered_scale(post_feedforward),
-        post_feedforward.eps,
-        use_kernel=use_kernel,
+    out, _ = _residual(
+        layer.mlp(normed), h, layer.post_feedforward_layernorm, None, use_kernel
     )
     return out
+
+
+def _residual(
+    branch: mx.array,
+    residual: mx.array,
+    norm: nn.Module,
+    next_norm: Optional[nn.Module],
+    use_kernel: Optional[bool],
+) -> Tuple[mx.array, Optional[mx.array]]:
+    """``residual + norm(branch)`` and ``next_norm`` of it: one launch when the arrays
+    share a dtype, else mlx's ops (what the layer's own forward computes then).
+
+    Shapes: branch, residual ``(B, L, H)``; returns ``(B, L, H)`` twice (the second None
+    without ``next_norm``).
+    """
+    weight = centered_scale(norm)
+    next_weight = None if next_norm is None else centered_scale(next_norm)
+    next_eps = None if next_norm is None else next_norm.eps
+    given = (branch, residual, weight) + (() if next_weight is None else (next_weight,))
+    if len({array.dtype for array in given}) > 1:
+        return reference_residual_norm(
+            branch, residual, weight, norm.eps, next_weight, next_eps
+        )
+    return residual_norm(
+        branch,
+        residual,
+        weight,
+        norm.eps,
+        next_weight=next_weight,
+        next_eps=next_eps,
+        use_kernel=use_kernel,
+    )
 
 
 def forward_matches(layer: nn.Module, base: type) -> bool:

@@ -77,6 +77,43 @@ class _nothing:
         return None
 
 
+def test_norms_of_another_dtype_keep_mlx_lms_bits(monkeypatch) -> None:
+    """Float32 norms in a bf16 model: the kernel does not take mixed dtypes, so the
+    first layer's first group runs mlx's ops (never an error mid-generation; mlx
+    promotes the sum to float32); groups whose arrays are all float32 after it launch;
+    mlx-lm's bits are kept."""
+    launches = []
+
+    def kernel(branch, residual, weight, eps, next_weight, next_eps):
+        launches.append((branch.dtype, next_weight is not None))
+        return rn.reference_residual_norm(
+            branch, residual, weight, eps, next_weight, next_eps
+        )
+
+    monkeypatch.setattr(rn, "kernel_residual_norm", kernel)
+    monkeypatch.setattr(backend, "BACKEND", "metal")
+    monkeypatch.setattr(attention, "kernel_attention", attention.reference_attention)
+    from dflash.metal import heads
+
+    monkeypatch.setattr(heads, "kernel_head_prep", heads.reference_head_prep)
+    target = tiny_model("muse_glimmer", seed=3, window=16)
+    _randomize_norms(target, 3)
+    target.set_dtype(mx.bfloat16)
+    for layer in target.layers:
+        for name in residual_layers.NORMS:
+            norm = getattr(layer, name)
+            norm.weight = norm.weight.astype(mx.float32)
+    fused = patched_forwards(target, use_kernel=True, matmul=False, residual_norms=True)
+    f32 = mx.float32
+    assert set(launches) == {(f32, False), (f32, True)}
+    assert launches.count((f32, True)) < launches.count((f32, False))
+    unfused = patched_forwards(
+        target, use_kernel=True, matmul=False, residual_norms=False
+    )
+    for got, want in zip(fused, unfused):
+        assert np.array_equal(_f32(got), _f32(want))
+
+
 def test_centered_scale_is_the_held_array_or_the_same_op() -> None:
     target = tiny_model("muse_glimmer", seed=2, window=16)
     _randomize_norms(target, 2)
