@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -659,12 +660,8 @@ class KernelPatch:
             raise ValueError(f"max_queries must be >= 1, got {max_queries}")
         self.model = model
         self.drafter = drafter
-        self.route = AttentionRoute(
-            use_kernel,
-            max_queries,
-            chunk,
-            prepared_heads.gate_epilogue_wanted(gate_epilogue),
-        )
+        self._gate_epilogue = prepared_heads.gate_epilogue_wanted(gate_epilogue)
+        self.route = AttentionRoute(use_kernel, max_queries, chunk, self._gate_epilogue)
         self.attention = attention
         self.matmul = matmul
         self.fuse = fuse_wanted() if fuse is None else bool(fuse)
@@ -781,6 +778,15 @@ class KernelPatch:
             and prepared_heads.serves(module)
             and prepared_heads.forward_matches(module, type(module))
         }
+        # The gate goes to the fold only where a probe shows the fold gives mlx's bits.
+        dtypes = {
+            prepared_heads.activation_dtype(m) for m in attention if id(m) in prepared
+        }
+        gate = self._gate_epilogue and all(
+            prepared_heads.gated_fold_matches(dtype, self.route.use_kernel)
+            for dtype in dtypes
+        )
+        self.route = dataclasses.replace(self.route, gate_epilogue=gate)
         for module in attention:
             base = type(module)
             if isinstance(module, DraftAttention):

@@ -16,7 +16,8 @@ whose Glimmer attention computes something else keeps its own forward.
 The output gate (``out * sigmoid(gate_proj(x))``) is handed to the kernel route, which
 applies it in the attention's last pass (the fold's epilogue, mlx's own ``Sigmoid`` and
 ``Multiply`` on CUDA): two kernels fewer a layer. A call the route does not serve runs
-mlx-lm's attention and gate.
+mlx-lm's attention and gate, and so does every call where :func:`gated_fold_matches`'
+probe (once per backend and dtype, at install) does not show mlx's bits.
 
 Switches: ``DFLASH_HEAD_PREP=0`` keeps mlx-lm's forward (routed as before);
 ``DFLASH_GATE_EPILOGUE=0`` keeps the gate as mlx's two ops. Both default on wherever
@@ -26,12 +27,14 @@ the kernel patch routes attention.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .metal import backend
+from .metal.attention import KeyPlane, small_query_attention
 from .metal.heads import head_prep
 
 HEAD_PREP_ENV = "DFLASH_HEAD_PREP"
@@ -65,7 +68,49 @@ def gate_epilogue_wanted(use_gate_epilogue: Optional[bool] = None) -> bool:
     return backend.strict_switch(GATE_EPILOGUE_ENV, use_gate_epilogue)
 
 
-def _activation_dtype(module: nn.Module) -> mx.Dtype:
+# The gated fold's verdict per (backend, dtype): its bits against the plain fold and
+# mlx's sigmoid and multiply on a tiny call (False where it cannot even be built).
+_GATED_VERDICTS: Dict[Tuple[Optional[str], mx.Dtype], bool] = {}
+
+
+def gated_fold_matches(dtype: mx.Dtype, use_kernel: Optional[bool]) -> bool:
+    """Whether the route's gated fold gives mlx's bits for ``dtype`` here.
+
+    The reference form is mlx's ops (True). The kernel form is probed once per backend
+    and dtype: the fold with the gate against the plain fold, then ``* mx.sigmoid``. On
+    CUDA the epilogue is mlx's own functor from a header its JIT provides; an mlx whose
+    header differs, or lacks it, keeps mlx-lm's two ops rather than failing mid-run.
+    """
+    if use_kernel is False or not backend.use_kernel_path(use_kernel, True):
+        return True
+    key = (backend.BACKEND, dtype)
+    if key not in _GATED_VERDICTS:
+        try:
+            _GATED_VERDICTS[key] = _gated_fold_probe(dtype)
+        except Exception:  # a kernel that does not build fails closed: mlx's ops
+            _GATED_VERDICTS[key] = False
+    return _GATED_VERDICTS[key]
+
+
+def _gated_fold_probe(dtype: mx.Dtype) -> bool:
+    """The gated fold against the plain fold times ``mx.sigmoid(gate)``, bit for bit,
+    on 2 queries of 2 heads over a 5-row plane."""
+    keys = mx.random.split(mx.random.key(0), 4)
+    queries = mx.random.normal((1, 2, 2, 16), key=keys[0]).astype(dtype)
+    rows = mx.random.normal((2, 1, 1, 8, 16), key=keys[1]).astype(dtype)
+    gate = (4.0 * mx.random.normal((1, 2, 32), key=keys[2])).astype(dtype)
+    plane = KeyPlane(rows[0], rows[1], 5, 0, 0)
+    block_keys, block_values = rows[0][:, :, 5:7], rows[1][:, :, 5:7]
+    call = partial(
+        small_query_attention, queries, plane, block_keys, block_values, scale=0.25
+    )
+    gated = call(gate=gate, use_kernel=True).transpose(0, 2, 1, 3).reshape(1, 2, -1)
+    plain = call(use_kernel=True).transpose(0, 2, 1, 3).reshape(1, 2, -1)
+    want = plain * mx.sigmoid(gate)
+    return bool(mx.array_equal(gated, want))
+
+
+def activation_dtype(module: nn.Module) -> mx.Dtype:
     """The dtype the module's projections compute in (their scales' or weight's)."""
     projection = module.q_proj
     return getattr(projection, "scales", projection.weight).dtype
@@ -157,7 +202,7 @@ def model_attention(base: type) -> Callable:
 def forward_matches(module: nn.Module, base: type) -> bool:
     """Whether :func:`attention_forward` (reference form) gives ``base``'s own forward's
     bits on a probe input for ``module`` (cached per class, RoPE use and dtype)."""
-    dtype = _activation_dtype(module)
+    dtype = activation_dtype(module)
     verdict = (base, bool(module.use_rope), dtype)
     if verdict not in _VERDICTS:
         hidden = module.o_proj.weight.shape[0]  # o_proj's outputs, packed or not

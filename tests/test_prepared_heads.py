@@ -108,6 +108,31 @@ def test_served_calls_hand_the_gate_to_the_route(monkeypatch, switch) -> None:
         assert np.array_equal(_f32(g), _f32(w))
 
 
+@pytest.mark.parametrize("fold", ["broken", "unbuildable", "reference"])
+def test_the_gate_reaches_the_fold_only_where_its_probe_gives_mlxs_bits(
+    monkeypatch, fold
+) -> None:
+    """Fail closed: a gated fold whose bits differ from mlx's sigmoid and multiply, or
+    that cannot be built (an mlx whose JIT lacks the header), keeps mlx-lm's two ops."""
+
+    def kernel(queries, plane, block_keys, block_values, plan, scale, softcap, gate):
+        if fold == "unbuildable" and gate is not None:
+            raise RuntimeError("nvrtc: cannot open unary_ops.cuh")
+        out = attention.reference_attention(
+            queries, plane, block_keys, block_values, plan, scale, softcap, gate
+        )
+        return out * 1.5 if fold == "broken" and gate is not None else out
+
+    monkeypatch.setattr(prepared_heads, "_GATED_VERDICTS", {})
+    monkeypatch.setattr(attention, "kernel_attention", kernel)
+    monkeypatch.setattr(heads, "kernel_head_prep", heads.reference_head_prep)
+    monkeypatch.setattr(backend, "BACKEND", "metal")
+    target = tiny_model("muse_glimmer", seed=2, window=16)
+    with KernelPatch(target, use_kernel=True, matmul=False) as patch:
+        assert patch.route.gate_epilogue == (fold == "reference")
+        assert all(_prepared(target))
+
+
 def test_use_kernel_reaches_the_head_prep_kernel(monkeypatch) -> None:
     taken = []
 
