@@ -94,11 +94,11 @@ def gated_fold_matches(dtype: mx.Dtype, use_kernel: Optional[bool]) -> bool:
 
 def _gated_fold_probe(dtype: mx.Dtype) -> bool:
     """The gated fold against the plain fold times ``mx.sigmoid(gate)``, bit for bit,
-    on 2 queries of 2 heads over a 5-row plane."""
-    keys = mx.random.split(mx.random.key(0), 4)
-    queries = mx.random.normal((1, 2, 2, 16), key=keys[0]).astype(dtype)
-    rows = mx.random.normal((2, 1, 1, 8, 16), key=keys[1]).astype(dtype)
-    gate = (4.0 * mx.random.normal((1, 2, 32), key=keys[2])).astype(dtype)
+    on 2 queries of 2 heads of 128 (the width of Glimmer's heads) over a 5-row plane."""
+    keys = mx.random.split(mx.random.key(0), 3)
+    queries = mx.random.normal((1, 2, 2, 128), key=keys[0]).astype(dtype)
+    rows = mx.random.normal((2, 1, 1, 8, 128), key=keys[1]).astype(dtype)
+    gate = (4.0 * mx.random.normal((1, 2, 256), key=keys[2])).astype(dtype)
     plane = KeyPlane(rows[0], rows[1], 5, 0, 0)
     block_keys, block_values = rows[0][:, :, 5:7], rows[1][:, :, 5:7]
     call = partial(
