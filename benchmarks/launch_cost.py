@@ -40,6 +40,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
+from dflash import prepared_heads
 from dflash.metal import backend, groups
 from dflash.metal.attention import KeyPlane, small_query_attention
 from dflash.metal.heads import Prep, head_prep, reference_head_prep
@@ -195,12 +196,15 @@ def stubbed_launches() -> Iterator[None]:
         return use_kernel is not False
 
     saved = groups.launch_groups, backend.use_kernel_path, backend.BACKEND
+    verdicts = prepared_heads._GATED_VERDICTS
     groups.launch_groups, backend.use_kernel_path = launch_groups, use_kernel_path
     backend.BACKEND = "cuda"  # only the stub launches, so nothing is built for it
+    prepared_heads._GATED_VERDICTS = {}  # a probe of stand-ins must not outlive them
     try:
         yield
     finally:
         groups.launch_groups, backend.use_kernel_path, backend.BACKEND = saved
+        prepared_heads._GATED_VERDICTS = verdicts
 
 
 def time_calls(op: Op, calls: int, reps: int) -> dict:
