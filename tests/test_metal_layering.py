@@ -10,6 +10,7 @@ shims, benchmarks) sit beside them.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,17 @@ def test_metal_holds_only_what_its_package_imports() -> None:
     assert reached == modules, f"not imported by dflash.metal: {modules - reached}"
     files = {p.name for p in METAL.iterdir() if p.is_file()}
     assert files == {f"{name}.py" for name in modules}, files
+
+
+def test_every_environment_switch_is_in_the_switch_table() -> None:
+    """docs/verify-kernels.md lists every ``DFLASH_*`` switch the package reads (a new
+    switch without a row fails), and no row names a switch the package dropped."""
+    root = Path(__file__).resolve().parent.parent
+    read = set()
+    for folder in ("dflash", "metal", "cache"):
+        for path in (root / folder).rglob("*.py"):
+            read |= set(re.findall(r'"(DFLASH_[A-Z0-9_]+)"', path.read_text()))
+    table = (root / "docs" / "verify-kernels.md").read_text()
+    section = table.split("## Switches", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(DFLASH_[A-Z0-9_]+)` \|", section, flags=re.M))
+    assert read and read == listed, (read - listed, listed - read)
