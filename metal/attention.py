@@ -421,25 +421,6 @@ def reference_attention(
     Shapes: queries ``(B, Hq, S, D)``; gate ``(B, S, Hq, D)``; returns
     ``(B, Hq, S, D)``.
     """
-    out = _reference_attention(
-        queries, plane, block_keys, block_values, plan, scale, softcap
-    )
-    if gate is None:
-        return out
-    # mlx-lm's order: the output back in (B, S, Hq, D), times the gate's sigmoid.
-    return (out.transpose(0, 2, 1, 3) * mx.sigmoid(gate)).transpose(0, 2, 1, 3)
-
-
-def _reference_attention(
-    queries: mx.array,
-    plane: KeyPlane,
-    block_keys: Optional[mx.array],
-    block_values: Optional[mx.array],
-    plan: Plan,
-    scale: float,
-    softcap: Optional[float],
-) -> mx.array:
-    """:func:`reference_attention` without a gate."""
     batch, heads, count, dim = queries.shape
     group = heads // plan.kv_heads
     queries32 = queries.astype(mx.float32).reshape(
@@ -475,7 +456,11 @@ def _reference_attention(
                 sees[:, u],
             )
     out = acc / total[..., None]
-    return out.reshape(batch, heads, count, dim).astype(queries.dtype)
+    out = out.reshape(batch, heads, count, dim).astype(queries.dtype)
+    if gate is None:
+        return out
+    # mlx-lm's order: the output back in (B, S, Hq, D), times the gate's sigmoid.
+    return (out.transpose(0, 2, 1, 3) * mx.sigmoid(gate)).transpose(0, 2, 1, 3)
 
 
 def _fold(state, peak_u, total_u, acc_u, sees_u):

@@ -173,12 +173,19 @@ def test_plain_and_speculative_agree_bitwise_through_the_emulated_kernel(
     monkeypatch.setattr(attention, "kernel_attention", attention.reference_attention)
     monkeypatch.setattr(rn, "kernel_residual_norm", rn.reference_residual_norm)
     target = tiny_model("muse_glimmer", seed=1, window=16)
+    assert_plain_equals_dflash(target, emulator, dtype, block)
+
+
+def assert_plain_equals_dflash(target, emulator, dtype, block, **patch) -> None:
+    """Under the kernel patch (``patch``: its extra keywords), our plain decoding (one
+    token a step) and DFlash decoding (blocks) of ``target`` in ``dtype`` give every
+    token the same logits, and the emulator ran some launch."""
     target.set_dtype(dtype)
     drafter = random_drafter(target, seed=11, block_size=block)
     drafter.set_dtype(dtype)
     prompt = mx.random.randint(0, 250, (19,), key=mx.random.key(5))
     before = emulator.launches
-    with KernelPatch(target, drafter, use_kernel=True, matmul=False):
+    with KernelPatch(target, drafter, use_kernel=True, matmul=False, **patch):
         plain = list(generate_step(prompt, target, max_tokens=24))
         spec = list(dflash_generate_step(prompt, target, drafter, max_tokens=24))
     assert emulator.launches > before
