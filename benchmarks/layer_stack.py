@@ -69,7 +69,8 @@ from .launch_cost import stubbed_launches
 # ``ours-unprepared``: ours with Glimmer's q/k norms, scale and RoPE as mlx's five ops;
 # ``ours-residual``: ours with the post-norms, residual adds and pre-norm fused (opt-in);
 # ``ours-ungated``: ours with Glimmer's output gate as mlx's two ops after the attention;
-# ``ours-blocked``: ours with each MLP block one compiled trace (opt-in compile_blocks).
+# ``ours-blocked``: ours with each MLP block one compiled trace (opt-in compile_blocks);
+# ``ours-unstacked``: ours with the plane stacking k and v (head prep writes them apart).
 ARMS = (
     "mlx",
     "mlx-compiled",
@@ -79,6 +80,7 @@ ARMS = (
     "ours-residual",
     "ours-ungated",
     "ours-blocked",
+    "ours-unstacked",
 )
 Forward = Callable[[mx.array], mx.array]
 
@@ -256,6 +258,7 @@ def arm_context(model, arm: str, attention: bool = False):
             residual_norms=True if arm.endswith("-residual") else None,
             gate_epilogue=False if arm.endswith("-ungated") else None,
             compile_blocks=True if arm.endswith("-blocked") else None,
+            kv_block=False if arm.endswith("-unstacked") else None,
         ),
     ):
         yield

@@ -60,7 +60,7 @@ from dflash.metal.tensor_qmm import (
     TWO_K_GROUPS_ENV,
     WAVE_SPLIT_ENV,
 )
-from dflash.prepared_heads import GATE_EPILOGUE_ENV, HEAD_PREP_ENV
+from dflash.prepared_heads import GATE_EPILOGUE_ENV, HEAD_PREP_ENV, KV_BLOCK_ENV
 from dflash.residual_layers import RESIDUAL_NORMS_ENV
 from dflash.taps import TargetTaps
 
@@ -194,6 +194,7 @@ KERNEL_ARMS = {
     "default-unprepared": None,
     "default-residual": None,
     "default-ungated": None,
+    "default-unstacked": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -232,6 +233,7 @@ ARM_SUFFIXES = {
     "unprepared": (HEAD_PREP_ENV, "0"),  # q/k norms, scale and RoPE as mlx's five ops
     "residual": (RESIDUAL_NORMS_ENV, "1"),  # post-norms, adds, pre-norm fused (opt-in)
     "ungated": (GATE_EPILOGUE_ENV, "0"),  # Glimmer's gate as mlx's ops after attention
+    "unstacked": (KV_BLOCK_ENV, "0"),  # the plane stacks k and v (two copies a layer)
 }
 
 

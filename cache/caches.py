@@ -232,6 +232,30 @@ class RingKVCache(RingPlane, _CacheProtocol):
         self.write(self.offset, keys, values)
         return self.attention_rows() if rows is None else self.prefix_rows(rows)
 
+    def update_and_fetch_block(self, kv: mx.array, fetch: bool = True):
+        """:meth:`update_and_fetch` of a chunk whose keys and values come stacked.
+
+        Args:
+            kv: The chunk's keys and values stacked (the plane's layout).
+            fetch: False: return None wherever every row the chunk's queries read
+                stays in the plane's buffer or a checkpoint's held-back block (what
+                the kernel route reads in place), so no rows are gathered for a
+                caller that will not read them; the rows otherwise (a staged chunk
+                stored at once, a plane without a buffer).
+
+        Shapes:
+            kv: ``(2, B, H, S, D)``.
+        """
+        count = kv.shape[self.kv_axis] if kv.ndim == 5 else 0
+        if self.is_staged(count):
+            staged = self.stage_block(kv, shadow=fetch)
+            return None if staged is None else kv_halves(staged)
+        rows = self.key_rows(count) if self.bucketed(count) else None
+        self.write_block(self.offset, kv)
+        if not fetch and self.kv is not None:
+            return None
+        return self.attention_rows() if rows is None else self.prefix_rows(rows)
+
     def make_mask(
         self, N: int, window_size: Optional[int] = None, return_array: bool = False
     ):
@@ -287,6 +311,23 @@ class GrowingKVCache(GrowingPlane, _CacheProtocol):
         """
         rows = self.key_rows(keys.shape[2])
         self.write(self.offset, keys, values)
+        return self.prefix_rows(rows)
+
+    def update_and_fetch_block(self, kv: mx.array, fetch: bool = True):
+        """:meth:`update_and_fetch` of a chunk whose keys and values come stacked.
+
+        Args:
+            kv: The chunk's keys and values stacked (the plane's layout).
+            fetch: False: return None once the rows are in the buffer (the kernel
+                route reads them in place).
+
+        Shapes:
+            kv: ``(2, B, H, S, D)``.
+        """
+        rows = self.key_rows(kv.shape[self.kv_axis]) if kv.ndim == 5 else 0
+        self.write_block(self.offset, kv)
+        if not fetch and self.kv is not None:
+            return None
         return self.prefix_rows(rows)
 
     def make_mask(

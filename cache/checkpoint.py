@@ -140,8 +140,19 @@ class RingPlaneCheckpoint(PlaneCheckpoint):
             shadow, kv = plane.shadow_pair(keys, values)
             self._hold_back(start, kv)
             return shadow
+        return self.stage_block(plane, start, mx.stack([keys, values]))
+
+    def stage_block(
+        self, plane: RingPlane, start: int, kv: mx.array, shadow: bool = True
+    ) -> Optional[mx.array]:
+        """:meth:`stage` of a chunk that comes stacked (held back as it is). Held back,
+        ``shadow=False`` returns None where the ring has a buffer: the kernel route
+        reads the ring and the held-back block in place."""
+        if self.mode == UNTOUCHED:
+            staged = plane.shadow(kv) if shadow or plane.kv is None else None
+            self._hold_back(start, kv)
+            return staged
         # Retaining needs the stacked block before the shadow reads the ring.
-        kv = mx.stack([keys, values])
         self._make_undoable(start, kv)
         shadow = plane.shadow(kv)
         plane._store(start, kv)

@@ -180,6 +180,23 @@ class WriteGuard:
         self.store(plane, start, kv)
         return shadow
 
+    def stage_block(
+        self, plane: "RingPlane", start: int, kv: mx.array, shadow: bool = True
+    ) -> Optional[mx.array]:
+        """:meth:`stage` of a validated chunk that comes stacked.
+
+        ``shadow=False`` lets a guard that holds the chunk back (the ring keeps every
+        row the chunk's queries read) return None instead of building the shadow. A
+        chunk stored at once always gets its shadow: it is the only copy of the rows
+        the chunk overwrites.
+
+        Shapes:
+            kv: ``(2, B, H, S, D)``; returns ``(2, B, H, len + S, D)``.
+        """
+        staged = plane.shadow(kv)
+        self.store(plane, start, kv)
+        return staged
+
     def settle(self, plane: "KvPlane") -> None:
         """Make ``plane``'s buffers hold every row its bookkeeping counts."""
 
@@ -376,24 +393,39 @@ class KvPlane(ABC):
     # ----------------------------------------------------------------- storage
     def _check_rows(self, keys: mx.array, values: mx.array) -> int:
         """Validate a chunk against the plane's layout; return its row count."""
-        axis = row_axis(self.head_major)
         if keys.ndim != 4 or values.ndim != 4:
             raise CacheError(
                 f"layer {self.layer}: keys and values must be 4-D, got {keys.shape} "
                 f"and {values.shape}"
             )
-        count = keys.shape[axis]
         if values.shape != keys.shape or values.dtype != keys.dtype:
             raise CacheError(
                 f"layer {self.layer}: keys {keys.shape} ({keys.dtype}) and values "
                 f"{values.shape} ({values.dtype}) must have one shape and dtype"
             )
+        return self._check_fit(keys.shape, keys.dtype)
+
+    def _check_block(self, kv: mx.array) -> int:
+        """Validate a stacked chunk ``(2, ...)`` against the plane's layout; return its
+        row count."""
+        if kv.ndim != 5 or kv.shape[0] != 2:
+            raise CacheError(
+                f"layer {self.layer}: a stacked chunk must be (2, B, H, S, D) or "
+                f"(2, B, S, H, D), got {kv.shape}"
+            )
+        return self._check_fit(kv.shape[1:], kv.dtype)
+
+    def _check_fit(self, shape: Tuple[int, ...], dtype: mx.Dtype) -> int:
+        """Whether rows of ``shape`` / ``dtype`` (one half of a chunk) fit the buffers
+        held (CacheError if not); their row count."""
+        axis = row_axis(self.head_major)
+        count = shape[axis]
         if self.kv is not None:
             want = self.kv.shape[1 : axis + 1] + self.kv.shape[axis + 2 :]
-            got = keys.shape[:axis] + keys.shape[axis + 1 :]
-            if want != got or keys.dtype != self.kv.dtype:
+            got = tuple(shape[:axis]) + tuple(shape[axis + 1 :])
+            if want != got or dtype != self.kv.dtype:
                 raise CacheError(
-                    f"layer {self.layer}: keys of shape {keys.shape} ({keys.dtype}) do "
+                    f"layer {self.layer}: keys of shape {tuple(shape)} ({dtype}) do "
                     f"not fit a cache holding rows of shape {want} ({self.kv.dtype}); is "
                     "this prompt cache from another model?"
                 )
@@ -442,6 +474,18 @@ class KvPlane(ABC):
         self.check_continuity(start, count)
         self.guard.admit(self, start, count)
         self.guard.store(self, start, mx.stack([keys, values]))
+
+    def write_block(self, start: int, kv: mx.array) -> None:
+        """:meth:`write` of a chunk whose keys and values come stacked (a producer that
+        lays them out so saves the two copies of ``mx.stack``).
+
+        Shapes:
+            kv: ``(2, B, H, S, D)`` head-major or ``(2, B, S, H, D)`` token-major.
+        """
+        count = self._check_block(kv)
+        self.check_continuity(start, count)
+        self.guard.admit(self, start, count)
+        self.guard.store(self, start, kv)
 
     def shadow(self, kv: mx.array) -> mx.array:
         """Live rows in logical order followed by the chunk ``kv`` (one launch with kernels).
@@ -650,6 +694,22 @@ class RingPlane(KvPlane):
         self.check_continuity(start, count)
         self.guard.admit(self, start, count)
         return self.guard.stage(self, start, keys, values)
+
+    def stage_block(self, kv: mx.array, shadow: bool = True) -> Optional[mx.array]:
+        """:meth:`stage` of a chunk whose keys and values come stacked.
+
+        ``shadow=False``: None where a checkpoint holds the chunk back (see
+        :meth:`WriteGuard.stage_block`).
+
+        Shapes:
+            kv: ``(2, B, H, S, D)``; returns ``(2, B, H, len + S, D)`` (token-major
+            alike).
+        """
+        count = self._check_block(kv)
+        start = self.offset
+        self.check_continuity(start, count)
+        self.guard.admit(self, start, count)
+        return self.guard.stage_block(self, start, kv, shadow)
 
     def attention_rows(self) -> Tuple[mx.array, mx.array]:
         """A full ring in physical order (its rows are exactly the window), else the prefix."""

@@ -116,12 +116,15 @@ class AttentionRoute:
         chunk: Keys per chunk of the fixed reduction order.
         gate_epilogue: Prepared Glimmer attention hands its output gate to the route,
             which applies it in the attention's last pass.
+        kv_block: Prepared Glimmer attention has its head prep write the stacked K/V
+            block a dflash plane stores.
     """
 
     use_kernel: Optional[bool] = None
     max_queries: int = 32
     chunk: int = 256
     gate_epilogue: bool = True
+    kv_block: bool = True
 
     def attend(
         self,
@@ -318,7 +321,15 @@ def _prepared_class(base: type) -> type:
             attend = prepared_heads.model_attention(base)
             gated = route.attend if route.gate_epilogue else None
             return prepared_heads.attention_forward(
-                self, x, mask, cache, attend, route.use_kernel, gated
+                self,
+                x,
+                mask,
+                cache,
+                attend,
+                route.use_kernel,
+                gated,
+                route.kv_block,
+                rows_in_place=_plain_mask(mask, x.shape[1]),
             )
         finally:
             _ACTIVE.reset(token)
@@ -629,6 +640,9 @@ class KernelPatch:
         gate_epilogue: With ``head_prep``, apply Muse Glimmer's output gate in the
             attention's last pass (two kernels fewer a layer). None:
             :func:`dflash.prepared_heads.gate_epilogue_wanted`.
+        kv_block: With ``head_prep``, have the head prep write the keys and values as
+            the stacked block a dflash plane stores (two copies fewer a layer). None:
+            :func:`dflash.prepared_heads.kv_block_wanted`.
 
     Raises:
         ValueError: ``model``'s architecture is not one whose attention can be routed.
@@ -650,6 +664,7 @@ class KernelPatch:
         head_prep: Optional[bool] = None,
         residual_norms: Optional[bool] = None,
         gate_epilogue: Optional[bool] = None,
+        kv_block: Optional[bool] = None,
     ) -> None:
         if attention and not supports(model):
             raise ValueError(
@@ -661,7 +676,13 @@ class KernelPatch:
         self.model = model
         self.drafter = drafter
         self._gate_epilogue = prepared_heads.gate_epilogue_wanted(gate_epilogue)
-        self.route = AttentionRoute(use_kernel, max_queries, chunk, self._gate_epilogue)
+        self.route = AttentionRoute(
+            use_kernel,
+            max_queries,
+            chunk,
+            self._gate_epilogue,
+            prepared_heads.kv_block_wanted(kv_block),
+        )
         self.attention = attention
         self.matmul = matmul
         self.fuse = fuse_wanted() if fuse is None else bool(fuse)

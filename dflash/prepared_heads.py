@@ -19,9 +19,14 @@ applies it in the attention's last pass (the fold's epilogue, mlx's own ``Sigmoi
 mlx-lm's attention and gate, and so does every call where :func:`gated_fold_matches`'
 probe (once per backend and dtype, at install) does not show mlx's bits.
 
+With a dflash KV plane (head-major) as the cache, the head prep also lays the keys and
+the values out as the stacked block the plane stores, and hands it over with
+``update_and_fetch_block``: the plane's ``mx.stack`` (two copy kernels a layer) is gone,
+and the block's bits are the stack's.
+
 Switches: ``DFLASH_HEAD_PREP=0`` keeps mlx-lm's forward (routed as before);
-``DFLASH_GATE_EPILOGUE=0`` keeps the gate as mlx's two ops. Both default on wherever
-the kernel patch routes attention.
+``DFLASH_GATE_EPILOGUE=0`` keeps the gate as mlx's two ops; ``DFLASH_HEAD_PREP_BLOCK=0``
+keeps the plane's stack. All default on wherever the kernel patch routes attention.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from .metal.heads import head_prep
 
 HEAD_PREP_ENV = "DFLASH_HEAD_PREP"
 GATE_EPILOGUE_ENV = "DFLASH_GATE_EPILOGUE"
+KV_BLOCK_ENV = "DFLASH_HEAD_PREP_BLOCK"
 # (module, class name) of the attention forwards this module re-states (mlx-lm 0.32.2).
 PREPARED_CLASSES = frozenset({("mlx_lm.models.muse_glimmer", "Attention")})
 
@@ -66,6 +72,18 @@ def gate_epilogue_wanted(use_gate_epilogue: Optional[bool] = None) -> bool:
             value.
     """
     return backend.strict_switch(GATE_EPILOGUE_ENV, use_gate_epilogue)
+
+
+def kv_block_wanted(use_kv_block: Optional[bool] = None) -> bool:
+    """Whether prepared attention has its head prep lay the keys and values out as the
+    block a dflash KV plane stores (one launch instead of the two copies of the plane's
+    ``mx.stack``): the argument decides, else ``DFLASH_HEAD_PREP_BLOCK``, else on.
+
+    Raises:
+        ValueError: ``DFLASH_HEAD_PREP_BLOCK`` is set to something that is not a switch
+            value.
+    """
+    return backend.strict_switch(KV_BLOCK_ENV, use_kv_block)
 
 
 # The gated fold's verdict per (backend, dtype): its bits against the plain fold and
@@ -146,6 +164,8 @@ def attention_forward(
     attend: Callable,
     use_kernel: Optional[bool],
     gated_attend: Optional[Callable] = None,
+    kv_block: bool = False,
+    rows_in_place: bool = False,
 ) -> mx.array:
     """Glimmer's attention forward, q/k norm, scale and RoPE in one launch.
 
@@ -158,6 +178,13 @@ def attention_forward(
         use_kernel: Passed to :func:`head_prep`.
         gated_attend: The kernel route's attention taking the output gate (it returns
             None for a call it does not serve; then ``attend`` and mlx-lm's gate run).
+        kv_block: Where the cache is a head-major dflash plane, have the head prep
+            write the keys and values as the stacked block the plane stores
+            (``update_and_fetch_block``): the same bits, two copies fewer.
+        rows_in_place: The caller's word that ``gated_attend`` serves this call
+            whatever the plane (its mask and length are ones the route takes): with
+            ``kv_block``, the plane is then not asked for the rows the route reads in
+            place (no shadow or views built for nothing).
 
     Shapes: x ``(B, L, H)``; returns ``(B, L, H)``.
     """
@@ -166,6 +193,11 @@ def attention_forward(
     keys = module.k_proj(x).reshape(batch, length, module.n_kv_heads, module.head_dim)
     values = module.v_proj(x).reshape(batch, length, module.n_kv_heads, module.head_dim)
     rope = module.rope if module.use_rope else None
+    block = (
+        kv_block
+        and getattr(cache, "head_major", False)
+        and hasattr(cache, "update_and_fetch_block")
+    )
     queries, keys = head_prep(
         queries,
         keys,
@@ -174,19 +206,32 @@ def attention_forward(
         rope_base=None if rope is None else rope.base,
         rope_scale=1.0 if rope is None else rope.scale,
         start=cache.offset if cache is not None and rope is not None else 0,
+        values=values if block else None,
         use_kernel=use_kernel,
     )
     queries = queries.transpose(0, 2, 1, 3)
-    keys = keys.transpose(0, 2, 1, 3)
-    values = values.transpose(0, 2, 1, 3)
-    if cache is not None:
-        keys, values = cache.update_and_fetch(keys, values)
     gate = module.gate_proj(x)
+    gated = gated_attend is not None and gate.dtype == queries.dtype
+    if block:  # keys is the stacked (2, B, Hkv, L, D) block
+        fetched = cache.update_and_fetch_block(
+            keys, fetch=not (gated and rows_in_place)
+        )
+        keys, values = (None, None) if fetched is None else fetched
+    else:
+        keys = keys.transpose(0, 2, 1, 3)
+        values = values.transpose(0, 2, 1, 3)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
     out = None
-    if gated_attend is not None and gate.dtype == queries.dtype:
+    if gated:
         out = gated_attend(queries, keys, values, cache, module.scale, mask, gate)
     if out is not None:  # gated inside the attention's last pass
         return module.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+    if keys is None:
+        raise RuntimeError(
+            "the kernel route declined an attention call whose rows it was to read in "
+            "place (rows_in_place was given for a call it does not serve)"
+        )
     out = attend(queries, keys, values, cache=cache, scale=module.scale, mask=mask)
     out = out.transpose(0, 2, 1, 3).reshape(batch, length, -1)
     out = out * mx.sigmoid(gate)

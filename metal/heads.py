@@ -59,6 +59,8 @@ DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 Q_WEIGHT = 1
 K_WEIGHT = 2
 ROPE = 4
+# The keys and the copied values stored as one head-major (2, B, Hkv, S, D) block.
+STACK_KV = 8
 
 # Per-backend float maths the body needs beyond groups.HEADERS (kept here: the shared
 # headers are hashed into every kernel's name).
@@ -76,8 +78,8 @@ HEAD_PREP_HELPERS = """
 #endif
 """
 
-# One row (a head of a token, q rows first, then k rows) per 32 threads; lane l holds
-# vectors l and l + 32 of the row.
+# One row (a head of a token, q rows first, then k rows, then, with STACK_KV, the v rows
+# to copy) per 32 threads; lane l holds vectors l and l + 32 of the row.
 # params: q_rows, k_rows, dim, q_heads, k_heads, seq, start, flags.
 # fparams: q_eps, k_eps, q_scale, k_scale, log2(rope base), rope scale.
 HEAD_PREP_BODY = f"""
@@ -92,12 +94,16 @@ HEAD_PREP_BODY = f"""
   const int start = params[6];
   const int flags = params[7];
   const int VEC = int(16 / sizeof(T));
+  const bool stacked = (flags & {STACK_KV}) != 0;
   const int slot = int(lid) / LANES;
   const int lane = int(lid) % LANES;
   const int row = int(group) * ROWS + slot;
-  const bool live = row < q_rows + k_rows;
   const bool is_q = row < q_rows;
-  const int r = is_q ? row : row - q_rows;
+  const bool is_v = stacked && row >= q_rows + k_rows;
+  // Copied value rows are not normed: no sum of squares is read for them.
+  const bool live = row < q_rows + k_rows;
+  const bool stored = live || (is_v && row < q_rows + 2 * k_rows);
+  const int r = is_q ? row : (is_v ? row - q_rows - k_rows : row - q_rows);
   const int heads = is_q ? q_heads : k_heads;
   const bool weighted = (flags & (is_q ? {Q_WEIGHT} : {K_WEIGHT})) != 0;
   DFL_SHARED float partial[{ROWS_PER_GROUP}][{MAX_VECTORS}];
@@ -155,10 +161,15 @@ HEAD_PREP_BODY = f"""
   }}
   DFL_BARRIER();
 
-  if (!live) {{
+  if (!stored) {{
     return;
   }}
-  const int position = start + (r / heads) % seq;
+  // Head-major stacked block: row r = (b, s, h) goes to (b, h, s); values after keys.
+  const int token = (r / heads) % seq;
+  const int out_row = stacked
+      ? (is_v ? k_rows : 0) + ((r / (heads * seq)) * heads + r % heads) * seq + token
+      : r;
+  const int position = start + token;
   const int pairs = dim / 2;
   for (int half = 0; half < 2; ++half) {{
     const int vector = lane + half * LANES;
@@ -167,6 +178,10 @@ HEAD_PREP_BODY = f"""
     }}
     for (int j = 0; j < VEC; ++j) {{
       const int e = vector * VEC + j;
+      if (is_v) {{
+        k_out[out_row * dim + e] = v[r * dim + e];
+        continue;
+      }}
       float value = normed[slot][e];
       if ((flags & {ROPE}) != 0) {{
         const int i = e < pairs ? e : e - pairs;
@@ -187,7 +202,7 @@ HEAD_PREP_BODY = f"""
       if (is_q) {{
         q_out[r * dim + e] = T(value);
       }} else {{
-        k_out[r * dim + e] = T(value);
+        k_out[out_row * dim + e] = T(value);
       }}
     }}
   }}
@@ -195,8 +210,8 @@ HEAD_PREP_BODY = f"""
 
 HEAD_PREP = GroupKernelSpec(
     base="head_prep",
-    input_names=("q", "k", "q_weight", "k_weight", "params", "fparams"),
-    input_types=("T", "T", "T", "T", "int32", "float32"),
+    input_names=("q", "k", "v", "q_weight", "k_weight", "params", "fparams"),
+    input_types=("T", "T", "T", "T", "T", "int32", "float32"),
     output_names=("q_out", "k_out"),
     output_types=("T", "T"),
     helpers=HEAD_PREP_HELPERS,
@@ -278,7 +293,9 @@ class Prep:
         )
 
 
-def _check(queries: mx.array, keys: mx.array, prep: Prep) -> None:
+def _check(
+    queries: mx.array, keys: mx.array, prep: Prep, values: Optional[mx.array] = None
+) -> None:
     """Raise ValueError for arguments :func:`head_prep` cannot take."""
     if queries.ndim != 4 or keys.ndim != 4:
         raise ValueError(
@@ -307,14 +324,26 @@ def _check(queries: mx.array, keys: mx.array, prep: Prep) -> None:
     start = prep.start
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise ValueError(f"start must be an int >= 0, got {start!r}")
+    if values is not None and (
+        values.shape != keys.shape or values.dtype != keys.dtype
+    ):
+        raise ValueError(
+            f"values must have the keys' shape and dtype {keys.shape} {keys.dtype}, "
+            f"got {values.shape} {values.dtype}"
+        )
 
 
 def reference_head_prep(
-    queries: mx.array, keys: mx.array, prep: Prep
+    queries: mx.array,
+    keys: mx.array,
+    prep: Prep,
+    values: Optional[mx.array] = None,
 ) -> Tuple[mx.array, mx.array]:
-    """mlx's own ops in mlx-lm's order: ``rms_norm``, ``* scale``, ``rope``.
+    """mlx's own ops in mlx-lm's order: ``rms_norm``, ``* scale``, ``rope``; with
+    ``values``, the keys and values then stacked as :func:`stack_block` does.
 
-    Shapes: queries ``(B, S, Hq, D)``, keys ``(B, S, Hkv, D)``; returns both shapes.
+    Shapes: queries ``(B, S, Hq, D)``, keys and values ``(B, S, Hkv, D)``; returns the
+    queries' shape, and the keys' shape or, with ``values``, ``(2, B, Hkv, S, D)``.
     """
     prepared = []
     for given, (weight, eps, scale) in zip((queries, keys), prep.norms()):
@@ -332,7 +361,18 @@ def reference_head_prep(
                 offset=prep.start,
             ).transpose(0, 2, 1, 3)
         prepared.append(out)
+    if values is not None:
+        return prepared[0], stack_block(prepared[1], values)
     return prepared[0], prepared[1]
+
+
+def stack_block(keys: mx.array, values: mx.array) -> mx.array:
+    """mlx's ops for the head-major stacked block a KV plane stores (what
+    ``mx.stack`` of the transposed keys and values gives).
+
+    Shapes: keys, values ``(B, S, Hkv, D)``; returns ``(2, B, Hkv, S, D)``.
+    """
+    return mx.stack([keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)])
 
 
 @functools.lru_cache(maxsize=256)
@@ -349,11 +389,16 @@ def _float_params(eps, k_eps, q_scale, k_scale, rope_base, rope_scale) -> mx.arr
 
 
 def kernel_head_prep(
-    queries: mx.array, keys: mx.array, prep: Prep
+    queries: mx.array,
+    keys: mx.array,
+    prep: Prep,
+    values: Optional[mx.array] = None,
 ) -> Tuple[mx.array, mx.array]:
     """One launch of :data:`HEAD_PREP`.
 
-    Shapes: queries ``(B, S, Hq, D)``, keys ``(B, S, Hkv, D)``; returns both shapes.
+    Shapes: queries ``(B, S, Hq, D)``, keys and values ``(B, S, Hkv, D)``; returns the
+    queries' shape and the keys' shape, or with ``values`` the stacked block
+    ``(2, B, Hkv, S, D)``.
     """
     batch, seq, q_heads, dim = queries.shape
     k_heads = keys.shape[2]
@@ -362,6 +407,7 @@ def kernel_head_prep(
         (Q_WEIGHT if prep.q_weight is not None else 0)
         | (K_WEIGHT if prep.k_weight is not None else 0)
         | (ROPE if prep.rope_base is not None else 0)
+        | (STACK_KV if values is not None else 0)
     )
     fparams = _float_params(
         prep.eps,
@@ -373,19 +419,24 @@ def kernel_head_prep(
     )
     blank = groups.unused_input(queries.dtype)
     ints = int_params(q_rows, k_rows, dim, q_heads, k_heads, seq, prep.start, flags)
+    if values is None:
+        k_shape, rows = keys.shape, q_rows + k_rows
+    else:
+        k_shape, rows = (2, batch, k_heads, seq, dim), q_rows + 2 * k_rows
     q_out, k_out = groups.launch_replayed(
         HEAD_PREP,
         [
             queries,
             keys,
+            blank if values is None else values,
             blank if prep.q_weight is None else prep.q_weight,
             blank if prep.k_weight is None else prep.k_weight,
             ints,
             fparams,
         ],
-        [queries.shape, keys.shape],
+        [queries.shape, k_shape],
         [queries.dtype, queries.dtype],
-        -(-(q_rows + k_rows) // ROWS_PER_GROUP),
+        -(-rows // ROWS_PER_GROUP),
         queries.dtype,
     )
     return q_out, k_out
@@ -404,6 +455,7 @@ def head_prep(
     rope_base: Optional[float] = None,
     rope_scale: float = 1.0,
     start: int = 0,
+    values: Optional[mx.array] = None,
     use_kernel: Optional[bool] = None,
 ) -> Tuple[mx.array, mx.array]:
     """RMS-normed, scaled and rotated queries and keys, in one launch on a GPU.
@@ -413,14 +465,19 @@ def head_prep(
         keys: The k projection's heads.
         eps, k_eps, q_weight, k_weight, q_scale, k_scale, rope_base, rope_scale,
             start: As the attributes of :class:`Prep`.
+        values: The v projection's heads: if given, the prepared keys and these
+            values come back as the head-major block a KV plane stores
+            (:func:`stack_block`'s bits), written by the same launch instead of two
+            copies.
         use_kernel: None: the kernel on a GPU backend, the reference elsewhere;
             True / False force one form (the reference also where the kernel does
             not take the head dim).
 
-    Shapes: queries ``(B, S, Hq, D)``, keys ``(B, S, Hkv, D)``; returns both shapes.
+    Shapes: queries ``(B, S, Hq, D)``, keys and values ``(B, S, Hkv, D)``; returns
+    the queries' shape, and the keys' shape or, with ``values``, ``(2, B, Hkv, S, D)``.
 
     Returns:
-        ``(queries, keys)`` prepared.
+        ``(queries, keys)`` prepared, or ``(queries, block)`` with ``values``.
 
     Raises:
         ValueError: shapes, dtypes, weights or ``start`` that do not fit.
@@ -428,9 +485,9 @@ def head_prep(
     prep = Prep(
         eps, k_eps, q_weight, k_weight, q_scale, k_scale, rope_base, rope_scale, start
     )
-    _check(queries, keys, prep)
+    _check(queries, keys, prep, values)
     if backend.use_kernel_path(use_kernel, True) and kernel_serves(
         queries.shape[3], queries.dtype
     ):
-        return kernel_head_prep(queries, keys, prep)
-    return reference_head_prep(queries, keys, prep)
+        return kernel_head_prep(queries, keys, prep, values)
+    return reference_head_prep(queries, keys, prep, values)

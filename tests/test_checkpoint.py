@@ -214,3 +214,116 @@ def test_begin_refuses_foreign_caches_and_nested_checkpoints():
     with pytest.raises(RollbackError, match="already has an open checkpoint"):
         SpeculativeCheckpoint.begin(planes, 2)
     checkpoint.rollback()
+
+
+def fetched_bits(pair):
+    return [np.array(a.astype(mx.float32)) for a in pair]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    window=st.integers(1, 40),
+    ring=st.booleans(),
+    start_len=st.integers(0, 90),
+    block=st.integers(1, 20),
+    cut=st.one_of(st.none(), st.integers(1, 19)),
+    checkpointed=st.booleans(),
+    fetch=st.booleans(),
+    dtype=st.sampled_from([mx.float32, mx.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_a_stacked_block_writes_and_fetches_what_its_halves_do(
+    window, ring, start_len, block, cut, checkpointed, fetch, dtype, seed
+):
+    """``update_and_fetch_block(stack([k, v]))`` (what the head prep hands a plane)
+    returns the rows ``update_and_fetch(k, v)`` returns and leaves the same cache, staged
+    or written, held back or retained, at every accepted count. With ``fetch=False``
+    it returns None only where the rows stay in the buffer or the held-back block,
+    and the cache ends the same."""
+    from dflash.cache import GrowingKVCache
+
+    rng = np.random.default_rng(seed)
+    history = []
+    remaining = start_len
+    while remaining:
+        count = int(min(remaining, rng.integers(1, 30)))
+        history.append((random_rows(rng, count, True, dtype),) * 2)
+        remaining -= count
+    block_keys = random_rows(rng, block, True, dtype)
+    block_values = random_rows(rng, block, True, dtype)
+    if cut is not None and cut >= block:
+        cut = None
+    chunks = list(
+        zip(split_block(block_keys, cut, True), split_block(block_values, cut, True))
+    )
+
+    def run(stacked, accepted):
+        cache = RingKVCache(window) if ring else GrowingKVCache()
+        for keys, values in history:
+            cache.update_and_fetch(keys, values)
+        checkpoint = (
+            SpeculativeCheckpoint.begin([cache], block) if checkpointed else None
+        )
+        fetched = []
+        for keys, values in chunks:
+            staged = ring and cache.is_staged(keys.shape[2])
+            if stacked:
+                pair = cache.update_and_fetch_block(
+                    mx.stack([keys, values]), fetch=fetch
+                )
+            else:
+                pair = cache.update_and_fetch(keys, values)
+            if pair is None:
+                # Nothing gathered: the rows the queries read are still in place.
+                held = getattr(cache.guard, "pending", None) is not None
+                assert not fetch and cache.kv is not None and (held or not staged)
+            fetched.append(None if pair is None else fetched_bits(pair))
+        if checkpoint is not None:
+            checkpoint.commit(accepted)
+        return fetched, live_bits(cache)
+
+    for accepted in range(block + 1) if checkpointed else [block]:
+        got_fetched, (got_meta, got_keys, got_values) = run(True, accepted)
+        want_fetched, (want_meta, want_keys, want_values) = run(False, accepted)
+        assert got_meta == want_meta
+        np.testing.assert_array_equal(got_keys, want_keys)
+        np.testing.assert_array_equal(got_values, want_values)
+        for got, want in zip(got_fetched, want_fetched):
+            for g, w in zip(got or want, want):
+                np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.parametrize("ring", [True, False])
+def test_a_stacked_block_of_the_wrong_shape_is_refused_before_any_change(ring):
+    from dflash.cache import CacheError, GrowingKVCache
+
+    cache = RingKVCache(8) if ring else GrowingKVCache()
+    rows = mx.ones((1, 2, 5, 4))
+    cache.update_and_fetch(rows, rows)
+    before = live_bits(cache)
+    for bad in (
+        mx.ones((1, 2, 3, 4)),  # not stacked
+        mx.ones((3, 1, 2, 3, 4)),  # three halves
+        mx.ones((2, 1, 3, 3, 4)),  # another head count
+        mx.ones((2, 1, 2, 3, 4), mx.float16),  # another dtype
+    ):
+        with pytest.raises(CacheError):
+            cache.update_and_fetch_block(bad)
+        after = live_bits(cache)
+        assert after[0] == before[0]
+        np.testing.assert_array_equal(after[1], before[1])
+
+
+def test_a_held_back_block_is_not_gathered_unless_asked():
+    """``fetch=False`` on a ring with a buffer: the held-back block returns None (the
+    route reads the ring and the block in place); without a checkpoint the staged chunk
+    is stored at once and its shadow comes back (the only copy of the evicted rows)."""
+    rows = mx.ones((1, 2, 8, 4))
+    block = mx.stack([mx.zeros((1, 2, 4, 4))] * 2)
+    cache = RingKVCache(8)
+    cache.update_and_fetch(rows, rows)
+    checkpoint = SpeculativeCheckpoint.begin([cache], 4)
+    assert cache.update_and_fetch_block(block, fetch=False) is None
+    checkpoint.rollback()
+    keys, values = cache.update_and_fetch_block(block, fetch=False)
+    assert keys.shape == (1, 2, 12, 4)

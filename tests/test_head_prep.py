@@ -47,8 +47,8 @@ MUTANTS = {
     # Every token rotated as if one position later.
     "position": _mutant(
         "position",
-        "const int position = start + (r / heads) % seq;",
-        "const int position = start + 1 + (r / heads) % seq;",
+        "const int position = start + token;",
+        "const int position = start + 1 + token;",
     ),
     # The queries' tokens counted with the keys' head count.
     "heads": _mutant(
@@ -57,11 +57,21 @@ MUTANTS = {
         "const int heads = k_heads;",
     ),
 }
+STACK_MUTANTS = {
+    # The stacked block laid out token-major, as the projections give it.
+    "token_major": _mutant(
+        "token_major",
+        "((r / (heads * seq)) * heads + r % heads) * seq + token",
+        "((r / (heads * seq)) * seq + token) * heads + r % heads",
+    ),
+    # The values copied over the keys' half.
+    "values_over_keys": _mutant("values_over_keys", "(is_v ? k_rows : 0) + ", "0 + "),
+}
 
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    specs = list(heads.SPECS) + list(MUTANTS.values())
+    specs = list(heads.SPECS) + list(MUTANTS.values()) + list(STACK_MUTANTS.values())
     return built_emulator(GroupEmulator, tmp_path_factory, "head_prep_emulator", specs)
 
 
@@ -87,6 +97,12 @@ class Case:
     q_scale: float
     eps: float
     seed: int
+
+    def values(self):
+        """The v projection's heads for :func:`heads.head_prep`'s stacked form."""
+        shape = (self.batch, self.seq, self.k_heads, self.dim)
+        given = 2 * mx.random.normal(shape, key=mx.random.key(self.seed + 1))
+        return given.astype(self.dtype)
 
     def arrays(self):
         key = mx.random.key(self.seed)
@@ -160,6 +176,36 @@ def assert_each_token_gets_its_bits_alone(case: Case) -> None:
         assert _same_bits(alone, [t[:, s : s + 1] for t in together]), (case, s)
 
 
+def oracle_stacked(queries, keys, values, **arguments):
+    """The oracle's queries, and its keys stacked head-major with the values."""
+    q, k = oracle_head_prep(queries, keys, **arguments)
+    v = _bits(values)
+    return q, np.stack([k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)])
+
+
+def assert_each_token_of_the_block_gets_its_bits_alone(case: Case) -> None:
+    """The stacked form: each token's queries and block rows equal that token run
+    alone at its position, bit for bit."""
+    queries, keys, weights = case.arrays()
+    values = case.values()
+    arguments = case.arguments(weights)
+    q, block = heads.head_prep(
+        queries, keys, values=values, use_kernel=True, **arguments
+    )
+    for s in range(case.seq):
+        alone = heads.head_prep(
+            queries[:, s : s + 1],
+            keys[:, s : s + 1],
+            values=values[:, s : s + 1],
+            use_kernel=True,
+            **{**arguments, "start": case.start + s},
+        )
+        assert _same_bits(alone, [q[:, s : s + 1], block[:, :, :, s : s + 1]]), (
+            case,
+            s,
+        )
+
+
 # ------------------------------------------------------------------ compile
 
 
@@ -202,6 +248,57 @@ def test_emulated_kernel_gives_the_oracle_bits(metal_on_cpu, case: Case) -> None
     assert got[0].shape == queries.shape and got[1].shape == keys.shape
     for g, w in zip(got, want):
         np.testing.assert_array_equal(_bits(g), w, err_msg=str(case))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=_SHARED)
+@given(case=cases())
+def test_emulated_stacked_block_gives_the_oracle_bits(metal_on_cpu, case: Case) -> None:
+    """With values, the keys and the copied values land head-major in one block."""
+    queries, keys, weights = case.arrays()
+    values = case.values()
+    arguments = case.arguments(weights)
+    got = heads.head_prep(queries, keys, values=values, use_kernel=True, **arguments)
+    want = oracle_stacked(queries, keys, values, **arguments)
+    assert got[1].shape == (2, case.batch, case.k_heads, case.seq, case.dim)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(_bits(g), w, err_msg=str(case))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=_SHARED)
+@given(case=cases(dims=(64, 128), max_seq=9))
+def test_each_token_of_a_stacked_block_gets_the_bits_it_gets_alone(
+    metal_on_cpu, case: Case
+) -> None:
+    assert_each_token_of_the_block_gets_its_bits_alone(case)
+
+
+@pytest.mark.parametrize("name", sorted(STACK_MUTANTS))
+def test_stacked_block_mutants_fail_the_oracle(
+    metal_on_cpu, monkeypatch, name: str
+) -> None:
+    """Negative controls: a block laid out token-major, or values over the keys."""
+    monkeypatch.setattr(heads, "HEAD_PREP", STACK_MUTANTS[name])
+    case = Case(mx.bfloat16, 64, 1, 3, 2, 2, 9, 10000.0, False, False, 3.87, 1e-5, 5)
+    queries, keys, weights = case.arrays()
+    values = case.values()
+    arguments = case.arguments(weights)
+    got = heads.head_prep(queries, keys, values=values, use_kernel=True, **arguments)
+    want = oracle_stacked(queries, keys, values, **arguments)
+    np.testing.assert_array_equal(_bits(got[0]), want[0])
+    assert not np.array_equal(_bits(got[1]), want[1])
+
+
+def test_stacked_reference_is_the_plane_stack_of_the_prepared_keys() -> None:
+    """The reference block is ``mx.stack`` of the prepared keys and the values, each
+    transposed to ``(B, H, S, D)``: what a plane's ``write`` stacks."""
+    case = Case(mx.float16, 32, 2, 3, 2, 1, 5, 10000.0, True, False, 1.0, 1e-6, 11)
+    queries, keys, weights = case.arrays()
+    values = case.values()
+    arguments = case.arguments(weights)
+    q, k = heads.head_prep(queries, keys, use_kernel=False, **arguments)
+    got = heads.head_prep(queries, keys, values=values, use_kernel=False, **arguments)
+    want = mx.stack([k.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)])
+    assert _same_bits(got, [q, want])
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=_SHARED)
@@ -306,6 +403,8 @@ def test_cpu_takes_the_reference_unless_told(monkeypatch) -> None:
         ((1, 2, 2, 32), (1, 2, 1, 32), {"q_weight": (16,)}, "q_weight"),
         ((1, 2, 2, 32), (1, 2, 1, 32), {"start": -1}, "start"),
         ((1, 2, 2, 32), (1, 2, 1, 32), {"start": 2.0}, "start"),
+        ((1, 2, 2, 32), (1, 2, 1, 32), {"values": (1, 2, 2, 32)}, "values"),
+        ((1, 2, 2, 32), (1, 2, 1, 32), {"values": (1, 1, 1, 32)}, "values"),
     ],
 )
 def test_bad_arguments_raise_before_anything_runs(
@@ -314,8 +413,9 @@ def test_bad_arguments_raise_before_anything_runs(
     calls = []
     monkeypatch.setattr(groups, "launch_groups", lambda *a, **k: calls.append(a))
     arguments = dict(extra)
-    if "q_weight" in arguments:
-        arguments["q_weight"] = mx.ones(arguments["q_weight"])
+    for name in ("q_weight", "values"):
+        if name in arguments:
+            arguments[name] = mx.ones(arguments[name])
     call = lambda: heads.head_prep(  # noqa: E731
         mx.zeros(queries), mx.zeros(keys), eps=1e-5, use_kernel=False, **arguments
     )
@@ -331,6 +431,13 @@ def test_mismatched_dtypes_raise() -> None:
     with pytest.raises(ValueError, match="share one of"):
         heads.head_prep(
             mx.zeros((1, 1, 2, 32), mx.bfloat16), mx.zeros((1, 1, 1, 32)), eps=1e-5
+        )
+    with pytest.raises(ValueError, match="values must have"):
+        heads.head_prep(
+            mx.zeros((1, 1, 2, 32)),
+            mx.zeros((1, 1, 1, 32)),
+            values=mx.zeros((1, 1, 1, 32), mx.float16),
+            eps=1e-5,
         )
 
 
@@ -369,3 +476,38 @@ def test_cuda_kernel_gives_mlxs_bits_at_glimmer_shapes(seq, start, dtype) -> Non
 @given(case=cases(dims=(64, 128), max_seq=16))
 def test_cuda_kernel_is_batch_invariant(case: Case) -> None:
     assert_each_token_gets_its_bits_alone(case)
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=40, deadline=None)
+@given(case=cases())
+def test_cuda_stacked_block_gives_mlxs_bits(case: Case) -> None:
+    queries, keys, weights = case.arrays()
+    values = case.values()
+    arguments = case.arguments(weights)
+    got = heads.head_prep(queries, keys, values=values, use_kernel=True, **arguments)
+    want = heads.head_prep(queries, keys, values=values, use_kernel=False, **arguments)
+    assert _same_bits(got, want), case
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("seq", [1, 16])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_cuda_stacked_block_gives_mlxs_bits_at_glimmer_shapes(seq, dtype) -> None:
+    case = Case(dtype, 128, 1, seq, 32, 2, 4096, 500000.0, False, False, 3.87, 1e-5, 2)
+    queries, keys, weights = case.arrays()
+    values = case.values()
+    arguments = case.arguments(weights)
+    got = heads.head_prep(queries, keys, values=values, use_kernel=True, **arguments)
+    want = heads.head_prep(queries, keys, values=values, use_kernel=False, **arguments)
+    assert _same_bits(got, want)
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=15, deadline=None)
+@given(case=cases(dims=(64, 128), max_seq=16))
+def test_cuda_stacked_block_is_batch_invariant(case: Case) -> None:
+    assert_each_token_of_the_block_gets_its_bits_alone(case)

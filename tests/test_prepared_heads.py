@@ -77,6 +77,7 @@ def test_served_calls_take_one_head_prep_each(monkeypatch) -> None:
     target = tiny_model("muse_glimmer", seed=4, window=16)
     layers = len(target.layers)
     with KernelPatch(target, max_queries=16):
+        calls.clear()  # the install's probe (when no earlier test cached its verdict)
         cache = make_prompt_cache(target)
         target(mx.random.randint(0, 250, (1, 20)), cache)
         assert calls == []
@@ -136,9 +137,12 @@ def test_the_gate_reaches_the_fold_only_where_its_probe_gives_mlxs_bits(
 def test_use_kernel_reaches_the_head_prep_kernel(monkeypatch) -> None:
     taken = []
 
-    def kernel(queries, keys, prep):
+    def kernel(queries, keys, prep, values=None):
         taken.append(prep.start)
-        return heads.reference_head_prep(queries, keys, prep)
+        blocks.append(values is not None)
+        return heads.reference_head_prep(queries, keys, prep, values)
+
+    blocks = []
 
     monkeypatch.setattr(heads, "kernel_head_prep", kernel)
     monkeypatch.setattr(attention, "kernel_attention", attention.reference_attention)
@@ -153,6 +157,8 @@ def test_use_kernel_reaches_the_head_prep_kernel(monkeypatch) -> None:
     sliding = [layer.self_attn.use_rope for layer in target.layers]
     assert taken == [0] * len(sliding) + [4 if rope else 0 for rope in sliding]
     assert any(sliding) and not all(sliding)
+    # dflash's planes take the head prep's stacked block.
+    assert blocks and all(blocks)
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +243,22 @@ def test_other_architectures_keep_the_routed_forward() -> None:
         for layer in target.layers:
             base = type(layer.self_attn).__mro__[1]
             assert type(layer.self_attn) is kernel_patch._routed_class(base)
+
+
+def test_a_declined_call_whose_rows_were_left_in_place_raises():
+    """``rows_in_place`` is the caller's word that the route serves the call: were the
+    route to decline, mlx's attention has no rows, and the forward says so."""
+    target = tiny_model("muse_glimmer", seed=3, window=16)
+    module = target.layers[0].self_attn
+    cache = make_prompt_cache(target)[0]
+    x = mx.random.normal((1, 2, target.args.hidden_size)).astype(mx.float32)
+    attend = prepared_heads.model_attention(type(module))
+    declines = lambda *args: None  # noqa: E731
+    forward = prepared_heads.attention_forward(
+        module, x, None, cache, attend, False, declines, True
+    )
+    assert forward.shape == x.shape  # declined, with the rows fetched: mlx's attention
+    with pytest.raises(RuntimeError, match="declined"):
+        prepared_heads.attention_forward(
+            module, x, None, cache, attend, False, declines, True, rows_in_place=True
+        )

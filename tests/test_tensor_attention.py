@@ -264,11 +264,15 @@ RAN_ON_THE_H200 = {
     # mlx's sigmoid and multiply bits; 8 full-size layers bit-equal to the ungated).
     "dflash_residual_norm_2b66ef2ad0",
     "dflash_fold_gated_e567aac492",
+    # Session 22 (docs/benchmarks/h200-2026-12-02-s22, call B): head prep that also
+    # writes the stacked K/V block (20 `cuda` tests, mlx's bits and the stack's; 8
+    # full-size layers bit-equal to the unstacked).
+    "dflash_head_prep_01ffae6b5c",
     # Session 20 (docs/benchmarks/h200-2026-12-02-s20, calls H-I): both attention layouts
     # read (B, S, Hq, D) queries (32 `cuda` attention tests, 92 route tests); the opt-in
     # matmul forms, one K group and the folded offset, through the 42 `cuda` matmul tests
-    # each with their switch set. Calls J-L: head prep (15 `cuda` tests, mlx's bits).
-    "dflash_head_prep_3f35be8a1b",
+    # each with their switch set. Calls J-L: head prep (15 `cuda` tests, mlx's bits;
+    # its text has changed since, see session 22).
     "dflash_attend_chunks_stream128_f6bed75984",
     "dflash_attend_chunks_split128_56623e56c5",
     "dflash_tensor_q4_m1_bbc3c862f6",
