@@ -70,7 +70,8 @@ from .launch_cost import stubbed_launches
 # ``ours-residual``: ours with the post-norms, residual adds and pre-norm fused (opt-in);
 # ``ours-ungated``: ours with Glimmer's output gate as mlx's two ops after the attention;
 # ``ours-blocked``: ours with each MLP block one compiled trace (opt-in compile_blocks);
-# ``ours-unstacked``: ours with the plane stacking k and v (head prep writes them apart).
+# ``ours-unstacked``: ours with the plane stacking k and v (head prep writes them apart);
+# ``ours-swiglu``: ours with the MLP's silu and product in the gate / up launch (opt-in).
 ARMS = (
     "mlx",
     "mlx-compiled",
@@ -81,6 +82,7 @@ ARMS = (
     "ours-ungated",
     "ours-blocked",
     "ours-unstacked",
+    "ours-swiglu",
 )
 Forward = Callable[[mx.array], mx.array]
 
@@ -259,6 +261,7 @@ def arm_context(model, arm: str, attention: bool = False):
             gate_epilogue=False if arm.endswith("-ungated") else None,
             compile_blocks=True if arm.endswith("-blocked") else None,
             kv_block=False if arm.endswith("-unstacked") else None,
+            swiglu=True if arm.endswith("-swiglu") else None,
         ),
     ):
         yield

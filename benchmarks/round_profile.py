@@ -48,6 +48,7 @@ from dflash.bench.scale_target import QUANTS
 from dflash.dflash_round import DFlashSpeculator, dflash_generate_step
 from dflash.folded_attention import FOLDED_ENV
 from dflash.fused_projections import FUSED_ENV
+from dflash.gated_mlp import SWIGLU_ENV
 from dflash.generation import generate_step
 from dflash.greedy import greedy_reference
 from dflash.held_norms import HELD_NORMS_ENV
@@ -195,6 +196,7 @@ KERNEL_ARMS = {
     "default-residual": None,
     "default-ungated": None,
     "default-unstacked": None,
+    "default-swiglu": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -234,6 +236,7 @@ ARM_SUFFIXES = {
     "residual": (RESIDUAL_NORMS_ENV, "1"),  # post-norms, adds, pre-norm fused (opt-in)
     "ungated": (GATE_EPILOGUE_ENV, "0"),  # Glimmer's gate as mlx's ops after attention
     "unstacked": (KV_BLOCK_ENV, "0"),  # the plane stacks k and v (two copies a layer)
+    "swiglu": (SWIGLU_ENV, "1"),  # the MLP's silu and product in the gate/up launch
 }
 
 

@@ -36,7 +36,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .metal import backend
+from .metal import backend, tensor_qmm
 from .metal.qmm import bind_matmul, compile_around
 from .metal.tensor_qmm import member_views
 
@@ -184,6 +184,52 @@ class FusedProjections:
                 views = member_views(y, edges)
                 return [view.reshape(*lead, view.shape[-1]) for view in views]
             return mx.split(y.reshape(out_shape), splits, axis=-1)
+
+        return compile_around(matmul, product)
+
+    def activated(
+        self, gate: nn.Module, up: nn.Module, x: mx.array, use_kernel: Optional[bool]
+    ) -> Optional[mx.array]:
+        """``silu(gate(x)) * up(x)`` in one launch (the tensor-core matmul's SwiGLU
+        form), or None where that form does not serve: this set is not exactly
+        ``[gate, up]`` still holding their views, the kernel path is off, or the call's
+        geometry is one :func:`~dflash.metal.tensor_qmm.swiglu_takes` refuses.
+
+        Shapes: x ``(..., K)``; returns ``(..., N_gate)``.
+        """
+        if (
+            self.form != "kernel"
+            or len(self.members) != 2
+            or self.members[0] is not gate
+            or self.members[1] is not up
+            or not (self.serves(0, gate) and self.serves(1, up))
+        ):
+            return None
+        key = (x.shape, x.dtype, use_kernel, "swiglu")
+        if key not in self._bound:
+            self._bound[key] = self._bind_activated(x, use_kernel)
+        product = self._bound[key]
+        return None if product is None else product(x)
+
+    def _bind_activated(self, x: mx.array, use_kernel: Optional[bool]):
+        """The SwiGLU launch for inputs of ``x``'s shape and dtype, or None."""
+        depth = x.shape[-1]
+        rows = x.size // depth if depth else 0
+        columns = self.weight.shape[0]
+        if not (
+            0 < rows <= tensor_qmm.MAX_ROWS
+            and backend.use_kernel_path(use_kernel, auto=True)
+            and tensor_qmm.swiglu_takes(x.dtype, rows, depth, columns, self.bits)
+        ):
+            return None
+        matmul = tensor_qmm.bind_tensor_core(
+            rows, depth, self.weight, self.scales, self.biases, self.bits,
+            self.group_size, x.dtype, swiglu=True,
+        )  # fmt: skip
+        flat, out_shape = (rows, depth), (*x.shape[:-1], columns // 2)
+
+        def product(x: mx.array, counters: Optional[mx.array]) -> mx.array:
+            return matmul(x.reshape(flat), counters).reshape(out_shape)
 
         return compile_around(matmul, product)
 

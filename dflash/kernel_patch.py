@@ -72,7 +72,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import folded_attention as folded
-from . import prepared_heads, residual_layers
+from . import gated_mlp, prepared_heads, residual_layers
 from .cache.checkpoint import DEFERRED, RingPlaneCheckpoint
 from .cache.plane import KvPlane, RingPlane, kv_halves
 from .fused_projections import (
@@ -118,6 +118,7 @@ class AttentionRoute:
             which applies it in the attention's last pass.
         kv_block: Prepared Glimmer attention has its head prep write the stacked K/V
             block a dflash plane stores.
+        swiglu: Gated MLPs run their activation inside the fused gate / up launch.
     """
 
     use_kernel: Optional[bool] = None
@@ -125,6 +126,7 @@ class AttentionRoute:
     chunk: int = 256
     gate_epilogue: bool = True
     kv_block: bool = True
+    swiglu: bool = False
 
     def attend(
         self,
@@ -482,6 +484,29 @@ def _projection_call(self, x: mx.array) -> mx.array:
     return slot.group.output(slot.index, x, None)
 
 
+def _gated_mlp_class(base: type) -> type:
+    """A subclass of a SwiGLU MLP whose served calls take ``silu(gate) * up`` from the
+    fused gate / up launch (see :mod:`dflash.gated_mlp`)."""
+    return _swapped_class("gated_mlp", base, _gated_mlp_call)
+
+
+def _gated_mlp_call(self, x: mx.array) -> mx.array:
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the activation applied by
+    the gate / up launch; calls it does not serve run the module's own forward.
+
+    Shapes: x ``(..., H)``; returns ``(..., H)``.
+    """
+    route: AttentionRoute = self._dflash_route
+    depth = x.shape[-1]
+    rows = x.size // depth if depth else 0
+    slot: Optional[MemberSlot] = self.gate_proj.__dict__.get(_FUSED_SLOT)
+    if route.swiglu and slot is not None and 0 < rows <= route.max_queries:
+        hidden = slot.group.activated(self.gate_proj, self.up_proj, x, route.use_kernel)
+        if hidden is not None:
+            return self.down_proj(hidden)
+    return getattr(type(self), _ORIGINAL_CLASS).__call__(self, x)
+
+
 def _block_class(base: type) -> type:
     """A subclass of an MLP module run as one compiled forward per input geometry."""
     return _swapped_class("block", base, _block_call)
@@ -643,6 +668,11 @@ class KernelPatch:
         kv_block: With ``head_prep``, have the head prep write the keys and values as
             the stacked block a dflash plane stores (two copies fewer a layer). None:
             :func:`dflash.prepared_heads.kv_block_wanted`.
+        swiglu: With ``matmul`` and ``fuse``, run each SwiGLU MLP's activation in its
+            fused gate / up launch (CUDA's tensor-core form; two kernels fewer a layer)
+            where :mod:`dflash.gated_mlp`'s probes pass. None:
+            :func:`dflash.gated_mlp.swiglu_wanted` (off unless ``DFLASH_SWIGLU=1``: not
+            yet run on a GPU).
 
     Raises:
         ValueError: ``model``'s architecture is not one whose attention can be routed.
@@ -665,6 +695,7 @@ class KernelPatch:
         residual_norms: Optional[bool] = None,
         gate_epilogue: Optional[bool] = None,
         kv_block: Optional[bool] = None,
+        swiglu: Optional[bool] = None,
     ) -> None:
         if attention and not supports(model):
             raise ValueError(
@@ -682,6 +713,7 @@ class KernelPatch:
             chunk,
             self._gate_epilogue,
             prepared_heads.kv_block_wanted(kv_block),
+            gated_mlp.swiglu_wanted(swiglu),
         )
         self.attention = attention
         self.matmul = matmul
@@ -756,6 +788,30 @@ class KernelPatch:
             and all(id(child) in routed for child in _children(block))
         ]
 
+    def gated_mlps(self, blocks: List[nn.Module]) -> List[nn.Module]:
+        """The target's and the drafter's SwiGLU MLPs :meth:`install` has take their
+        activation from the gate / up launch: with ``matmul`` and ``fuse``, not
+        compiled whole (``blocks``), whose forward and kernel probes pass (none where
+        the form cannot run: off CUDA, the kernel path off)."""
+        if not (
+            self.route.swiglu
+            and self.matmul
+            and self.fuse
+            and gated_mlp.form_available(self.route.use_kernel)
+        ):
+            return []
+        compiled = {id(block) for block in blocks}
+        return [
+            mlp
+            for mlp in self._mlps()
+            if id(mlp) not in compiled
+            and gated_mlp.serves(mlp)
+            and gated_mlp.forward_matches(mlp, type(mlp))
+            and gated_mlp.kernel_matches(
+                gated_mlp.activation_dtype(mlp), self.route.use_kernel
+            )
+        ]
+
     def residual_layers(self) -> List[nn.Module]:
         """The target's decoder layers :meth:`install` runs with fused residual norms
         (served classes whose probe passes; empty without ``residual_norms``)."""
@@ -784,9 +840,10 @@ class KernelPatch:
         members = [m for members in sets for m in members]
         blocks = self.mlp_blocks(matmul) if self.compile_blocks else []
         layers = self.residual_layers()
+        mlps = self.gated_mlps(blocks)
         busy = [
             m
-            for m in attention + matmul + members + blocks + layers
+            for m in attention + matmul + members + blocks + layers + mlps
             if hasattr(type(m), _ORIGINAL_CLASS)
         ]
         if busy:
@@ -835,6 +892,9 @@ class KernelPatch:
             self._patched.append(module)
         for module in layers:
             _swap(module, _residual_class(type(module)), self.route)
+            self._patched.append(module)
+        for module in mlps:
+            _swap(module, _gated_mlp_class(type(module)), self.route)
             self._patched.append(module)
         try:
             if self.matmul and self.fuse:

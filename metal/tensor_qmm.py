@@ -752,9 +752,12 @@ def _fill(text: str, values: dict) -> str:
     return text
 
 
-def _spec(layout: Layout, folded: bool = False, k_groups: int = 1) -> GroupKernelSpec:
+def _spec(
+    layout: Layout, folded: bool = False, k_groups: int = 1, swiglu: bool = False
+) -> GroupKernelSpec:
     """The matmul kernel of ``layout`` (``folded``: the folded-offset 4-bit form;
-    ``k_groups``: warp groups splitting K in a CTA, see :data:`K_GROUPS`)."""
+    ``k_groups``: warp groups splitting K in a CTA, see :data:`K_GROUPS`; ``swiglu``:
+    the gated-MLP activation as its last step, see :data:`SWIGLU_HELPERS`)."""
     if k_groups not in (1, 2):
         raise ValueError(f"k_groups must be 1 or 2, got {k_groups}")
     affine = layout.bits != 0
@@ -795,8 +798,10 @@ def _spec(layout: Layout, folded: bool = False, k_groups: int = 1) -> GroupKerne
     )
     if k_groups == 2:
         body = _two_k_groups(body, affine)
+    if swiglu:
+        body = _swiglu(body)
     name = f"tensor_{'dense' if not affine else f'q{layout.bits}'}_m{layout.mtiles}"
-    name += "_folded" * folded + "_k2" * (k_groups == 2)
+    name += "_folded" * folded + "_k2" * (k_groups == 2) + "_swiglu" * swiglu
     if affine:
         inputs = ("x", "weight", "scales", "biases", "params", "counters")
         types = ("T", "uint32", "T", "T", "int32", "int32")
@@ -809,7 +814,9 @@ def _spec(layout: Layout, folded: bool = False, k_groups: int = 1) -> GroupKerne
         input_types=types,
         output_names=("y", "partial"),
         output_types=("T", "float32"),
-        helpers=_HELPERS + (_FOLDED_HELPERS if folded else ""),
+        helpers=_HELPERS
+        + (_FOLDED_HELPERS if folded else "")
+        + (SWIGLU_HELPERS if swiglu else ""),
         body=body,
         threads=THREADS * k_groups,
         backends=(CUDA,),
@@ -893,6 +900,86 @@ _K2_EDITS = (
 )
 
 
+# The gated MLP's activation as the fused gate / up launch's last step (the SwiGLU
+# form): column tile t reads gate columns [64 t, 64 t + 64) and the up columns
+# N / 2 + the same (the member-major stack [gate; up], N a multiple of 128), stages
+# their T results in shared memory and stores ``silu(gate) * up`` as ``(rows, N / 2)``.
+# On CUDA the sigmoid is mlx's own functor (the header its JIT hands over) and both
+# products are ``T * T``: the bits of mlx's ``nn.silu`` (its compiled kernel keeps
+# each step in T) then ``*``. Elsewhere (the CPU emulation) a float32 formula.
+SWIGLU_HELPERS = """
+#ifdef __CUDACC__
+#include "mlx/backend/cuda/device/unary_ops.cuh"
+#define DFL_SWIGLU(g, u) (((g) * ::mlx::core::cu::Sigmoid{}(g)) * (u))
+#else
+DFL_FN float dfl_swiglu_sigmoid(float x) {
+  const float y = 1.0f / (1.0f + exp(fabs(x)));
+  return x < 0.0f ? y : 1.0f - y;
+}
+#define DFL_SWIGLU(g, u) \\
+  T(float(T(float(g) * float(T(dfl_swiglu_sigmoid(float(g)))))) * float(u))
+#endif
+"""
+_SWIGLU_PASS = """
+    for (int p = int(lid); p < n_rows * (COLUMNS / 2); p += THREADS) {
+      const int r = p / (COLUMNS / 2);
+      const int j = p % (COLUMNS / 2);
+      const T g = dfl_stage[r * COLUMNS + j];
+      const T u = dfl_stage[r * COLUMNS + COLUMNS / 2 + j];
+      y[size_t(r) * size_t(n_cols / 2) + size_t(col0 / 2 + j)] = DFL_SWIGLU(g, u);
+    }
+"""
+# Edits of a form's text (one or two K groups) into its SwiGLU form: (old, new, count).
+_SWIGLU_EDITS = (
+    # Tile t's first half is gate columns, its second half the matching up columns.
+    (
+        "const int n = col0 + cl < n_cols ? col0 + cl : n_cols - 1;",
+        "const int n = (cl < COLUMNS / 2 ? 0 : n_cols / 2 - COLUMNS / 2) + col0 / 2 + cl;",
+        None,
+    ),
+    # The stage lies past the two-group exchange; every warp is done with the stages.
+    (
+        "  // c0, c1: row gid, columns 2 tig, 2 tig + 1; c2, c3: row gid + 8.\n",
+        "  T* dfl_stage = reinterpret_cast<T*>(smem + 128 * MT * 16 * 4);\n"
+        "  dfl_wait<0>();\n"
+        "  DFL_BARRIER();\n"
+        "  // c0, c1: row gid, columns 2 tig, 2 tig + 1; c2, c3: row gid + 8.\n",
+        1,
+    ),
+    (
+        "            y[out_base + size_t(r) * out_width + (n - out_lo)] = T(acc[mt][t][i]);\n",
+        "            dfl_stage[r * COLUMNS + (n - col0)] = T(acc[mt][t][i]);\n",
+        1,
+    ),
+    (
+        "  if (splits > 1 && merged) {\n",
+        "  if (splits == 1) {\n    DFL_BARRIER();\n" + _SWIGLU_PASS + "  }\n"
+        "  if (splits > 1 && merged) {\n",
+        1,
+    ),
+    (
+        "          y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)] = T(sum);\n"
+        "        }\n"
+        "      }\n",
+        "          dfl_stage[p] = T(sum);\n"
+        "        }\n"
+        "      }\n"
+        "      DFL_BARRIER();\n" + _SWIGLU_PASS,
+        1,
+    ),
+)
+
+
+def _swiglu(body: str) -> str:
+    """A matmul body (either K-group form) as its SwiGLU form (:data:`SWIGLU_HELPERS`)."""
+    for old, new, count in _SWIGLU_EDITS:
+        found = body.count(old)
+        if found == 0 or (count is not None and found != count):
+            raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
+        body = body.replace(old, new)
+    return body
+
+
 def _two_k_groups(body: str, affine: bool) -> str:
     """The body with K split between two warp groups of a CTA (see :data:`K_GROUPS`)."""
     form = "affine" if affine else "dense"
@@ -924,6 +1011,12 @@ FORM_SPECS = {
     for folded in (False, True)
     for groups in (1, 2)
 }
+# The SwiGLU forms (not folded) by (k_groups, layout key).
+SWIGLU_SPECS = {
+    (groups, key): _spec(layout, False, groups, swiglu=True)
+    for groups in (1, 2)
+    for key, layout in LAYOUTS.items()
+}
 MATMUL_SPECS = FORM_SPECS[(False, 1)]
 FOLDED_SPECS = FORM_SPECS[(True, 1)]
 K2_SPECS = FORM_SPECS[(False, 2)]
@@ -943,6 +1036,7 @@ SPECS = (
     tuple(MATMUL_SPECS.values())
     + tuple(FOLDED_SPECS.values())
     + tuple(K2_SPECS.values())
+    + tuple(SWIGLU_SPECS.values())
     + (REDUCE_SPEC,)
 )
 
@@ -1017,6 +1111,7 @@ def bind_tensor_core(
     group_size: Optional[int],
     dtype: mx.Dtype,
     members: Sequence[int] = (),
+    swiglu: bool = False,
 ) -> Callable[[mx.array], mx.array]:
     """The tensor-core form (one launch; two when K is split and the split sum is not
     merged) with everything but ``x`` fixed (see ``qmm.bind_matmul``, which has
@@ -1041,11 +1136,15 @@ def bind_tensor_core(
         the launch's ``member_edges`` attribute holds them and the result's buffer
         holds each member's ``(rows, width)`` block in turn (its ``(rows, N)`` shape
         is then only a container: read it through :func:`member_views`).
+
+        ``swiglu`` (a stacked ``[gate; up]`` weight): the result is
+        ``silu(x @ gate.T) * (x @ up.T)``, ``(rows, N / 2)``, in one launch (see
+        :data:`SWIGLU_HELPERS`; the caller checks :func:`swiglu_serves`).
     """
-    edges = member_edges(members, weight.shape[0])
+    edges = () if swiglu else member_edges(members, weight.shape[0])
     plan = launch_plan(
         rows, depth, weight.shape[0], bits, group_size, merge_split_sum(),
-        fold_q4_offset(), wave_split(), k_groups(), edges,
+        fold_q4_offset() and not swiglu, wave_split(), k_groups(), edges, swiglu,
     )  # fmt: skip
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)
@@ -1136,6 +1235,7 @@ def launch_plan(
     waves: bool = False,
     k_groups: int = 1,
     edges: tuple[int, ...] = (),
+    swiglu: bool = False,
 ) -> LaunchPlan:
     """The launch plan of a validated call, built once per geometry (host time).
 
@@ -1144,11 +1244,25 @@ def launch_plan(
     4-bit call takes the folded-offset form (:data:`FOLD_Q4_OFFSET`). ``waves``: the
     wave-aware K split (:func:`split_plan`). ``k_groups``: 2 takes the two-K-group form
     (:data:`K_GROUPS`). ``edges``: the member-major store's member edges (validated by
-    :func:`member_edges`; ``()``: the plain layout).
+    :func:`member_edges`; ``()``: the plain layout). ``swiglu``: the SwiGLU form (see
+    :func:`swiglu_serves`; its result is ``(rows, columns / 2)``).
+
+    Raises:
+        ValueError: ``swiglu`` for a call :func:`swiglu_serves` refuses.
     """
     key = (bits or 0, 1 if rows <= 16 else 2)
-    spec = FORM_SPECS[(folded and bits == 4, k_groups)][key]
     tiles, splits, per_split = split_plan(depth, columns, bits, waves)
+    if swiglu:
+        if not swiglu_serves(columns, splits, merged, edges):
+            raise ValueError(
+                f"the SwiGLU form takes N a multiple of {COLUMNS} with a merged or no K "
+                f"split and no member edges, got N={columns}, {splits} splits"
+            )
+        return _swiglu_plan(
+            SWIGLU_SPECS[(k_groups, key)], rows, depth, columns, group_size,
+            (tiles, splits, per_split),
+        )  # fmt: skip
+    spec = FORM_SPECS[(folded and bits == 4, k_groups)][key]
     shift = (group_size or 1).bit_length() - 1
     merged = merged and splits > 1
     params = int_params(
@@ -1176,3 +1290,54 @@ def launch_plan(
         int_params(total, splits, columns, len(edges), *edges),
         -(-total // REDUCE_THREADS),
     )
+
+
+def swiglu_serves(
+    columns: int, splits: int, merged: bool, edges: tuple[int, ...] = ()
+) -> bool:
+    """Whether the SwiGLU form takes a fused gate / up call of ``columns`` columns
+    split ``splits`` ways: whole column tiles (each half of a tile is 64 gate or 64 up
+    columns), the split summed in the launch (or none), no member-major edges."""
+    return columns % COLUMNS == 0 and (splits == 1 or merged) and not edges
+
+
+def _swiglu_plan(
+    spec: GroupKernelSpec,
+    rows: int,
+    depth: int,
+    columns: int,
+    group_size: Optional[int],
+    split: tuple[int, int, int],
+) -> LaunchPlan:
+    """The plan of a SwiGLU launch (checked by :func:`swiglu_serves`)."""
+    tiles, splits, per_split = split
+    shift = (group_size or 1).bit_length() - 1
+    params = int_params(
+        rows, columns, depth, group_size or 0, tiles, splits, per_split, shift,
+        int(splits > 1), 0,
+    )  # fmt: skip
+    partials = (splits, rows, columns) if splits > 1 else (1,)
+    return LaunchPlan(
+        spec,
+        columns,
+        params,
+        ((rows, columns // 2), partials),
+        tiles * splits,
+        tiles if splits > 1 else 0,
+        None,
+        0,
+    )
+
+
+def swiglu_takes(
+    dtype: mx.Dtype, rows: int, depth: int, columns: int, bits: Optional[int]
+) -> bool:
+    """Whether a fused gate / up call (validated, ``columns`` = 2 x the hidden width)
+    runs in the SwiGLU form on this backend with the switches as they are now."""
+    if not (
+        backend.BACKEND == CUDA
+        and tensor_core_serves(dtype, rows, depth, columns, bits)
+    ):
+        return False
+    splits = split_plan(depth, columns, bits, wave_split())[1]
+    return swiglu_serves(columns, splits, merge_split_sum())

@@ -21,6 +21,17 @@ def random_rows(rng, count, head_major, dtype):
     return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
 
+def random_history(rng, rows, head_major, dtype, longest):
+    """``rows`` rows as chunks of 1 to ``longest - 1`` rows (keys equal values): varied
+    chunks put a ring at arbitrary rotations before the block."""
+    history = []
+    while rows:
+        count = int(min(rows, rng.integers(1, longest)))
+        history.append((random_rows(rng, count, head_major, dtype),) * 2)
+        rows -= count
+    return history
+
+
 def build(capacity, ring, head_major, history):
     plane = (
         RingPlane(capacity, head_major=head_major)
@@ -71,13 +82,7 @@ def test_commit_equals_sequential_append_of_the_accepted_rows(
     capacity, head_major, ring, start_len, block, cut, dtype, seed
 ):
     rng = np.random.default_rng(seed)
-    history = []
-    remaining = start_len
-    while remaining:
-        # Varied history chunks put the ring at arbitrary rotations before the block.
-        count = int(min(remaining, rng.integers(1, 40)))
-        history.append((random_rows(rng, count, head_major, dtype),) * 2)
-        remaining -= count
+    history = random_history(rng, start_len, head_major, dtype, 40)
     block_keys = random_rows(rng, block, head_major, dtype)
     block_values = random_rows(rng, block, head_major, dtype)
     if cut is not None and cut >= block:
@@ -243,12 +248,7 @@ def test_a_stacked_block_writes_and_fetches_what_its_halves_do(
     from dflash.cache import GrowingKVCache
 
     rng = np.random.default_rng(seed)
-    history = []
-    remaining = start_len
-    while remaining:
-        count = int(min(remaining, rng.integers(1, 30)))
-        history.append((random_rows(rng, count, True, dtype),) * 2)
-        remaining -= count
+    history = random_history(rng, start_len, True, dtype, 30)
     block_keys = random_rows(rng, block, True, dtype)
     block_values = random_rows(rng, block, True, dtype)
     if cut is not None and cut >= block:

@@ -33,6 +33,7 @@ def test_layer_stack_runs_every_arm_and_compiled_layers_keep_the_bits(tmp_path):
         "ours-ungated == ours": True,
         "ours-blocked == ours": True,
         "ours-unstacked == ours": True,
+        "ours-swiglu == ours": True,
     }
     assert json.loads(out.read_text())["runs"] == result["runs"]
 

@@ -658,6 +658,18 @@ MUTANTS = {
 }
 
 
+def _swiglu_wrong_half():
+    spec = tensor_qmm.SWIGLU_SPECS[(2, (4, 1))]
+    old = "(cl < COLUMNS / 2 ? 0 : n_cols / 2 - COLUMNS / 2)"
+    assert old in spec.body
+    return dataclasses.replace(
+        spec, base=spec.base + "_wrong_half", body=spec.body.replace(old, "0")
+    )
+
+
+SWIGLU_WRONG_HALF = _swiglu_wrong_half()
+
+
 @pytest.fixture(scope="module")
 def tensor_emulator(tmp_path_factory):
     if GXX is None:
@@ -667,7 +679,7 @@ def tensor_emulator(tmp_path_factory):
         + tuple(MUTANTS.values())
         + tuple(K2_SPECS.values())
         + tuple(tensor_qmm.K2_FOLDED_SPECS.values())
-        + (K2_DROPPED,)
+        + (K2_DROPPED, SWIGLU_WRONG_HALF)
     )
     emulator = TensorEmulator(tmp_path_factory.mktemp("tensor_emulator"), specs, GXX)
     assert emulator.build.ok, emulator.build.log
@@ -1433,3 +1445,95 @@ def test_cuda_member_major_members_have_the_plain_bits(
         weights = (layer["weight"], layer.get("scales"), layer.get("biases"))
         case = (inputs[0], *weights, bits, 64 if bits else None)
         assert _close_to_matmul_oracle(case, out, slack=4.0)
+
+
+# ====================================================== the SwiGLU form
+
+
+@st.composite
+def swiglu_cases(draw, max_rows: int = 20, max_chunks: int = 3, max_halves: int = 2):
+    """A stacked ``[gate; up]`` call the SwiGLU form takes: N a multiple of 128."""
+    bits = draw(st.sampled_from([4, 8, None]))
+    group = draw(st.sampled_from([32, 64, 128])) if bits else None
+    depth = Layout(bits or 0, 1).chunk * draw(st.integers(1, max_chunks))
+    rows = draw(st.integers(1, max_rows))
+    columns = 2 * (tensor_qmm.COLUMNS // 2) * draw(st.integers(1, max_halves)) * 2
+    dtype = draw(st.sampled_from(HALF))
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    x = mx.array(rng.standard_normal((rows, depth)).astype(np.float32)).astype(dtype)
+    dense = mx.array(rng.standard_normal((columns, depth)).astype(np.float32) * 0.3)
+    dense = dense.astype(dtype)
+    if bits is None:
+        return x, dense, None, None, None, None
+    weight, scales, biases = mx.quantize(dense, group_size=group, bits=bits)
+    return x, weight, scales, biases, bits, group
+
+
+def _bound(case, swiglu: bool):
+    x, weight, scales, biases, bits, group = case
+    rows, depth = x.shape
+    call = tensor_qmm.bind_tensor_core(
+        rows, depth, weight, scales, biases, bits, group, x.dtype, swiglu=swiglu
+    )
+    out = call(x)
+    mx.eval(out)
+    return out
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=_FIXTURES)
+@given(
+    case=swiglu_cases(),
+    late=st.booleans(),
+    groups=st.sampled_from([1, 2]),
+    waves=st.booleans(),
+)
+def test_emulated_swiglu_form_gives_silu_of_its_gate_times_its_up(
+    emulated, monkeypatch, case, late, groups, waves
+) -> None:
+    """The SwiGLU form (the body text, helpers emulated): tile t's gate columns
+    [64 t, 64 t + 64) meet the up columns N / 2 + the same, and the result is the
+    activation of the plain form's own gate and up bits, split in K or not."""
+    monkeypatch.setattr(tensor_qmm, "K_GROUPS", groups)
+    monkeypatch.setattr(tensor_qmm, "WAVE_SPLIT", waves)
+    monkeypatch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", True)
+    emulated.late = late
+    x, weight = case[0], case[1]
+    columns = weight.shape[0]
+    assert tensor_qmm.swiglu_takes(x.dtype, x.shape[0], x.shape[1], columns, case[4])
+    plain = _bound(case, swiglu=False)
+    half = columns // 2
+    want = model.emulated_swiglu(plain[:, :half], plain[:, half:])
+    got = _bound(case, swiglu=True)
+    assert got.shape == (x.shape[0], half)
+    np.testing.assert_array_equal(np.array(got.astype(mx.float32)), want)
+
+
+def test_emulated_swiglu_form_with_a_tile_of_the_wrong_half_fails(
+    emulated, monkeypatch
+) -> None:
+    """Negative control: up columns read from the gate's half of the stack."""
+    monkeypatch.setattr(tensor_qmm, "K_GROUPS", 2)
+    monkeypatch.setitem(tensor_qmm.SWIGLU_SPECS, (2, (4, 1)), SWIGLU_WRONG_HALF)
+    tensor_qmm.launch_plan.cache_clear()
+    try:
+        rng = np.random.default_rng(5)
+        x = mx.array(rng.standard_normal((3, 256)).astype(np.float32))
+        dense = mx.array(rng.standard_normal((256, 256)).astype(np.float32) * 0.3)
+        weight, scales, biases = mx.quantize(dense.astype(mx.bfloat16), 64, 4)
+        case = (x.astype(mx.bfloat16), weight, scales, biases, 4, 64)
+        plain = _bound(case, swiglu=False)
+        want = model.emulated_swiglu(plain[:, :128], plain[:, 128:])
+        got = np.array(_bound(case, swiglu=True).astype(mx.float32))
+        assert not np.array_equal(got, want)
+    finally:
+        tensor_qmm.launch_plan.cache_clear()
+
+
+def test_swiglu_form_refuses_what_it_cannot_take() -> None:
+    assert tensor_qmm.swiglu_serves(256, 1, False)
+    assert tensor_qmm.swiglu_serves(256, 3, True)
+    assert not tensor_qmm.swiglu_serves(256, 3, False)  # a second launch sums
+    assert not tensor_qmm.swiglu_serves(192, 1, True)  # half a tile
+    assert not tensor_qmm.swiglu_serves(256, 1, True, (128,))  # member edges
+    with pytest.raises(ValueError, match="SwiGLU"):
+        tensor_qmm.launch_plan(4, 256, 192, 4, 64, True, swiglu=True)

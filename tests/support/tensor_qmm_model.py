@@ -232,3 +232,20 @@ def wrong_pairs(weight: mx.array, bits: Optional[int]) -> np.ndarray:
     # Swap the high halves of r_0 <-> r_1 and r_2 <-> r_3: k order no longer matches A.
     high = high[..., [1, 0, 3, 2]]
     return low | (high << U32(16))
+
+
+def emulated_swiglu(gate: mx.array, up: mx.array) -> np.ndarray:
+    """The SwiGLU form's activation as the CPU emulation computes it (float32 sigmoid
+    ``1 / (1 + exp|g|)`` mirrored for g >= 0, each step rounded to the dtype), float32.
+
+    Shapes: gate, up ``(..., N)``; returns the same.
+    """
+    dtype = gate.dtype
+    g = np.array(gate.astype(mx.float32))
+    y = (1.0 / (1.0 + np.exp(np.abs(g)))).astype(np.float32)
+    sig = np.where(g < 0, y, np.float32(1) - y).astype(np.float32)
+
+    def rounded(values: np.ndarray) -> np.ndarray:
+        return np.array(mx.array(values).astype(dtype).astype(mx.float32))
+
+    return rounded(rounded(g * rounded(sig)) * np.array(up.astype(mx.float32)))
