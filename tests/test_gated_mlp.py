@@ -26,7 +26,7 @@ from support.compilers import GXX
 from support.tensor_emulator import TensorEmulator
 from support.tensor_qmm_model import emulated_swiglu
 
-from dflash import gated_mlp
+from dflash import gated_mlp, kernel_patch
 from dflash.cache import make_prompt_cache
 from dflash.fused_projections import FusedProjections
 from dflash.kernel_patch import KernelPatch
@@ -58,6 +58,11 @@ class GeluMLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(nn.gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _gated(mlp: nn.Module) -> bool:
+    """Whether the kernel patch swapped ``mlp`` for the SwiGLU form's class."""
+    return type(mlp).__call__ is kernel_patch._gated_mlp_call
 
 
 def test_forward_probe_takes_swiglu_mlps_and_refuses_another_activation() -> None:
@@ -197,11 +202,44 @@ def test_cuda_install_probe_passes_and_logits_keep_their_bits() -> None:
     tokens = mx.random.randint(0, 200, (1, 12))
     logits = {}
     for swiglu in (True, False):
-        with KernelPatch(target, swiglu=swiglu) as patch:
-            assert bool(patch.gated_mlps([])) is swiglu
+        with KernelPatch(target, swiglu=swiglu):
+            assert all(_gated(layer.mlp) is swiglu for layer in target.layers)
             cache = make_prompt_cache(target)
             target(tokens[:, :8], cache)
             out = target(tokens[:, 8:], cache)
             mx.eval(out)
             logits[swiglu] = out
     assert mx.array_equal(logits[True], logits[False])
+
+
+def test_a_patched_model_takes_its_mlp_activation_from_the_fused_set(monkeypatch):
+    """The install and the call path, on the CPU: with the form made available, each
+    Muse Glimmer MLP is swapped, asks its fused ``[gate, up]`` set for the activation
+    once a served call (not for a prefill chunk past ``max_queries``), feeds it to
+    ``down_proj``, and the logits keep the unswapped patch's bits; uninstalling
+    restores the class."""
+    monkeypatch.setattr(gated_mlp, "form_available", lambda use_kernel: True)
+    monkeypatch.setattr(gated_mlp, "kernel_matches", lambda dtype, use_kernel: True)
+    asked = []
+
+    def activated(group, gate, up, x, use_kernel):
+        asked.append(x.shape[1])
+        return nn.silu(gate(x)) * up(x)  # what the launch computes, by mlx's ops
+
+    monkeypatch.setattr(FusedProjections, "activated", activated)
+    target = tiny_model("muse_glimmer", seed=6, window=16)
+    tokens = mx.random.randint(0, 200, (1, 24))
+    base = type(target.layers[0].mlp)
+    with KernelPatch(target, max_queries=16, swiglu=False):
+        assert not any(_gated(layer.mlp) for layer in target.layers)
+        cache = make_prompt_cache(target)
+        want = [target(tokens[:, :20], cache), target(tokens[:, 20:], cache)]
+    assert asked == []
+    with KernelPatch(target, max_queries=16, swiglu=True):
+        assert all(_gated(layer.mlp) for layer in target.layers)
+        cache = make_prompt_cache(target)
+        got = [target(tokens[:, :20], cache), target(tokens[:, 20:], cache)]
+    assert asked == [4] * len(target.layers)  # the 20-token prefill kept its own
+    assert all(type(layer.mlp) is base for layer in target.layers)
+    for g, w in zip(got, want):
+        assert mx.array_equal(g, w)
