@@ -27,6 +27,7 @@ mlx's two kernels wherever its bits differ.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Dict, Optional, Tuple, Type
 
 import mlx.core as mx
@@ -107,13 +108,9 @@ def kernel_matches(dtype: mx.Dtype, use_kernel: Optional[bool]) -> bool:
     be built (or is not available)."""
     if not form_available(use_kernel):
         return False
-    key = (backend.BACKEND, dtype)
-    if key not in _KERNEL_VERDICTS:
-        try:
-            _KERNEL_VERDICTS[key] = _kernel_probe(dtype)
-        except Exception:  # a form that does not build fails closed: mlx's ops
-            _KERNEL_VERDICTS[key] = False
-    return _KERNEL_VERDICTS[key]
+    return backend.probed(
+        _KERNEL_VERDICTS, (backend.BACKEND, dtype), partial(_kernel_probe, dtype)
+    )
 
 
 def _kernel_probe(dtype: mx.Dtype) -> bool:

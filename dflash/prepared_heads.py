@@ -101,13 +101,9 @@ def gated_fold_matches(dtype: mx.Dtype, use_kernel: Optional[bool]) -> bool:
     """
     if use_kernel is False or not backend.use_kernel_path(use_kernel, True):
         return True
-    key = (backend.BACKEND, dtype)
-    if key not in _GATED_VERDICTS:
-        try:
-            _GATED_VERDICTS[key] = _gated_fold_probe(dtype)
-        except Exception:  # a kernel that does not build fails closed: mlx's ops
-            _GATED_VERDICTS[key] = False
-    return _GATED_VERDICTS[key]
+    return backend.probed(
+        _GATED_VERDICTS, (backend.BACKEND, dtype), partial(_gated_fold_probe, dtype)
+    )
 
 
 def _gated_fold_probe(dtype: mx.Dtype) -> bool:

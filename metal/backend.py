@@ -299,3 +299,15 @@ def params(*values: int) -> mx.array:
     ``mx.array`` is immutable, so one host-to-device copy serves them all.
     """
     return mx.array(list(values), dtype=mx.int32)
+
+
+def probed(verdicts: dict, key: Any, probe: Callable[[], bool]) -> bool:
+    """``probe()``'s verdict for ``key``, run once and kept in ``verdicts``. A probe
+    that raises (a kernel that does not build here) gives False: the caller keeps
+    mlx's ops, failing closed rather than mid-generation."""
+    if key not in verdicts:
+        try:
+            verdicts[key] = bool(probe())
+        except Exception:
+            verdicts[key] = False
+    return verdicts[key]
