@@ -196,15 +196,18 @@ def stubbed_launches() -> Iterator[None]:
         return use_kernel is not False
 
     saved = groups.launch_groups, backend.use_kernel_path, backend.BACKEND
-    verdicts = prepared_heads._GATED_VERDICTS
+    verdicts, replays = prepared_heads._GATED_VERDICTS, groups._REPLAYS
     groups.launch_groups, backend.use_kernel_path = launch_groups, use_kernel_path
     backend.BACKEND = "cuda"  # only the stub launches, so nothing is built for it
     prepared_heads._GATED_VERDICTS = {}  # a probe of stand-ins must not outlive them
+    groups._REPLAYS = (
+        {}
+    )  # nor a replayed trace of them (nor real ones replay stand-ins)
     try:
         yield
     finally:
         groups.launch_groups, backend.use_kernel_path, backend.BACKEND = saved
-        prepared_heads._GATED_VERDICTS = verdicts
+        prepared_heads._GATED_VERDICTS, groups._REPLAYS = verdicts, replays
 
 
 def time_calls(op: Op, calls: int, reps: int) -> dict:

@@ -71,7 +71,9 @@ from .launch_cost import stubbed_launches
 # ``ours-ungated``: ours with Glimmer's output gate as mlx's two ops after the attention;
 # ``ours-blocked``: ours with each MLP block one compiled trace (opt-in compile_blocks);
 # ``ours-unstacked``: ours with the plane stacking k and v (head prep writes them apart);
-# ``ours-swiglu``: ours with the MLP's silu and product in the gate / up launch (opt-in).
+# ``ours-swiglu``: ours with the MLP's silu and product in the gate / up launch (opt-in);
+# ``ours-traced`` / ``ours-untraced``: ours with each served layer call two compiled
+# replays (the default) / the eager layers.
 ARMS = (
     "mlx",
     "mlx-compiled",
@@ -83,6 +85,8 @@ ARMS = (
     "ours-blocked",
     "ours-unstacked",
     "ours-swiglu",
+    "ours-traced",
+    "ours-untraced",
 )
 Forward = Callable[[mx.array], mx.array]
 
@@ -262,6 +266,11 @@ def arm_context(model, arm: str, attention: bool = False):
             compile_blocks=True if arm.endswith("-blocked") else None,
             kv_block=False if arm.endswith("-unstacked") else None,
             swiglu=True if arm.endswith("-swiglu") else None,
+            traced_layers=(
+                True
+                if arm.endswith("-traced")
+                else False if arm.endswith("-untraced") else None
+            ),
         ),
     ):
         yield

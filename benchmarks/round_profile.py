@@ -64,6 +64,7 @@ from dflash.metal.tensor_qmm import (
 from dflash.prepared_heads import GATE_EPILOGUE_ENV, HEAD_PREP_ENV, KV_BLOCK_ENV
 from dflash.residual_layers import RESIDUAL_NORMS_ENV
 from dflash.taps import TargetTaps
+from dflash.traced_layers import TRACED_LAYERS_ENV
 
 from .common import busy_us, cupti_trace
 
@@ -197,6 +198,8 @@ KERNEL_ARMS = {
     "default-ungated": None,
     "default-unstacked": None,
     "default-swiglu": None,
+    "default-traced": None,
+    "default-untraced": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -237,6 +240,8 @@ ARM_SUFFIXES = {
     "ungated": (GATE_EPILOGUE_ENV, "0"),  # Glimmer's gate as mlx's ops after attention
     "unstacked": (KV_BLOCK_ENV, "0"),  # the plane stacks k and v (two copies a layer)
     "swiglu": (SWIGLU_ENV, "1"),  # the MLP's silu and product in the gate/up launch
+    "traced": (TRACED_LAYERS_ENV, "1"),  # served layer calls as two compiled replays
+    "untraced": (TRACED_LAYERS_ENV, "0"),  # the eager layers
 }
 
 

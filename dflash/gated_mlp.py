@@ -19,10 +19,13 @@ differs, or a form that does not build, keeps the two kernels).
 Calls the form does not serve (prefill chunks, other backends, geometries it refuses)
 keep the module's own forward.
 
-**Opt-in** (``DFLASH_SWIGLU=1`` or ``KernelPatch(swiglu=True)``): the form compiles for
-sm_90 and its body runs in the CPU emulation, but it has not run on a GPU yet (session
-22 ran out of device time before its ``cuda`` tests). The kernel probe would still keep
-mlx's two kernels wherever its bits differ.
+**Opt-in** (``DFLASH_SWIGLU=1`` or ``KernelPatch(swiglu=True)``). On an H200 (session
+23, ``docs/benchmarks/h200-2026-12-02-s23``) its bits are mlx's (the ``cuda`` tests,
+both K-group forms; 8 full-size layers bit-equal) and it takes a 4-bit verify layer
+from 15.25 kernels to 13.25, but nothing measured faster: the device's busy time is
+the same (288.7-299.6 µs a layer either way), the layer stack's wall was lower in 1 of
+3 reps, and DFlash rounds with the traced layers were faster in 3 of 6 pairs (median
+ratio 0.98). The kernel probe keeps mlx's two kernels wherever its bits differ.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ _KERNEL_VERDICTS: Dict[Tuple[Optional[str], mx.Dtype], bool] = {}
 
 def swiglu_wanted(use_swiglu: Optional[bool] = None) -> bool:
     """Whether the kernel patch runs gated MLPs' activation inside the gate / up launch:
-    the argument decides, else ``DFLASH_SWIGLU``, else off (not yet run on a GPU).
+    the argument decides, else ``DFLASH_SWIGLU``, else off (same bits, not measured
+    faster; module docstring).
 
     Raises:
         ValueError: ``DFLASH_SWIGLU`` is set to something that is not a switch value.

@@ -29,6 +29,12 @@
   and its post-feedforward norm and add as another, for the calls the route serves
   (:mod:`dflash.residual_layers`; probed as the prepared heads are; a tapped layer is
   left alone, so the generators install the patch before the taps).
+* **Traced layers** (Muse Glimmer; ``traced_layers``, ``DFLASH_TRACED_LAYERS=0`` off;
+  with the prepared heads, the gate epilogue, the stacked block, the kernel path and
+  ``mx.compile``): each decoder layer's served calls run as two compiled replays, the
+  plane's bookkeeping and the attention's plan in Python between them
+  (:mod:`dflash.traced_layers`; probed as the prepared heads are; the same launches and
+  bits, a fraction of the host's Python).
 * **Drafter attention.** Each :class:`~dflash.drafter.DraftAttention` gets a
   subclass whose forward attends the context plane and the block's own keys in
   place (the block is not copied into the plane's scratch rows).
@@ -73,6 +79,7 @@ from mlx.utils import tree_flatten
 
 from . import folded_attention as folded
 from . import gated_mlp, prepared_heads, residual_layers
+from . import traced_layers as traced_layers_module
 from .cache.checkpoint import DEFERRED, RingPlaneCheckpoint
 from .cache.plane import KvPlane, RingPlane, kv_halves
 from .fused_projections import (
@@ -97,6 +104,8 @@ _FUSED_SLOT = "_dflash_fused"
 # A matmul layer's (or block's) bound forwards by input geometry (plain attribute, while
 # installed).
 _BOUND = "_dflash_bound"
+# Where a traced decoder layer keeps its traces (dropped with the patch).
+_TRACES = "_dflash_traces"
 # Switch for whole MLP blocks through mx.compile (default off: measured slower).
 COMPILED_BLOCKS_ENV = "DFLASH_COMPILED_BLOCKS"
 
@@ -350,6 +359,37 @@ def _residual_class(base: type) -> type:
         return residual_layers.layer_forward(self, x, mask, cache, route.use_kernel)
 
     return _swapped_class("residual", base, __call__)
+
+
+def _traced_class(base: type) -> type:
+    """A subclass of ``base`` (a decoder layer :mod:`dflash.traced_layers` re-states)
+    whose served calls run as two compiled replays."""
+
+    def __call__(self, x, mask=None, cache=None):
+        route: AttentionRoute = self._dflash_route
+        if not _traced_serves(route, x, mask, cache):
+            return base.__call__(self, x, mask, cache)
+        return traced_layers_module.layer_forward(
+            self, x, cache, route.chunk, _key_source, _TRACES
+        )
+
+    return _swapped_class("traced", base, __call__)
+
+
+def _traced_serves(route: "AttentionRoute", x: mx.array, mask: Any, cache: Any) -> bool:
+    """Whether a decoder-layer call takes the traced form: what the prepared attention
+    hands to the kernel route in place (a head-major plane with a buffer and the
+    block write, a mask of positions, at most ``max_queries`` tokens), with compile on.
+    """
+    return (
+        x.ndim == 3
+        and 0 < x.shape[0] * x.shape[1] <= route.max_queries
+        and isinstance(cache, KvPlane)
+        and cache.head_major
+        and cache.kv is not None
+        and _plain_mask(mask, x.shape[1])
+        and backend.compile_wanted()
+    )
 
 
 def _draft_class(base: type) -> type:
@@ -614,6 +654,7 @@ def _unswap(module: nn.Module) -> None:
         module.__class__ = original
     module.__dict__.pop("_dflash_route", None)
     module.__dict__.pop(_BOUND, None)
+    module.__dict__.pop(_TRACES, None)
 
 
 # ------------------------------------------------------------------ public
@@ -671,8 +712,12 @@ class KernelPatch:
         swiglu: With ``matmul`` and ``fuse``, run each SwiGLU MLP's activation in its
             fused gate / up launch (CUDA's tensor-core form; two kernels fewer a layer)
             where :mod:`dflash.gated_mlp`'s probes pass. None:
-            :func:`dflash.gated_mlp.swiglu_wanted` (off unless ``DFLASH_SWIGLU=1``: not
-            yet run on a GPU).
+            :func:`dflash.gated_mlp.swiglu_wanted` (off unless ``DFLASH_SWIGLU=1``: the
+            same bits on the H200, not measured faster).
+        traced_layers: With ``head_prep``, the gate epilogue and ``kv_block``, run the
+            target's decoder layers :mod:`dflash.traced_layers` re-states as two
+            compiled replays a served call (takes precedence over
+            ``residual_norms``). None: :func:`dflash.traced_layers.traced_layers_wanted`.
 
     Raises:
         ValueError: ``model``'s architecture is not one whose attention can be routed.
@@ -696,6 +741,7 @@ class KernelPatch:
         gate_epilogue: Optional[bool] = None,
         kv_block: Optional[bool] = None,
         swiglu: Optional[bool] = None,
+        traced_layers: Optional[bool] = None,
     ) -> None:
         if attention and not supports(model):
             raise ValueError(
@@ -726,6 +772,9 @@ class KernelPatch:
         self.residual_norms = bool(attention) and residual_layers.residual_norms_wanted(
             residual_norms
         )
+        self.traced_layers = bool(
+            attention
+        ) and traced_layers_module.traced_layers_wanted(traced_layers)
         self._groups: List[FusedProjections] = []
         self._patched: List[nn.Module] = []
         self._modules: List[str] = []
@@ -824,6 +873,29 @@ class KernelPatch:
             and residual_layers.forward_matches(layer, type(layer))
         ]
 
+    def traced_layer_modules(self, prepared: set) -> List[nn.Module]:
+        """The target's decoder layers :meth:`install` runs as compiled replays: with
+        ``traced_layers``, the kernel path and compile on, the route's gate epilogue and
+        stacked block, a prepared attention (``prepared``: their ids) whose heads the
+        kernels take, of a re-stated class whose probe passes."""
+        route = self.route
+        if not (
+            self.traced_layers
+            and route.gate_epilogue
+            and route.kv_block
+            and backend.compile_wanted()
+            and backend.use_kernel_path(route.use_kernel, True)
+        ):
+            return []
+        return [
+            layer
+            for layer in target_layers(self.model)
+            if traced_layers_module.serves(layer)
+            and id(layer.self_attn) in prepared
+            and traced_layers_module.kernels_take(layer, route.chunk)
+            and traced_layers_module.forward_matches(layer, type(layer))
+        ]
+
     def install(self) -> "KernelPatch":
         """Swap the classes and hook the model module (all or nothing).
 
@@ -865,6 +937,8 @@ class KernelPatch:
             for dtype in dtypes
         )
         self.route = dataclasses.replace(self.route, gate_epilogue=gate)
+        traced = self.traced_layer_modules(prepared)
+        layers = [m for m in layers if all(m is not t for t in traced)]
         for module in attention:
             base = type(module)
             if isinstance(module, DraftAttention):
@@ -892,6 +966,9 @@ class KernelPatch:
             self._patched.append(module)
         for module in layers:
             _swap(module, _residual_class(type(module)), self.route)
+            self._patched.append(module)
+        for module in traced:
+            _swap(module, _traced_class(type(module)), self.route)
             self._patched.append(module)
         for module in mlps:
             _swap(module, _gated_mlp_class(type(module)), self.route)

@@ -48,8 +48,9 @@ KV_BLOCK_ENV = "DFLASH_HEAD_PREP_BLOCK"
 # (module, class name) of the attention forwards this module re-states (mlx-lm 0.32.2).
 PREPARED_CLASSES = frozenset({("mlx_lm.models.muse_glimmer", "Attention")})
 
-# The probe's verdict per (class, uses RoPE, dtype).
-_VERDICTS: Dict[Tuple[type, bool, mx.Dtype], bool] = {}
+# The probe's verdict per (class, uses RoPE, dtype, head geometry): mlx's kernels for
+# one head width may round where another's do not.
+_VERDICTS: Dict[Tuple[type, bool, mx.Dtype, tuple], bool] = {}
 
 
 def head_prep_wanted(use_head_prep: Optional[bool] = None) -> bool:
@@ -242,9 +243,11 @@ def model_attention(base: type) -> Callable:
 
 def forward_matches(module: nn.Module, base: type) -> bool:
     """Whether :func:`attention_forward` (reference form) gives ``base``'s own forward's
-    bits on a probe input for ``module`` (cached per class, RoPE use and dtype)."""
+    bits on a probe input for ``module`` (cached per class, RoPE use, dtype and heads).
+    """
     dtype = activation_dtype(module)
-    verdict = (base, bool(module.use_rope), dtype)
+    geometry = (module.n_heads, module.n_kv_heads, module.head_dim)
+    verdict = (base, bool(module.use_rope), dtype, geometry)
     if verdict not in _VERDICTS:
         hidden = module.o_proj.weight.shape[0]  # o_proj's outputs, packed or not
         probe = mx.random.normal((1, 3, hidden), key=mx.random.key(0)).astype(dtype)

@@ -893,18 +893,50 @@ def kernel_attention(
     Shapes: queries ``(B, Hq, S, D)``; gate ``(B, S, Hq, D)``; returns
     ``(B, Hq, S, D)``, a transposed view of the ``(B, S, Hq, D)`` buffer the fold stores.
     """
+    form = kernel_form(plan, queries.dtype, gate is not None)
+    keys, values, block_keys, block_values = bound_arrays(
+        plan, plane, block_keys, block_values
+    )
+    # The kernels read queries (B, S, Hq, D): mlx-lm's attention hands them over as the
+    # transpose of such an array (RoPE and scaling keep that layout), so this is a view
+    # and mlx copies nothing before the launch; a (B, Hq, S, D) array is copied once.
+    return launch_attention(
+        form,
+        queries.transpose(0, 2, 1, 3),
+        keys,
+        values,
+        block_keys,
+        block_values,
+        form.launch.ints,
+        float_params(float(scale), float(softcap or 0.0)),
+        form.launch.fold_ints,
+        gate,
+    )
+
+
+@dataclass(frozen=True)
+class KernelForm:
+    """What the two launches of a plan are, apart from their arrays: the chunk pass's
+    spec, the geometry (:class:`Launch`, with the plan's integer scalars) and whether
+    the fold applies a gate. Calls of equal forms differ only in their inputs."""
+
+    spec: GroupKernelSpec
+    launch: Launch
+    dtype: mx.Dtype
+    gated: bool
+
+
+def kernel_form(plan: Plan, dtype: mx.Dtype, gated: bool) -> KernelForm:
+    """The :class:`KernelForm` of ``plan`` for ``dtype`` queries.
+
+    Raises:
+        ValueError: the kernel's compile-time limits do not cover ``plan``.
+    """
     if not kernel_serves(plan):
         raise ValueError(
             f"the attention kernel serves 8 <= head_dim <= {KERNEL_MAX_DIM} and chunk <= "
             f"{KERNEL_MAX_CHUNK}, got head_dim {plan.dim} and chunk {plan.chunk}"
         )
-    keys, values = plane.keys, plane.values
-    # An absent container is never read (no position falls in it); any array binds.
-    if plan.block == 0:
-        block_keys, block_values = keys, values
-    if plan.capacity == 0:
-        keys, values = block_keys, block_values
-    dtype = queries.dtype
     layout = tensor_layout() if uses_tensor_cores(plan, dtype) else None
     launch = _launch(plan, layout.rows if layout is not None else ROWS)
     spec = (
@@ -912,27 +944,69 @@ def kernel_attention(
         if layout is None
         else tensor_attention.attend_spec(plan.dim, layout)
     )
-    # The kernels read queries (B, S, Hq, D): mlx-lm's attention hands them over as the
-    # transpose of such an array (RoPE and scaling keep that layout), so this is a view
-    # and mlx copies nothing before the launch; a (B, Hq, S, D) array is copied once.
+    return KernelForm(spec, launch, dtype, bool(gated))
+
+
+def bound_arrays(
+    plan: Plan,
+    plane: KeyPlane,
+    block_keys: Optional[mx.array],
+    block_values: Optional[mx.array],
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """The plane's and the block's arrays as the chunk pass binds them: an absent
+    container is never read (no position falls in it), so any array stands for it."""
+    keys, values = plane.keys, plane.values
+    if plan.block == 0:
+        block_keys, block_values = keys, values
+    if plan.capacity == 0:
+        keys, values = block_keys, block_values
+    return keys, values, block_keys, block_values
+
+
+def launch_attention(
+    form: KernelForm,
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    block_keys: mx.array,
+    block_values: mx.array,
+    ints: mx.array,
+    floats: mx.array,
+    fold_ints: mx.array,
+    gate: Optional[mx.array] = None,
+) -> mx.array:
+    """The chunk pass and the fold of ``form`` over these arrays (every runtime value
+    an input, so a traced caller replays it for any plan of the same form).
+
+    Args:
+        form: :func:`kernel_form` of the call's plan.
+        queries: The queries as the kernels read them.
+        keys, values, block_keys, block_values: :func:`bound_arrays` of the call.
+        ints: The chunk pass's integer scalars (``form.launch.ints`` of the call's plan).
+        floats: ``(scale, softcap or 0)`` as float32.
+        fold_ints: The fold's (``form.launch.fold_ints``).
+        gate: The output gate, given exactly when ``form.gated``.
+
+    Shapes: queries ``(B, S, Hq, D)``; gate ``(B, S, Hq, D)``; returns
+    ``(B, Hq, S, D)``, a transposed view of the ``(B, S, Hq, D)`` buffer the fold stores.
+    """
+    launch = form.launch
     stats, weighted = groups.launch_groups(
-        spec,
-        [queries.transpose(0, 2, 1, 3), keys, values, block_keys, block_values]
-        + [launch.ints]
-        + [float_params(float(scale), float(softcap or 0.0))],
+        form.spec,
+        [queries, keys, values, block_keys, block_values, ints, floats],
         launch.chunk_shapes,
         [mx.float32, mx.float32],
         launch.chunk_groups,
-        dtype,
+        form.dtype,
     )
-    fold_inputs = [stats, weighted, launch.fold_ints]
+    fold_inputs = [stats, weighted, fold_ints]
     (out,) = groups.launch_groups(
-        FOLD_CHUNKS if gate is None else FOLD_GATED,
-        fold_inputs if gate is None else fold_inputs + [gate],
+        FOLD_GATED if form.gated else FOLD_CHUNKS,
+        fold_inputs + [gate] if form.gated else fold_inputs,
         [launch.out_shape],
-        [dtype],
+        [form.dtype],
         launch.fold_groups,
-        dtype,
+        form.dtype,
     )
     # Stored (B, S, Hq, D): this view is (B, Hq, S, D), and transposing it back is free.
     return out.transpose(0, 2, 1, 3)

@@ -23,11 +23,13 @@ outside a group and every thread reaches every barrier).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import threading
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import mlx.core as mx
 
@@ -304,15 +306,68 @@ COUNTER_POOL = CounterPool()
 
 def launch_counters(count: int) -> mx.array:
     """Zeroed int32 counters for one launch whose last threadgroup is elected by an
-    atomic, fresh each launch (from :data:`COUNTER_POOL`; inside an ``mx.compile``
-    trace a fill of their own, as a pool region the trace captured would be shared by
-    every replay); for ``count`` 0 a shared one-element placeholder, which the kernel
-    never writes."""
+    atomic, fresh each launch (from :data:`COUNTER_POOL`; under a :func:`counter_feed`
+    the next region of its array; inside any other ``mx.compile`` trace a fill of
+    their own, as a pool region the trace captured would be shared by every replay);
+    for ``count`` 0 a shared one-element placeholder, which the kernel never writes."""
     if not count:
         return int_params(0)
+    feed = _FEED.get()
+    if feed is not None:
+        return feed.take(count)
     if backend.tracing():
         return mx.zeros((count,), mx.int32)
     return COUNTER_POOL.take(count)
+
+
+class CounterFeed:
+    """Hands out consecutive regions of one counters array (or, with none, counts
+    what a call takes from :data:`COUNTER_POOL`).
+
+    A compiled function that launches several counter-taking kernels takes one
+    counters array as an input and, while tracing, cuts every launch's region from
+    it: each replay is then given a fresh pool region, and no fill runs inside it.
+
+    Attributes:
+        source: The array regions are cut from (None: counting, regions come from
+            the pool).
+        taken: Counters handed out so far.
+    """
+
+    def __init__(self, source: Optional[mx.array] = None) -> None:
+        self.source = source
+        self.taken = 0
+
+    def take(self, count: int) -> mx.array:
+        """The next ``count`` counters.
+
+        Raises:
+            RuntimeError: the source array has fewer than ``count`` left.
+        """
+        start, self.taken = self.taken, self.taken + count
+        if self.source is None:
+            return COUNTER_POOL.take(count)
+        if self.taken > self.source.shape[0]:
+            raise RuntimeError(
+                f"a counter feed of {self.source.shape[0]} counters was asked for "
+                f"{self.taken}: the call launches more than when it was counted"
+            )
+        return self.source[start : self.taken]
+
+
+_FEED: contextvars.ContextVar[Optional[CounterFeed]] = contextvars.ContextVar(
+    "dflash_counter_feed", default=None
+)
+
+
+@contextlib.contextmanager
+def counter_feed(feed: CounterFeed) -> Iterator[CounterFeed]:
+    """Have :func:`launch_counters` take from ``feed`` inside the ``with`` block."""
+    token = _FEED.set(feed)
+    try:
+        yield feed
+    finally:
+        _FEED.reset(token)
 
 
 @functools.lru_cache(maxsize=None)

@@ -400,15 +400,45 @@ def kernel_head_prep(
     queries' shape and the keys' shape, or with ``values`` the stacked block
     ``(2, B, Hkv, S, D)``.
     """
-    batch, seq, q_heads, dim = queries.shape
-    k_heads = keys.shape[2]
-    q_rows, k_rows = batch * seq * q_heads, batch * seq * k_heads
+    ints = head_prep_ints(queries.shape, keys.shape[2], prep, values is not None)
+    return launch_head_prep(queries, keys, prep, ints, values)
+
+
+def head_prep_ints(
+    q_shape: Tuple[int, ...], k_heads: int, prep: Prep, stacked: bool
+) -> mx.array:
+    """The launch's integer scalars (memoised): the runtime part of a head prep,
+    ``prep.start`` among them, which :func:`launch_head_prep` reads as an array.
+
+    Shapes: q_shape ``(B, S, Hq, D)``.
+    """
+    batch, seq, q_heads, dim = q_shape
     flags = (
         (Q_WEIGHT if prep.q_weight is not None else 0)
         | (K_WEIGHT if prep.k_weight is not None else 0)
         | (ROPE if prep.rope_base is not None else 0)
-        | (STACK_KV if values is not None else 0)
+        | (STACK_KV if stacked else 0)
     )
+    q_rows, k_rows = batch * seq * q_heads, batch * seq * k_heads
+    return int_params(q_rows, k_rows, dim, q_heads, k_heads, seq, prep.start, flags)
+
+
+def launch_head_prep(
+    queries: mx.array,
+    keys: mx.array,
+    prep: Prep,
+    ints: mx.array,
+    values: Optional[mx.array] = None,
+) -> Tuple[mx.array, mx.array]:
+    """:func:`kernel_head_prep` with its integer scalars given (:func:`head_prep_ints`
+    of these shapes and ``prep``; ``prep.start`` is not read here), so that a traced
+    caller can take them as an input.
+
+    Shapes: as :func:`kernel_head_prep`; ints ``(8,)``.
+    """
+    batch, seq, q_heads, dim = queries.shape
+    k_heads = keys.shape[2]
+    q_rows, k_rows = batch * seq * q_heads, batch * seq * k_heads
     fparams = _float_params(
         prep.eps,
         prep.k_eps,
@@ -418,7 +448,6 @@ def kernel_head_prep(
         prep.rope_scale,
     )
     blank = groups.unused_input(queries.dtype)
-    ints = int_params(q_rows, k_rows, dim, q_heads, k_heads, seq, prep.start, flags)
     if values is None:
         k_shape, rows = keys.shape, q_rows + k_rows
     else:

@@ -34,6 +34,8 @@ def test_layer_stack_runs_every_arm_and_compiled_layers_keep_the_bits(tmp_path):
         "ours-blocked == ours": True,
         "ours-unstacked == ours": True,
         "ours-swiglu == ours": True,
+        "ours-traced == ours": True,
+        "ours-untraced == ours": True,
     }
     assert json.loads(out.read_text())["runs"] == result["runs"]
 

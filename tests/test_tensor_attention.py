@@ -297,11 +297,13 @@ RAN_ON_THE_H200 = {
 }
 # Forms whose text changed, or new forms, that have not run on a GPU. A form
 # listed here must be named in the README's "What ran where".
-# Session 22: the matmul's SwiGLU forms (opt-in ``DFLASH_SWIGLU=1``), compiled for
-# sm_90 and emulated on the CPU; the device time ran out before their `cuda` tests.
-NOT_RUN_SINCE_CHANGED: set = {
-    spec.name("cuda") for spec in tensor_qmm.SWIGLU_SPECS.values()
-}
+NOT_RUN_SINCE_CHANGED: set = set()
+# Session 23 (docs/benchmarks/h200-2026-12-02-s23): the matmul's SwiGLU forms (opt-in
+# ``DFLASH_SWIGLU=1``): call D, the two-K-group forms (4 `cuda` tests: hypothesis over
+# bits, dtypes and rows, Glimmer's MLP at 1 and 16 rows, the install probe and a
+# patched model's logits, all mlx's bits; 8 full-size layers bit-equal); call E, the
+# one-K-group forms (the 3 form tests again with ``DFLASH_QMM_TWO_K_GROUPS=0``).
+RAN_ON_THE_H200 |= {spec.name("cuda") for spec in tensor_qmm.SWIGLU_SPECS.values()}
 
 
 def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:

@@ -1,0 +1,345 @@
+"""Muse Glimmer's decoder layer as two compiled replays (``dflash.traced_layers``).
+
+What is proven where:
+
+* CPU (CI): the kernel path forced as on CUDA with every launch replaced by a stand-in
+  whose outputs depend on every input it is given (its integer scalars exactly, the
+  float arrays through their sums), the traced layers give the eager patch's outputs
+  at every verify step of a run whose positions move and whose rings wrap (hypothesis
+  over accepted counts), so every runtime value reaches the replays as an input; a
+  trace that keeps the first step's head-prep integers fails that check (the
+  negative control). Each replay takes its own counter region; replacing an array of a
+  layer drops its traces; calls the traces do not serve keep the layer's own forward;
+  the install takes only layers whose class and probe allow it, and only with compile
+  and the kernel path on.
+* CUDA (tests marked ``cuda``): with real launches, traced and eager layers give the
+  same bits over a run of verify steps, and a DFlash generation keeps its tokens.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from conftest import tiny_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.models import muse_glimmer
+
+from benchmarks import layer_stack
+from dflash import kernel_patch, prepared_heads, traced_layers
+from dflash.bench.scale_target import BRANCH_SCALE, randomize
+from dflash.cache.checkpoint import SpeculativeCheckpoint
+from dflash.kernel_patch import KernelPatch
+from dflash.metal import backend, groups, heads
+
+cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
+FLOATS = (mx.float32, mx.bfloat16, mx.float16)
+
+
+def mixing_launch(spec, inputs, output_shapes, output_dtypes, count, dtype):
+    """A stand-in launch whose outputs depend on every input, in integers only (so a
+    fused trace computes the eager bits): the int32 inputs through their sums, the
+    float ones through the sum of their integer parts and how many of their elements
+    are positive; each output is that
+    number plus the element's index, modulo 97 (bounded, and no two rows alike, so a
+    norm after it keeps the difference)."""
+    mixed = mx.array(0, mx.int32)
+    for array in inputs:
+        if array.dtype == mx.int32:
+            mixed = mixed + mx.sum(array) % 61
+        elif array.dtype in FLOATS:
+            mixed = mixed + mx.sum(array.astype(mx.int32)) % 61
+            mixed = mixed + mx.sum((array > 0).astype(mx.int32)) % 61
+    outs = []
+    for index, (shape, out_dtype) in enumerate(zip(output_shapes, output_dtypes)):
+        size = 1
+        for extent in shape:
+            size *= extent
+        pattern = mx.arange(size, dtype=mx.int32).reshape(shape)
+        outs.append(((pattern + mixed + index) % 97).astype(out_dtype))
+    return outs
+
+
+@pytest.fixture
+def kernel_path_on_cpu(monkeypatch):
+    """The kernel path taken as on CUDA (with ``mx.compile``), launches mixed."""
+    monkeypatch.setattr(groups, "launch_groups", mixing_launch)
+    # Replays traced by earlier tests hold the launches of their time.
+    monkeypatch.setattr(groups, "_REPLAYS", {})
+    monkeypatch.setattr(backend, "use_kernel_path", lambda use, auto: use is not False)
+    monkeypatch.setattr(backend, "BACKEND", "cuda")
+    monkeypatch.setattr(prepared_heads, "gated_fold_matches", lambda dtype, use: True)
+    monkeypatch.delenv(backend.COMPILE_ENV, raising=False)
+    monkeypatch.delenv(traced_layers.TRACED_LAYERS_ENV, raising=False)
+
+
+def _is_traced(layer: nn.Module) -> bool:
+    return type(layer).__name__ == "KernelDecoderLayer" and hasattr(
+        type(layer), kernel_patch._ORIGINAL_CLASS
+    )
+
+
+def verify_run(model, traced: bool, accepted: List[int], context: int = 40):
+    """Verify blocks of 16 rows over planes prefilled with ``context`` rows, each
+    committed with its accepted count (so positions move and the rings wrap); the
+    outputs of every block."""
+    cache = layer_stack.prefill(model, context)
+    blocks = [
+        mx.random.normal((1, 16, model.args.hidden_size), key=mx.random.key(i)) * 0.5
+        for i in range(len(accepted))
+    ]
+    outs = []
+    with KernelPatch(model, traced_layers=traced) as patch:
+        assert all(_is_traced(layer) is traced for layer in model.layers)
+        for block, count in zip(blocks, accepted):
+            checkpoint = SpeculativeCheckpoint.begin(cache, 16)
+            out = layer_stack.run_layers(model, block.astype(mx.bfloat16), cache)
+            mx.eval(out)
+            checkpoint.commit(count)
+            outs.append(out)
+        del patch
+    return outs, [plane.offset for plane in cache]
+
+
+@pytest.fixture(scope="module")
+def tiny_stack():
+    return layer_stack.build_layers("tiny", "4bit", 4)
+
+
+def _assert_same(got, want) -> None:
+    assert len(got) == len(want)
+    for index, (g, w) in enumerate(zip(got, want)):
+        assert mx.array_equal(g, w).item(), f"block {index} differs"
+
+
+@settings(
+    max_examples=6,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],  # patches only
+)
+@given(accepted=st.lists(st.integers(1, 16), min_size=3, max_size=6))
+def test_traced_layers_give_the_eager_outputs_at_every_step(
+    tiny_stack, kernel_path_on_cpu, accepted
+):
+    want, offsets = verify_run(tiny_stack, False, accepted)
+    got, traced_offsets = verify_run(tiny_stack, True, accepted)
+    assert traced_offsets == offsets == [40 + sum(accepted)] * 4
+    _assert_same(got, want)
+
+
+def test_a_trace_that_keeps_its_first_integers_is_caught(
+    tiny_stack, kernel_path_on_cpu, monkeypatch
+):
+    """The negative control: head-prep integers captured at the first step (a stale
+    RoPE position) make the check above fail."""
+    accepted = [16, 5, 9]
+    want, _ = verify_run(tiny_stack, False, accepted)
+    first = {}
+    real = heads.head_prep_ints
+
+    def stale(q_shape, k_heads, prep, stacked):
+        key = (q_shape, k_heads, prep.rope_base)  # a sliding layer's, a full one's
+        return first.setdefault(key, real(q_shape, k_heads, prep, stacked))
+
+    monkeypatch.setattr(heads, "head_prep_ints", stale)
+    got, _ = verify_run(tiny_stack, True, accepted)
+    assert mx.array_equal(got[0], want[0]).item()
+    assert not all(mx.array_equal(g, w).item() for g, w in zip(got[1:], want[1:]))
+
+
+def test_each_replay_takes_its_own_counters(
+    tiny_stack, kernel_path_on_cpu, monkeypatch
+):
+    regions = []
+    real = groups.CounterPool.take
+
+    def take(pool, count):
+        region = real(pool, count)
+        regions.append((id(pool._zeros), pool._next - count, count))
+        return region
+
+    monkeypatch.setattr(groups.CounterPool, "take", take)
+    verify_run(tiny_stack, True, [16, 16, 16])
+    assert regions, "the matmuls took no counters"
+    seen = set()
+    for fill, start, count in regions:
+        cells = {(fill, start + i) for i in range(count)}
+        assert not cells & seen, "two launches were handed one counter"
+        seen |= cells
+
+
+def test_counter_feed_cuts_regions_in_order_and_refuses_overruns():
+    feed = groups.CounterFeed(mx.arange(10, dtype=mx.int32))
+    with groups.counter_feed(feed):
+        first = groups.launch_counters(3)
+        second = groups.launch_counters(4)
+        assert groups.launch_counters(0).shape == (1,)  # the shared placeholder
+        with pytest.raises(RuntimeError, match="counter feed of 10"):
+            groups.launch_counters(4)
+    assert first.tolist() == [0, 1, 2] and second.tolist() == [3, 4, 5, 6]
+    counting = groups.CounterFeed()
+    with groups.counter_feed(counting):
+        assert groups.launch_counters(5).tolist() == [0] * 5
+    assert counting.taken == 5
+    assert groups._FEED.get() is None
+
+
+def test_replacing_an_array_drops_the_traces(tiny_stack, kernel_path_on_cpu):
+    cache = layer_stack.prefill(tiny_stack, 40)
+    block = (mx.random.normal((1, 16, 64)) * 0.5).astype(mx.bfloat16)
+    layer = tiny_stack.layers[0]
+    with KernelPatch(tiny_stack, traced_layers=True):
+        outs = []
+        for step in range(3):
+            if step == 2:  # an equal-valued new array: new traces, the same bits
+                norm = layer.post_attention_layernorm
+                norm.weight = mx.array(norm.weight)
+            checkpoint = SpeculativeCheckpoint.begin(cache, 16)
+            outs.append(layer_stack.run_layers(tiny_stack, block, cache))
+            mx.eval(outs[-1])
+            if step == 1:
+                kept = layer.__dict__[kernel_patch._TRACES]
+                assert kept.holds()
+            checkpoint.rollback()
+        assert layer.__dict__[kernel_patch._TRACES] is not kept
+    assert kernel_patch._TRACES not in layer.__dict__  # dropped with the patch
+    _assert_same(outs[1:], outs[:2])
+
+
+def test_calls_the_traces_do_not_serve_keep_the_layers_forward(
+    tiny_stack, kernel_path_on_cpu
+):
+    h = (mx.random.normal((1, 40, 64)) * 0.5).astype(mx.bfloat16)
+    want = {}
+    for traced in (False, True):
+        with KernelPatch(tiny_stack, traced_layers=traced):
+            cache = layer_stack.prefill(tiny_stack, 8)
+            long = layer_stack.run_layers(tiny_stack, h, cache)  # 40 rows: a prefill
+            none = tiny_stack.layers[0](h[:, :4], "causal", None)  # no cache
+            mx.eval(long, none)
+            assert all(
+                kernel_patch._TRACES not in layer.__dict__
+                for layer in tiny_stack.layers
+            )
+            want.setdefault("long", long)
+            want.setdefault("none", none)
+            assert mx.array_equal(long, want["long"]).item()
+            assert mx.array_equal(none, want["none"]).item()
+
+
+def test_the_install_needs_compile_the_kernel_path_and_the_class(
+    tiny_stack, kernel_path_on_cpu, monkeypatch
+):
+    with KernelPatch(tiny_stack, traced_layers=True):
+        assert all(_is_traced(layer) for layer in tiny_stack.layers)
+    assert not any(_is_traced(layer) for layer in tiny_stack.layers)
+    with KernelPatch(tiny_stack, traced_layers=True, head_prep=False):
+        assert not any(_is_traced(layer) for layer in tiny_stack.layers)
+    with KernelPatch(tiny_stack, traced_layers=True, gate_epilogue=False):
+        assert not any(_is_traced(layer) for layer in tiny_stack.layers)
+    monkeypatch.setenv(backend.COMPILE_ENV, "0")
+    with KernelPatch(tiny_stack, traced_layers=True):
+        assert not any(_is_traced(layer) for layer in tiny_stack.layers)
+
+
+def test_layers_the_kernels_do_not_take_are_left_eager(tiny_stack, kernel_path_on_cpu):
+    layer = tiny_stack.layers[0]
+    assert traced_layers.kernels_take(layer, 256)
+    assert not traced_layers.kernels_take(layer, 512)  # past the attention's chunk
+    gate = layer.self_attn.gate_proj
+    saved = gate.scales
+    try:
+        gate.scales = saved.astype(mx.float16)  # a gate in another dtype: no gated fold
+        assert not traced_layers.kernels_take(layer, 256)
+        with KernelPatch(tiny_stack, traced_layers=True):
+            assert not _is_traced(layer)
+            assert all(_is_traced(other) for other in tiny_stack.layers[1:])
+    finally:
+        gate.scales = saved
+
+
+def test_on_by_default_and_a_bad_switch_is_refused(monkeypatch):
+    monkeypatch.delenv(traced_layers.TRACED_LAYERS_ENV, raising=False)
+    assert traced_layers.traced_layers_wanted()
+    assert not traced_layers.traced_layers_wanted(False)
+    monkeypatch.setenv(traced_layers.TRACED_LAYERS_ENV, "0")
+    assert not traced_layers.traced_layers_wanted()
+    assert traced_layers.traced_layers_wanted(True)
+    monkeypatch.setenv(traced_layers.TRACED_LAYERS_ENV, "sometimes")
+    with pytest.raises(ValueError, match="DFLASH_TRACED_LAYERS"):
+        traced_layers.traced_layers_wanted()
+
+
+def test_on_the_cpu_backend_nothing_is_traced(tiny_stack, monkeypatch):
+    monkeypatch.delenv(backend.COMPILE_ENV, raising=False)
+    monkeypatch.setattr(backend, "BACKEND", None)
+    with KernelPatch(tiny_stack, traced_layers=True):
+        assert not any(_is_traced(layer) for layer in tiny_stack.layers)
+
+
+class SwappedResidualLayer(nn.Module):
+    """A Glimmer-shaped layer whose forward is not Glimmer's (the probe must refuse it)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        for name in ("self_attn", "mlp") + traced_layers.NORMS:
+            setattr(self, name, getattr(layer, name))
+
+    def __call__(self, x, mask=None, cache=None):
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)  # no post norm
+        return h + self.post_feedforward_layernorm(
+            self.mlp(self.pre_feedforward_layernorm(h))
+        )
+
+
+def test_the_probe_takes_glimmers_layer_and_refuses_another_forward():
+    model = tiny_model("muse_glimmer", seed=3, window=16)
+    layer = model.layers[0]
+    assert traced_layers.serves(layer)
+    assert traced_layers.forward_matches(layer, type(layer))
+    other = SwappedResidualLayer(layer)
+    assert not traced_layers.serves(other)  # not the re-stated class
+    assert not traced_layers.forward_matches(other, type(other))
+
+
+# --------------------------------------------------------------------- CUDA
+
+
+def wide_heads_stack(layers: int, seed: int = 0):
+    """A small Muse Glimmer stack with Glimmer's head width (128: the prepared
+    attention's probe takes it on CUDA), 4-bit, window 32."""
+    args = muse_glimmer.ModelArgs(
+        hidden_size=256, num_hidden_layers=layers, intermediate_size=512,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=512,
+        sliding_window=32,
+    )  # fmt: skip
+    model = muse_glimmer.Model(args)
+    randomize(model, seed, mx.bfloat16, branch_scale=BRANCH_SCALE)
+    nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=4, deadline=None)
+@given(accepted=st.lists(st.integers(1, 16), min_size=4, max_size=8))
+def test_cuda_traced_layers_give_the_eager_bits(accepted):
+    model = wide_heads_stack(4)
+    want, offsets = verify_run(model, False, accepted, context=100)
+    got, traced_offsets = verify_run(model, True, accepted, context=100)
+    assert traced_offsets == offsets
+    _assert_same(got, want)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_traced_layers_give_the_eager_bits_at_glimmers_width():
+    model = layer_stack.build_layers("full", "4bit", 2)
+    accepted = [16, 3, 16, 7, 1]
+    want, _ = verify_run(model, False, accepted, context=2100)
+    got, _ = verify_run(model, True, accepted, context=2100)
+    _assert_same(got, want)
