@@ -379,8 +379,8 @@ def _traced_class(base: type) -> type:
 def _traced_serves(route: "AttentionRoute", x: mx.array, mask: Any, cache: Any) -> bool:
     """Whether a decoder-layer call takes the traced form: what the prepared attention
     hands to the kernel route in place (a head-major plane with a buffer and the
-    block write, a mask of positions, at most ``max_queries`` tokens), with compile on.
-    """
+    block write, a mask of positions, at most ``max_queries`` tokens). Compile was on at
+    install, and the traces keep that decision (as the bound matmuls keep theirs)."""
     return (
         x.ndim == 3
         and 0 < x.shape[0] * x.shape[1] <= route.max_queries
@@ -388,7 +388,6 @@ def _traced_serves(route: "AttentionRoute", x: mx.array, mask: Any, cache: Any) 
         and cache.head_major
         and cache.kv is not None
         and _plain_mask(mask, x.shape[1])
-        and backend.compile_wanted()
     )
 
 
