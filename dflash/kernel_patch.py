@@ -771,9 +771,8 @@ class KernelPatch:
         self.residual_norms = bool(attention) and residual_layers.residual_norms_wanted(
             residual_norms
         )
-        self.traced_layers = bool(
-            attention
-        ) and traced_layers_module.traced_layers_wanted(traced_layers)
+        wanted = traced_layers_module.traced_layers_wanted(traced_layers)
+        self.traced_layers = bool(attention) and wanted
         self._groups: List[FusedProjections] = []
         self._patched: List[nn.Module] = []
         self._modules: List[str] = []

@@ -344,15 +344,17 @@ class CounterFeed:
         Raises:
             RuntimeError: the source array has fewer than ``count`` left.
         """
-        start, self.taken = self.taken, self.taken + count
+        start, end = self.taken, self.taken + count
         if self.source is None:
+            self.taken = end
             return COUNTER_POOL.take(count)
-        if self.taken > self.source.shape[0]:
+        if end > self.source.shape[0]:
             raise RuntimeError(
                 f"a counter feed of {self.source.shape[0]} counters was asked for "
-                f"{self.taken}: the call launches more than when it was counted"
+                f"{end}: the call launches more than when it was counted"
             )
-        return self.source[start : self.taken]
+        self.taken = end
+        return self.source[start:end]
 
 
 _FEED: contextvars.ContextVar[Optional[CounterFeed]] = contextvars.ContextVar(

@@ -179,6 +179,8 @@ def test_counter_feed_cuts_regions_in_order_and_refuses_overruns():
         assert groups.launch_counters(0).shape == (1,)  # the shared placeholder
         with pytest.raises(RuntimeError, match="counter feed of 10"):
             groups.launch_counters(4)
+        assert feed.taken == 7  # the refused call took nothing
+        assert groups.launch_counters(3).tolist() == [7, 8, 9]
     assert first.tolist() == [0, 1, 2] and second.tolist() == [3, 4, 5, 6]
     counting = groups.CounterFeed()
     with groups.counter_feed(counting):
