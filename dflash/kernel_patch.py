@@ -137,6 +137,18 @@ class AttentionRoute:
     kv_block: bool = True
     swiglu: bool = False
 
+    def takes(self, cache: Any, count: int, mask: Any) -> bool:
+        """Whether the route serves ``count`` queries over ``cache`` with ``mask``: a
+        head-major dflash plane with a buffer, at most ``max_queries`` queries, a mask
+        of positions (:func:`_plain_mask`)."""
+        return (
+            isinstance(cache, KvPlane)
+            and cache.head_major
+            and cache.kv is not None
+            and count <= self.max_queries
+            and _plain_mask(mask, count)
+        )
+
     def attend(
         self,
         queries: mx.array,
@@ -157,13 +169,7 @@ class AttentionRoute:
         ``(B, Hq, S, D)``.
         """
         count = queries.shape[2]
-        if (
-            not isinstance(cache, KvPlane)
-            or not cache.head_major
-            or cache.kv is None
-            or count > self.max_queries
-            or not _plain_mask(mask, count)
-        ):
+        if not self.takes(cache, count, mask):
             return None
         window = cache.window if isinstance(cache, RingPlane) else None
         plane, block_keys, block_values = _key_source(
@@ -384,10 +390,7 @@ def _traced_serves(route: "AttentionRoute", x: mx.array, mask: Any, cache: Any) 
     return (
         x.ndim == 3
         and 0 < x.shape[0] * x.shape[1] <= route.max_queries
-        and isinstance(cache, KvPlane)
-        and cache.head_major
-        and cache.kv is not None
-        and _plain_mask(mask, x.shape[1])
+        and route.takes(cache, x.shape[1], mask)
     )
 
 
@@ -953,24 +956,18 @@ class KernelPatch:
             ):
                 _hook_module(base.__module__)
                 self._modules.append(base.__module__)
-        for module in matmul:
-            _swap(module, _matmul_class(type(module)), self.route)
-            self._patched.append(module)
-        for module in members:
-            _swap(module, _projection_class(type(module)), self.route)
-            self._patched.append(module)
-        for module in blocks:
-            _swap(module, _block_class(type(module)), self.route)
-            self._patched.append(module)
-        for module in layers:
-            _swap(module, _residual_class(type(module)), self.route)
-            self._patched.append(module)
-        for module in traced:
-            _swap(module, _traced_class(type(module)), self.route)
-            self._patched.append(module)
-        for module in mlps:
-            _swap(module, _gated_mlp_class(type(module)), self.route)
-            self._patched.append(module)
+        swaps = (
+            (matmul, _matmul_class),
+            (members, _projection_class),
+            (blocks, _block_class),
+            (layers, _residual_class),
+            (traced, _traced_class),
+            (mlps, _gated_mlp_class),
+        )
+        for modules, subclass in swaps:
+            for module in modules:
+                _swap(module, subclass(type(module)), self.route)
+                self._patched.append(module)
         try:
             if self.matmul and self.fuse:
                 routed = {id(m) for m in matmul}

@@ -92,7 +92,7 @@ def verify_run(model, traced: bool, accepted: List[int], context: int = 40):
         for i in range(len(accepted))
     ]
     outs = []
-    with KernelPatch(model, traced_layers=traced) as patch:
+    with KernelPatch(model, traced_layers=traced):
         assert all(_is_traced(layer) is traced for layer in model.layers)
         for block, count in zip(blocks, accepted):
             checkpoint = SpeculativeCheckpoint.begin(cache, 16)
@@ -100,7 +100,6 @@ def verify_run(model, traced: bool, accepted: List[int], context: int = 40):
             mx.eval(out)
             checkpoint.commit(count)
             outs.append(out)
-        del patch
     return outs, [plane.offset for plane in cache]
 
 
