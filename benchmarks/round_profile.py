@@ -50,7 +50,7 @@ from dflash.folded_attention import FOLDED_ENV
 from dflash.fused_projections import FUSED_ENV
 from dflash.gated_mlp import SWIGLU_ENV
 from dflash.generation import generate_step
-from dflash.greedy import greedy_reference
+from dflash.greedy import greedy_reference, greedy_reference_with_margins
 from dflash.held_norms import HELD_NORMS_ENV
 from dflash.kernel_patch import COMPILED_BLOCKS_ENV, VERIFY_KERNELS_ENV
 from dflash.metal.backend import COMPILE_ENV
@@ -200,6 +200,8 @@ KERNEL_ARMS = {
     "default-swiglu": None,
     "default-traced": None,
     "default-untraced": None,
+    "all-traced": "1",
+    "all-untraced": "1",
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -318,6 +320,32 @@ def scale_run(args: argparse.Namespace):
     return model, drafter, prompt, continuation
 
 
+def plain_divergences(
+    model, prompt: mx.array, continuation: List[int], plain: Dict[str, List[int]]
+) -> Dict[str, Dict[str, Any]]:
+    """Where each arm's plain tokens first part from mlx-lm's, with mlx-lm's top-2 logit
+    margin at that step (a near-tie when small); arms that agree are left out."""
+    firsts = {
+        arm: next(
+            (i for i, (a, b) in enumerate(zip(tokens, continuation)) if a != b), None
+        )
+        for arm, tokens in plain.items()
+    }
+    parted = {arm: index for arm, index in firsts.items() if index is not None}
+    if not parted:
+        return {}
+    _, margins = greedy_reference_with_margins(model, prompt, len(continuation))
+    return {
+        arm: {
+            "index": index,
+            "ours": plain[arm][index],
+            "mlx_lm": continuation[index],
+            "mlx_lm_margin": round(float(margins[index]), 6),
+        }
+        for arm, index in parted.items()
+    }
+
+
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     model, drafter, prompt, continuation = scale_run(args)
     block = drafter.config.block_size
@@ -342,15 +370,17 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     variants = list(
         itertools.product(arms[args.start_early], arms[args.folded], args.kernels)
     )
-    # Each kernel arm's own plain decoding: what its speculative output must equal.
-    plain = {"default": continuation}
+    # Each kernel arm's own plain decoding (the default arm's too: the default installs
+    # the kernels in plain decoding where it does in DFlash decoding): what its
+    # speculative output must equal; each is also compared with mlx-lm's.
+    plain = {}
     for kernels in args.kernels:
-        if kernels != "default":
-            with kernel_arm(kernels):
-                plain[kernels] = our_plain_tokens(model, prompt, args.max_tokens)
+        with kernel_arm(kernels):
+            plain[kernels] = our_plain_tokens(model, prompt, args.max_tokens)
     report["plain_equals_mlx_lm"] = {
         arm: tokens == continuation for arm, tokens in plain.items()
     }
+    report["plain_divergences"] = plain_divergences(model, prompt, continuation, plain)
     for tau in args.tau:
         replay = ReplayDrafter(drafter, tau)
         for _, folded, kernels in variants:
@@ -421,7 +451,10 @@ def compare_arms(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     keys = ("tau", "start_early", "folded", "kernels")
     grouped: Dict[tuple, List[float]] = {}
     for run_row in runs:
-        grouped.setdefault(tuple(run_row[k] for k in keys), []).append(run_row["round"])
+        # A run too short to time a round (``round`` None) decides nothing.
+        if run_row["round"] is not None:
+            key = tuple(run_row[k] for k in keys)
+            grouped.setdefault(key, []).append(run_row["round"])
     rows, first = [], None
     for key, rounds_ms in grouped.items():
         row = dict(zip(keys, key))

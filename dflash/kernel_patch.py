@@ -1015,13 +1015,15 @@ class KernelPatch:
 # them by default (its reference forms only serve tests).
 VERIFY_KERNEL_PARTS: Tuple[str, ...] = ("attention", "matmul", "projections")
 VERIFY_KERNELS_BY_DEFAULT: Dict[str, Tuple[str, ...]] = {"metal": (), "cuda": ()}
-# DFlash decoding (a drafter given) of a target whose every projection has one affine
-# quantized form, by (backend, architecture, bits, group size), only where measured: on an
-# H200, full-size Muse Glimmer in 4-bit groups of 64, rounds at tau = 6 took 0.72-0.83 of
+# Plain and DFlash decoding of a target whose every projection has one affine quantized
+# form, by (backend, architecture, bits, group size), only where measured on an H200 with
+# full-size Muse Glimmer in 4-bit groups of 64: DFlash rounds at tau = 6 took 0.72-0.83 of
 # kernels-off, faster in 18 of 19 pairs over sessions 9, 10, 13 and 14
-# (docs/benchmarks/h200-2026-12-01-s14). Plain decoding keeps VERIFY_KERNELS_BY_DEFAULT:
-# its tokens cost more host time with our launches.
-DFLASH_KERNELS_BY_QUANTIZATION: Dict[Tuple[str, str, int, int], Tuple[str, ...]] = {
+# (docs/benchmarks/h200-2026-12-01-s14); since the traced layers (session 23), plain tokens
+# took a median 0.81 of kernels-off, faster in 5 of 7 passes
+# (docs/benchmarks/h200-2026-12-02-s24). One rule for both keeps our plain and DFlash
+# log-probabilities bit-identical.
+KERNELS_BY_QUANTIZATION: Dict[Tuple[str, str, int, int], Tuple[str, ...]] = {
     ("cuda", "muse_glimmer", 4, 64): VERIFY_KERNEL_PARTS,
 }
 VERIFY_KERNELS_ENV = "DFLASH_VERIFY_KERNELS"
@@ -1074,18 +1076,20 @@ def _env_parts() -> Optional[Tuple[str, ...]]:
 
 
 def wanted_parts(
-    model: nn.Module, use_kernel: Optional[bool] = None, speculative: bool = False
+    model: nn.Module, use_kernel: Optional[bool] = None
 ) -> Tuple[str, ...]:
     """Which verify-kernel parts :func:`verify_kernels` installs for ``model``.
+
+    Plain, classic speculative and DFlash decoding ask alike, so by default they run the
+    same kernels (and give the same log-probabilities bit for bit).
 
     Args:
         model: The target.
         use_kernel: True (every part) / False (none) decide; None asks
             ``DFLASH_VERIFY_KERNELS``, then ``DFLASH_KERNELS=0`` (none), then (with
-            the GPU as the default device) :data:`DFLASH_KERNELS_BY_QUANTIZATION` for
-            DFlash decoding of a target in a measured quantized form, else
+            the GPU as the default device) :data:`KERNELS_BY_QUANTIZATION` for a
+            target in a measured quantized form, else
             :data:`VERIFY_KERNELS_BY_DEFAULT` for this backend.
-        speculative: Whether the caller decodes with a drafter (DFlash rounds).
 
     Returns:
         A sub-tuple of :data:`VERIFY_KERNEL_PARTS` (empty for an architecture
@@ -1108,18 +1112,16 @@ def wanted_parts(
     ):
         return ()
     parts = VERIFY_KERNELS_BY_DEFAULT.get(backend.BACKEND, ())
-    form = quantized_form(model) if speculative else None
+    form = quantized_form(model)
     if form is not None:
         measured = (backend.BACKEND, architecture(model), *form)
-        return DFLASH_KERNELS_BY_QUANTIZATION.get(measured, parts)
+        return KERNELS_BY_QUANTIZATION.get(measured, parts)
     return parts
 
 
-def wanted(
-    model: nn.Module, use_kernel: Optional[bool] = None, speculative: bool = False
-) -> bool:
+def wanted(model: nn.Module, use_kernel: Optional[bool] = None) -> bool:
     """Whether :func:`verify_kernels` installs any part for ``model`` (see :func:`wanted_parts`)."""
-    return bool(wanted_parts(model, use_kernel, speculative))
+    return bool(wanted_parts(model, use_kernel))
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -1135,26 +1137,21 @@ def verify_kernels(
 ) -> Iterator[Optional[KernelPatch]]:
     """Install :class:`KernelPatch` for the ``with`` block when :func:`wanted` says so.
 
-    What the generators use. Switched on (``DFLASH_VERIFY_KERNELS``) our plain decoding
-    and DFlash decoding run the same kernels; by default only DFlash decoding of a
-    measured quantized form does (:data:`DFLASH_KERNELS_BY_QUANTIZATION`). A model
-    already patched (by the caller) is left as it is.
+    What the generators use (plain, classic speculative and DFlash decoding alike, so
+    their log-probabilities agree bit for bit): by default for a target in a measured
+    quantized form (:data:`KERNELS_BY_QUANTIZATION`), or as ``DFLASH_VERIFY_KERNELS``
+    says. A model already patched (by the caller) is left as it is.
 
     Args:
         model: The target.
-        drafter: The drafter to patch with it; given, the caller decodes with DFlash
-            rounds (``speculative`` for :func:`wanted_parts`).
+        drafter: The drafter to patch with it (DFlash decoding).
         use_kernel: As for :func:`wanted`; when installing, True runs the kernel forms,
             None the backend's default form.
 
     Yields:
         The installed patch, or None when nothing was installed.
     """
-    parts = (
-        ()
-        if is_patched(model)
-        else wanted_parts(model, use_kernel, speculative=drafter is not None)
-    )
+    parts = () if is_patched(model) else wanted_parts(model, use_kernel)
     if not parts:
         yield None
         return

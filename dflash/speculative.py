@@ -15,7 +15,7 @@ from .cache import SpeculativeCheckpoint, check_prompt_cache, make_prompt_cache
 from .cache.errors import IncompatibleCache
 from .held_norms import held_norms
 from .inputs import ProgressCallback, Stream, as_prompt_array, check_cache_options
-from .kernel_patch import attention_route
+from .kernel_patch import attention_route, verify_kernels
 from .rounds import VerifyRound, emit_rounds, prefill
 from .sampling import LogitsProcessor, Sampler, Sampling
 from .stats import GenerationStats
@@ -215,7 +215,13 @@ def speculative_generate_step(
     speculator = DraftModelSpeculator(
         model, draft_model, target_cache, draft_cache, sampling
     )
-    with mx.stream(stream), attention_route(model), held_norms(model, draft_model):
+    # The target's verify kernels as our plain decoding installs them (the same bits).
+    with (
+        mx.stream(stream),
+        verify_kernels(model),
+        attention_route(model),
+        held_norms(model, draft_model),
+    ):
         progress(0, prompt.size)
         prefill(
             model, target_cache, prompt[:-1], prefill_step_size, progress, prompt.size

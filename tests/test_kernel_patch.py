@@ -35,6 +35,7 @@ from dflash.kernel_patch import KernelPatch, supports
 from dflash.metal import attention, backend, heads
 from dflash.metal import norms as rn
 from dflash.metal import qmm
+from dflash.speculative import speculative_generate_step
 
 
 def _f32(array: mx.array) -> np.ndarray:
@@ -480,20 +481,33 @@ def test_matmul_only_patch_keeps_attention(monkeypatch) -> None:
 
 
 def test_generators_install_the_kernels_on_the_env_switch(monkeypatch) -> None:
-    """``DFLASH_VERIFY_KERNELS=1``: both generators patch the model while they run."""
+    """``DFLASH_VERIFY_KERNELS=1``: plain, classic speculative and DFlash decoding each
+    patch the target while they run, and give every token the same log-probabilities."""
     monkeypatch.setenv(kernel_patch.VERIFY_KERNELS_ENV, "1")
     target = tiny_model("muse_glimmer", seed=21, window=16)
     drafter = random_drafter(target, seed=22, block_size=6)
+    draft_model = tiny_model("muse_glimmer", seed=23, window=16)
     prompt = mx.random.randint(0, 250, (17,))
-    seen = []
-    steps = generate_step(prompt, target, max_tokens=20)
-    for _ in steps:
-        seen.append(kernel_patch.is_patched(target))
-    plain_run = list(generate_step(prompt, target, max_tokens=20))
-    spec_run = list(dflash_generate_step(prompt, target, drafter, max_tokens=20))
-    assert all(seen) and not kernel_patch.is_patched(target)
-    for (_, want), (_, got, _) in zip(plain_run, spec_run):
-        assert np.array_equal(_f32(want), _f32(got))
+    runs = {
+        "plain": generate_step(prompt, target, max_tokens=20),
+        "classic": speculative_generate_step(
+            prompt, target, draft_model, num_draft_tokens=3, max_tokens=20
+        ),
+        "dflash": dflash_generate_step(prompt, target, drafter, max_tokens=20),
+    }
+    outputs = {}
+    for name, steps in runs.items():
+        outputs[name] = []
+        for step in steps:
+            assert kernel_patch.is_patched(target), name
+            outputs[name].append(step[1])
+        assert not kernel_patch.is_patched(target), name
+    plain = outputs.pop("plain")
+    assert len(plain) == 20
+    for name, logprobs in outputs.items():
+        assert len(logprobs) == 20, name
+        for index, (want, got) in enumerate(zip(plain, logprobs)):
+            assert np.array_equal(_f32(want), _f32(got)), f"{name} token {index}"
 
 
 @pytest.mark.parametrize(
@@ -563,7 +577,7 @@ def test_default_table_and_dflash_kernels_switch(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "arch, bits, group, dflash_parts",
+    "arch, bits, group, parts",
     [
         ("muse_glimmer", 4, 64, kernel_patch.VERIFY_KERNEL_PARTS),  # measured
         ("muse_glimmer", 8, 64, ()),
@@ -572,10 +586,12 @@ def test_default_table_and_dflash_kernels_switch(monkeypatch) -> None:
         ("qwen3", 4, 64, ()),  # not measured
     ],
 )
-def test_dflash_decoding_defaults_on_only_where_measured(
-    monkeypatch, arch, bits, group, dflash_parts
+def test_kernels_default_on_only_where_measured(
+    monkeypatch, arch, bits, group, parts
 ) -> None:
-    """CUDA, 4-bit groups of 64, Muse Glimmer: DFlash rounds only; plain keeps the table."""
+    """CUDA, 4-bit groups of 64, Muse Glimmer: plain, classic and DFlash decoding alike
+    (the generators ask the same question); nothing elsewhere, switched off, or on Metal.
+    """
     _on_a_cuda_gpu(monkeypatch)
     target = tiny_model(arch, seed=27, window=16)
     if bits:
@@ -583,16 +599,15 @@ def test_dflash_decoding_defaults_on_only_where_measured(
         assert kernel_patch.quantized_form(target) == (bits, group)
     else:
         assert kernel_patch.quantized_form(target) is None
-    assert kernel_patch.wanted_parts(target, speculative=True) == dflash_parts
-    assert kernel_patch.wanted_parts(target) == ()  # plain decoding
+    assert kernel_patch.wanted_parts(target) == parts
     monkeypatch.setenv(kernel_patch.VERIFY_KERNELS_ENV, "0")
-    assert kernel_patch.wanted_parts(target, speculative=True) == ()
+    assert kernel_patch.wanted_parts(target) == ()
     monkeypatch.delenv(kernel_patch.VERIFY_KERNELS_ENV)
     monkeypatch.setattr(kernel_patch.backend, "KERNELS_ENABLED", False)
-    assert kernel_patch.wanted_parts(target, speculative=True) == ()
+    assert kernel_patch.wanted_parts(target) == ()
     monkeypatch.setattr(kernel_patch.backend, "KERNELS_ENABLED", True)
     monkeypatch.setattr(kernel_patch.backend, "BACKEND", "metal")  # never run there
-    assert kernel_patch.wanted_parts(target, speculative=True) == ()
+    assert kernel_patch.wanted_parts(target) == ()
 
 
 def test_quantized_form_wants_every_projection_in_one_form() -> None:
@@ -622,16 +637,17 @@ def test_quantized_form_wants_every_projection_in_one_form() -> None:
     assert kernel_patch.quantized_form(two) is None
 
 
-def test_verify_kernels_asks_for_dflash_defaults_only_with_a_drafter(
+def test_verify_kernels_installs_the_measured_default_with_or_without_a_drafter(
     monkeypatch,
 ) -> None:
-    """A drafter makes the call speculative; the installed parts follow the rule."""
+    """Plain decoding (no drafter) and DFlash decoding get the same parts by default, the
+    drafter patched with the target when there is one."""
     _on_a_cuda_gpu(monkeypatch)
     installed = []
 
     class Recorder:
         def __init__(self, model, drafter, **parts) -> None:
-            installed.append(parts)
+            installed.append((drafter, parts))
 
         def __enter__(self):
             return self
@@ -642,14 +658,18 @@ def test_verify_kernels_asks_for_dflash_defaults_only_with_a_drafter(
     monkeypatch.setattr(kernel_patch, "KernelPatch", Recorder)
     target = tiny_model("muse_glimmer", seed=29, window=16)
     nn.quantize(target, group_size=64, bits=4)
-    with kernel_patch.verify_kernels(target) as patch:
-        assert patch is None
     drafter = random_drafter(target, seed=12, block_size=8)
-    with kernel_patch.verify_kernels(target, drafter) as patch:
-        assert isinstance(patch, Recorder)
-    assert installed == [
-        dict(use_kernel=None, attention=True, matmul=True, projections=True)
-    ]
+    for given in (None, drafter):
+        with kernel_patch.verify_kernels(target, given) as patch:
+            assert isinstance(patch, Recorder)
+    every = dict(use_kernel=None, attention=True, matmul=True, projections=True)
+    assert installed == [(None, every), (drafter, every)]
+    # A target outside the rule gets nothing, with or without a drafter.
+    dense = tiny_model("muse_glimmer", seed=29, window=16)
+    for given in (None, drafter):
+        with kernel_patch.verify_kernels(dense, given) as patch:
+            assert patch is None
+    assert len(installed) == 2
 
 
 @pytest.mark.parametrize(

@@ -92,7 +92,9 @@ def test_round_profile_kernel_arms_are_lossless_against_their_own_plain_decoding
         (True, False, True),
     }
     assert {f for _, m, f, _ in seen if m} == {True, False}
-    assert set(report["plain_equals_mlx_lm"]) == {"default", *arms}
+    # Each arm's own plain decoding, compared with mlx-lm's (on the CPU they agree).
+    assert report["plain_equals_mlx_lm"] == dict.fromkeys(arms, True)
+    assert report["plain_divergences"] == {}
     assert os.environ.get(FUSED_ENV) is None
     walls = report["plain_wall"]
     assert [(r["run"], r.get("kernels")) for r in walls] == [("mlx-lm plain", None)] + [
@@ -284,6 +286,44 @@ def test_compare_arms_pairs_each_run_with_the_first_arms_run_of_its_pass():
     assert attention["ratio_median"] == round(29.0 / 31.0, 3)
     # Another tau starts its own comparison (its first arm has nothing to face).
     assert "vs" not in other_tau and other_tau["runs"] == 1
+
+
+def test_compare_arms_leaves_out_runs_too_short_to_time():
+    def run(kernels, ms):
+        return {"tau": 6, "start_early": True, "folded": None, "kernels": kernels,
+                "round": ms}  # fmt: skip
+
+    rows = round_profile.compare_arms([run("off", None), run("all", None)])
+    assert rows == []
+    off, all_ = round_profile.compare_arms(
+        [run("off", 30.0), run("all", 20.0), run("off", None), run("all", 24.0)]
+    )
+    assert off["runs"] == 1 and all_["runs"] == 2 and "vs" not in all_
+
+
+def test_plain_divergences_name_the_first_parted_token_and_mlx_lms_margin():
+    """Arms whose plain tokens equal mlx-lm's are left out; a parted arm gets its first
+    differing index, both tokens there and mlx-lm's top-2 margin at that step."""
+    from dflash.bench.scale import build_scale_pair, scale_prompts
+    from dflash.greedy import greedy_reference_with_margins
+
+    model, _ = build_scale_pair("tiny", "bf16", seed=0)
+    prompt = scale_prompts(model, 32, 1, seed=0)[0]
+    continuation, margins = greedy_reference_with_margins(model, prompt, 10)
+    assert round_profile.plain_divergences(model, prompt, continuation, {}) == {}
+    same = {"off": list(continuation), "short": continuation[:6]}
+    assert round_profile.plain_divergences(model, prompt, continuation, same) == {}
+    for index in (0, 4, 9):
+        parted = list(continuation)
+        parted[index] = (parted[index] + 1) % 97
+        found = round_profile.plain_divergences(
+            model, prompt, continuation, {"same": continuation, "all": parted}
+        )
+        assert found == {
+            "all": {"index": index, "ours": parted[index],
+                    "mlx_lm": continuation[index],
+                    "mlx_lm_margin": round(float(margins[index]), 6)}
+        }  # fmt: skip
 
 
 def test_plain_phases_splits_each_token_and_counts_our_launches(tmp_path):
