@@ -1015,14 +1015,14 @@ class KernelPatch:
 # them by default (its reference forms only serve tests).
 VERIFY_KERNEL_PARTS: Tuple[str, ...] = ("attention", "matmul", "projections")
 VERIFY_KERNELS_BY_DEFAULT: Dict[str, Tuple[str, ...]] = {"metal": (), "cuda": ()}
-# Plain and DFlash decoding of a target whose every projection has one affine quantized
-# form, by (backend, architecture, bits, group size), only where measured on an H200 with
-# full-size Muse Glimmer in 4-bit groups of 64: DFlash rounds at tau = 6 took 0.72-0.83 of
-# kernels-off, faster in 18 of 19 pairs over sessions 9, 10, 13 and 14
-# (docs/benchmarks/h200-2026-12-01-s14); since the traced layers (session 23), plain tokens
-# took a median 0.81 of kernels-off, faster in 5 of 7 passes
-# (docs/benchmarks/h200-2026-12-02-s24). One rule for both keeps our plain and DFlash
-# log-probabilities bit-identical.
+# Plain, classic speculative and DFlash decoding of a target whose every projection has one
+# affine quantized form, by (backend, architecture, bits, group size), only where measured
+# on an H200 with full-size Muse Glimmer in 4-bit groups of 64: DFlash rounds at tau = 6
+# took 0.72-0.83 of kernels-off, faster in 18 of 19 pairs over sessions 9, 10, 13 and 14
+# (docs/benchmarks/h200-2026-12-01-s14); since the traced layers (session 23), plain
+# tokens took a median 0.81 of kernels-off, faster in 5 of 7 passes
+# (docs/benchmarks/h200-2026-12-02-s24; classic rounds not measured). One rule for all
+# three keeps their log-probabilities bit-identical.
 KERNELS_BY_QUANTIZATION: Dict[Tuple[str, str, int, int], Tuple[str, ...]] = {
     ("cuda", "muse_glimmer", 4, 64): VERIFY_KERNEL_PARTS,
 }
