@@ -1129,6 +1129,13 @@ def is_patched(model: nn.Module) -> bool:
     return any(hasattr(type(module), _ORIGINAL_CLASS) for module in model.modules())
 
 
+# Patches :func:`verify_kernels` installed, by ``id`` of the model: the patch and how
+# many ``with`` blocks hold it. Generators on one model can interleave (each keeps its
+# block open between tokens); the patch stays until the last of them ends, so none
+# finishes its tokens on other kernels than it began with.
+_HELD_PATCHES: Dict[int, List[Any]] = {}
+
+
 @contextlib.contextmanager
 def verify_kernels(
     model: nn.Module,
@@ -1140,7 +1147,9 @@ def verify_kernels(
     What the generators use (plain, classic speculative and DFlash decoding alike, so
     their log-probabilities agree bit for bit): by default for a target in a measured
     quantized form (:data:`KERNELS_BY_QUANTIZATION`), or as ``DFLASH_VERIFY_KERNELS``
-    says. A model already patched (by the caller) is left as it is.
+    says. A model already patched by the caller is left as it is. A block entered while
+    another block's patch is installed on the model shares it: the patch is removed when
+    the last block holding it ends.
 
     Args:
         model: The target.
@@ -1149,21 +1158,42 @@ def verify_kernels(
             None the backend's default form.
 
     Yields:
-        The installed patch, or None when nothing was installed.
+        The installed patch, or None when this block installed nothing.
     """
+    held = _HELD_PATCHES.get(id(model))
+    if held is not None:
+        held[1] += 1
+        try:
+            yield None
+        finally:
+            _release_patch(model)
+        return
     parts = () if is_patched(model) else wanted_parts(model, use_kernel)
     if not parts:
         yield None
         return
-    with KernelPatch(
+    patch = KernelPatch(
         model,
         drafter,
         use_kernel=use_kernel or None,
         attention="attention" in parts,
         matmul="matmul" in parts,
         projections="projections" in parts,
-    ) as patch:
+    ).install()
+    _HELD_PATCHES[id(model)] = [patch, 1]
+    try:
         yield patch
+    finally:
+        _release_patch(model)
+
+
+def _release_patch(model: nn.Module) -> None:
+    """One block fewer holds ``model``'s patch; the last one uninstalls it."""
+    held = _HELD_PATCHES[id(model)]
+    held[1] -= 1
+    if held[1] == 0:
+        del _HELD_PATCHES[id(model)]
+        held[0].uninstall()
 
 
 def folded_wanted(model: nn.Module, use_folded: Optional[bool] = None) -> bool:

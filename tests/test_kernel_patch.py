@@ -510,6 +510,60 @@ def test_generators_install_the_kernels_on_the_env_switch(monkeypatch) -> None:
             assert np.array_equal(_f32(want), _f32(got)), f"{name} token {index}"
 
 
+def _logprobs_equal(got, want) -> bool:
+    return len(got) == len(want) and all(
+        np.array_equal(_f32(g), _f32(w)) for g, w in zip(got, want)
+    )
+
+
+@pytest.mark.parametrize("dflash_first", [False, True])
+def test_interleaved_generators_keep_the_patch_until_the_last_ends(
+    monkeypatch, dflash_first
+) -> None:
+    """Two generators on one model, stepped in turn: the one that installed the patch
+    ends first, and the other still finishes on the same kernels (its log-probabilities
+    equal its run alone, bit for bit); the patch goes when both have ended."""
+    monkeypatch.setenv(kernel_patch.VERIFY_KERNELS_ENV, "1")
+    target = tiny_model("muse_glimmer", seed=31, window=16)
+    drafter = random_drafter(target, seed=32, block_size=6)
+    short_prompt = mx.random.randint(0, 250, (17,), key=mx.random.key(3))
+    long_prompt = mx.random.randint(0, 250, (23,), key=mx.random.key(4))
+
+    def plain():
+        return generate_step(short_prompt, target, max_tokens=5)
+
+    def dflash():
+        return dflash_generate_step(long_prompt, target, drafter, max_tokens=20)
+
+    alone = {"plain": [s[1] for s in plain()], "dflash": [s[1] for s in dflash()]}
+    assert not kernel_patch.is_patched(target)
+    first, second = ("dflash", "plain") if dflash_first else ("plain", "dflash")
+    makers = {"plain": plain, "dflash": dflash}
+    steps = {name: makers[name]() for name in (first, second)}
+    got = {name: [next(steps[name])[1]] for name in (first, second)}
+    # The first (the installer) runs to its end, then the second.
+    got[first] += [s[1] for s in steps[first]]
+    assert kernel_patch.is_patched(target)  # the second still holds it
+    got[second] += [s[1] for s in steps[second]]
+    assert not kernel_patch.is_patched(target)
+    assert kernel_patch._HELD_PATCHES == {}
+    for name in (first, second):
+        assert _logprobs_equal(got[name], alone[name]), name
+
+
+def test_a_generator_closed_early_releases_its_hold(monkeypatch) -> None:
+    monkeypatch.setenv(kernel_patch.VERIFY_KERNELS_ENV, "1")
+    target = tiny_model("muse_glimmer", seed=33, window=16)
+    prompt = mx.random.randint(0, 250, (12,), key=mx.random.key(5))
+    first = generate_step(prompt, target, max_tokens=10)
+    second = generate_step(prompt, target, max_tokens=10)
+    next(first), next(second)
+    first.close()
+    assert kernel_patch.is_patched(target)
+    second.close()
+    assert not kernel_patch.is_patched(target) and kernel_patch._HELD_PATCHES == {}
+
+
 @pytest.mark.parametrize(
     "env, use_kernel, kernels_env, expected",
     [
@@ -649,25 +703,25 @@ def test_verify_kernels_installs_the_measured_default_with_or_without_a_drafter(
         def __init__(self, model, drafter, **parts) -> None:
             installed.append((drafter, parts))
 
-        def __enter__(self):
+        def install(self):
             return self
 
-        def __exit__(self, *exc) -> None:
+        def uninstall(self) -> None:
             pass
 
     monkeypatch.setattr(kernel_patch, "KernelPatch", Recorder)
     target = tiny_model("muse_glimmer", seed=29, window=16)
     nn.quantize(target, group_size=64, bits=4)
     drafter = random_drafter(target, seed=12, block_size=8)
-    for given in (None, drafter):
-        with kernel_patch.verify_kernels(target, given) as patch:
+    for with_drafter in (None, drafter):
+        with kernel_patch.verify_kernels(target, with_drafter) as patch:
             assert isinstance(patch, Recorder)
     every = dict(use_kernel=None, attention=True, matmul=True, projections=True)
     assert installed == [(None, every), (drafter, every)]
     # A target outside the rule gets nothing, with or without a drafter.
     dense = tiny_model("muse_glimmer", seed=29, window=16)
-    for given in (None, drafter):
-        with kernel_patch.verify_kernels(dense, given) as patch:
+    for with_drafter in (None, drafter):
+        with kernel_patch.verify_kernels(dense, with_drafter) as patch:
             assert patch is None
     assert len(installed) == 2
 
