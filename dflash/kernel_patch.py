@@ -1129,11 +1129,18 @@ def is_patched(model: nn.Module) -> bool:
     return any(hasattr(type(module), _ORIGINAL_CLASS) for module in model.modules())
 
 
-# Patches :func:`verify_kernels` installed, by ``id`` of the model: the patch and how
-# many ``with`` blocks hold it. Generators on one model can interleave (each keeps its
-# block open between tokens); the patch stays until the last of them ends, so none
-# finishes its tokens on other kernels than it began with.
-_HELD_PATCHES: Dict[int, List[Any]] = {}
+@dataclass
+class _HeldPatch:
+    """A patch :func:`verify_kernels` installed and how many ``with`` blocks hold it."""
+
+    patch: KernelPatch
+    holders: int = 1
+
+
+# Held patches by ``id`` of their model. Generators on one model can interleave (each
+# keeps its block open between tokens); the patch stays until the last of them ends, so
+# none finishes its tokens on other kernels than it began with.
+_HELD_PATCHES: Dict[int, _HeldPatch] = {}
 
 
 @contextlib.contextmanager
@@ -1162,7 +1169,7 @@ def verify_kernels(
     """
     held = _HELD_PATCHES.get(id(model))
     if held is not None:
-        held[1] += 1
+        held.holders += 1
         try:
             yield None
         finally:
@@ -1180,7 +1187,7 @@ def verify_kernels(
         matmul="matmul" in parts,
         projections="projections" in parts,
     ).install()
-    _HELD_PATCHES[id(model)] = [patch, 1]
+    _HELD_PATCHES[id(model)] = _HeldPatch(patch)
     try:
         yield patch
     finally:
@@ -1190,10 +1197,10 @@ def verify_kernels(
 def _release_patch(model: nn.Module) -> None:
     """One block fewer holds ``model``'s patch; the last one uninstalls it."""
     held = _HELD_PATCHES[id(model)]
-    held[1] -= 1
-    if held[1] == 0:
+    held.holders -= 1
+    if held.holders == 0:
         del _HELD_PATCHES[id(model)]
-        held[0].uninstall()
+        held.patch.uninstall()
 
 
 def folded_wanted(model: nn.Module, use_folded: Optional[bool] = None) -> bool:
