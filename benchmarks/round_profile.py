@@ -334,7 +334,8 @@ def plain_divergences(
     parted = {arm: index for arm, index in firsts.items() if index is not None}
     if not parted:
         return {}
-    _, margins = greedy_reference_with_margins(model, prompt, len(continuation))
+    # mlx-lm's greedy run again, with margins, only as far as the last parting.
+    _, margins = greedy_reference_with_margins(model, prompt, max(parted.values()) + 1)
     return {
         arm: {
             "index": index,
