@@ -17,7 +17,10 @@ Each variant changes one or more of the form's knobs for the time of its rows:
   (``tensor_qmm.K_GROUPS``: 256 threads, the same shared memory; the default since
   session 18) or one;
 * ``folded`` / ``unfolded``: the 4-bit bfloat16 form with the ``128 + q`` offset folded
-  into each group's bias (``tensor_qmm.FOLD_Q4_OFFSET``) or not.
+  into each group's bias (``tensor_qmm.FOLD_Q4_OFFSET``) or not;
+* ``scaled``: the scaled-weight form (``tensor_qmm.SCALED_B``);
+* ``edits``: text edits of the kernels (:data:`EDITS`): L2 prefetch hints, and the
+  diagnostics ``memonly`` / ``computeonly`` / ``contig`` / ``nox`` (wrong results).
 
 Each call is bound once (``qmm.bind_matmul``), as a patched layer runs it; a merged
 call's kernels include the fill of its fresh counters. For every variant, projection
@@ -73,6 +76,97 @@ VARIANTS = {
     "kgroups1": {"k_groups": 1},
     # Three CTAs an SM (a 70 KB stage ring) with the wave rule counting them.
     "budget70k-waves396": {"budget": 70 * 1024, "waves": True, "resident": 396},
+    # L2 prefetch hints on the 16-byte copies (weights and x rows): the L2 fetches the
+    # 128 or 256 bytes around each access, so a column's next chunk may already be there.
+    "prefetch128": {"edits": ("prefetch128",)},
+    "prefetch256": {"edits": ("prefetch256",)},
+    # Diagnostics, not forms (their results are wrong): the copies alone (no arithmetic
+    # after each chunk's wait and barrier), and the arithmetic alone (no copies after the
+    # pipeline's first stages). Against "current" they say which side paces the call.
+    "memonly": {"edits": ("memonly",)},
+    "memonly-prefetch256": {"edits": ("memonly", "prefetch256")},
+    "computeonly": {"edits": ("computeonly",)},
+    # Each CTA's chunk read as one contiguous 16 KB block (the bytes of a weight repacked
+    # tile by tile): the time a repacked layout would take (results wrong here).
+    "contig": {"edits": ("contig",)},
+    "memonly-contig": {"edits": ("memonly", "contig")},
+    # The copies of the weights, scales and biases alone: no x rows copied either.
+    "memonly-nox": {"edits": ("memonly", "nox")},
+    # The scaled-weight form (``tensor_qmm.SCALED_B``): s * q + b in x's dtype before
+    # the mma, no sums of x, no per-group float32 step; the default since session 26
+    # (with its launch bounds), "unscaled" the form before it.
+    "scaled": {"scaled": True},
+    "unscaled": {"scaled": False},
+    "scaled-computeonly": {"scaled": True, "edits": ("computeonly",)},
+    "folded-computeonly": {"folded": True, "edits": ("computeonly",)},
+    # __launch_bounds__(256, N) on the kernel (its header redefines __global__): ptxas
+    # then keeps registers within N CTAs an SM (the scaled form took 142: one CTA). Run
+    # in session 26 before the scaled form carried its own bounds (two CTAs).
+    "lb2": {"edits": ("bounds2",)},
+    "scaled-lb2": {"scaled": True, "edits": ("bounds2",)},
+    "budget70k-lb3": {
+        "budget": 70 * 1024,
+        "waves": True,
+        "resident": 396,
+        "edits": ("bounds3",),
+    },
+    "scaled-budget70k-lb3": {
+        "scaled": True,
+        "budget": 70 * 1024,
+        "waves": True,
+        "resident": 396,
+        "edits": ("bounds3",),
+    },
+}
+
+
+def _bounds(blocks: int) -> tuple[str, str, str]:
+    """An edit of the helpers that puts ``__launch_bounds__(256, blocks)`` on the kernel
+    (mlx writes ``__global__ void name(``; the header comes first)."""
+    first = "// m16n8k16 mma, float32 accumulate"
+    macro = (
+        "#undef __global__\n"
+        f"#define __global__ __attribute__((global)) __launch_bounds__(256, {blocks})\n"
+    )
+    return ("helpers", first, macro + first)
+
+
+# Text edits of the kernels by name: (``"helpers"`` or ``"body"``, old, new).
+EDITS = {
+    "bounds2": _bounds(2),
+    "bounds3": _bounds(3),
+    "prefetch128": (
+        "helpers",
+        'asm volatile("cp.async.cg.shared.global [%0], [%1], 16;',
+        'asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;',
+    ),
+    "prefetch256": (
+        "helpers",
+        'asm volatile("cp.async.cg.shared.global [%0], [%1], 16;',
+        'asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;',
+    ),
+    # Rows are never above 32: the arithmetic is skipped, yet still compiled.
+    "memonly": (
+        "body",
+        "    dfl_commit();\n    const unsigned char* base",
+        "    dfl_commit();\n    if (n_rows <= 32) continue;\n    const unsigned char* base",
+    ),
+    "contig": (
+        "body",
+        "w_chunk + size_t(n) * row_bytes, fast);",
+        "w_chunk + (size_t(tile) * chunks * COLUMNS + size_t(c) * (COLUMNS - 1) + cl)"
+        " * CW, fast);\n      (void)n;\n      (void)row_bytes;",
+    ),
+    "nox": (
+        "body",
+        "for (int r = x_first; r < n_rows; r += X_STEP) {",
+        "for (int r = x_first; r < n_rows && n_rows > 32; r += X_STEP) {",
+    ),
+    "computeonly": (
+        "body",
+        "    if (c + STAGES - 1 < c_end) {\n      issue(",
+        "    if (n_rows > 32 && c + STAGES - 1 < c_end) {\n      issue(",
+    ),
 }
 # Muse Glimmer's unfused projections, as verify_kernels names them.
 SHAPES = {
@@ -100,6 +194,8 @@ def variant(
     waves: Optional[bool] = None,
     resident: Optional[int] = None,
     k_groups: Optional[int] = None,
+    scaled: Optional[bool] = None,
+    edits: Sequence[str] = (),
 ) -> Iterator[None]:
     """Rebuild the tensor-core specs with the given knobs, restoring them after.
 
@@ -112,6 +208,8 @@ def variant(
         waves: ``WAVE_SPLIT`` (None: unchanged).
         resident: ``RESIDENT_CTAS`` (None: unchanged).
         k_groups: ``K_GROUPS`` (None: unchanged).
+        scaled: ``SCALED_B`` (None: unchanged).
+        edits: Names of :data:`EDITS` to apply to the kernels' text.
     """
     knobs = {
         "TARGET_GROUPS": target,
@@ -121,9 +219,11 @@ def variant(
         "WAVE_SPLIT": waves,
         "RESIDENT_CTAS": resident,
         "K_GROUPS": k_groups,
+        "SCALED_B": scaled,
     }
-    saved = {name: getattr(tensor_qmm, name) for name in (*knobs, "_HELPERS")}
+    saved = {name: getattr(tensor_qmm, name) for name in (*knobs, "_HELPERS", "_BODY")}
     tables = {form: dict(specs) for form, specs in tensor_qmm.FORM_SPECS.items()}
+    scaled_specs = dict(tensor_qmm.SCALED_SPECS)
     try:
         for name, value in knobs.items():
             if value is not None:
@@ -135,6 +235,8 @@ def variant(
             if helpers == tensor_qmm._HELPERS:
                 raise RuntimeError("the mma helper's text has changed")
             tensor_qmm._HELPERS = helpers
+        for edit in edits:
+            _edit(*EDITS[edit])
         _rebuild()
         yield
     finally:
@@ -142,14 +244,28 @@ def variant(
             setattr(tensor_qmm, name, value)
         for form, specs in tables.items():
             tensor_qmm.FORM_SPECS[form].update(specs)
+        tensor_qmm.SCALED_SPECS.update(scaled_specs)
         tensor_qmm.launch_plan.cache_clear()
         tensor_qmm._wave_split.cache_clear()
+
+
+def _edit(part: str, old: str, new: str) -> None:
+    name = {"helpers": "_HELPERS", "body": "_BODY"}[part]
+    text = getattr(tensor_qmm, name)
+    if old not in text:
+        raise RuntimeError(f"the kernel's text has changed: {old[:60]!r}")
+    setattr(tensor_qmm, name, text.replace(old, new))
 
 
 def _rebuild() -> None:
     # In place: MATMUL_SPECS and the other names are these very dicts.
     for (folded, groups), specs in tensor_qmm.FORM_SPECS.items():
         specs.update(tensor_qmm.form_specs(folded, groups))
+    for groups, key in tensor_qmm.SCALED_SPECS:
+        layout = tensor_qmm.LAYOUTS[key]
+        tensor_qmm.SCALED_SPECS[(groups, key)] = tensor_qmm._spec(
+            layout, k_groups=groups, scaled=True
+        )
     tensor_qmm.launch_plan.cache_clear()
     tensor_qmm._wave_split.cache_clear()
 

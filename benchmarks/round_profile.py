@@ -58,6 +58,7 @@ from dflash.metal.tensor_qmm import (
     FOLDED_OFFSET_ENV,
     MEMBER_MAJOR_ENV,
     MERGED_SPLIT_SUM_ENV,
+    SCALED_B_ENV,
     TWO_K_GROUPS_ENV,
     WAVE_SPLIT_ENV,
 )
@@ -198,6 +199,8 @@ KERNEL_ARMS = {
     "default-ungated": None,
     "default-unstacked": None,
     "default-swiglu": None,
+    "default-unscaled": None,
+    "default-scaled": None,
     "default-traced": None,
     "default-untraced": None,
     "all-traced": "1",
@@ -242,6 +245,8 @@ ARM_SUFFIXES = {
     "ungated": (GATE_EPILOGUE_ENV, "0"),  # Glimmer's gate as mlx's ops after attention
     "unstacked": (KV_BLOCK_ENV, "0"),  # the plane stacks k and v (two copies a layer)
     "swiglu": (SWIGLU_ENV, "1"),  # the MLP's silu and product in the gate/up launch
+    "scaled": (SCALED_B_ENV, "1"),  # matmul weights as q * scale + bias (the default)
+    "unscaled": (SCALED_B_ENV, "0"),  # x · q then the group's scale and bias terms
     "traced": (TRACED_LAYERS_ENV, "1"),  # served layer calls as two compiled replays
     "untraced": (TRACED_LAYERS_ENV, "0"),  # the eager layers
 }

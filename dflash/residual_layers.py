@@ -38,6 +38,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .held_norms import centered_scale, is_centered
 from .metal import backend
@@ -54,8 +55,8 @@ NORMS = (
     "post_feedforward_layernorm",
 )
 
-# The probe's verdict per (class, dtype).
-_VERDICTS: Dict[Tuple[type, mx.Dtype], bool] = {}
+# The probe's verdict per (class, dtype, layer geometry).
+_VERDICTS: Dict[Tuple[type, mx.Dtype, tuple], bool] = {}
 
 
 def residual_norms_wanted(use_residual_norms: Optional[bool] = None) -> bool:
@@ -84,6 +85,23 @@ def serves(layer: nn.Module) -> bool:
 def _dtype(layer: nn.Module) -> mx.Dtype:
     """The dtype the layer's norms hold (its activations')."""
     return layer.post_attention_layernorm.weight.dtype
+
+
+def layer_geometry(layer: nn.Module) -> tuple:
+    """What a layer's probe verdict depends on besides its class and dtype: every
+    parameter's name, shape and dtype (widths, quantization) and the attention's head
+    counts and RoPE use. A verdict of one geometry does not carry over to another (on
+    CUDA, mlx's kernels for a small head width do not give a re-stated forward's bits).
+    """
+    attn = layer.self_attn
+    heads = tuple(
+        getattr(attn, name, None) for name in ("n_heads", "n_kv_heads", "use_rope")
+    )
+    params = tuple(
+        (name, tuple(value.shape), value.dtype)
+        for name, value in tree_flatten(layer.parameters())
+    )
+    return heads + params
 
 
 def layer_forward(
@@ -148,9 +166,10 @@ def _residual(
 
 def forward_matches(layer: nn.Module, base: type) -> bool:
     """Whether :func:`layer_forward` (reference form) gives ``base``'s own forward's
-    bits on a probe input for ``layer`` (cached per class and dtype)."""
+    bits on a probe input for ``layer`` (cached per class, dtype and
+    :func:`layer_geometry`)."""
     dtype = _dtype(layer)
-    verdict = (base, dtype)
+    verdict = (base, dtype, layer_geometry(layer))
     if verdict not in _VERDICTS:
         hidden = layer.post_attention_layernorm.weight.shape[0]
         probe = mx.random.normal((1, 3, hidden), key=mx.random.key(0)).astype(dtype)

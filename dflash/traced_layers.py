@@ -56,7 +56,7 @@ import mlx.nn as nn
 
 from .cache.plane import RingPlane
 from .metal import attention, backend, groups, heads
-from .residual_layers import NORMS
+from .residual_layers import NORMS, layer_geometry
 
 TRACED_LAYERS_ENV = "DFLASH_TRACED_LAYERS"
 # (module, class name) of the decoder-layer forwards this module re-states (mlx-lm
@@ -65,8 +65,8 @@ TRACED_CLASSES = frozenset({("mlx_lm.models.muse_glimmer", "DecoderLayer")})
 # Traces kept a layer (a full layer's plan changes shape every chunk of keys).
 MAX_TRACES = 16
 
-# The probe's verdict per (class, dtype).
-_VERDICTS: Dict[Tuple[type, mx.Dtype], bool] = {}
+# The probe's verdict per (class, dtype, layer geometry).
+_VERDICTS: Dict[Tuple[type, mx.Dtype, tuple], bool] = {}
 
 
 def traced_layers_wanted(use_traced_layers: Optional[bool] = None) -> bool:
@@ -142,9 +142,10 @@ def _after_attention(layer: nn.Module, x: mx.array, attended: mx.array) -> mx.ar
 
 def forward_matches(layer: nn.Module, base: type) -> bool:
     """Whether :func:`reference_forward` gives ``base``'s own forward's bits on a probe
-    input for ``layer`` (cached per class and dtype)."""
+    input for ``layer`` (cached per class, dtype and geometry: a verdict found on one
+    model's layers must not decide for another's)."""
     dtype = layer.post_attention_layernorm.weight.dtype
-    verdict = (base, dtype)
+    verdict = (base, dtype, layer_geometry(layer))
     if verdict not in _VERDICTS:
         hidden = layer.post_attention_layernorm.weight.shape[0]
         probe = mx.random.normal((1, 3, hidden), key=mx.random.key(0)).astype(dtype)

@@ -90,6 +90,12 @@ row; see ``docs/verify-kernels-analysis.md``. The wave-aware split (session 17,
 (:data:`FOLD_Q4_OFFSET`, off): 1-2 % less on every shape. Two K groups (session 18,
 ``docs/benchmarks/h200-2026-12-02-s18``): 10-20 % less with 16 rows on all six
 Glimmer shapes (q 30.3 -> 24.2 us, down 60.3 -> 54.5), 0.7-6 % with 1 row.
+Session 25 (``docs/benchmarks/h200-2026-12-02-s25``): a tile-contiguous layout and L2
+prefetch hints change nothing; copies alone cost 2.0-2.3x the bound, arithmetic alone
+~3x. The scaled-weight form with launch bounds (session 26,
+``docs/benchmarks/h200-2026-12-03-s26``), 4-bit, 16 rows: gate/up 113.2 -> 107.3 us
+(3.4x the bound), down 50.7 -> 47.7, q/k/v/gate 32.0 -> 30.5, o 20.3 -> 19.5; 32 rows
+17-24 % less; 8-bit 1-3 % less.
 """
 
 from __future__ import annotations
@@ -135,6 +141,20 @@ MERGED_SPLIT_SUM_ENV = "DFLASH_MERGED_SPLIT_SUM"
 # ``DFLASH_QMM_FOLDED_OFFSET`` (on/off) decides when set; read at each bind.
 FOLD_Q4_OFFSET = False
 FOLDED_OFFSET_ENV = "DFLASH_QMM_FOLDED_OFFSET"
+# Scaled weights (the Marlin order): each pair of integers becomes ``s * q + b`` in x's
+# dtype (one rounding) before the mma, which then sums straight into the float32
+# accumulators; no sums of x, no per-group float32 step, a third fewer accumulator
+# registers. Other bits than the unscaled form (the weights are rounded to x's dtype,
+# as mlx's ``dequantize`` does), within the same tolerance of that rounding. Its
+# kernels carry ``__launch_bounds__`` (two CTAs an SM, :data:`LAUNCH_BOUNDS`): without
+# them NVRTC gave the 4-bit form 142 registers, one CTA an SM, and it was 12-23 %
+# slower; with them it is 3-7 % faster than the unscaled form with 1 and 16 rows and
+# 17-24 % with 32 on all four Glimmer projections, 8-bit 1-3 % (H200, session 26). On for the bit
+# widths in :data:`SCALED_B_BITS`; ``DFLASH_QMM_SCALED_B`` (on/off) decides when set;
+# read at each bind.
+SCALED_B = True
+SCALED_B_BITS = frozenset({4, 8})
+SCALED_B_ENV = "DFLASH_QMM_SCALED_B"
 # Warp groups splitting each chunk's sub-chunks (K) within a CTA: 2 runs 256 threads on
 # the same shared memory, twice the warps an SM has to hide latency with, and adds the
 # second group's sums to the first's once at the end. 2 since the H200 measured it
@@ -192,6 +212,16 @@ def member_edges(edges: Sequence[int], columns: int) -> tuple[int, ...]:
     if any(a >= b for a, b in zip(edges, edges[1:])) or any(e % COLUMNS for e in edges):
         return ()
     return edges if member_major() else ()
+
+
+def scaled_b(bits: Optional[int] = 4) -> bool:
+    """Whether a ``bits``-wide affine call bound now takes the scaled-weight form (see
+    :data:`SCALED_B`): ``DFLASH_QMM_SCALED_B`` when set, else the default; only for
+    :data:`SCALED_B_BITS` (dense calls: never)."""
+    if bits not in SCALED_B_BITS:
+        return False
+    switch = backend.env_switch(SCALED_B_ENV)
+    return SCALED_B if switch is None else switch
 
 
 def fold_q4_offset() -> bool:
@@ -399,6 +429,53 @@ DFL_FN float dfl_folded_bias(float bias, float s, const __nv_bfloat16*) {
   return fmaf(-128.0f, s, bias);
 }
 DFL_FN float dfl_folded_bias(float bias, float, const __half*) { return bias; }
+"""
+
+# Helpers of the scaled-weight form only: a pair of exact integers as ``s * q + b``,
+# rounded once to the half type (fma.rn on both halves).
+_SCALED_HELPERS = r"""
+DFL_FN uint32_t dfl_scaled(uint32_t q, uint32_t s, uint32_t b, const __nv_bfloat16*) {
+  asm("fma.rn.bf16x2 %0, %0, %1, %2;\n" : "+r"(q) : "r"(s), "r"(b));
+  return q;
+}
+DFL_FN uint32_t dfl_scaled(uint32_t q, uint32_t s, uint32_t b, const __half*) {
+  asm("fma.rn.f16x2 %0, %0, %1, %2;\n" : "+r"(q) : "r"(s), "r"(b));
+  return q;
+}
+"""
+
+# The scaled-weight kernels' launch bounds: mlx's JIT writes ``__global__ void name(``
+# after the header, so redefining ``__global__`` there puts the attribute on the kernel
+# (the module holds no other). Two CTAs an SM keep ptxas within 128 registers.
+LAUNCH_BOUNDS = r"""
+#undef __global__
+#define __global__ __attribute__((global)) __launch_bounds__({threads}, 2)
+"""
+
+
+def launch_bounds(threads: int) -> str:
+    """The header text that bounds a kernel of ``threads`` threads to two CTAs an SM."""
+    return LAUNCH_BOUNDS.replace("{threads}", str(threads))
+
+
+# Scaled-weight form: the lane's column of each n8 tile (gid) takes its group's scale
+# and bias as pairs (s, s), (b, b) when a group opens (every group starts a sub-chunk).
+_DECLARE_SCALED = """
+  uint32_t s2[4];
+  uint32_t b2[4];
+"""
+_OPEN_SCALED = """
+      if (((SUB * sc) & (group_size - 1)) == 0) {
+        const int gl = (SUB * sc) >> group_shift;
+        #pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const int cl = warp * 32 + 8 * t + gid;
+          const uint32_t s = *reinterpret_cast<const unsigned short*>(base + S_OFF + cl * 16 + 2 * gl);
+          const uint32_t bias = *reinterpret_cast<const unsigned short*>(base + B_OFF + cl * 16 + 2 * gl);
+          s2[t] = __byte_perm(s, s, 0x1010);
+          b2[t] = __byte_perm(bias, bias, 0x1010);
+        }
+      }
 """
 
 # The lane's weight registers r_0..r_3 for n8 tile t of the sub-chunk, per form.
@@ -752,18 +829,40 @@ def _fill(text: str, values: dict) -> str:
     return text
 
 
+_SCALED_LOAD = """
+        #pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          b[p] = dfl_scaled(b[p], s2[t], b2[t], tag);
+        }
+"""
+# The scaled-weight form's edits of the body: the mma sums into the accumulators.
+_SCALED_EDITS = (
+    ("  float d[MT][4][4];\n", ""),
+    ("        d[mt][t][i] = 0.0f;\n", ""),
+    ("dfl_mma(d[mt][t], lo[mt][0]", "dfl_mma(acc[mt][t], lo[mt][0]"),
+    ("dfl_mma(d[mt][t], lo[mt][2]", "dfl_mma(acc[mt][t], lo[mt][2]"),
+)
+
+
 def _spec(
-    layout: Layout, folded: bool = False, k_groups: int = 1, swiglu: bool = False
+    layout: Layout,
+    folded: bool = False,
+    k_groups: int = 1,
+    swiglu: bool = False,
+    scaled: bool = False,
 ) -> GroupKernelSpec:
     """The matmul kernel of ``layout`` (``folded``: the folded-offset 4-bit form;
     ``k_groups``: warp groups splitting K in a CTA, see :data:`K_GROUPS`; ``swiglu``:
-    the gated-MLP activation as its last step, see :data:`SWIGLU_HELPERS`)."""
+    the gated-MLP activation as its last step, see :data:`SWIGLU_HELPERS`; ``scaled``:
+    the scaled-weight form of an affine layout, see :data:`SCALED_B`)."""
     if k_groups not in (1, 2):
         raise ValueError(f"k_groups must be 1 or 2, got {k_groups}")
     affine = layout.bits != 0
     if folded and layout.bits != 4:
         raise ValueError(f"the folded-offset form is 4-bit only, got {layout.bits}")
-    load_b = _LOAD_B[layout.bits]
+    if scaled and (folded or not affine):
+        raise ValueError("the scaled-weight form is affine and not folded")
+    load_b = _LOAD_B[layout.bits] + (_SCALED_LOAD if scaled else "")
     if folded:
         load_b = load_b.replace("dfl_q4(", "dfl_q4_offset(")
     close = _CLOSE_AFFINE if affine else _CLOSE_DENSE
@@ -774,13 +873,20 @@ def _spec(
             "bias_args": ", s, tag" * folded,
         },
     )
+    body = _BODY
+    for old, new in _SCALED_EDITS if scaled else ():
+        if body.count(old) != 1:
+            raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
+        body = body.replace(old, new)
     body = _fill(
-        _BODY,
+        body,
         {
             "issue_scales": _ISSUE_SCALES if affine else "",
-            "xsum": _XSUM if affine else "",
-            "declare_xs": _DECLARE_XS if affine else "",
-            "close": close,
+            "xsum": (_OPEN_SCALED if scaled else _XSUM) if affine else "",
+            "declare_xs": (
+                (_DECLARE_SCALED if scaled else _DECLARE_XS) if affine else ""
+            ),
+            "close": "" if scaled else close,
             "load_b": load_b,
             "extra_pointers": " | size_t(scales) | size_t(biases)" if affine else "",
             "bits_per_element": layout.bits or 16,
@@ -801,7 +907,8 @@ def _spec(
     if swiglu:
         body = _swiglu(body)
     name = f"tensor_{'dense' if not affine else f'q{layout.bits}'}_m{layout.mtiles}"
-    name += "_folded" * folded + "_k2" * (k_groups == 2) + "_swiglu" * swiglu
+    name += "_folded" * folded + "_scaled" * scaled
+    name += "_k2" * (k_groups == 2) + "_swiglu" * swiglu
     if affine:
         inputs = ("x", "weight", "scales", "biases", "params", "counters")
         types = ("T", "uint32", "T", "T", "int32", "int32")
@@ -814,8 +921,10 @@ def _spec(
         input_types=types,
         output_names=("y", "partial"),
         output_types=("T", "float32"),
-        helpers=_HELPERS
+        helpers=(launch_bounds(THREADS * k_groups) if scaled else "")
+        + _HELPERS
         + (_FOLDED_HELPERS if folded else "")
+        + (_SCALED_HELPERS if scaled else "")
         + (SWIGLU_HELPERS if swiglu else ""),
         body=body,
         threads=THREADS * k_groups,
@@ -1005,7 +1114,7 @@ def form_specs(folded: bool, k_groups: int) -> dict:
 
 
 # Every form's specs by (folded, k_groups). SPECS holds the forms run on the H200 (all
-# but the two-K-group folded ones).
+# but the two-K-group folded ones; the scaled forms, plain and SwiGLU, since session 27).
 FORM_SPECS = {
     (folded, groups): form_specs(folded, groups)
     for folded in (False, True)
@@ -1016,6 +1125,19 @@ SWIGLU_SPECS = {
     (groups, key): _spec(layout, False, groups, swiglu=True)
     for groups in (1, 2)
     for key, layout in LAYOUTS.items()
+}
+# The scaled-weight forms (affine layouts) by (k_groups, layout key), plain and SwiGLU.
+SCALED_SPECS = {
+    (groups, key): _spec(layout, k_groups=groups, scaled=True)
+    for groups in (1, 2)
+    for key, layout in LAYOUTS.items()
+    if key[0] != 0
+}
+SWIGLU_SCALED_SPECS = {
+    (groups, key): _spec(layout, k_groups=groups, swiglu=True, scaled=True)
+    for groups in (1, 2)
+    for key, layout in LAYOUTS.items()
+    if key[0] != 0
 }
 MATMUL_SPECS = FORM_SPECS[(False, 1)]
 FOLDED_SPECS = FORM_SPECS[(True, 1)]
@@ -1037,6 +1159,8 @@ SPECS = (
     + tuple(FOLDED_SPECS.values())
     + tuple(K2_SPECS.values())
     + tuple(SWIGLU_SPECS.values())
+    + tuple(SCALED_SPECS.values())
+    + tuple(SWIGLU_SCALED_SPECS.values())
     + (REDUCE_SPEC,)
 )
 
@@ -1144,7 +1268,8 @@ def bind_tensor_core(
     edges = () if swiglu else member_edges(members, weight.shape[0])
     plan = launch_plan(
         rows, depth, weight.shape[0], bits, group_size, merge_split_sum(),
-        fold_q4_offset() and not swiglu, wave_split(), k_groups(), edges, swiglu,
+        fold_q4_offset() and not swiglu and not scaled_b(bits), wave_split(),
+        k_groups(), edges, swiglu, scaled_b(bits),
     )  # fmt: skip
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)
@@ -1236,6 +1361,7 @@ def launch_plan(
     k_groups: int = 1,
     edges: tuple[int, ...] = (),
     swiglu: bool = False,
+    scaled: bool = False,
 ) -> LaunchPlan:
     """The launch plan of a validated call, built once per geometry (host time).
 
@@ -1245,7 +1371,8 @@ def launch_plan(
     wave-aware K split (:func:`split_plan`). ``k_groups``: 2 takes the two-K-group form
     (:data:`K_GROUPS`). ``edges``: the member-major store's member edges (validated by
     :func:`member_edges`; ``()``: the plain layout). ``swiglu``: the SwiGLU form (see
-    :func:`swiglu_serves`; its result is ``(rows, columns / 2)``).
+    :func:`swiglu_serves`; its result is ``(rows, columns / 2)``). ``scaled``: an
+    affine call takes the scaled-weight form (:data:`SCALED_B`; not with ``folded``).
 
     Raises:
         ValueError: ``swiglu`` for a call :func:`swiglu_serves` refuses.
@@ -1258,11 +1385,15 @@ def launch_plan(
                 f"the SwiGLU form takes N a multiple of {COLUMNS} with a merged or no K "
                 f"split and no member edges, got N={columns}, {splits} splits"
             )
+        table = SWIGLU_SCALED_SPECS if scaled and bits is not None else SWIGLU_SPECS
         return _swiglu_plan(
-            SWIGLU_SPECS[(k_groups, key)], rows, depth, columns, group_size,
+            table[(k_groups, key)], rows, depth, columns, group_size,
             (tiles, splits, per_split),
         )  # fmt: skip
-    spec = FORM_SPECS[(folded and bits == 4, k_groups)][key]
+    if scaled and bits is not None:
+        spec = SCALED_SPECS[(k_groups, key)]
+    else:
+        spec = FORM_SPECS[(folded and bits == 4, k_groups)][key]
     shift = (group_size or 1).bit_length() - 1
     merged = merged and splits > 1
     params = int_params(

@@ -139,6 +139,10 @@ def test_unheld_arms_turn_the_held_norms_off_for_their_block(monkeypatch):
     with round_profile.kernel_arm("default-residual"):
         assert residual_norms_wanted()
     assert not residual_norms_wanted() and RESIDUAL_NORMS_ENV not in os.environ
+    monkeypatch.delenv(tensor_qmm.SCALED_B_ENV, raising=False)
+    with round_profile.kernel_arm("default-unscaled"):
+        assert not tensor_qmm.scaled_b(4) and not tensor_qmm.scaled_b(8)
+    assert tensor_qmm.scaled_b(4) and tensor_qmm.SCALED_B_ENV not in os.environ
 
 
 def test_round_profile_refuses_an_unknown_kernel_arm():

@@ -304,6 +304,24 @@ NOT_RUN_SINCE_CHANGED: set = set()
 # patched model's logits, all mlx's bits; 8 full-size layers bit-equal); call E, the
 # one-K-group forms (the 3 form tests again with ``DFLASH_QMM_TWO_K_GROUPS=0``).
 RAN_ON_THE_H200 |= {spec.name("cuda") for spec in tensor_qmm.SWIGLU_SPECS.values()}
+# Session 26 (docs/benchmarks/h200-2026-12-03-s26, call D1): the scaled-weight forms,
+# one and two K groups (74 `cuda` matmul tests: hypothesis over both group forms against
+# the rounded-weight oracle, Glimmer's shapes at 1 / 16 / 32 rows and 8 bits). Session 27
+# (h200-2026-12-03-s27, call D2): their SwiGLU forms with two K groups (the 4 gated-MLP
+# `cuda` tests: silu(gate) * up of the plain scaled launches bit for bit).
+RAN_ON_THE_H200 |= {spec.name("cuda") for spec in tensor_qmm.SCALED_SPECS.values()}
+RAN_ON_THE_H200 |= {
+    spec.name("cuda")
+    for (groups, _), spec in tensor_qmm.SWIGLU_SCALED_SPECS.items()
+    if groups == 2
+}
+# The one-K-group SwiGLU scaled forms (opt-in SwiGLU with DFLASH_QMM_TWO_K_GROUPS=0)
+# have not run on a GPU; README "What ran where" says so.
+NOT_RUN_SINCE_CHANGED |= {
+    spec.name("cuda")
+    for (groups, _), spec in tensor_qmm.SWIGLU_SCALED_SPECS.items()
+    if groups == 1
+}
 
 
 def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
@@ -320,4 +338,6 @@ def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
     # Every form the default switches launch ran.
     defaults = {spec.name("cuda") for spec in tensor_qmm.K2_SPECS.values()}
     assert defaults <= RAN_ON_THE_H200 and tensor_qmm.K_GROUPS == 2
+    scaled = {spec.name("cuda") for spec in tensor_qmm.SCALED_SPECS.values()}
+    assert scaled <= RAN_ON_THE_H200 and tensor_qmm.SCALED_B
     assert not tensor_qmm.FOLD_Q4_OFFSET

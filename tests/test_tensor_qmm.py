@@ -27,7 +27,11 @@ from support.attention_cases import bits as raw_bits
 from support.compilers import GXX, NVCC, needs_nvcc
 from support.group_emulator import check_cuda
 from support.tensor_emulator import TensorEmulator
-from test_verify_kernels import _close_to_matmul_oracle, _matmul_oracle
+from test_verify_kernels import (
+    _close_to_matmul_oracle,
+    _matmul_oracle,
+    _scaled_oracle_close,
+)
 
 from benchmarks import matmul_variants, round_profile
 from dflash.fused_projections import FusedProjections
@@ -68,12 +72,14 @@ def served_cases(draw, max_rows: int = 32, max_chunks: int = 4, max_columns: int
 @needs_nvcc
 def test_tensor_bodies_compile_for_sm90_without_spills(tmp_path: Path) -> None:
     """Every matmul form in bfloat16 and float16 (ptxas checks the mma PTX) and the
-    split sum in every dtype; no form spills registers to local memory."""
+    split sum in every dtype; no form spills registers to local memory (the scaled
+    forms within their launch bounds: at most 128 registers)."""
     specs = (
         list(tensor_qmm.MATMUL_SPECS.values())
         + list(tensor_qmm.FOLDED_SPECS.values())
         + list(K2_SPECS.values())
         + list(tensor_qmm.K2_FOLDED_SPECS.values())
+        + list(tensor_qmm.SCALED_SPECS.values())
     )
     forms = check_cuda(
         specs,
@@ -89,6 +95,16 @@ def test_tensor_bodies_compile_for_sm90_without_spills(tmp_path: Path) -> None:
     # One line per entry, and one per copy of the out-of-line plain-copy function.
     assert len(spills) >= len(entries)
     assert all(a == "0" and b == "0" for a, b in spills), forms.log
+    # The two-K-group scaled forms (256 threads, two CTAs an SM): 128 registers at most.
+    bounded = [
+        spec for (groups, _), spec in tensor_qmm.SCALED_SPECS.items() if groups == 2
+    ]
+    scaled = check_cuda(
+        bounded, tmp_path / "scaled", NVCC, dtypes=HALF, flags=("-Xptxas", "-v")
+    )
+    assert scaled.ok, scaled.log
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", scaled.log)]
+    assert len(registers) >= 2 * len(bounded) and max(registers) <= 128, scaled.log
     reduce = check_cuda([tensor_qmm.REDUCE_SPEC], tmp_path / "reduce", NVCC)
     assert reduce.ok, f"{reduce.command}\n{reduce.log}"
 
@@ -669,6 +685,15 @@ def _swiglu_wrong_half():
 
 SWIGLU_WRONG_HALF = _swiglu_wrong_half()
 
+# Negative control of the scaled-weight form: the group's bias never reaches the weights.
+SCALED_NO_BIAS = dataclasses.replace(
+    tensor_qmm.SCALED_SPECS[(2, (4, 1))],
+    base=tensor_qmm.SCALED_SPECS[(2, (4, 1))].base + "_no_bias",
+    body=tensor_qmm.SCALED_SPECS[(2, (4, 1))].body.replace(
+        "b2[t] = __byte_perm(bias, bias, 0x1010);", "b2[t] = 0u * bias;"
+    ),
+)
+
 
 @pytest.fixture(scope="module")
 def tensor_emulator(tmp_path_factory):
@@ -680,6 +705,8 @@ def tensor_emulator(tmp_path_factory):
         + tuple(K2_SPECS.values())
         + tuple(tensor_qmm.K2_FOLDED_SPECS.values())
         + (K2_DROPPED, SWIGLU_WRONG_HALF)
+        + tuple(tensor_qmm.SCALED_SPECS.values())
+        + (SCALED_NO_BIAS,)
     )
     emulator = TensorEmulator(tmp_path_factory.mktemp("tensor_emulator"), specs, GXX)
     assert emulator.build.ok, emulator.build.log
@@ -697,6 +724,9 @@ def emulated(tensor_emulator, monkeypatch):
     (on the host, so not inside an ``mx.compile`` trace: compiled replay off)."""
     monkeypatch.setattr(qmm.backend, "BACKEND", "cuda")
     monkeypatch.setenv(qmm.backend.COMPILE_ENV, "0")
+    # The unscaled form (the scaled one, the default since session 26, has its own
+    # tests and oracle below; the launch geometry they share is tested here).
+    monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "0")
     monkeypatch.setattr(qmm.groups, "launch_groups", tensor_emulator.launch)
     tensor_emulator.late = False
     yield tensor_emulator
@@ -1063,6 +1093,7 @@ def test_emulator_catches_merged_sum_slips(tensor_emulator, monkeypatch) -> None
     assert _close_to_matmul_oracle(case, good)
     monkeypatch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", False)
     monkeypatch.setattr(qmm.backend, "BACKEND", "cuda")
+    monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "0")
     monkeypatch.setattr(qmm.groups, "launch_groups", tensor_emulator.launch)
     assert np.array_equal(raw_bits(good), raw_bits(_kernel(case)))
     assert not _close_to_matmul_oracle(
@@ -1243,6 +1274,14 @@ def test_the_folded_offset_switch_is_read_at_each_bind(monkeypatch) -> None:
 # ================================================================= on CUDA
 
 
+def _form_close(case, out, slack: float = 1.0) -> bool:
+    """The oracle of the form a call runs in now: the rounded-weight one for the
+    scaled-weight form (affine calls while its switch is on), else the exact one."""
+    if case[4] is not None and tensor_qmm.scaled_b(case[4]):
+        return _scaled_oracle_close(case, out, slack)
+    return _close_to_matmul_oracle(case, out, slack)
+
+
 def _kernel(case, rows=slice(None)) -> mx.array:
     x, weight, scales, biases, bits, group = case
     out = small_row_matmul(
@@ -1276,7 +1315,7 @@ def _assert_batch_invariant(case) -> None:
 def test_cuda_tensor_matmul_matches_oracle(case) -> None:
     x, weight, _, _, bits, _ = case
     assert qmm.uses_tensor_cores(x.dtype, x.shape[0], x.shape[1], weight.shape[0], bits)
-    assert _close_to_matmul_oracle(case, _kernel(case))
+    assert _form_close(case, _kernel(case))
 
 
 @pytest.mark.cuda
@@ -1328,7 +1367,7 @@ def test_cuda_both_kernel_forms_match_oracle(case) -> None:
         scalar = _kernel(case)
     finally:
         qmm.TENSOR_CORES = True
-    assert _close_to_matmul_oracle(case, tensor)
+    assert _form_close(case, tensor)
     assert _close_to_matmul_oracle(case, scalar)
 
 
@@ -1352,7 +1391,7 @@ def test_cuda_tensor_matmul_unaligned_views_give_the_same_bits() -> None:
     s_shift = mx.concatenate([mx.zeros((1,), x.dtype), scales.reshape(-1)])[1:]
     unaligned = (shifted, weight, s_shift.reshape(scales.shape), biases, 4, 64)
     assert np.array_equal(raw_bits(_kernel(aligned)), raw_bits(_kernel(unaligned)))
-    assert _close_to_matmul_oracle(aligned, _kernel(unaligned))
+    assert _form_close(aligned, _kernel(unaligned))
 
 
 def _glimmer_case(depth, columns, rows, bits, dtype=mx.bfloat16):
@@ -1377,7 +1416,7 @@ def _close_on_columns(case, out, columns) -> bool:
         bits,
         group,
     )
-    return _close_to_matmul_oracle(part, out[:, index], slack=4.0)
+    return _form_close(part, out[:, index], slack=4.0)
 
 
 # (rows, bits) per shape; no dense lm_head (2.7 GB in bf16, the oracle's float64 twice).
@@ -1403,7 +1442,7 @@ def test_cuda_tensor_matmul_glimmer_shapes(shape, rows, bits) -> None:
         picked = list(range(1024)) + list(range(columns - 1024, columns))
         assert _close_on_columns(case, out, picked)
     else:
-        assert _close_to_matmul_oracle(case, out, slack=4.0)
+        assert _form_close(case, out, slack=4.0)
     alone = _kernel(case, slice(0, 1))
     assert np.array_equal(raw_bits(alone), raw_bits(out[0:1]))
 
@@ -1444,7 +1483,7 @@ def test_cuda_member_major_members_have_the_plain_bits(
     for layer, out in zip(layers, results["1"][0]):
         weights = (layer["weight"], layer.get("scales"), layer.get("biases"))
         case = (inputs[0], *weights, bits, 64 if bits else None)
-        assert _close_to_matmul_oracle(case, out, slack=4.0)
+        assert _form_close(case, out, slack=4.0)
 
 
 # ====================================================== the SwiGLU form
@@ -1537,3 +1576,158 @@ def test_swiglu_form_refuses_what_it_cannot_take() -> None:
     assert not tensor_qmm.swiglu_serves(256, 1, True, (128,))  # member edges
     with pytest.raises(ValueError, match="SwiGLU"):
         tensor_qmm.launch_plan(4, 256, 192, 4, 64, True, swiglu=True)
+
+
+# ====================================================== the scaled-weight form
+
+
+@pytest.fixture
+def scaled(emulated, monkeypatch):
+    """The emulated matmul with the scaled-weight form picked at bind (the switch)."""
+    monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1")
+    yield emulated
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=_FIXTURES)
+@given(
+    case=served_cases(max_rows=32, max_chunks=3, max_columns=160),
+    late=st.booleans(),
+    groups=st.sampled_from(["0", "1"]),
+)
+def test_emulated_scaled_form_matches_the_rounded_weight_oracle(
+    scaled, monkeypatch, case, late, groups
+) -> None:
+    """The scaled-weight form (4- and 8-bit, groups of 32 / 64 / 128, one or two
+    m-tiles and K groups, K split or not): within the oracle's tolerance of the
+    weights rounded once to x's dtype, and batch-invariant; dense calls keep their
+    form."""
+    monkeypatch.setenv(tensor_qmm.TWO_K_GROUPS_ENV, groups)
+    scaled.late = late
+    before = len(scaled.launched)
+    out = _kernel(case)
+    assert ("_scaled" in scaled.launched[before]) is (case[4] is not None)
+    if case[4] is None:
+        assert _form_close(case, out)
+        return
+    assert _scaled_oracle_close(case, out)
+    _assert_batch_invariant(case)
+
+
+def test_emulated_scaled_form_needs_its_bias(tensor_emulator) -> None:
+    """Negative control: dropping the group's bias from the weights misses the
+    oracle, which the form itself passes (bfloat16 and float16)."""
+    rng = np.random.default_rng(11)
+    dense = mx.array(rng.standard_normal((300, 1024)).astype(np.float32))
+    for dtype in HALF:
+        x = mx.array(rng.standard_normal((16, 1024)).astype(np.float32)).astype(dtype)
+        case = (x, *mx.quantize(dense.astype(dtype), group_size=64, bits=4), 4, 64)
+        good = _run_spec(tensor_emulator, tensor_qmm.SCALED_SPECS[(2, (4, 1))], case)
+        assert _scaled_oracle_close(case, good)
+        bad = _run_spec(tensor_emulator, SCALED_NO_BIAS, case)
+        assert not _scaled_oracle_close(case, bad)
+
+
+def test_the_scaled_weight_switch_is_read_at_each_bind(monkeypatch) -> None:
+    """``DFLASH_QMM_SCALED_B`` decides when set, else the module default; an affine
+    plan then takes the scaled spec (over the folded one), a dense plan never; the
+    form refuses dense and folded layouts."""
+    monkeypatch.delenv(tensor_qmm.SCALED_B_ENV, raising=False)
+    for default in (False, True):
+        monkeypatch.setattr(tensor_qmm, "SCALED_B", default)
+        assert tensor_qmm.scaled_b() is default
+        for value, expected in (("1", True), ("0", False), ("", default)):
+            monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, value)
+            assert tensor_qmm.scaled_b() is expected
+        monkeypatch.delenv(tensor_qmm.SCALED_B_ENV)
+    for rows, mtiles in ((16, 1), (32, 2)):
+        for bits in (4, 8):
+            plan = tensor_qmm.launch_plan(
+                rows, 6656, 19968, bits, 64, True, False, True, 2, scaled=True
+            )
+            assert plan.spec is tensor_qmm.SCALED_SPECS[(2, (bits, mtiles))]
+        plan = tensor_qmm.launch_plan(
+            rows, 6656, 19968, None, None, True, False, True, 2, scaled=True
+        )
+        assert plan.spec is K2_SPECS[(0, mtiles)]
+    with pytest.raises(ValueError, match="affine and not folded"):
+        tensor_qmm._spec(Layout(0, 1), scaled=True)
+    with pytest.raises(ValueError, match="affine and not folded"):
+        tensor_qmm._spec(Layout(4, 1), folded=True, scaled=True)
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=60, deadline=None, suppress_health_check=_FIXTURES)
+@given(case=served_cases(), groups=st.sampled_from(["0", "1"]))
+def test_cuda_scaled_form_matches_the_rounded_weight_oracle(
+    monkeypatch, case, groups
+) -> None:
+    """On the GPU: the scaled-weight form within the rounded-weight oracle's
+    tolerance and batch-invariant (dense calls: the plain oracle)."""
+    monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1")
+    monkeypatch.setenv(tensor_qmm.TWO_K_GROUPS_ENV, groups)
+    out = _kernel(case)
+    if case[4] is None:
+        assert _close_to_matmul_oracle(case, out)
+        return
+    assert _scaled_oracle_close(case, out)
+    _assert_batch_invariant(case)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("shape", GLIMMER)
+@pytest.mark.parametrize("rows, bits", [(1, 4), (16, 4), (32, 4), (16, 8)])
+def test_cuda_scaled_form_glimmer_shapes(monkeypatch, shape, rows, bits) -> None:
+    """Every Glimmer projection in the scaled-weight form: close to the rounded-weight
+    oracle, row 0 alone has its batch bits."""
+    monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1")
+    case = _glimmer_case(*shape, rows, bits)
+    out = _kernel(case)
+    assert _scaled_oracle_close(case, out, slack=4.0)
+    assert np.array_equal(raw_bits(_kernel(case, slice(0, 1))), raw_bits(out[0:1]))
+
+
+def test_emulated_scaled_form_fused_members_and_merged_split(scaled) -> None:
+    """The scaled-weight form through the launch geometry it shares with the unscaled
+    one: a K split summed in the launch (unmerged: the same bits) and member-major
+    fused siblings, each member's slice within its own rounded-weight oracle."""
+    rng = np.random.default_rng(12)
+    depth, columns = 1024, 300
+    dense = mx.array(rng.standard_normal((columns, depth)).astype(np.float32))
+    x = mx.array(rng.standard_normal((7, depth)).astype(np.float32)).astype(mx.bfloat16)
+    case = (x, *mx.quantize(dense.astype(mx.bfloat16), group_size=64, bits=4), 4, 64)
+    assert split_plan(depth, columns, 4)[1] > 1
+    merged = _kernel(case)
+    assert "_scaled" in scaled.launched[-1]
+    assert _scaled_oracle_close(case, merged)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", False)
+        assert np.array_equal(raw_bits(merged), raw_bits(_kernel(case)))
+    layers = []
+    for width in (128, 256):
+        linear = nn.Linear(depth, width, bias=False)
+        linear.set_dtype(mx.bfloat16)
+        layers.append(nn.QuantizedLinear.from_linear(linear, group_size=64, bits=4))
+    mx.eval([layer.parameters() for layer in layers])
+    group = FusedProjections(layers)
+    for index, layer in enumerate(layers):
+        out = group.output(index, x, use_kernel=True)
+        mx.eval(out)
+        member = (x, layer["weight"], layer["scales"], layer["biases"], 4, 64)
+        assert _scaled_oracle_close(member, out), index
+    assert "_scaled" in scaled.launched[-1]
+
+
+def test_emulated_scaled_swiglu_form_matches_its_gate_and_up(scaled) -> None:
+    """The SwiGLU form under the scaled switch runs its scaled kernel and gives the
+    emulated SwiGLU of the scaled form's own gate and up results."""
+    rng = np.random.default_rng(13)
+    x = mx.array(rng.standard_normal((3, 256)).astype(np.float32)).astype(mx.bfloat16)
+    dense = mx.array(rng.standard_normal((256, 256)).astype(np.float32) * 0.3)
+    weight, scales, biases = mx.quantize(dense.astype(mx.bfloat16), 64, 4)
+    case = (x, weight, scales, biases, 4, 64)
+    plain = _bound(case, swiglu=False)
+    got = np.array(_bound(case, swiglu=True).astype(mx.float32))
+    assert "_scaled" in scaled.launched[-1] and "swiglu" in scaled.launched[-1]
+    assert np.array_equal(got, model.emulated_swiglu(plain[:, :128], plain[:, 128:]))

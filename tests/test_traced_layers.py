@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from mlx_lm.models import muse_glimmer
 
 from benchmarks import layer_stack
-from dflash import kernel_patch, prepared_heads, traced_layers
+from dflash import kernel_patch, prepared_heads, residual_layers, traced_layers
 from dflash.bench.scale_target import BRANCH_SCALE, randomize
 from dflash.cache.checkpoint import SpeculativeCheckpoint
 from dflash.kernel_patch import KernelPatch
@@ -304,6 +304,32 @@ def test_the_probe_takes_glimmers_layer_and_refuses_another_forward():
     other = SwappedResidualLayer(layer)
     assert not traced_layers.serves(other)  # not the re-stated class
     assert not traced_layers.forward_matches(other, type(other))
+
+
+@pytest.mark.parametrize("module", [traced_layers, residual_layers])
+def test_a_probe_verdict_does_not_carry_over_to_another_geometry(module, monkeypatch):
+    """A False verdict found on one model's layers (on CUDA: a small head width whose
+    bits mlx's kernels do not repeat) must not keep another model's layers eager."""
+    monkeypatch.setattr(module, "_VERDICTS", {})
+    model = tiny_model("muse_glimmer", seed=3, window=16)
+    model.set_dtype(mx.bfloat16)  # the wide stack's dtype: only the geometry differs
+    small = model.layers[0]
+    wide = wide_heads_stack(1).layers[0]
+    base = type(small)
+    original = base.__call__
+    monkeypatch.setattr(
+        base, "__call__", lambda self, x, mask=None, cache=None: original(self, x) * 2
+    )
+    assert not module.forward_matches(small, base)
+    monkeypatch.setattr(base, "__call__", original)
+    assert module.forward_matches(wide, base)
+    assert not module.forward_matches(small, base)  # its own verdict is kept
+    assert residual_layers.layer_geometry(small) != residual_layers.layer_geometry(wide)
+    twin = tiny_model("muse_glimmer", seed=4, window=16)
+    twin.set_dtype(mx.bfloat16)
+    assert residual_layers.layer_geometry(small) == residual_layers.layer_geometry(
+        twin.layers[0]
+    )
 
 
 # --------------------------------------------------------------------- CUDA

@@ -531,7 +531,7 @@ def test_cuda_glimmer_shapes(ring: bool) -> None:
 
 # ============================================================ small-row matmul
 
-from dflash.metal import qmm  # noqa: E402
+from dflash.metal import qmm, tensor_qmm  # noqa: E402
 from dflash.metal.qmm import small_row_matmul  # noqa: E402
 
 _UNIT_ROUNDOFF = {mx.float32: 2.0**-24, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
@@ -584,6 +584,53 @@ def _close_to_matmul_oracle(case, out, slack: float = 1.0) -> bool:
     # Output rounding (half an ulp, doubled) plus float32 sums over K terms.
     tol = 2 * _UNIT_ROUNDOFF[case[0].dtype] * np.abs(want) + 1e-6 * magnitude * slack
     return bool(np.all(np.abs(got - want) <= tol + 1e-30))
+
+
+def _round_to(values: np.ndarray, dtype: mx.Dtype) -> np.ndarray:
+    """Float64 values correctly rounded to ``dtype`` (round-to-odd to float32 first,
+    then mlx's round-to-nearest-even: no double rounding)."""
+    f = values.astype(np.float32)
+    inexact = f.astype(np.float64) != values
+    toward_zero = np.where(
+        np.abs(f) > np.abs(values), np.nextafter(f, np.float32(0)), f
+    )
+    odd = (toward_zero.view(np.uint32) | np.uint32(1)).view(np.float32)
+    f = np.where(inexact, odd, f)
+    return np.asarray(mx.array(f).astype(dtype).astype(mx.float32)).astype(np.float64)
+
+
+def _scaled_oracle_close(case, out, slack: float = 1.0) -> bool:
+    """Within the oracle's tolerance of ``x @ W.T`` with each weight ``s * q + b``
+    rounded once to x's dtype (the scaled-weight form's contract, and the weights
+    mlx's ``dequantize`` gives)."""
+    x, weight, scales, biases, bits, group = case
+    packed = np.asarray(weight).astype(np.uint64)
+    per_word = 32 // bits
+    k = np.arange(x.shape[1])
+    shifts = ((k % per_word) * bits).astype(np.uint64)
+    q = (packed[:, k // per_word] >> shifts) & np.uint64((1 << bits) - 1)
+    s = np.repeat(np.asarray(scales.astype(mx.float32)).astype(np.float64), group, 1)
+    b = np.repeat(np.asarray(biases.astype(mx.float32)).astype(np.float64), group, 1)
+    w = _round_to(q.astype(np.float64) * s + b, x.dtype)
+    xs = np.asarray(x.astype(mx.float32)).astype(np.float64)
+    want, magnitude = xs @ w.T, np.abs(xs) @ np.abs(w.T)
+    got = np.asarray(out.astype(mx.float32)).astype(np.float64)
+    tol = 2 * _UNIT_ROUNDOFF[x.dtype] * np.abs(want) + 1e-6 * magnitude * slack
+    return bool(np.all(np.abs(got - want) <= tol + 1e-30))
+
+
+def _close_to_form_oracle(case, out, slack: float = 1.0) -> bool:
+    """The oracle of the form ``small_row_matmul`` runs the call in here: the
+    rounded-weight one for the CUDA scaled-weight form, else the exact one."""
+    x, weight, _, _, bits, _ = case
+    scaled = (
+        bits is not None
+        and qmm.uses_tensor_cores(x.dtype, *x.shape, weight.shape[0], bits)
+        and tensor_qmm.scaled_b(bits)
+    )
+    if scaled:
+        return _scaled_oracle_close(case, out, slack)
+    return _close_to_matmul_oracle(case, out, slack)
 
 
 def _matmul(case, use_kernel, rows=slice(None)):
@@ -723,7 +770,7 @@ def test_matmul_bad_arguments_raise(call, message: str) -> None:
 @settings(max_examples=150, deadline=None)
 @given(case=matmul_cases())
 def test_cuda_matmul_matches_oracle(case) -> None:
-    assert _close_to_matmul_oracle(case, _matmul(case, True))
+    assert _close_to_form_oracle(case, _matmul(case, True))
 
 
 @pytest.mark.cuda
@@ -748,7 +795,7 @@ def test_cuda_matmul_glimmer_shapes(width) -> None:
         case = (x, dense, None, None, None, None)
     else:
         case = (x, *mx.quantize(dense, group_size=64, bits=width), width, 64)
-    assert _close_to_matmul_oracle(case, _matmul(case, True), slack=4.0)
+    assert _close_to_form_oracle(case, _matmul(case, True), slack=4.0)
     together = _matmul(case, True)
     alone = _matmul(case, True, slice(5, 6))
     assert np.array_equal(bits(alone), bits(together[5:6]))

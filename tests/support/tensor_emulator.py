@@ -23,7 +23,8 @@ by a C++ emulation written from the PTX ISA:
   bytes, filled with 0xFF (NaN in every float type) before each threadgroup, with
   guard bytes after it that a write past its end changes (the run fails);
 * the half-precision pair arithmetic (``fma.rn.bf16x2``, ``cvt.rn.*x2.f32``, the
-  attention's ``dfl_pack``) is computed per half and rounded to nearest even.
+  attention's ``dfl_pack``, the scaled-weight form's ``dfl_scaled``) is computed per
+  half and rounded once to nearest even.
 
 Threads run as coroutines, one threadgroup at a time (the scheduler of
 :mod:`.group_emulator`, whose warp meetings release a warp once all its lanes
@@ -65,7 +66,12 @@ GUARD_BYTES = 256
 # The helper texts (inline PTX) the shim below emulates; cut out of a spec's helpers.
 EMULATED_HELPERS = tuple(
     {spec.helpers for spec in tensor_qmm.MATMUL_SPECS.values()}
-) + (tensor_attention.TENSOR_HELPERS,)
+) + (
+    tensor_attention.TENSOR_HELPERS,
+    tensor_qmm._SCALED_HELPERS,
+    tensor_qmm.launch_bounds(128),
+    tensor_qmm.launch_bounds(256),
+)
 _EXTERN_SHARED = re.compile(
     r"extern __shared__ (?:__align__\(\d+\) )?([\w ]+?) (\w+)\[\];"
 )
@@ -280,6 +286,31 @@ inline uint32_t dfl_q4(uint32_t v, const __nv_bfloat16* tag) {
 }
 inline uint32_t dfl_q4(uint32_t v, const __half* tag) {
   return dfl_pair_fma((v & 0x000F000Fu) | 0x64006400u, 1024.0f, tag);
+}
+// A double rounded to float by round-to-odd: rounding that float to a half type then
+// gives the double's correctly rounded half (float keeps 13+ more bits than either).
+inline float dfl_emu_round_odd(double d) {
+  float f = float(d);
+  if (double(f) == d) return f;
+  if (std::fabs(double(f)) > std::fabs(d)) f = std::nextafter(f, 0.0f);
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits |= 1u;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+// fma.rn.{bf16,f16}x2 q * s + b per half, rounded once (the scaled-weight form).
+template <typename H>
+inline uint32_t dfl_scaled(uint32_t q, uint32_t s, uint32_t b, const H* tag) {
+  uint32_t out = 0;
+  for (int h = 0; h < 2; ++h) {
+    const int shift = 16 * h;
+    const double v = double(dfl_emu_value((q >> shift) & 0xFFFF, tag)) *
+                         double(dfl_emu_value((s >> shift) & 0xFFFF, tag)) +
+                     double(dfl_emu_value((b >> shift) & 0xFFFF, tag));
+    out |= dfl_emu_word(dfl_emu_round_odd(v), tag) << shift;
+  }
+  return out;
 }
 template <typename H>
 inline uint32_t dfl_q8(uint32_t lo, uint32_t hi, const H* tag) {
