@@ -95,7 +95,7 @@ prefetch hints change nothing; copies alone cost 2.0-2.3x the bound, arithmetic 
 ~3x. The scaled-weight form with launch bounds (session 26,
 ``docs/benchmarks/h200-2026-12-03-s26``), 4-bit, 16 rows: gate/up 113.2 -> 107.3 us
 (3.4x the bound), down 50.7 -> 47.7, q/k/v/gate 32.0 -> 30.5, o 20.3 -> 19.5; 32 rows
-17-24 % less; 8-bit 1-3 % less.
+16-24 % less; 8-bit 0.4-2.7 % less (same run).
 """
 
 from __future__ import annotations
@@ -148,9 +148,9 @@ FOLDED_OFFSET_ENV = "DFLASH_QMM_FOLDED_OFFSET"
 # as mlx's ``dequantize`` does), within the same tolerance of that rounding. Its
 # kernels carry ``__launch_bounds__`` (two CTAs an SM, :data:`LAUNCH_BOUNDS`): without
 # them NVRTC gave the 4-bit form 142 registers, one CTA an SM, and it was 12-23 %
-# slower; with them it is 3-7 % faster than the unscaled form with 1 and 16 rows and
-# 17-24 % with 32 on all four Glimmer projections, 8-bit 1-3 % (H200, session 26). On for the bit
-# widths in :data:`SCALED_B_BITS`; ``DFLASH_QMM_SCALED_B`` (on/off) decides when set;
+# slower; with them it is 4-7 % faster than the unscaled form with 1 and 16 rows and
+# 16-24 % with 32 on all four Glimmer projections, 8-bit 0.4-2.7 % (H200, session 26).
+# On for the bit widths in :data:`SCALED_B_BITS`; ``DFLASH_QMM_SCALED_B`` (on/off) decides when set;
 # read at each bind.
 SCALED_B = True
 SCALED_B_BITS = frozenset({4, 8})
@@ -214,7 +214,7 @@ def member_edges(edges: Sequence[int], columns: int) -> tuple[int, ...]:
     return edges if member_major() else ()
 
 
-def scaled_b(bits: Optional[int] = 4) -> bool:
+def scaled_b(bits: Optional[int]) -> bool:
     """Whether a ``bits``-wide affine call bound now takes the scaled-weight form (see
     :data:`SCALED_B`): ``DFLASH_QMM_SCALED_B`` when set, else the default; only for
     :data:`SCALED_B_BITS` (dense calls: never)."""
@@ -1266,10 +1266,11 @@ def bind_tensor_core(
         :data:`SWIGLU_HELPERS`; the caller checks :func:`swiglu_serves`).
     """
     edges = () if swiglu else member_edges(members, weight.shape[0])
+    scaled = scaled_b(bits)
     plan = launch_plan(
         rows, depth, weight.shape[0], bits, group_size, merge_split_sum(),
-        fold_q4_offset() and not swiglu and not scaled_b(bits), wave_split(),
-        k_groups(), edges, swiglu, scaled_b(bits),
+        fold_q4_offset() and not swiglu and not scaled, wave_split(), k_groups(),
+        edges, swiglu, scaled,
     )  # fmt: skip
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)

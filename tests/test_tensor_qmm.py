@@ -1634,10 +1634,12 @@ def test_the_scaled_weight_switch_is_read_at_each_bind(monkeypatch) -> None:
     monkeypatch.delenv(tensor_qmm.SCALED_B_ENV, raising=False)
     for default in (False, True):
         monkeypatch.setattr(tensor_qmm, "SCALED_B", default)
-        assert tensor_qmm.scaled_b() is default
+        assert tensor_qmm.scaled_b(4) is default
         for value, expected in (("1", True), ("0", False), ("", default)):
             monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, value)
-            assert tensor_qmm.scaled_b() is expected
+            assert tensor_qmm.scaled_b(4) is expected
+            assert tensor_qmm.scaled_b(8) is expected
+            assert not tensor_qmm.scaled_b(None)  # dense: never
         monkeypatch.delenv(tensor_qmm.SCALED_B_ENV)
     for rows, mtiles in ((16, 1), (32, 2)):
         for bits in (4, 8):
