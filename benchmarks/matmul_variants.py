@@ -19,6 +19,8 @@ Each variant changes one or more of the form's knobs for the time of its rows:
 * ``folded`` / ``unfolded``: the 4-bit bfloat16 form with the ``128 + q`` offset folded
   into each group's bias (``tensor_qmm.FOLD_Q4_OFFSET``) or not;
 * ``scaled``: the scaled-weight form (``tensor_qmm.SCALED_B``);
+* ``constant_group``: the scaled forms' group size a compile-time constant (as
+  shipped since session 28) or a launch parameter;
 * ``edits``: text edits of the kernels (:data:`EDITS`): L2 prefetch hints, and the
   diagnostics ``memonly`` / ``computeonly`` / ``contig`` / ``nox`` (wrong results).
 
@@ -104,6 +106,12 @@ VARIANTS = {
     # in session 26 before the scaled form carried its own bounds (two CTAs).
     "lb2": {"edits": ("bounds2",)},
     "scaled-lb2": {"scaled": True, "edits": ("bounds2",)},
+    # Session 28: the scaled form's one-lop3 pairs against session 26's two, and its
+    # group size as a launch parameter against a compile-time constant; both: the
+    # scaled form as session 26 ran it.
+    "twolop": {"edits": ("twolop",)},
+    "groupparam": {"constant_group": False},
+    "scaled-s26": {"constant_group": False, "edits": ("twolop",)},
     "budget70k-lb3": {
         "budget": 70 * 1024,
         "waves": True,
@@ -162,6 +170,9 @@ EDITS = {
         "for (int r = x_first; r < n_rows; r += X_STEP) {",
         "for (int r = x_first; r < n_rows && n_rows > 32; r += X_STEP) {",
     ),
+    # The scaled form's 4-bit pairs as session 26 ran them: mask and magic as C++
+    # (NVRTC: two LOP3s a pair) instead of one lop3.
+    "twolop": ("scaled_q4", "dfl_q4_lop3", "dfl_q4"),
     "computeonly": (
         "body",
         "    if (c + STAGES - 1 < c_end) {\n      issue(",
@@ -195,6 +206,7 @@ def variant(
     resident: Optional[int] = None,
     k_groups: Optional[int] = None,
     scaled: Optional[bool] = None,
+    constant_group: bool = True,
     edits: Sequence[str] = (),
 ) -> Iterator[None]:
     """Rebuild the tensor-core specs with the given knobs, restoring them after.
@@ -209,6 +221,8 @@ def variant(
         resident: ``RESIDENT_CTAS`` (None: unchanged).
         k_groups: ``K_GROUPS`` (None: unchanged).
         scaled: ``SCALED_B`` (None: unchanged).
+        constant_group: The scaled forms with their group size as a compile-time
+            constant (as shipped) or read from the launch's parameters.
         edits: Names of :data:`EDITS` to apply to the kernels' text.
     """
     knobs = {
@@ -221,7 +235,8 @@ def variant(
         "K_GROUPS": k_groups,
         "SCALED_B": scaled,
     }
-    saved = {name: getattr(tensor_qmm, name) for name in (*knobs, "_HELPERS", "_BODY")}
+    texts = ("_HELPERS", "_BODY", "_SCALED_Q4_HELPER")
+    saved = {name: getattr(tensor_qmm, name) for name in (*knobs, *texts)}
     tables = {form: dict(specs) for form, specs in tensor_qmm.FORM_SPECS.items()}
     scaled_specs = dict(tensor_qmm.SCALED_SPECS)
     try:
@@ -237,7 +252,7 @@ def variant(
             tensor_qmm._HELPERS = helpers
         for edit in edits:
             _edit(*EDITS[edit])
-        _rebuild()
+        _rebuild(constant_group)
         yield
     finally:
         for name, value in saved.items():
@@ -250,21 +265,25 @@ def variant(
 
 
 def _edit(part: str, old: str, new: str) -> None:
-    name = {"helpers": "_HELPERS", "body": "_BODY"}[part]
+    parts = {"helpers": "_HELPERS", "body": "_BODY", "scaled_q4": "_SCALED_Q4_HELPER"}
+    name = parts[part]
     text = getattr(tensor_qmm, name)
     if old not in text:
         raise RuntimeError(f"the kernel's text has changed: {old[:60]!r}")
     setattr(tensor_qmm, name, text.replace(old, new))
 
 
-def _rebuild() -> None:
+def _rebuild(constant_group: bool = True) -> None:
     # In place: MATMUL_SPECS and the other names are these very dicts.
     for (folded, groups), specs in tensor_qmm.FORM_SPECS.items():
         specs.update(tensor_qmm.form_specs(folded, groups))
-    for groups, key in tensor_qmm.SCALED_SPECS:
+    for groups, key, size in tensor_qmm.SCALED_SPECS:
         layout = tensor_qmm.LAYOUTS[key]
-        tensor_qmm.SCALED_SPECS[(groups, key)] = tensor_qmm._spec(
-            layout, k_groups=groups, scaled=True
+        tensor_qmm.SCALED_SPECS[(groups, key, size)] = tensor_qmm._spec(
+            layout,
+            k_groups=groups,
+            scaled=True,
+            group_size=size if constant_group else None,
         )
     tensor_qmm.launch_plan.cache_clear()
     tensor_qmm._wave_split.cache_clear()

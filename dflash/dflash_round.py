@@ -25,7 +25,7 @@ from .inputs import (
 )
 from .kernel_patch import attention_route, verify_kernels
 from .metal.layout import leading_view
-from .rounds import VerifyRound, emit_rounds, prefill
+from .rounds import VerifyRound, cache_room, emit_rounds, prefill
 from .sampling import LogitsProcessor, Sampler, Sampling, log_normalize
 from .stats import GenerationStats
 from .taps import TargetTaps
@@ -68,6 +68,8 @@ class DFlashSpeculator:
         self.sampling = sampling
         # A settled round whose target rows are committed after the next draft is started.
         self.unsettled: Optional[Tuple[DFlashRound, int]] = None
+        # One drafter forward drafts the whole block: rounds keep it (rounds.round_size).
+        self.full_blocks = True
 
     def prefill(self, tokens: mx.array, step: int, progress, total: int) -> None:
         """Write prompt tokens to the target's caches and their features to the context.
@@ -141,6 +143,10 @@ class DFlashSpeculator:
     def close(self) -> None:
         """Commit what :meth:`settle` left for the target's caches."""
         self.commit_target()
+
+    def room(self) -> Optional[int]:
+        """Rows the target's caches still take (None: no limit)."""
+        return cache_room(self.cache)
 
 
 def session_context(drafter, prompt_cache) -> Any:

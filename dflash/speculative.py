@@ -61,6 +61,9 @@ class DraftModelSpeculator:
         self.draft_cache = draft_cache
         self.sampling = sampling
         self.pending: List[int] = []
+        # Each draft is a forward of its own: rounds near the end draft only what they
+        # can emit (rounds.round_size).
+        self.full_blocks = False
 
     def draft(self, feed: List[int], count: int) -> Tuple[mx.array, Optional[mx.array]]:
         """Draft ``count`` tokens after ``feed`` (written to the draft caches first).

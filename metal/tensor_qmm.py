@@ -95,7 +95,10 @@ prefetch hints change nothing; copies alone cost 2.0-2.3x the bound, arithmetic 
 ~3x. The scaled-weight form with launch bounds (session 26,
 ``docs/benchmarks/h200-2026-12-03-s26``), 4-bit, 16 rows: gate/up 113.2 -> 107.3 us
 (3.4x the bound), down 50.7 -> 47.7, q/k/v/gate 32.0 -> 30.5, o 20.3 -> 19.5; 32 rows
-16-24 % less; 8-bit 0.4-2.7 % less (same run).
+16-24 % less; 8-bit 0.4-2.7 % less (same run). One lop3 a 4-bit pair and the group size
+a constant of each scaled kernel (session 28, ``docs/benchmarks/h200-2026-12-03-s28``):
+8-13 % less again, gate/up 107.9 -> 98.3 us with 16 rows (3.16x the bound) and
+91.3 -> 80.3 with 1; 8-bit 1.5-7.5 % less (same run).
 """
 
 from __future__ import annotations
@@ -117,6 +120,8 @@ COLUMNS = WARPS * COLUMNS_PER_WARP
 SUB = 32
 MAX_ROWS = 32
 DTYPES = (mx.bfloat16, mx.float16)
+# Affine group sizes (``qmm.GROUP_SIZES``); the scaled forms have one kernel each.
+GROUP_SIZES = (32, 64, 128)
 # CTAs a launch aims for before K is split (an H200 has 132 SMs; two CTAs fit each).
 TARGET_GROUPS = 264
 # The wave-aware K split: CTAs resident at once (two an SM on an H200: each form takes
@@ -434,6 +439,20 @@ DFL_FN float dfl_folded_bias(float bias, float, const __half*) { return bias; }
 # Helpers of the scaled-weight form only: a pair of exact integers as ``s * q + b``,
 # rounded once to the half type (fma.rn on both halves).
 _SCALED_HELPERS = r"""
+// dfl_q4's pair with its mask and magic in one lop3, (v & 0x000F000F) | magic: written
+// in C++, NVRTC gave two LOP3s a pair (LOP3s were a fifth of the instructions, session 26).
+DFL_FN uint32_t dfl_q4_lop3(uint32_t v, const __nv_bfloat16*) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(v), "n"(0x000F000F), "n"(0x43004300));
+  asm("fma.rn.bf16x2 %0, %0, %1, %2;\n" : "+r"(r) : "r"(0x3F803F80u), "r"(0xC300C300u));
+  return r;
+}
+DFL_FN uint32_t dfl_q4_lop3(uint32_t v, const __half*) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(v), "n"(0x000F000F), "n"(0x64006400));
+  asm("fma.rn.f16x2 %0, %0, %1, %2;\n" : "+r"(r) : "r"(0x3C003C00u), "r"(0xE400E400u));
+  return r;
+}
 DFL_FN uint32_t dfl_scaled(uint32_t q, uint32_t s, uint32_t b, const __nv_bfloat16*) {
   asm("fma.rn.bf16x2 %0, %0, %1, %2;\n" : "+r"(q) : "r"(s), "r"(b));
   return q;
@@ -443,6 +462,9 @@ DFL_FN uint32_t dfl_scaled(uint32_t q, uint32_t s, uint32_t b, const __half*) {
   return q;
 }
 """
+
+# The scaled form's 4-bit pair helper (benchmarks.matmul_variants swaps in dfl_q4).
+_SCALED_Q4_HELPER = "dfl_q4_lop3"
 
 # The scaled-weight kernels' launch bounds: mlx's JIT writes ``__global__ void name(``
 # after the header, so redefining ``__global__`` there puts the attribute on the kernel
@@ -829,6 +851,26 @@ def _fill(text: str, values: dict) -> str:
     return text
 
 
+def _constant_group(group_size: int) -> tuple[tuple[str, str], ...]:
+    """Edits of the body that make ``group_size`` a compile-time constant.
+
+    With the size known, the unrolled sub-chunk loop resolves each group-open test
+    and each scale's index at compile time: no branch a sub-chunk, and ptxas counts
+    8 % fewer instructions in the 4-bit two-K-group scaled form (session 28).
+    """
+    shift = group_size.bit_length() - 1
+    return (
+        (
+            "  const int group_size = params[3];\n",
+            f"  constexpr int group_size = {group_size};\n",
+        ),
+        (
+            "  const int group_shift = params[7];\n",
+            f"  constexpr int group_shift = {shift};\n",
+        ),
+    )
+
+
 _SCALED_LOAD = """
         #pragma unroll
         for (int p = 0; p < 4; ++p) {
@@ -850,11 +892,14 @@ def _spec(
     k_groups: int = 1,
     swiglu: bool = False,
     scaled: bool = False,
+    group_size: Optional[int] = None,
 ) -> GroupKernelSpec:
     """The matmul kernel of ``layout`` (``folded``: the folded-offset 4-bit form;
     ``k_groups``: warp groups splitting K in a CTA, see :data:`K_GROUPS`; ``swiglu``:
     the gated-MLP activation as its last step, see :data:`SWIGLU_HELPERS`; ``scaled``:
-    the scaled-weight form of an affine layout, see :data:`SCALED_B`)."""
+    the scaled-weight form of an affine layout, see :data:`SCALED_B`; ``group_size``:
+    an affine kernel for that group size only, a compile-time constant, see
+    :func:`_constant_group`; None: any, read from the launch's parameters)."""
     if k_groups not in (1, 2):
         raise ValueError(f"k_groups must be 1 or 2, got {k_groups}")
     affine = layout.bits != 0
@@ -862,9 +907,13 @@ def _spec(
         raise ValueError(f"the folded-offset form is 4-bit only, got {layout.bits}")
     if scaled and (folded or not affine):
         raise ValueError("the scaled-weight form is affine and not folded")
+    if group_size is not None and (not affine or group_size not in GROUP_SIZES):
+        raise ValueError(f"a constant group size is affine, one of {GROUP_SIZES}")
     load_b = _LOAD_B[layout.bits] + (_SCALED_LOAD if scaled else "")
     if folded:
         load_b = load_b.replace("dfl_q4(", "dfl_q4_offset(")
+    if scaled:
+        load_b = load_b.replace("dfl_q4(", _SCALED_Q4_HELPER + "(")
     close = _CLOSE_AFFINE if affine else _CLOSE_DENSE
     close = _fill(
         close,
@@ -874,7 +923,10 @@ def _spec(
         },
     )
     body = _BODY
-    for old, new in _SCALED_EDITS if scaled else ():
+    edits = (_SCALED_EDITS if scaled else ()) + (
+        _constant_group(group_size) if group_size else ()
+    )
+    for old, new in edits:
         if body.count(old) != 1:
             raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
         body = body.replace(old, new)
@@ -908,6 +960,7 @@ def _spec(
         body = _swiglu(body)
     name = f"tensor_{'dense' if not affine else f'q{layout.bits}'}_m{layout.mtiles}"
     name += "_folded" * folded + "_scaled" * scaled
+    name += f"_g{group_size}" if group_size else ""
     name += "_k2" * (k_groups == 2) + "_swiglu" * swiglu
     if affine:
         inputs = ("x", "weight", "scales", "biases", "params", "counters")
@@ -1126,18 +1179,23 @@ SWIGLU_SPECS = {
     for groups in (1, 2)
     for key, layout in LAYOUTS.items()
 }
-# The scaled-weight forms (affine layouts) by (k_groups, layout key), plain and SwiGLU.
+# The scaled-weight forms (affine layouts) by (k_groups, layout key, group size),
+# plain and SwiGLU: the group size is a constant of each kernel (session 28).
 SCALED_SPECS = {
-    (groups, key): _spec(layout, k_groups=groups, scaled=True)
+    (groups, key, size): _spec(layout, k_groups=groups, scaled=True, group_size=size)
     for groups in (1, 2)
     for key, layout in LAYOUTS.items()
     if key[0] != 0
+    for size in GROUP_SIZES
 }
 SWIGLU_SCALED_SPECS = {
-    (groups, key): _spec(layout, k_groups=groups, swiglu=True, scaled=True)
+    (groups, key, size): _spec(
+        layout, k_groups=groups, swiglu=True, scaled=True, group_size=size
+    )
     for groups in (1, 2)
     for key, layout in LAYOUTS.items()
     if key[0] != 0
+    for size in GROUP_SIZES
 }
 MATMUL_SPECS = FORM_SPECS[(False, 1)]
 FOLDED_SPECS = FORM_SPECS[(True, 1)]
@@ -1386,13 +1444,16 @@ def launch_plan(
                 f"the SwiGLU form takes N a multiple of {COLUMNS} with a merged or no K "
                 f"split and no member edges, got N={columns}, {splits} splits"
             )
-        table = SWIGLU_SCALED_SPECS if scaled and bits is not None else SWIGLU_SPECS
+        if scaled and bits is not None:
+            spec = SWIGLU_SCALED_SPECS[(k_groups, key, group_size)]
+        else:
+            spec = SWIGLU_SPECS[(k_groups, key)]
         return _swiglu_plan(
-            table[(k_groups, key)], rows, depth, columns, group_size,
+            spec, rows, depth, columns, group_size,
             (tiles, splits, per_split),
         )  # fmt: skip
     if scaled and bits is not None:
-        spec = SCALED_SPECS[(k_groups, key)]
+        spec = SCALED_SPECS[(k_groups, key, group_size)]
     else:
         spec = FORM_SPECS[(folded and bits == 4, k_groups)][key]
     shift = (group_size or 1).bit_length() - 1

@@ -12,9 +12,12 @@ from conftest import (
     tiny_drafter_config,
     tiny_model,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dflash import GenerationStats, dflash_generate_step
+from dflash import GenerationStats, dflash_generate_step, make_prompt_cache
 from dflash.drafter import DFlashDrafter
+from dflash.rounds import round_size
 from dflash.sampling import make_sampler
 from dflash.verify.acceptance import rejection_accept
 
@@ -99,6 +102,80 @@ def test_oracle_drafter_is_fully_accepted_every_round(block_size):
     assert stats.tau > block_size - 1
     # Every round ends with the target's own (bonus) token.
     assert [d for _, _, d in steps[:block_size]] == [True] * (block_size - 1) + [False]
+
+
+class RecordingOracle(OracleDrafter):
+    """The oracle drafter, keeping the block size of every draft call."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.sizes = []
+
+    def __call__(self, block_tokens, context):
+        self.sizes.append(block_tokens.shape[1])
+        return super().__call__(block_tokens, context)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    block_size=st.integers(2, 9),
+    max_tokens=st.integers(1, 30),
+    limited=st.booleans(),
+)
+def test_rounds_keep_the_full_block_to_the_end_and_the_caches_end_at_the_tokens(
+    block_size, max_tokens, limited
+):
+    """Every round drafts a whole block, also the rounds near ``max_tokens``, unless the
+    caches' ``max_context`` leaves less room (then a round takes what fits and none
+    overflows); the output is the target's greedy one, the caches end holding exactly
+    the prompt and the emitted tokens, and the stats count only emitted drafts."""
+    target = tiny_model("muse_glimmer", seed=4, window=16)
+    prompt = mx.random.randint(0, 250, (11,))
+    reference = greedy_reference(target, prompt, max_tokens)
+    drafter = RecordingOracle(prompt.tolist() + reference, block_size, (1, 4, 7))
+    limit = prompt.size + max_tokens if limited else None
+    cache = make_prompt_cache(target, drafter=drafter, max_context=limit)
+    stats = GenerationStats(block_size)
+    steps = list(
+        dflash_generate_step(
+            prompt, target, drafter, max_tokens=max_tokens, prompt_cache=cache,
+            stats=stats,
+        )
+    )  # fmt: skip
+    assert [t for t, _, _ in steps] == reference
+    assert all(layer.offset == prompt.size + max_tokens for layer in cache)
+    assert cache.drafter_context.offset == prompt.size + max_tokens
+    assert sum(stats.accepted) == sum(d for _, _, d in steps)
+    if not limited:
+        assert drafter.sizes and set(drafter.sizes) == {block_size}
+    else:
+        # A round's rows never pass the limit: the last ones shrink to the room.
+        positions = prompt.size + np.cumsum([0] + [a + 1 for a in stats.accepted])
+        assert all(
+            size <= limit - start + 1 for size, start in zip(drafter.sizes, positions)
+        )
+
+
+@given(
+    block_size=st.integers(1, 32),
+    max_tokens=st.integers(-1, 64),
+    emitted=st.integers(0, 64),
+    room=st.none() | st.integers(1, 64),
+)
+def test_round_size_keeps_the_block_where_it_fits(
+    block_size, max_tokens, emitted, room
+):
+    """A full round is ``block_size`` unless the room is smaller, never less than the
+    rows the tokens left need; an unfull one is what the tokens left need."""
+    needed = round_size(block_size, max_tokens, emitted)
+    full = round_size(block_size, max_tokens, emitted, True, room)
+    assert 1 <= needed <= block_size and needed <= full <= block_size
+    if max_tokens >= 0:
+        assert needed == max(1, min(block_size, max_tokens - emitted + 1))
+    if room is None or room >= block_size or max_tokens < 0:
+        assert full == block_size
+    else:
+        assert full == max(needed, room)
 
 
 def chi_square(counts, probs):

@@ -35,14 +35,16 @@ from dflash.metal import backend, groups, tensor_qmm
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
 
 
-def glimmer_mlp(hidden: int, intermediate: int, dtype=mx.bfloat16, bits=4, seed=0):
+def glimmer_mlp(
+    hidden: int, intermediate: int, dtype=mx.bfloat16, bits=4, seed=0, group_size=64
+):
     """mlx-lm's Muse Glimmer MLP, random weights, quantized (``bits`` None: dense)."""
     mx.random.seed(seed)
     args = muse_glimmer.ModelArgs(hidden_size=hidden, intermediate_size=intermediate)
     mlp = muse_glimmer.MLP(args)
     mlp.set_dtype(dtype)
     if bits:
-        nn.quantize(mlp, group_size=64, bits=bits)
+        nn.quantize(mlp, group_size=group_size, bits=bits)
     mx.eval(mlp.parameters())
     return mlp
 
@@ -177,6 +179,21 @@ def test_cuda_swiglu_form_gives_mlxs_bits(case) -> None:
         intermediate += 64
     mlp = glimmer_mlp(depth, intermediate, dtype, bits, seed)
     x = mx.random.normal((1, rows, depth), key=mx.random.key(seed)).astype(dtype)
+    _assert_swiglu_is_silu_times_up(mlp, x)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("rows", [3, 20])
+@pytest.mark.parametrize("group_size", tensor_qmm.GROUP_SIZES)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cuda_swiglu_form_gives_mlxs_bits_at_every_group_size(
+    bits, group_size, rows
+) -> None:
+    """Each SwiGLU kernel of the default switches (its group size a constant of the
+    kernel since session 28) once: silu(gate) * up of the plain launches."""
+    mlp = glimmer_mlp(512, 256, mx.bfloat16, bits, rows, group_size)
+    x = mx.random.normal((1, rows, 512), key=mx.random.key(rows)).astype(mx.bfloat16)
     _assert_swiglu_is_silu_times_up(mlp, x)
 
 

@@ -97,7 +97,7 @@ def test_tensor_bodies_compile_for_sm90_without_spills(tmp_path: Path) -> None:
     assert all(a == "0" and b == "0" for a, b in spills), forms.log
     # The two-K-group scaled forms (256 threads, two CTAs an SM): 128 registers at most.
     bounded = [
-        spec for (groups, _), spec in tensor_qmm.SCALED_SPECS.items() if groups == 2
+        spec for (groups, _, _), spec in tensor_qmm.SCALED_SPECS.items() if groups == 2
     ]
     scaled = check_cuda(
         bounded, tmp_path / "scaled", NVCC, dtypes=HALF, flags=("-Xptxas", "-v")
@@ -686,10 +686,11 @@ def _swiglu_wrong_half():
 SWIGLU_WRONG_HALF = _swiglu_wrong_half()
 
 # Negative control of the scaled-weight form: the group's bias never reaches the weights.
+SCALED_G64 = tensor_qmm.SCALED_SPECS[(2, (4, 1), 64)]
 SCALED_NO_BIAS = dataclasses.replace(
-    tensor_qmm.SCALED_SPECS[(2, (4, 1))],
-    base=tensor_qmm.SCALED_SPECS[(2, (4, 1))].base + "_no_bias",
-    body=tensor_qmm.SCALED_SPECS[(2, (4, 1))].body.replace(
+    SCALED_G64,
+    base=SCALED_G64.base + "_no_bias",
+    body=SCALED_G64.body.replace(
         "b2[t] = __byte_perm(bias, bias, 0x1010);", "b2[t] = 0u * bias;"
     ),
 )
@@ -1178,11 +1179,11 @@ def _run_spec(emulator, spec, case) -> mx.array:
     """One launch of a 4-bit, 16-row form straight through ``spec``, K unsplit (the
     ring of stages wraps when K holds more chunks than stages)."""
     x, weight, scales, biases, _, group = case
-    assert group == 64  # group_shift 6 below
     tiles = -(-weight.shape[0] // tensor_qmm.COLUMNS)
     chunks = x.shape[1] // Layout(4, 1).chunk
+    shift = group.bit_length() - 1
     ints = mx.array(
-        [x.shape[0], weight.shape[0], x.shape[1], group, tiles, 1, chunks, 6, 0],
+        [x.shape[0], weight.shape[0], x.shape[1], group, tiles, 1, chunks, shift, 0],
         mx.int32,
     )
     y, _ = emulator.launch(
@@ -1621,10 +1622,31 @@ def test_emulated_scaled_form_needs_its_bias(tensor_emulator) -> None:
     for dtype in HALF:
         x = mx.array(rng.standard_normal((16, 1024)).astype(np.float32)).astype(dtype)
         case = (x, *mx.quantize(dense.astype(dtype), group_size=64, bits=4), 4, 64)
-        good = _run_spec(tensor_emulator, tensor_qmm.SCALED_SPECS[(2, (4, 1))], case)
+        good = _run_spec(tensor_emulator, SCALED_G64, case)
         assert _scaled_oracle_close(case, good)
         bad = _run_spec(tensor_emulator, SCALED_NO_BIAS, case)
         assert not _scaled_oracle_close(case, bad)
+
+
+def test_emulated_scaled_form_is_built_for_its_group_size(tensor_emulator) -> None:
+    """Each scaled kernel has its group size as a constant: a plan takes the kernel of
+    its call's size, and the 64-element kernel given groups of 128 (negative control)
+    misses the oracle that its own size's kernel meets."""
+    for size in tensor_qmm.GROUP_SIZES:
+        for bits in (4, 8):
+            plan = tensor_qmm.launch_plan(
+                16, 1024, 300, bits, size, True, False, True, 2, scaled=True
+            )
+            assert plan.spec is tensor_qmm.SCALED_SPECS[(2, (bits, 1), size)]
+            assert f"_scaled_g{size}" in plan.spec.base
+    rng = np.random.default_rng(12)
+    dense = mx.array(rng.standard_normal((300, 1024)).astype(np.float32))
+    x = mx.array(rng.standard_normal((16, 1024)).astype(np.float32)).astype(mx.bfloat16)
+    weights = mx.quantize(dense.astype(mx.bfloat16), group_size=128, bits=4)
+    case = (x, *weights, 4, 128)
+    own = _run_spec(tensor_emulator, tensor_qmm.SCALED_SPECS[(2, (4, 1), 128)], case)
+    assert _scaled_oracle_close(case, own)
+    assert not _scaled_oracle_close(case, _run_spec(tensor_emulator, SCALED_G64, case))
 
 
 def test_the_scaled_weight_switch_is_read_at_each_bind(monkeypatch) -> None:
@@ -1646,7 +1668,7 @@ def test_the_scaled_weight_switch_is_read_at_each_bind(monkeypatch) -> None:
             plan = tensor_qmm.launch_plan(
                 rows, 6656, 19968, bits, 64, True, False, True, 2, scaled=True
             )
-            assert plan.spec is tensor_qmm.SCALED_SPECS[(2, (bits, mtiles))]
+            assert plan.spec is tensor_qmm.SCALED_SPECS[(2, (bits, mtiles), 64)]
         plan = tensor_qmm.launch_plan(
             rows, 6656, 19968, None, None, True, False, True, 2, scaled=True
         )
@@ -1655,6 +1677,10 @@ def test_the_scaled_weight_switch_is_read_at_each_bind(monkeypatch) -> None:
         tensor_qmm._spec(Layout(0, 1), scaled=True)
     with pytest.raises(ValueError, match="affine and not folded"):
         tensor_qmm._spec(Layout(4, 1), folded=True, scaled=True)
+    with pytest.raises(ValueError, match="constant group size"):
+        tensor_qmm._spec(Layout(4, 1), scaled=True, group_size=48)
+    with pytest.raises(ValueError, match="constant group size"):
+        tensor_qmm._spec(Layout(0, 1), group_size=64)
 
 
 @pytest.mark.cuda
@@ -1673,6 +1699,41 @@ def test_cuda_scaled_form_matches_the_rounded_weight_oracle(
         assert _close_to_matmul_oracle(case, out)
         return
     assert _scaled_oracle_close(case, out)
+    _assert_batch_invariant(case)
+
+
+def _fixed_case(rows, depth, columns, bits, group, dtype, seed):
+    """One served case of the given geometry (what :func:`served_cases` draws)."""
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.standard_normal((rows, depth)).astype(np.float32)).astype(dtype)
+    dense = mx.array(rng.standard_normal((columns, depth)).astype(np.float32))
+    weight, scales, biases = mx.quantize(
+        dense.astype(dtype), group_size=group, bits=bits
+    )
+    return x, weight, scales, biases, bits, group
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("groups", ["0", "1"])
+@pytest.mark.parametrize("rows", [5, 23])
+@pytest.mark.parametrize("group", tensor_qmm.GROUP_SIZES)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cuda_every_scaled_kernel_meets_the_oracle(
+    monkeypatch, bits, group, rows, groups
+) -> None:
+    """Each of the 24 scaled kernels (bits x group size x one or two m-tiles x one or
+    two K groups) once on the GPU: within the rounded-weight oracle's tolerance and
+    batch-invariant (the hypothesis test above draws them, not each surely)."""
+    monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1")
+    monkeypatch.setenv(tensor_qmm.TWO_K_GROUPS_ENV, groups)
+    dtype = HALF[rows % 2]
+    case = _fixed_case(rows, 512, 200, bits, group, dtype, seed=rows + group + bits)
+    plan = tensor_qmm.launch_plan(
+        rows, 512, 200, bits, group, True, False, True, int(groups) + 1, scaled=True
+    )
+    assert f"_g{group}" in plan.spec.base
+    assert _scaled_oracle_close(case, _kernel(case))
     _assert_batch_invariant(case)
 
 

@@ -287,6 +287,11 @@ inline uint32_t dfl_q4(uint32_t v, const __nv_bfloat16* tag) {
 inline uint32_t dfl_q4(uint32_t v, const __half* tag) {
   return dfl_pair_fma((v & 0x000F000Fu) | 0x64006400u, 1024.0f, tag);
 }
+// The scaled form's one-lop3 spelling of dfl_q4: the same pair.
+template <typename H>
+inline uint32_t dfl_q4_lop3(uint32_t v, const H* tag) {
+  return dfl_q4(v, tag);
+}
 // A double rounded to float by round-to-odd: rounding that float to a half type then
 // gives the double's correctly rounded half (float keeps 13+ more bits than either).
 inline float dfl_emu_round_odd(double d) {
