@@ -18,6 +18,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from test_dflash_loop import random_drafter
 
 import dflash
+from dflash import kernel_patch
 from dflash.cache import make_prompt_cache
 from dflash.server.policy import shift_chat
 from dflash.server.protocol import TEXT, GenerationRequest
@@ -372,3 +373,45 @@ def test_a_byte_limit_keeps_only_what_fits_but_always_the_newest(tiny_engines):
         _run(worker, prompt)
         assert len(worker.pool) == 1
         assert worker.pool.sessions[0].tokens[:3] == prompt
+
+
+def _submit(worker, tokens, max_tokens=3):
+    """Queue a job on the running worker and wait for its end; its tokens."""
+    events = []
+    request = GenerationRequest(kind=TEXT, max_tokens=max_tokens)
+    worker.submit(Job(list(tokens), request, 0, events.append))
+    deadline = time.monotonic() + 120
+    while not any(isinstance(e, (Finished, Failed)) for e in events):
+        assert time.monotonic() < deadline, "the job never ended"
+        time.sleep(0.01)
+    assert not any(isinstance(e, Failed) for e in events), events
+    return [t for e in events if isinstance(e, Delta) for t in e.tokens]
+
+
+def test_the_worker_holds_the_verify_kernels_between_requests(
+    tiny_engines, monkeypatch
+):
+    """Where the verify kernels are wanted (here ``DFLASH_VERIFY_KERNELS=1``: on the
+    CPU their reference forms), the running worker installs them once: the model stays
+    patched between requests with the same patch, the answers are those of requests
+    that install the kernels themselves, and stopping the worker removes them."""
+    engine = tiny_engines["dflash"]
+    model = engine.model
+    monkeypatch.setenv(kernel_patch.VERIFY_KERNELS_ENV, "1")
+    prompts = ([5, 6, 7, 8], [30, 31, 32, 33, 34])
+    alone = Worker(engine, cache_size=2)
+    want = [_run(alone, prompt)[1] for prompt in prompts]
+    assert not kernel_patch.is_patched(model)
+    worker = Worker(engine, cache_size=2)
+    worker.start()
+    try:
+        got = [_submit(worker, prompts[0])]
+        assert kernel_patch.is_patched(model)
+        held = kernel_patch._HELD_PATCHES[id(model)].patch
+        got.append(_submit(worker, prompts[1]))
+        assert kernel_patch._HELD_PATCHES[id(model)].patch is held
+    finally:
+        worker.stop()
+    assert not kernel_patch.is_patched(model)
+    assert id(model) not in kernel_patch._HELD_PATCHES
+    assert got == want

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import kernel_patch
 from .protocol import APIError, GenerationRequest, Usage
 from .sessions import STAGED, Plan, SessionPool
 
@@ -326,28 +327,35 @@ class Worker:
 
     def _run(self) -> None:
         try:
-            while not self._stopping.is_set():
-                try:
-                    job = self.queue.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-                if job is None:
-                    continue
-                started = time.perf_counter()
-                self.busy, self.current = True, job
-                try:
-                    self.run_job(job)
-                finally:
-                    self.busy, self.current = False, None
-                # A smoothed job time for Retry-After.
-                self._job_seconds += 0.2 * (
-                    time.perf_counter() - started - self._job_seconds
-                )
+            # The verify kernels stay installed while the worker runs: each request's
+            # generation shares the patch, so its traced layers and bound matmuls are
+            # built once, not at every request (where the defaults install any).
+            with kernel_patch.verify_kernels(self.engine.model, self.engine.drafter):
+                self._serve_queue()
         except (
             BaseException
         ) as error:  # noqa: B902 - the health check must see any death
             self.failure = error
             log.exception("the generation worker died")
+
+    def _serve_queue(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                job = self.queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if job is None:
+                continue
+            started = time.perf_counter()
+            self.busy, self.current = True, job
+            try:
+                self.run_job(job)
+            finally:
+                self.busy, self.current = False, None
+            # A smoothed job time for Retry-After.
+            self._job_seconds += 0.2 * (
+                time.perf_counter() - started - self._job_seconds
+            )
 
     def run_job(self, job: Job) -> None:
         """Serve one job in the calling thread (the worker's); never raises for a job failure."""
