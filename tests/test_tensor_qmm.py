@@ -56,7 +56,13 @@ def served_cases(draw, max_rows: int = 32, max_chunks: int = 4, max_columns: int
     rows = draw(st.integers(1, max_rows))
     columns = draw(st.integers(1, max_columns))
     dtype = draw(st.sampled_from(HALF))
-    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    seed = draw(st.integers(0, 2**16))
+    return _fixed_case(rows, depth, columns, bits, group, dtype, seed)
+
+
+def _fixed_case(rows, depth, columns, bits, group, dtype, seed):
+    """One served case of the given geometry (dense weights when ``bits`` is None)."""
+    rng = np.random.default_rng(seed)
     x = mx.array(rng.standard_normal((rows, depth)).astype(np.float32)).astype(dtype)
     dense = mx.array(rng.standard_normal((columns, depth)).astype(np.float32))
     dense = dense.astype(dtype)
@@ -1700,17 +1706,6 @@ def test_cuda_scaled_form_matches_the_rounded_weight_oracle(
         return
     assert _scaled_oracle_close(case, out)
     _assert_batch_invariant(case)
-
-
-def _fixed_case(rows, depth, columns, bits, group, dtype, seed):
-    """One served case of the given geometry (what :func:`served_cases` draws)."""
-    rng = np.random.default_rng(seed)
-    x = mx.array(rng.standard_normal((rows, depth)).astype(np.float32)).astype(dtype)
-    dense = mx.array(rng.standard_normal((columns, depth)).astype(np.float32))
-    weight, scales, biases = mx.quantize(
-        dense.astype(dtype), group_size=group, bits=bits
-    )
-    return x, weight, scales, biases, bits, group
 
 
 @pytest.mark.cuda
