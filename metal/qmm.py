@@ -43,7 +43,7 @@ COLUMNS_PER_WARP = 4
 COLUMNS = WARPS * COLUMNS_PER_WARP
 CHUNK = 256
 BITS = (4, 8)
-GROUP_SIZES = (32, 64, 128)
+GROUP_SIZES = tensor_qmm.GROUP_SIZES  # one scaled tensor-core kernel per size
 DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 # On CUDA the kernel path takes the tensor-core form (:mod:`dflash.metal.tensor_qmm`)
 # for the calls it serves; tests set this False to run the scalar kernel there too.

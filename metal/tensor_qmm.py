@@ -120,7 +120,7 @@ COLUMNS = WARPS * COLUMNS_PER_WARP
 SUB = 32
 MAX_ROWS = 32
 DTYPES = (mx.bfloat16, mx.float16)
-# Affine group sizes (``qmm.GROUP_SIZES``); the scaled forms have one kernel each.
+# Affine group sizes served (also ``qmm.GROUP_SIZES``); one scaled kernel each.
 GROUP_SIZES = (32, 64, 128)
 # CTAs a launch aims for before K is split (an H200 has 132 SMs; two CTAs fit each).
 TARGET_GROUPS = 264
