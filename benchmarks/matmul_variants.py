@@ -108,7 +108,8 @@ VARIANTS = {
     "scaled-lb2": {"scaled": True, "edits": ("bounds2",)},
     # Session 28: the scaled form's one-lop3 pairs against session 26's two, and its
     # group size as a launch parameter against a compile-time constant; both: the
-    # scaled form as session 26 ran it.
+    # scaled form as session 26 ran it (the same code; its helpers also carry the
+    # unused one-lop3 helper).
     "twolop": {"edits": ("twolop",)},
     "groupparam": {"constant_group": False},
     "scaled-s26": {"constant_group": False, "edits": ("twolop",)},
@@ -132,11 +133,7 @@ def _bounds(blocks: int) -> tuple[str, str, str]:
     """An edit of the helpers that puts ``__launch_bounds__(256, blocks)`` on the kernel
     (mlx writes ``__global__ void name(``; the header comes first)."""
     first = "// m16n8k16 mma, float32 accumulate"
-    macro = (
-        "#undef __global__\n"
-        f"#define __global__ __attribute__((global)) __launch_bounds__(256, {blocks})\n"
-    )
-    return ("helpers", first, macro + first)
+    return ("helpers", first, tensor_qmm.launch_bounds(256, blocks) + first)
 
 
 # Text edits of the kernels by name: (``"helpers"`` or ``"body"``, old, new).

@@ -50,6 +50,9 @@ class DFlashRound(VerifyRound):
 class DFlashSpeculator:
     """Drafts with a DFlash drafter from the target features of committed tokens.
 
+    One drafter forward drafts the whole block, so rounds keep it to the end
+    (``full_blocks``, see :func:`~dflash.rounds.round_size`).
+
     Args:
         model: The target model.
         drafter: A drafter bound to ``model``.
@@ -58,6 +61,8 @@ class DFlashSpeculator:
         taps: Taps on the target layers the drafter reads (attached).
         sampling: The generation's sampling state.
     """
+
+    full_blocks = True
 
     def __init__(self, model, drafter, cache, context, taps: TargetTaps, sampling):
         self.model = model
@@ -68,8 +73,6 @@ class DFlashSpeculator:
         self.sampling = sampling
         # A settled round whose target rows are committed after the next draft is started.
         self.unsettled: Optional[Tuple[DFlashRound, int]] = None
-        # One drafter forward drafts the whole block: rounds keep it (rounds.round_size).
-        self.full_blocks = True
 
     def prefill(self, tokens: mx.array, step: int, progress, total: int) -> None:
         """Write prompt tokens to the target's caches and their features to the context.

@@ -54,6 +54,10 @@ class DraftModelSpeculator:
         pending: Committed tokens the draft caches have not seen yet (before ``last``).
     """
 
+    # Each draft is a forward of its own: rounds near the end draft only what they can
+    # emit (rounds.round_size).
+    full_blocks = False
+
     def __init__(self, model, draft_model, target_cache, draft_cache, sampling):
         self.model = model
         self.draft_model = draft_model
@@ -61,9 +65,6 @@ class DraftModelSpeculator:
         self.draft_cache = draft_cache
         self.sampling = sampling
         self.pending: List[int] = []
-        # Each draft is a forward of its own: rounds near the end draft only what they
-        # can emit (rounds.round_size).
-        self.full_blocks = False
 
     def draft(self, feed: List[int], count: int) -> Tuple[mx.array, Optional[mx.array]]:
         """Draft ``count`` tokens after ``feed`` (written to the draft caches first).

@@ -471,13 +471,16 @@ _SCALED_Q4_HELPER = "dfl_q4_lop3"
 # (the module holds no other). Two CTAs an SM keep ptxas within 128 registers.
 LAUNCH_BOUNDS = r"""
 #undef __global__
-#define __global__ __attribute__((global)) __launch_bounds__({threads}, 2)
+#define __global__ __attribute__((global)) __launch_bounds__({threads}, {blocks})
 """
 
 
-def launch_bounds(threads: int) -> str:
-    """The header text that bounds a kernel of ``threads`` threads to two CTAs an SM."""
-    return LAUNCH_BOUNDS.replace("{threads}", str(threads))
+def launch_bounds(threads: int, blocks: int = 2) -> str:
+    """The header text that bounds a kernel of ``threads`` threads to ``blocks`` CTAs
+    an SM (the scaled forms: two)."""
+    return LAUNCH_BOUNDS.replace("{threads}", str(threads)).replace(
+        "{blocks}", str(blocks)
+    )
 
 
 # Scaled-weight form: the lane's column of each n8 tile (gid) takes its group's scale
