@@ -67,6 +67,11 @@ KEY_SPLIT = 4
 # stream: a threadgroup is 64 query rows (4 warps x one m16 tile) streaming the chunk's
 # tiles through STAGES buffers, each warp folding them in order (online softmax).
 STAGES = 2
+# pair: stream's 64 rows, with the chunk's tiles dealt to PAIR_GROUPS groups of 4 warps
+# (tile t to group t % PAIR_GROUPS), each folding its own tiles; the groups' states meet
+# in shared memory at the end, combined in group order. Half of stream's chain a warp,
+# twice its warps an SM.
+PAIR_GROUPS = 2
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,8 @@ class Layout:
 
 SPLIT = Layout("split", 32, 32 * 2 * KEY_SPLIT, KEY_SPLIT * TILE)
 STREAM = Layout("stream", 64, 32 * 4, 1 << 30)
-LAYOUTS = {layout.name: layout for layout in (SPLIT, STREAM)}
+PAIR = Layout("pair", 64, 32 * 4 * PAIR_GROUPS, 1 << 30)
+LAYOUTS = {layout.name: layout for layout in (SPLIT, STREAM, PAIR)}
 # The two layouts sum in different orders (different bits, each batch-invariant), so a
 # process uses one: ``DFLASH_TENSOR_LAYOUT`` or the measured default.
 LAYOUT_ENV = "DFLASH_TENSOR_LAYOUT"
@@ -640,20 +646,278 @@ def _stream_body(dim: int) -> str:
     )
 
 
+# Helpers only the pair layout's text carries (the other layouts' texts, and so their
+# kernel names, stay as they ran).
+PAIR_HELPERS = r"""
+// Element offset of row `pos` like dfl_row_offset, without the modulo: the plan keeps
+// origin_physical < cap and pos - origin_logical < ring_len <= cap, so one wrap at most.
+DFL_FN int dfl_row_offset_wrap(int pos, int bh, int dim, int cap, int n_block,
+                               int origin_logical, int origin_physical, int ring_end) {
+  if (pos < ring_end) {
+    int row = origin_physical + (pos - origin_logical);
+    row = row >= cap ? row - cap : row;
+    return (bh * cap + row) * dim;
+  }
+  return (bh * n_block + (pos - ring_end)) * dim;
+}
+"""
+
+
+def _pair_body(dim: int) -> str:
+    """The ``pair`` layout's body for head dim ``dim`` (a compile-time constant).
+
+    Against ``stream``: tiles no query of the call sees are neither loaded nor
+    attended (an unseen tile changes no bit of a row's state: its weights are exact
+    zeros and its rescale is by exactly 1), tiles every row of a warp sees whole skip
+    the mask, scores are kept in log2 units (``exp2f``; the statistics are stored in
+    natural units for the shared fold), and the ring's wrap is one compare.
+    """
+    return (
+        _constants(dim, PAIR, "GROUPS", PAIR_GROUPS)
+        + _PARAMS
+        + r"""  constexpr int STAGES = 2;
+  constexpr float LOG2E = 1.4426950408889634f;
+  constexpr float LN2 = 0.6931471805599453f;
+  extern __shared__ __align__(16) unsigned char dfl_smem[];
+  T* k_tiles = reinterpret_cast<T*>(dfl_smem);
+  T* v_tiles = k_tiles + STAGES * GROUPS * TILE * PITCH;
+
+  const int n_tiles = chunk / TILE;
+  const int n_steps = (n_tiles + GROUPS - 1) / GROUPS;
+  // Keys any query of the call sees (first and last keys grow with the position).
+  const int call_first = dfl_first_key(query_start, window);
+  const int call_last =
+      dfl_last_key(query_start + n_queries - 1, window, causal, key_end);
+
+  // Stage step `step`'s tiles (tile step * GROUPS + g for group g) into `stage`;
+  // a tile no query sees is skipped, positions outside the live ones are zeros.
+  auto load_step = [&](int step, int stage) {
+    for (int idx = int(lid); idx < GROUPS * TILE * VECTORS; idx += THREADS) {
+      const int g = idx / (TILE * VECTORS);
+      const int r = (idx / VECTORS) % TILE;
+      const int c = (idx % VECTORS) * 8;
+      const int t = step * GROUPS + g;
+      const int tile_start = chunk_start + t * TILE;
+      if (t >= n_tiles || tile_start > call_last || tile_start + TILE - 1 < call_first) {
+        continue;
+      }
+      const int pos = tile_start + r;
+      const bool live = pos >= origin_logical && pos < key_end;
+      const T* k_src = keys;
+      const T* v_src = values;
+      if (live) {
+        const int off = dfl_row_offset_wrap(pos, bh, DIM, cap, n_block, origin_logical,
+                                            origin_physical, ring_end);
+        k_src = (pos < ring_end ? keys : block_keys) + off + c;
+        v_src = (pos < ring_end ? values : block_values) + off + c;
+      }
+      const int at = ((stage * GROUPS + g) * TILE + r) * PITCH + c;
+      dfl_cp_async16(k_tiles + at, k_src, live);
+      dfl_cp_async16(v_tiles + at, v_src, live);
+    }
+    dfl_cp_async_commit();
+  };
+  load_step(0, 0);
+
+"""
+        + _LANES
+        + r"""  const int row_tile = warp % 4;
+  const int key_group = warp / 4;
+  // This thread's two rows of the warp's m16 tile: gid and gid + 8.
+"""
+        + _ROWS.replace("@TILE@", "row_tile")
+        + r"""  const bool warp_active = rb * ROWS + row_tile * 16 < head_rows;
+  // The warp's rows' key limits: any row (skip) and every row (no mask).
+  const int big = cuda::std::numeric_limits<int>::max();
+  const int small = cuda::std::numeric_limits<int>::min();
+  int first_min = big, first_max = small, last_min = big, last_max = small;
+  for (int i = 0; i < 2; ++i) {
+    if (row_ok[i]) {
+      first_min = first[i] < first_min ? first[i] : first_min;
+      first_max = first[i] > first_max ? first[i] : first_max;
+      last_min = last[i] < last_min ? last[i] : last_min;
+      last_max = last[i] > last_max ? last[i] : last_max;
+    }
+  }
+  first_min = __reduce_min_sync(0xffffffffu, first_min);
+  first_max = __reduce_max_sync(0xffffffffu, first_max);
+  last_min = __reduce_min_sync(0xffffffffu, last_min);
+  last_max = __reduce_max_sync(0xffffffffu, last_max);
+  const float scale_log2 = scale * LOG2E;
+  const float softcap_log2 = softcap * LOG2E;
+
+  // Query fragments (A of the scores), zero for rows that hold no query.
+"""
+        + _QUERY_FRAGMENTS.replace("@LIVE@", "warp_active && ")
+        + r"""  // Running state in log2 units.
+  float m_run[2] = {NEG_INF, NEG_INF};
+  float l_run[2] = {0.0f, 0.0f};
+"""
+        + _ACCUMULATORS
+        + r"""
+  for (int step = 0; step < n_steps; ++step) {
+    if (step + 1 < n_steps) {
+      load_step(step + 1, (step + 1) % STAGES);
+      dfl_cp_async_wait<1>();
+    } else {
+      dfl_cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int t = step * GROUPS + key_group;
+    const int tile_start = chunk_start + t * TILE;
+    const bool seen =
+        t < n_tiles && tile_start <= last_max && tile_start + TILE - 1 >= first_min;
+    if (warp_active && seen) {
+      const T* k_tile = k_tiles + ((step % STAGES) * GROUPS + key_group) * TILE * PITCH;
+      const T* v_tile = v_tiles + ((step % STAGES) * GROUPS + key_group) * TILE * PITCH;
+      // Scores of the warp's 16 rows against the tile's 64 keys.
+"""
+        + _indent(_SCORES, 4)
+        + r"""      // Scale (to log2 units), soft-cap, hide what a row does not see; row maxima.
+      const bool whole = first_max <= tile_start && last_min >= tile_start + TILE - 1;
+      float tile_max[2] = {NEG_INF, NEG_INF};
+      for (int j = 0; j < KEY_TILES; ++j) {
+        for (int e = 0; e < 4; ++e) {
+          const int i = e >> 1;
+          float score = s[j][e] * scale_log2;
+          if (softcap > 0.0f) {
+            score = softcap_log2 * tanhf(s[j][e] * scale / softcap);
+          }
+          if (!whole) {
+            const int pos = tile_start + j * 8 + tig * 2 + (e & 1);
+            score = pos >= first[i] && pos <= last[i] ? score : NEG_INF;
+          }
+          s[j][e] = score;
+          tile_max[i] = fmaxf(tile_max[i], score);
+        }
+      }
+      float alpha[2];
+      float m_use[2];
+      for (int i = 0; i < 2; ++i) {
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+        tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+        const float top = fmaxf(m_run[i], tile_max[i]);
+        // Nothing seen yet (top is -inf): keep the state as it is.
+        alpha[i] = top == NEG_INF ? 1.0f : exp2f(m_run[i] - top);
+        m_run[i] = top;
+        // A row that has seen nothing has only -inf scores: exp2(-inf - 0) = 0.
+        m_use[i] = top == NEG_INF ? 0.0f : top;
+      }
+      // Weights, rounded to T (A of the weighted values); row sums of the rounded ones.
+      uint32_t p_frag[KEY_TILES][2];
+      float row_sum[2] = {0.0f, 0.0f};
+      for (int j = 0; j < KEY_TILES; ++j) {
+        for (int i = 0; i < 2; ++i) {
+          float lo, hi;
+          p_frag[j][i] = dfl_pack(exp2f(s[j][2 * i] - m_use[i]),
+                                  exp2f(s[j][2 * i + 1] - m_use[i]), lo, hi, queries);
+          row_sum[i] += lo;
+          row_sum[i] += hi;
+        }
+      }
+      for (int i = 0; i < 2; ++i) {
+        row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
+        row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
+        l_run[i] = l_run[i] * alpha[i] + row_sum[i];
+      }
+      for (int dt = 0; dt < DIM_TILES; ++dt) {
+        acc[dt][0] *= alpha[0];
+        acc[dt][1] *= alpha[0];
+        acc[dt][2] *= alpha[1];
+        acc[dt][3] *= alpha[1];
+      }
+"""
+        + _indent(_WEIGHTED_VALUES, 4)
+        + r"""    }
+    __syncthreads();
+  }
+
+  // The groups' states meet in shared memory (the tiles are read): group g > 0 writes
+  // its warp's fragments lane-major, group 0 combines them in group order.
+  constexpr int VALUES = DIM_TILES * 4 + 4;
+  float* exchange = reinterpret_cast<float*>(dfl_smem);
+  if (key_group > 0) {
+    float* mine = exchange + ((key_group - 1) * 4 + row_tile) * VALUES * 32 + lane;
+    for (int dt = 0; dt < DIM_TILES; ++dt) {
+      for (int j = 0; j < 4; ++j) {
+        mine[(dt * 4 + j) * 32] = acc[dt][j];
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      mine[(DIM_TILES * 4 + i) * 32] = m_run[i];
+      mine[(DIM_TILES * 4 + 2 + i) * 32] = l_run[i];
+    }
+  }
+  __syncthreads();
+  if (key_group > 0 || !warp_active) {
+    return;
+  }
+  for (int i = 0; i < 2; ++i) {
+    float top = m_run[i];
+    for (int g = 1; g < GROUPS; ++g) {
+      const float* theirs = exchange + ((g - 1) * 4 + row_tile) * VALUES * 32 + lane;
+      top = fmaxf(top, theirs[(DIM_TILES * 4 + i) * 32]);
+    }
+    // A state that saw nothing (-inf) weighs exactly 0; all -inf stays (-inf, 0, 0).
+    const float own = m_run[i] == NEG_INF ? 0.0f : exp2f(m_run[i] - top);
+    l_run[i] *= own;
+    for (int dt = 0; dt < DIM_TILES; ++dt) {
+      acc[dt][2 * i] *= own;
+      acc[dt][2 * i + 1] *= own;
+    }
+    for (int g = 1; g < GROUPS; ++g) {
+      const float* theirs = exchange + ((g - 1) * 4 + row_tile) * VALUES * 32 + lane;
+      const float m_g = theirs[(DIM_TILES * 4 + i) * 32];
+      const float w = m_g == NEG_INF ? 0.0f : exp2f(m_g - top);
+      l_run[i] = fmaf(theirs[(DIM_TILES * 4 + 2 + i) * 32], w, l_run[i]);
+      for (int dt = 0; dt < DIM_TILES; ++dt) {
+        for (int e = 0; e < 2; ++e) {
+          acc[dt][2 * i + e] = fmaf(theirs[(dt * 4 + 2 * i + e) * 32], w, acc[dt][2 * i + e]);
+        }
+      }
+    }
+    m_run[i] = top;
+  }
+
+  // The chunk's statistics (natural units, as the fold reads them) and weighted values.
+  for (int i = 0; i < 2; ++i) {
+    if (!row_ok[i]) {
+      continue;
+    }
+    const int qrow = (b * n_heads + h * group_size + row[i] / n_queries) * n_queries
+        + row[i] % n_queries;
+    const int at = qrow * n_chunks + u;
+    if (tig == 0) {
+      part_stats[at * 2] = m_run[i] * LN2;
+      part_stats[at * 2 + 1] = l_run[i];
+    }
+    for (int dt = 0; dt < DIM_TILES; ++dt) {
+      const int d = dt * 8 + tig * 2;
+      part_values[at * DIM + d] = acc[dt][2 * i];
+      part_values[at * DIM + d + 1] = acc[dt][2 * i + 1];
+    }
+  }
+"""
+    )
+
+
 def shared_bytes(dim: int, layout: Layout) -> int:
     """Dynamic shared memory of one threadgroup.
 
     ``split``: a whole chunk of keys and values (the warps' partials reuse it);
-    ``stream``: ``STAGES`` tiles of keys and values.
+    ``stream``: ``STAGES`` tiles of keys and values; ``pair``: ``STAGES`` steps of
+    ``PAIR_GROUPS`` tiles each (the groups' exchange at the end reuses them).
     """
     if layout is SPLIT:
         tiles = 2 * KEY_SPLIT * TILE * (dim + PAD) * 2
         partials = 4 * (layout.threads // 32) * 16 * (dim + 2)
         return max(tiles, partials)
+    if layout is PAIR:
+        return 2 * STAGES * PAIR_GROUPS * TILE * (dim + PAD) * 2
     return 2 * STAGES * TILE * (dim + PAD) * 2
 
 
-_BODIES = {"split": _split_body, "stream": _stream_body}
+_BODIES = {"split": _split_body, "stream": _stream_body, "pair": _pair_body}
 
 
 @functools.lru_cache(maxsize=None)
@@ -670,7 +934,9 @@ def attend_spec(dim: int, layout: Layout = STREAM) -> GroupKernelSpec:
         input_types=("T", "T", "T", "T", "T", "int32", "float32"),
         output_names=("part_stats", "part_values"),
         output_types=("float32", "float32"),
-        helpers=ATTENTION_HELPERS + TENSOR_HELPERS,
+        helpers=ATTENTION_HELPERS
+        + TENSOR_HELPERS
+        + (PAIR_HELPERS if layout is PAIR else ""),
         body=_BODIES[layout.name](dim),
         threads=layout.threads,
         small_inputs=("fparams",),

@@ -19,13 +19,15 @@ from __future__ import annotations
 import dataclasses
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.attention_cases import Case, build, cases, close_to_oracle
 from support.compilers import built_emulator
 from support.tensor_emulator import TensorEmulator
-from test_verify_kernels import assert_batch_invariant, assert_seamless
+from support.attention_cases import bits
+from test_verify_kernels import _gate_for, assert_batch_invariant, assert_seamless
 
 from dflash.metal import attention, groups, tensor_attention
 from dflash.metal.groups import GroupKernelSpec
@@ -67,6 +69,26 @@ _LAYOUT_SLIPS = {
             "    __syncthreads();\n  }\n\n  // The chunk's statistics",
             "  }\n\n  // The chunk's statistics",
         ),
+    },
+    "pair": {
+        "row_sum_shuffle": (
+            "row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);",
+            "row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 4);",
+        ),
+        "divergent_shuffle": (
+            "tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));",
+            "if (tig < 2) tile_max[i] = fmaxf(tile_max[i], "
+            "__shfl_xor_sync(0xffffffffu, tile_max[i], 1));",
+        ),
+        # (No refill slip: at chunks of up to 256 keys its two stages hold the chunk.)
+        "early_read": ("dfl_cp_async_wait<1>();", "dfl_cp_async_wait<2>();"),
+        # Group 0 reads the exchange before the other groups have written it.
+        "early_exchange": (
+            "  __syncthreads();\n  if (key_group > 0 || !warp_active) {",
+            "  if (key_group > 0 || !warp_active) {",
+        ),
+        # The groups' states combined without rescaling group 0's own.
+        "unscaled_own": ("    l_run[i] *= own;\n", ""),
     },
     "split": {
         "row_sum_shuffle": (
@@ -114,6 +136,9 @@ CAUGHT = {
     # Only idle warps running ahead with copies landing at issue refill too soon.
     ("stream", "early_refill"): (True, False, False, False),
     ("split", "early_reuse"): EVERYWHERE,
+    ("pair", "early_read"): (False, True, False, True),
+    ("pair", "early_exchange"): EVERYWHERE,
+    ("pair", "unscaled_own"): EVERYWHERE,
 }
 SLIP_DIM = 16
 # How the emulator refuses a run (any other failure is an emulator or test fault).
@@ -146,7 +171,8 @@ def tensor_emulator(tmp_path_factory) -> TensorEmulator:
         for name in LAYOUTS
         for dim in DIMS
     ]
-    specs += [attention.FOLD_CHUNKS, *MUTANTS.values()]
+    specs += [attention.FOLD_CHUNKS, attention.FOLD_GATED]
+    specs += [attention.FOLD_ROWS, attention.FOLD_ROWS_GATED, *MUTANTS.values()]
     return built_emulator(TensorEmulator, tmp_path_factory, "attention_emulator", specs)
 
 
@@ -175,7 +201,8 @@ def _tensor_launches(emulator: TensorEmulator, since: int, dim: int) -> list[str
     """The spec bases launched since ``since``; the tensor pass and the fold each time."""
     spec = tensor_attention.attend_spec(dim, attention.TENSOR_LAYOUT)
     launched = emulator.launched[since:]
-    assert launched == [spec.base, attention.FOLD_CHUNKS.base] * (len(launched) // 2)
+    fold = attention.FOLD_ROWS if attention.ROW_FOLD else attention.FOLD_CHUNKS
+    assert launched == [spec.base, fold.base] * (len(launched) // 2)
     return launched
 
 
@@ -233,6 +260,25 @@ def _slip_shows(spec: GroupKernelSpec, built) -> bool:
             if not any(refusal in str(error) for refusal in REFUSALS):
                 raise
             return True
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=_FIXTURES)
+@given(case=emulated_cases(max_queries=9), gated=st.booleans())
+def test_emulated_row_fold_gives_the_plain_folds_bits(
+    emulated, monkeypatch, case: Case, gated: bool
+) -> None:
+    """The warp-per-row fold adds the chunks in the plain fold's order: same bits."""
+    built = build(case)
+    kwargs = {"gate": _gate_for(built)} if gated else {}
+    monkeypatch.setattr(attention, "ROW_FOLD", True)
+    before = len(emulated.launched)
+    rows = built.attend(True, **kwargs)
+    monkeypatch.setattr(attention, "ROW_FOLD", False)
+    plain = built.attend(True, **kwargs)
+    launched = emulated.launched[before:]
+    want = (attention.FOLD_ROWS_GATED if gated else attention.FOLD_ROWS).base
+    assert launched[1] == want and launched[3] != want
+    assert np.array_equal(bits(rows), bits(plain)), case
 
 
 @pytest.mark.parametrize("layout, slip", sorted(CAUGHT))

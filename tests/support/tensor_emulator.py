@@ -160,7 +160,8 @@ inline void dfl_check_shared(const void* p, size_t bytes) {
 // ----- warp collectives: each lane posts, the warp meets, each reads the others -----
 struct DflPost {
   uint32_t a[4]; uint32_t b[2]; const unsigned char* row; uint32_t word;
-  uint32_t kind;  // which collective: 1 mma, 2 ldmatrix, 3 ldmatrix.trans, 4 + mask shuffle
+  uint32_t kind;  // which collective: 1 mma, 2 ldmatrix, 3 ldmatrix.trans, 4 + mask shuffle,
+                  // 40 / 41 integer min / max reduction
   uint32_t seq;   // how many collectives the lane met before
 };
 // Two slots a lane, used alternately: a lane can post its next collective while a
@@ -257,6 +258,27 @@ inline V __shfl_xor_sync(unsigned mask, V value, int lane_mask) {
   V out;
   std::memcpy(&out, &warp[dfl_lane() ^ uint(lane_mask)].word, 4);
   return out;
+}
+
+// __reduce_min_sync / __reduce_max_sync of 32-bit signed values over the whole warp.
+inline int dfl_reduce_warp(unsigned mask, int value, bool take_max) {
+  if (mask != 0xffffffffu) std::abort();
+  DflPost mine{{0, 0, 0, 0}, {0, 0}, nullptr, 0, 0, 0};
+  std::memcpy(&mine.word, &value, 4);
+  const DflPost* warp = dfl_meet(mine, take_max ? 41 : 40);
+  int out = value;
+  for (uint lane = 0; lane < 32; ++lane) {
+    int other;
+    std::memcpy(&other, &warp[lane].word, 4);
+    out = take_max ? (other > out ? other : out) : (other < out ? other : out);
+  }
+  return out;
+}
+inline int __reduce_min_sync(unsigned mask, int value) {
+  return dfl_reduce_warp(mask, value, false);
+}
+inline int __reduce_max_sync(unsigned mask, int value) {
+  return dfl_reduce_warp(mask, value, true);
 }
 
 // Two floats rounded to the 16-bit type, packed (first in the low half), and their
