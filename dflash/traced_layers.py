@@ -356,7 +356,7 @@ def layer_forward(
     floats = groups.float_params(float(attn.scale), 0.0)
     launch = form.launch
     geometry = (form.spec, launch.chunk_shapes, launch.chunk_groups, launch.out_shape)
-    geometry += (form.fold, form.fold_groups, form.dtype, x.shape, x.dtype)
+    geometry += (launch.fold_groups, form.dtype, x.shape, x.dtype)
     geometry += tuple((array.shape, array.dtype) for array in bound)
     post = _replay(traces.post, geometry, lambda: partial(_post_attention, layer, form))
     return post(x, queries, gate, *bound, launch.ints, floats, launch.fold_ints)

@@ -803,98 +803,6 @@ FOLD_GATED = GroupKernelSpec(
 )
 SPECS = (ATTEND_CHUNKS, FOLD_CHUNKS, FOLD_GATED)
 
-# The fold with a warp per output row (CUDA only): lane-strided chunk statistics give the
-# maximum (a maximum is exact in any order), then each lane adds the chunks in ascending
-# order for its own columns exactly as :data:`FOLD_CHUNKS` does for one, so the bits are
-# FOLD_CHUNKS' (checked bit for bit on CUDA). A warp's statistics loads are one broadcast
-# and its value loads 128 coalesced bytes; the plain fold re-reads each row's statistics
-# in every thread of the row, twice.
-ROW_FOLD_LANES = KERNEL_MAX_DIM // 32
-FOLD_ROWS_BODY = f"""
-  const int THREADS = {THREADS};
-  const int LANES = {ROW_FOLD_LANES};
-""" + """
-  const int total_threads = fold_params[0];
-  const int dim = fold_params[1];
-  const int n_chunks = fold_params[2];
-  const int n_heads = fold_params[3];
-  const int n_queries = fold_params[4];
-  const int lane = int(lid) % 32;
-  const int qrow = int(group) * (THREADS / 32) + int(lid) / 32;
-  if (qrow * dim >= total_threads) {
-    return;
-  }
-  const int base = qrow * n_chunks;
-  const float NEG_INF = -cuda::std::numeric_limits<float>::infinity();
-  float top = NEG_INF;
-  for (int u = lane; u < n_chunks; u += 32) {
-    if (part_stats[(base + u) * 2 + 1] > 0.0f) {
-      top = DFL_FMAX(top, part_stats[(base + u) * 2]);
-    }
-  }
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    top = DFL_FMAX(top, __shfl_xor_sync(0xffffffffu, top, offset));
-  }
-  // No chunk seen: the plain fold keeps its initial 0.
-  top = top == NEG_INF ? 0.0f : top;
-  float l = 0.0f;
-  float acc[LANES];
-  for (int k = 0; k < LANES; ++k) {
-    acc[k] = 0.0f;
-  }
-  DFL_UNROLL8
-  for (int u = 0; u < n_chunks; ++u) {
-    const float l_u = part_stats[(base + u) * 2 + 1];
-    const float m_u = part_stats[(base + u) * 2];
-    const float w = l_u > 0.0f ? DFL_EXP(m_u - top) : 0.0f;
-    l = DFL_FMA(l_u, w, l);
-    for (int k = 0; k < LANES; ++k) {
-      const int d = lane + 32 * k;
-      if (d < dim) {
-        acc[k] = DFL_FMA(part_values[(base + u) * dim + d], w, acc[k]);
-      }
-    }
-  }
-  const int b = qrow / (n_heads * n_queries);
-  const int h = (qrow / n_queries) % n_heads;
-  const int s = qrow % n_queries;
-  for (int k = 0; k < LANES; ++k) {
-    const int d = lane + 32 * k;
-    if (d >= dim) {
-      break;
-    }
-    const float acc_d = acc[k];
-"""
-ROW_FOLD_STORE = "    out[((b * n_queries + s) * n_heads + h) * dim + d] = T(acc_d / l);\n  }\n"
-ROW_FOLD_GATED_STORE = (
-    "    const int at = ((b * n_queries + s) * n_heads + h) * dim + d;\n"
-    "    out[at] = DFL_GATED(acc_d / l, gate[at]);\n  }\n"
-)
-FOLD_ROWS = GroupKernelSpec(
-    base="fold_rows",
-    input_names=FOLD_CHUNKS.input_names,
-    input_types=FOLD_CHUNKS.input_types,
-    output_names=("out",),
-    output_types=("T",),
-    helpers="",
-    body=FOLD_ROWS_BODY + ROW_FOLD_STORE,
-    threads=THREADS,
-    small_inputs=("fold_params",),
-    backends=(backend.CUDA,),
-)
-FOLD_ROWS_GATED = GroupKernelSpec(
-    base="fold_rows_gated",
-    input_names=FOLD_GATED.input_names,
-    input_types=FOLD_GATED.input_types,
-    output_names=("out",),
-    output_types=("T",),
-    helpers=FOLD_GATE_HELPERS,
-    body=FOLD_ROWS_BODY + ROW_FOLD_GATED_STORE,
-    threads=THREADS,
-    small_inputs=("fold_params",),
-    backends=(backend.CUDA,),
-)
-
 
 # ``DFLASH_TENSOR_CORES=0`` keeps CUDA on the scalar body (for comparisons); otherwise
 # the tensor-core form takes every call it serves (:mod:`.tensor_attention`).
@@ -903,9 +811,6 @@ TENSOR_CORES: bool = backend.env_switch(TENSOR_CORES_ENV) is not False
 # Which tensor-core layout this process runs: ``DFLASH_TENSOR_LAYOUT``, read on first
 # use and kept (None: not read yet), so a bad value fails the first call, not the import.
 TENSOR_LAYOUT: Optional[tensor_attention.Layout] = None
-# ``DFLASH_ROW_FOLD=0`` keeps CUDA on the plain fold; both give the same bits.
-ROW_FOLD_ENV = "DFLASH_ROW_FOLD"
-ROW_FOLD: bool = backend.env_switch(ROW_FOLD_ENV) is not False
 
 
 def tensor_layout() -> tensor_attention.Layout:
@@ -944,7 +849,6 @@ class Launch:
     fold_ints: mx.array
     out_shape: Shape
     fold_groups: int
-    row_fold_groups: int
 
 
 @functools.lru_cache(maxsize=1024)
@@ -968,7 +872,6 @@ def _launch(plan: Plan, rows_per_group: int) -> Launch:
         fold_ints=int_params(total, plan.dim, plan.chunks, plan.heads, plan.queries),
         out_shape=(plan.batch, plan.queries, plan.heads, plan.dim),
         fold_groups=-(-total // THREADS),
-        row_fold_groups=-(-(total // plan.dim) // (THREADS // 32)),
     )
 
 
@@ -1014,16 +917,13 @@ def kernel_attention(
 @dataclass(frozen=True)
 class KernelForm:
     """What the two launches of a plan are, apart from their arrays: the chunk pass's
-    spec, the geometry (:class:`Launch`, with the plan's integer scalars), whether
-    the fold applies a gate, and the fold's spec and group count (the row fold on
-    CUDA, :data:`ROW_FOLD`). Calls of equal forms differ only in their inputs."""
+    spec, the geometry (:class:`Launch`, with the plan's integer scalars) and whether
+    the fold applies a gate. Calls of equal forms differ only in their inputs."""
 
     spec: GroupKernelSpec
     launch: Launch
     dtype: mx.Dtype
     gated: bool
-    fold: GroupKernelSpec
-    fold_groups: int
 
 
 def kernel_form(plan: Plan, dtype: mx.Dtype, gated: bool) -> KernelForm:
@@ -1044,13 +944,7 @@ def kernel_form(plan: Plan, dtype: mx.Dtype, gated: bool) -> KernelForm:
         if layout is None
         else tensor_attention.attend_spec(plan.dim, layout)
     )
-    if ROW_FOLD and backend.BACKEND == backend.CUDA:
-        fold = FOLD_ROWS_GATED if gated else FOLD_ROWS
-        fold_groups = launch.row_fold_groups
-    else:
-        fold = FOLD_GATED if gated else FOLD_CHUNKS
-        fold_groups = launch.fold_groups
-    return KernelForm(spec, launch, dtype, bool(gated), fold, fold_groups)
+    return KernelForm(spec, launch, dtype, bool(gated))
 
 
 def bound_arrays(
@@ -1107,11 +1001,11 @@ def launch_attention(
     )
     fold_inputs = [stats, weighted, fold_ints]
     (out,) = groups.launch_groups(
-        form.fold,
+        FOLD_GATED if form.gated else FOLD_CHUNKS,
         fold_inputs + [gate] if form.gated else fold_inputs,
         [launch.out_shape],
         [form.dtype],
-        form.fold_groups,
+        launch.fold_groups,
         form.dtype,
     )
     # Stored (B, S, Hq, D): this view is (B, Hq, S, D), and transposing it back is free.

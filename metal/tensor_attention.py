@@ -57,6 +57,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from . import tensor_qmm
 from .groups import GroupKernelSpec
 from .sources import CUDA
 
@@ -72,6 +73,9 @@ STAGES = 2
 # in shared memory at the end, combined in group order. Half of stream's chain a warp,
 # twice its warps an SM.
 PAIR_GROUPS = 2
+# wide: 64 rows x a chunk of up to WIDE_GROUPS tiles, one warp a (row tile, key tile):
+# 16 warps, one tile each, bounded to 128 registers (one CTA an SM).
+WIDE_GROUPS = 4
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,8 @@ class Layout:
 SPLIT = Layout("split", 32, 32 * 2 * KEY_SPLIT, KEY_SPLIT * TILE)
 STREAM = Layout("stream", 64, 32 * 4, 1 << 30)
 PAIR = Layout("pair", 64, 32 * 4 * PAIR_GROUPS, 1 << 30)
-LAYOUTS = {layout.name: layout for layout in (SPLIT, STREAM, PAIR)}
+WIDE = Layout("wide", 64, 32 * 4 * WIDE_GROUPS, WIDE_GROUPS * TILE)
+LAYOUTS = {layout.name: layout for layout in (SPLIT, STREAM, PAIR, WIDE)}
 # The two layouts sum in different orders (different bits, each batch-invariant), so a
 # process uses one: ``DFLASH_TENSOR_LAYOUT`` or the measured default.
 LAYOUT_ENV = "DFLASH_TENSOR_LAYOUT"
@@ -663,6 +668,13 @@ DFL_FN int dfl_row_offset_wrap(int pos, int bh, int dim, int cap, int n_block,
 """
 
 
+# Helper text by layout (stream's and split's texts stay as they ran).
+_LAYOUT_HELPERS = {
+    "pair": PAIR_HELPERS,
+    "wide": PAIR_HELPERS + tensor_qmm.launch_bounds(32 * 4 * WIDE_GROUPS, 1),
+}
+
+
 def _pair_body(dim: int) -> str:
     """The ``pair`` layout's body for head dim ``dim`` (a compile-time constant).
 
@@ -901,6 +913,247 @@ def _pair_body(dim: int) -> str:
     )
 
 
+def _wide_body(dim: int) -> str:
+    """The ``wide`` layout's body for head dim ``dim`` (a compile-time constant).
+
+    One warp a (row tile, key tile) of the chunk, 16 warps: each attends its one tile
+    (no online rescale), the queries are staged once in shared memory for the four
+    key tiles (ldmatrix gives the A fragments, so they hold no registers between
+    uses), and the tiles' states meet in shared memory, combined in tile order.
+    Unseen tiles, unmasked whole tiles, log2 scores and the ring's one-compare wrap
+    as in ``pair``.
+    """
+    return (
+        _constants(dim, WIDE, "GROUPS", WIDE_GROUPS)
+        + _PARAMS
+        + r"""  constexpr float LOG2E = 1.4426950408889634f;
+  constexpr float LN2 = 0.6931471805599453f;
+  extern __shared__ __align__(16) unsigned char dfl_smem[];
+  T* k_tiles = reinterpret_cast<T*>(dfl_smem);
+  T* v_tiles = k_tiles + GROUPS * TILE * PITCH;
+  T* q_rows = v_tiles + GROUPS * TILE * PITCH;
+
+  const int n_tiles = chunk / TILE;
+  // Keys any query of the call sees (first and last keys grow with the position).
+  const int call_first = dfl_first_key(query_start, window);
+  const int call_last =
+      dfl_last_key(query_start + n_queries - 1, window, causal, key_end);
+
+  // Stage the block's query rows (zeros for rows that hold none) and the chunk's
+  // tiles that some query sees (zeros outside the live positions), all at once.
+  for (int idx = int(lid); idx < ROWS * VECTORS; idx += THREADS) {
+    const int r = idx / VECTORS;
+    const int c = (idx % VECTORS) * 8;
+    const int row = rb * ROWS + r;
+    const bool ok = row < head_rows;
+    // Queries come (B, S, Hq, D) (see attention.kernel_attention).
+    const int qsrc = ok
+        ? (b * n_queries + row % n_queries) * n_heads + h * group_size + row / n_queries
+        : 0;
+    dfl_cp_async16(q_rows + r * PITCH + c, queries + qsrc * DIM + c, ok);
+  }
+  for (int idx = int(lid); idx < GROUPS * TILE * VECTORS; idx += THREADS) {
+    const int g = idx / (TILE * VECTORS);
+    const int r = (idx / VECTORS) % TILE;
+    const int c = (idx % VECTORS) * 8;
+    const int tile_start = chunk_start + g * TILE;
+    if (g >= n_tiles || tile_start > call_last || tile_start + TILE - 1 < call_first) {
+      continue;
+    }
+    const int pos = tile_start + r;
+    const bool live = pos >= origin_logical && pos < key_end;
+    const T* k_src = keys;
+    const T* v_src = values;
+    if (live) {
+      const int off = dfl_row_offset_wrap(pos, bh, DIM, cap, n_block, origin_logical,
+                                          origin_physical, ring_end);
+      k_src = (pos < ring_end ? keys : block_keys) + off + c;
+      v_src = (pos < ring_end ? values : block_values) + off + c;
+    }
+    dfl_cp_async16(k_tiles + (g * TILE + r) * PITCH + c, k_src, live);
+    dfl_cp_async16(v_tiles + (g * TILE + r) * PITCH + c, v_src, live);
+  }
+  dfl_cp_async_commit();
+
+"""
+        + _LANES
+        + r"""  const int row_tile = warp % 4;
+  const int key_tile = warp / 4;
+  // This thread's two rows of the warp's m16 tile: gid and gid + 8.
+"""
+        + _ROWS.replace("@TILE@", "row_tile")
+        + r"""  const bool warp_active = rb * ROWS + row_tile * 16 < head_rows;
+  // The warp's rows' key limits: any row (skip) and every row (no mask).
+  const int big = cuda::std::numeric_limits<int>::max();
+  const int small = cuda::std::numeric_limits<int>::min();
+  int first_min = big, first_max = small, last_min = big, last_max = small;
+  for (int i = 0; i < 2; ++i) {
+    if (row_ok[i]) {
+      first_min = first[i] < first_min ? first[i] : first_min;
+      first_max = first[i] > first_max ? first[i] : first_max;
+      last_min = last[i] < last_min ? last[i] : last_min;
+      last_max = last[i] > last_max ? last[i] : last_max;
+    }
+  }
+  first_min = __reduce_min_sync(0xffffffffu, first_min);
+  first_max = __reduce_max_sync(0xffffffffu, first_max);
+  last_min = __reduce_min_sync(0xffffffffu, last_min);
+  last_max = __reduce_max_sync(0xffffffffu, last_max);
+  const int tile_start = chunk_start + key_tile * TILE;
+  const bool seen =
+      key_tile < n_tiles && tile_start <= last_max && tile_start + TILE - 1 >= first_min;
+
+  // The tile's state in log2 units.
+  float m_tile[2] = {NEG_INF, NEG_INF};
+  float l_tile[2] = {0.0f, 0.0f};
+"""
+        + _ACCUMULATORS
+        + r"""
+  dfl_cp_async_wait<0>();
+  __syncthreads();
+  if (warp_active && seen) {
+    const T* k_tile = k_tiles + key_tile * TILE * PITCH;
+    const T* v_tile = v_tiles + key_tile * TILE * PITCH;
+    const T* q_tile = q_rows + row_tile * 16 * PITCH;
+    // Scores of the warp's 16 rows against its 64 keys; A fragments by ldmatrix
+    // (matrices: rows lo/hi x dims lo, rows lo/hi x dims hi).
+    float s[KEY_TILES][4];
+    for (int j = 0; j < KEY_TILES; ++j) {
+      for (int e = 0; e < 4; ++e) {
+        s[j][e] = 0.0f;
+      }
+    }
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+      uint32_t qa[4];
+      dfl_ldmatrix_x4(qa, q_tile + (((lane >> 3) & 1) * 8 + (lane & 7)) * PITCH
+                              + ks * 16 + (lane >> 4) * 8);
+      for (int j = 0; j < KEY_TILES; j += 2) {
+        // Matrices: keys j*8.. x dims lo/hi, keys (j+1)*8.. x dims lo/hi.
+        const int mi = lane >> 3;
+        const int key = (j + (mi >> 1)) * 8 + (lane & 7);
+        const int d = ks * 16 + (mi & 1) * 8;
+        uint32_t kf[4];
+        dfl_ldmatrix_x4(kf, k_tile + key * PITCH + d);
+        dfl_mma(s[j], qa, kf[0], kf[1], queries);
+        dfl_mma(s[j + 1], qa, kf[2], kf[3], queries);
+      }
+    }
+    // Scale (to log2 units), soft-cap, hide what a row does not see; row maxima.
+    const bool whole = first_max <= tile_start && last_min >= tile_start + TILE - 1;
+    const float scale_log2 = scale * LOG2E;
+    for (int j = 0; j < KEY_TILES; ++j) {
+      for (int e = 0; e < 4; ++e) {
+        const int i = e >> 1;
+        float score = s[j][e] * scale_log2;
+        if (softcap > 0.0f) {
+          score = softcap * LOG2E * tanhf(s[j][e] * scale / softcap);
+        }
+        if (!whole) {
+          const int pos = tile_start + j * 8 + tig * 2 + (e & 1);
+          score = pos >= first[i] && pos <= last[i] ? score : NEG_INF;
+        }
+        s[j][e] = score;
+        m_tile[i] = fmaxf(m_tile[i], score);
+      }
+    }
+    float m_use[2];
+    for (int i = 0; i < 2; ++i) {
+      m_tile[i] = fmaxf(m_tile[i], __shfl_xor_sync(0xffffffffu, m_tile[i], 1));
+      m_tile[i] = fmaxf(m_tile[i], __shfl_xor_sync(0xffffffffu, m_tile[i], 2));
+      // A row that sees nothing here has only -inf scores: exp2(-inf - 0) = 0.
+      m_use[i] = m_tile[i] == NEG_INF ? 0.0f : m_tile[i];
+    }
+    // Weights, rounded to T (A of the weighted values); row sums of the rounded ones.
+    uint32_t p_frag[KEY_TILES][2];
+    for (int j = 0; j < KEY_TILES; ++j) {
+      for (int i = 0; i < 2; ++i) {
+        float lo, hi;
+        p_frag[j][i] = dfl_pack(exp2f(s[j][2 * i] - m_use[i]),
+                                exp2f(s[j][2 * i + 1] - m_use[i]), lo, hi, queries);
+        l_tile[i] += lo;
+        l_tile[i] += hi;
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      l_tile[i] += __shfl_xor_sync(0xffffffffu, l_tile[i], 1);
+      l_tile[i] += __shfl_xor_sync(0xffffffffu, l_tile[i], 2);
+    }
+"""
+        + _indent(_WEIGHTED_VALUES, 2)
+        + r"""  }
+  __syncthreads();  // the tiles are read: their memory holds the exchange now
+
+  // Key tiles 1.. write their states lane-major; tile 0's warp combines them in order.
+  constexpr int VALUES = DIM_TILES * 4 + 4;
+  float* exchange = reinterpret_cast<float*>(dfl_smem);
+  if (key_tile > 0) {
+    float* mine = exchange + ((key_tile - 1) * 4 + row_tile) * VALUES * 32 + lane;
+    for (int dt = 0; dt < DIM_TILES; ++dt) {
+      for (int j = 0; j < 4; ++j) {
+        mine[(dt * 4 + j) * 32] = acc[dt][j];
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      mine[(DIM_TILES * 4 + i) * 32] = m_tile[i];
+      mine[(DIM_TILES * 4 + 2 + i) * 32] = l_tile[i];
+    }
+  }
+  __syncthreads();
+  if (key_tile > 0 || !warp_active) {
+    return;
+  }
+  // Unrolled whole: an accumulator indexed at run time would live in local memory.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float top = m_tile[i];
+    for (int g = 1; g < GROUPS; ++g) {
+      const float* theirs = exchange + ((g - 1) * 4 + row_tile) * VALUES * 32 + lane;
+      top = fmaxf(top, theirs[(DIM_TILES * 4 + i) * 32]);
+    }
+    // A state that saw nothing (-inf) weighs exactly 0; all -inf stays (-inf, 0, 0).
+    const float own = m_tile[i] == NEG_INF ? 0.0f : exp2f(m_tile[i] - top);
+    l_tile[i] *= own;
+    for (int dt = 0; dt < DIM_TILES; ++dt) {
+      acc[dt][2 * i] *= own;
+      acc[dt][2 * i + 1] *= own;
+    }
+#pragma unroll
+    for (int g = 1; g < GROUPS; ++g) {
+      const float* theirs = exchange + ((g - 1) * 4 + row_tile) * VALUES * 32 + lane;
+      const float m_g = theirs[(DIM_TILES * 4 + i) * 32];
+      const float w = m_g == NEG_INF ? 0.0f : exp2f(m_g - top);
+      l_tile[i] = fmaf(theirs[(DIM_TILES * 4 + 2 + i) * 32], w, l_tile[i]);
+      for (int dt = 0; dt < DIM_TILES; ++dt) {
+        for (int e = 0; e < 2; ++e) {
+          acc[dt][2 * i + e] = fmaf(theirs[(dt * 4 + 2 * i + e) * 32], w, acc[dt][2 * i + e]);
+        }
+      }
+    }
+    m_tile[i] = top;
+  }
+
+  // The chunk's statistics (natural units, as the fold reads them) and weighted values.
+  for (int i = 0; i < 2; ++i) {
+    if (!row_ok[i]) {
+      continue;
+    }
+    const int qrow = (b * n_heads + h * group_size + row[i] / n_queries) * n_queries
+        + row[i] % n_queries;
+    const int at = qrow * n_chunks + u;
+    if (tig == 0) {
+      part_stats[at * 2] = m_tile[i] * LN2;
+      part_stats[at * 2 + 1] = l_tile[i];
+    }
+    for (int dt = 0; dt < DIM_TILES; ++dt) {
+      const int d = dt * 8 + tig * 2;
+      part_values[at * DIM + d] = acc[dt][2 * i];
+      part_values[at * DIM + d + 1] = acc[dt][2 * i + 1];
+    }
+  }
+"""
+    )
+
+
 def shared_bytes(dim: int, layout: Layout) -> int:
     """Dynamic shared memory of one threadgroup.
 
@@ -914,10 +1167,17 @@ def shared_bytes(dim: int, layout: Layout) -> int:
         return max(tiles, partials)
     if layout is PAIR:
         return 2 * STAGES * PAIR_GROUPS * TILE * (dim + PAD) * 2
+    if layout is WIDE:
+        return (2 * WIDE_GROUPS * TILE + layout.rows) * (dim + PAD) * 2
     return 2 * STAGES * TILE * (dim + PAD) * 2
 
 
-_BODIES = {"split": _split_body, "stream": _stream_body, "pair": _pair_body}
+_BODIES = {
+    "split": _split_body,
+    "stream": _stream_body,
+    "pair": _pair_body,
+    "wide": _wide_body,
+}
 
 
 @functools.lru_cache(maxsize=None)
@@ -934,9 +1194,7 @@ def attend_spec(dim: int, layout: Layout = STREAM) -> GroupKernelSpec:
         input_types=("T", "T", "T", "T", "T", "int32", "float32"),
         output_names=("part_stats", "part_values"),
         output_types=("float32", "float32"),
-        helpers=ATTENTION_HELPERS
-        + TENSOR_HELPERS
-        + (PAIR_HELPERS if layout is PAIR else ""),
+        helpers=ATTENTION_HELPERS + TENSOR_HELPERS + _LAYOUT_HELPERS.get(layout.name, ""),
         body=_BODIES[layout.name](dim),
         threads=layout.threads,
         small_inputs=("fparams",),

@@ -254,7 +254,7 @@ def test_launch_cost_times_every_op_and_refuses_an_unknown_one(tmp_path, capsys)
 
 def test_stubbed_launches_take_our_kernel_path_and_restore_everything():
     from benchmarks import launch_cost
-    from dflash.metal import attention, backend, groups
+    from dflash.metal import backend, groups
     from dflash.metal.attention import KeyPlane, small_query_attention
 
     launched = []
@@ -268,10 +268,8 @@ def test_stubbed_launches_take_our_kernel_path_and_restore_everything():
             out = small_query_attention(mx.zeros((1, 4, 1, 16)), plane, scale=0.25)
         finally:
             groups.launch_groups = stub
-    # The kernel path's two launches ran as stand-ins of the right shape (the fold a
-    # warp a row, as on CUDA, unless switched off).
-    fold = attention.FOLD_ROWS if attention.ROW_FOLD else attention.FOLD_CHUNKS
-    assert launched == ["attend_chunks", fold.base] and out.shape == (1, 4, 1, 16)
+    # The kernel path's two launches ran as stand-ins of the right shape.
+    assert launched == ["attend_chunks", "fold_chunks"] and out.shape == (1, 4, 1, 16)
     assert groups.launch_groups is real
     assert (backend.BACKEND, backend.use_kernel_path) == before
 

@@ -20,15 +20,13 @@ import hashlib
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.attention_cases import Case, bits, build, cases, close_to_oracle
+from support.attention_cases import Case, build, cases, close_to_oracle
 from support.compilers import NVCC, needs_nvcc
 from support.group_emulator import check_cuda
 from test_verify_kernels import (
-    _gate_for,
     assert_batch_invariant,
     assert_kernel_near_oracle_and_reference,
     assert_seamless,
@@ -170,23 +168,15 @@ def _captured_launches(monkeypatch, case: Case, switch: bool = True) -> list:
     return launches
 
 
-@pytest.mark.parametrize("row_fold", [True, False])
-def test_launch_geometry_at_glimmer_shapes(monkeypatch, layout, row_fold) -> None:
-    """16 queries x 16 grouped heads = 256 rows in blocks of the layout's rows, 17 chunks;
-    the fold a warp per output row (8 a group), or with the switch off a thread per
-    output element."""
-    monkeypatch.setattr(attention, "ROW_FOLD", row_fold)
+def test_launch_geometry_at_glimmer_shapes(monkeypatch, layout) -> None:
+    """16 queries x 16 grouped heads = 256 rows in blocks of the layout's rows, 17 chunks."""
     launches = _captured_launches(monkeypatch, glimmer_case(ring=False))
-    (spec, count, shapes), (fold, fold_count, _) = launches
+    (spec, count, shapes), (fold, _, _) = launches
     assert spec is tensor_attention.attend_spec(128, layout)
     plan_chunks = shapes[0][3]
     assert plan_chunks == 17
     assert count == 1 * 2 * plan_chunks * (256 // layout.rows)
-    rows = 1 * 32 * 16
-    if row_fold:
-        assert fold is attention.FOLD_ROWS and fold_count == rows // 8
-    else:
-        assert fold is attention.FOLD_CHUNKS and fold_count == rows * 128 // 256
+    assert fold is attention.FOLD_CHUNKS
 
 
 def test_switch_off_keeps_the_scalar_body(monkeypatch) -> None:
@@ -254,26 +244,6 @@ def test_cuda_tensor_form_at_glimmer_shapes(ring: bool, layout) -> None:
 @pytest.mark.cuda
 @cuda
 @settings(max_examples=40, deadline=None)
-@given(case=cases(), gated=st.booleans(), tensor=st.booleans())
-def test_cuda_row_fold_gives_the_plain_folds_bits(case: Case, gated, tensor) -> None:
-    """Both chunk passes, gated or not: the row fold's output is the plain fold's."""
-    built = build(case)
-    kwargs = {"gate": _gate_for(built)} if gated else {}
-    saved = attention.ROW_FOLD, attention.TENSOR_CORES
-    try:
-        attention.TENSOR_CORES = tensor
-        attention.ROW_FOLD = True
-        rows = built.attend(True, **kwargs)
-        attention.ROW_FOLD = False
-        plain = built.attend(True, **kwargs)
-    finally:
-        attention.ROW_FOLD, attention.TENSOR_CORES = saved
-    assert np.array_equal(bits(rows), bits(plain)), case
-
-
-@pytest.mark.cuda
-@cuda
-@settings(max_examples=40, deadline=None)
 @given(case=served_cases())
 def test_cuda_scalar_body_still_matches_the_oracle(case: Case) -> None:
     saved = attention.TENSOR_CORES
@@ -329,11 +299,12 @@ RAN_ON_THE_H200 = {
 # Forms whose text changed, or new forms, that have not run on a GPU. A form
 # listed here must be named in the README's "What ran where".
 NOT_RUN_SINCE_CHANGED: set = set()
-# Session 30: the pair layout (opt-in, DFLASH_TENSOR_LAYOUT=pair) and the row fold.
+# Session 30 (docs/benchmarks/h200-2026-12-03-s30, call A): the pair layout (12 `cuda`
+# attention tests with the layouts in turn, hypothesis included).
+RAN_ON_THE_H200.add("dflash_attend_chunks_pair128_46ceffda7a")
+# Not run yet: the wide layout.
 NOT_RUN_SINCE_CHANGED |= {
-    tensor_attention.attend_spec(128, tensor_attention.PAIR).name("cuda"),
-    attention.FOLD_ROWS.name("cuda"),
-    attention.FOLD_ROWS_GATED.name("cuda"),
+    tensor_attention.attend_spec(128, tensor_attention.WIDE).name("cuda"),
 }
 # Session 23 (docs/benchmarks/h200-2026-12-02-s23): the matmul's SwiGLU forms (opt-in
 # ``DFLASH_SWIGLU=1``): call D, the two-K-group forms (4 `cuda` tests: hypothesis over
@@ -383,8 +354,6 @@ def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
     }
     shipped.add(attention.FOLD_CHUNKS.name("cuda"))
     shipped.add(attention.FOLD_GATED.name("cuda"))
-    shipped.add(attention.FOLD_ROWS.name("cuda"))
-    shipped.add(attention.FOLD_ROWS_GATED.name("cuda"))
     shipped.add(heads.HEAD_PREP.name("cuda"))
     shipped.add(norms.RESIDUAL_NORM.name("cuda"))
     shipped.update(spec.name("cuda") for spec in tensor_qmm.SPECS)

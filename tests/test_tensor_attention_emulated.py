@@ -19,15 +19,13 @@ from __future__ import annotations
 import dataclasses
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.attention_cases import Case, build, cases, close_to_oracle
 from support.compilers import built_emulator
 from support.tensor_emulator import TensorEmulator
-from support.attention_cases import bits
-from test_verify_kernels import _gate_for, assert_batch_invariant, assert_seamless
+from test_verify_kernels import assert_batch_invariant, assert_seamless
 
 from dflash.metal import attention, groups, tensor_attention
 from dflash.metal.groups import GroupKernelSpec
@@ -90,6 +88,43 @@ _LAYOUT_SLIPS = {
         # The groups' states combined without rescaling group 0's own.
         "unscaled_own": ("    l_run[i] *= own;\n", ""),
     },
+    "wide": {
+        # Its queries' fragments are ldmatrix'd into `qa` at each k-step.
+        "fragments": (
+            "dfl_mma(s[j], qa, kf[0], kf[1], queries);",
+            "dfl_mma(s[j], qa, kf[1], kf[0], queries);",
+        ),
+        "row_sum_shuffle": (
+            "l_tile[i] += __shfl_xor_sync(0xffffffffu, l_tile[i], 2);",
+            "l_tile[i] += __shfl_xor_sync(0xffffffffu, l_tile[i], 4);",
+        ),
+        "divergent_shuffle": (
+            "m_tile[i] = fmaxf(m_tile[i], __shfl_xor_sync(0xffffffffu, m_tile[i], 1));",
+            "if (tig < 2) m_tile[i] = fmaxf(m_tile[i], "
+            "__shfl_xor_sync(0xffffffffu, m_tile[i], 1));",
+        ),
+        "no_wait": (
+            "  dfl_cp_async_wait<0>();\n  __syncthreads();\n",
+            "  __syncthreads();\n",
+        ),
+        "wait_after_barrier": (
+            "  dfl_cp_async_wait<0>();\n  __syncthreads();\n",
+            "  __syncthreads();\n  dfl_cp_async_wait<0>();\n",
+        ),
+        "early_reuse": (
+            "  __syncthreads();  // the tiles are read: their memory holds the exchange now\n",
+            "",
+        ),
+        "early_exchange": (
+            "  __syncthreads();\n  if (key_tile > 0 || !warp_active) {",
+            "  if (key_tile > 0 || !warp_active) {",
+        ),
+        # The queries' A fragments with rows and head-dim halves crossed.
+        "query_rows": (
+            "(((lane >> 3) & 1) * 8 + (lane & 7)) * PITCH",
+            "((lane >> 4) * 8 + (lane & 7)) * PITCH",
+        ),
+    },
     "split": {
         "row_sum_shuffle": (
             "l_tile[i] += __shfl_xor_sync(0xffffffffu, l_tile[i], 2);",
@@ -139,6 +174,11 @@ CAUGHT = {
     ("pair", "early_read"): (False, True, False, True),
     ("pair", "early_exchange"): EVERYWHERE,
     ("pair", "unscaled_own"): EVERYWHERE,
+    ("wide", "no_wait"): (False, True, False, True),
+    ("wide", "wait_after_barrier"): (False, False, False, True),
+    ("wide", "early_reuse"): EVERYWHERE,
+    ("wide", "early_exchange"): EVERYWHERE,
+    ("wide", "query_rows"): EVERYWHERE,
 }
 SLIP_DIM = 16
 # How the emulator refuses a run (any other failure is an emulator or test fault).
@@ -171,8 +211,7 @@ def tensor_emulator(tmp_path_factory) -> TensorEmulator:
         for name in LAYOUTS
         for dim in DIMS
     ]
-    specs += [attention.FOLD_CHUNKS, attention.FOLD_GATED]
-    specs += [attention.FOLD_ROWS, attention.FOLD_ROWS_GATED, *MUTANTS.values()]
+    specs += [attention.FOLD_CHUNKS, *MUTANTS.values()]
     return built_emulator(TensorEmulator, tmp_path_factory, "attention_emulator", specs)
 
 
@@ -201,8 +240,7 @@ def _tensor_launches(emulator: TensorEmulator, since: int, dim: int) -> list[str
     """The spec bases launched since ``since``; the tensor pass and the fold each time."""
     spec = tensor_attention.attend_spec(dim, attention.TENSOR_LAYOUT)
     launched = emulator.launched[since:]
-    fold = attention.FOLD_ROWS if attention.ROW_FOLD else attention.FOLD_CHUNKS
-    assert launched == [spec.base, fold.base] * (len(launched) // 2)
+    assert launched == [spec.base, attention.FOLD_CHUNKS.base] * (len(launched) // 2)
     return launched
 
 
@@ -260,25 +298,6 @@ def _slip_shows(spec: GroupKernelSpec, built) -> bool:
             if not any(refusal in str(error) for refusal in REFUSALS):
                 raise
             return True
-
-
-@settings(max_examples=15, deadline=None, suppress_health_check=_FIXTURES)
-@given(case=emulated_cases(max_queries=9), gated=st.booleans())
-def test_emulated_row_fold_gives_the_plain_folds_bits(
-    emulated, monkeypatch, case: Case, gated: bool
-) -> None:
-    """The warp-per-row fold adds the chunks in the plain fold's order: same bits."""
-    built = build(case)
-    kwargs = {"gate": _gate_for(built)} if gated else {}
-    monkeypatch.setattr(attention, "ROW_FOLD", True)
-    before = len(emulated.launched)
-    rows = built.attend(True, **kwargs)
-    monkeypatch.setattr(attention, "ROW_FOLD", False)
-    plain = built.attend(True, **kwargs)
-    launched = emulated.launched[before:]
-    want = (attention.FOLD_ROWS_GATED if gated else attention.FOLD_ROWS).base
-    assert launched[1] == want and launched[3] != want
-    assert np.array_equal(bits(rows), bits(plain)), case
 
 
 @pytest.mark.parametrize("layout, slip", sorted(CAUGHT))
