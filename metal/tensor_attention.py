@@ -17,33 +17,48 @@ issue's goal (16 queries x 16 query heads per KV head over 4k keys is ~1 GFLOP,
   type for ``P V`` and the row sums add the rounded weights, so the normalisation
   matches what was multiplied.
 
-Two layouts, which sum in different orders (one per process, ``DFLASH_TENSOR_LAYOUT``):
+Four layouts, which sum in different orders (one per process, ``DFLASH_TENSOR_LAYOUT``):
 
-* ``stream`` (default): a threadgroup of 4 warps x 16 rows streams the chunk's
-  64-key tiles through two buffers; each warp folds them in order (online softmax);
+* ``wide`` (default since session 30): a threadgroup of 16 warps = 4 row tiles x 4 key
+  tiles, one tile each, the chunk and the queries staged at once (ldmatrix gives the
+  queries' fragments), bounded to 128 registers; the tiles' states meet in shared
+  memory, combined in tile order;
+* ``pair``: ``stream``'s rows with the chunk's tiles dealt to two groups of 4 warps,
+  each folding its own, combined at the end;
+* ``stream``: a threadgroup of 4 warps x 16 rows streams the chunk's 64-key tiles
+  through two buffers; each warp folds them in order (online softmax);
 * ``split``: a threadgroup of 8 warps = 2 row tiles x 4 key tiles, one tile per
   warp, the whole chunk staged at once; the tile partials meet in shared memory
   and are combined in tile order against their maximum, as the fold combines chunks.
 
-Measured on an H200 (``docs/verify-kernels-analysis.md``): 16 queries over 4k keys
-in 51 us (``stream``; cuDNN 54.5), 36 us on a 2,048-row ring (mlx's sdpa plus the
-shadow copies 89); one query 21 us (``split``) to 30 us (``stream``). Both are
-latency-bound at low occupancy.
+``wide`` and ``pair`` also skip tiles no row sees (neither loaded nor attended: such a
+tile's weights are exact zeros and its rescale is by exactly 1, so no bit changes),
+skip the mask on tiles every row of a warp sees whole, keep scores in log2 units
+(``exp2f``; the statistics are stored in natural units for the fold) and wrap the
+ring with one compare.
+
+Device time on an H200 (Nsight Compute, session 30, cycles; ``docs/verify-kernels-analysis.md``):
+16 queries over 4k keys, the chunk pass 49.8k (``wide``), 53.3k (``pair``), 67.3k
+(``stream``); one query 26.2k against 44.1k; over a 2,048-row ring 39.3k against
+57.8k. All are latency-bound at low occupancy.
 
 **Batch invariance.** A row's result is produced by the same instruction sequence
 whatever the other rows are: the chunk's tiles are fixed by absolute position and
-all of them are processed, the tensor core computes each output element from its
-own row and column only, the row maxima and sums are reduced in a fixed order
-inside a quad (thread-local in key order, then lanes ``xor 1``, ``xor 2``), the
-tiles of a chunk are folded (``stream``) or combined (``split``) in tile order, and
-the chunks are folded by the shared fold. Rows of the tile that hold no query
+all of them are processed (``wide`` / ``pair`` skip a tile only where every row of the
+warp sees none of it, which leaves each row's state exactly as processing it would),
+the tensor core computes each output element from its own row and column only, the
+row maxima and sums are reduced in a fixed order inside a quad (thread-local in key
+order, then lanes ``xor 1``, ``xor 2``), the tiles of a chunk are folded (``stream``,
+and ``pair`` within a group) or combined (``split``, ``wide``, ``pair``'s groups) in
+tile order, and the chunks are folded by the shared fold. Rows of the tile that hold no query
 are zeros and written nowhere. So a 16-query verify gives each row the bits of a
 one-query step through this form. It is not bit-equal to the scalar kernel or the
 reference (different summation grouping, weights rounded for ``P V``); it is
 within the dtype's tolerance of them.
 
 Served: CUDA, bfloat16 / float16, head dim a multiple of 16 up to 128, a chunk
-that is a multiple of 64 keys (``split``: at most 256; the default chunk is 256). Everything else takes the
+that is a multiple of 64 keys (``split`` and ``wide``: at most 256; the default chunk
+is 256). Everything else takes the
 scalar kernel. There is no Metal body (``simdgroup_matrix`` would be its
 counterpart); Metal keeps the scalar kernel.
 """
@@ -103,7 +118,7 @@ LAYOUTS = {layout.name: layout for layout in (SPLIT, STREAM, PAIR, WIDE)}
 # The two layouts sum in different orders (different bits, each batch-invariant), so a
 # process uses one: ``DFLASH_TENSOR_LAYOUT`` or the measured default.
 LAYOUT_ENV = "DFLASH_TENSOR_LAYOUT"
-DEFAULT_LAYOUT = "stream"
+DEFAULT_LAYOUT = "wide"
 
 
 def layout_from_env() -> Layout:

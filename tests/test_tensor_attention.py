@@ -299,12 +299,13 @@ RAN_ON_THE_H200 = {
 # Forms whose text changed, or new forms, that have not run on a GPU. A form
 # listed here must be named in the README's "What ran where".
 NOT_RUN_SINCE_CHANGED: set = set()
-# Session 30 (docs/benchmarks/h200-2026-12-03-s30, call A): the pair layout (12 `cuda`
-# attention tests with the layouts in turn, hypothesis included).
-RAN_ON_THE_H200.add("dflash_attend_chunks_pair128_46ceffda7a")
-# Not run yet: the wide layout.
-NOT_RUN_SINCE_CHANGED |= {
-    tensor_attention.attend_spec(128, tensor_attention.WIDE).name("cuda"),
+# Session 30 (docs/benchmarks/h200-2026-12-03-s30): call A, the pair layout; call C, the
+# wide layout (each: the 11 `cuda` attention tests with the layouts in turn, hypothesis
+# over oracle, batch invariance and seam included); call D, the kernel patch's bitwise
+# plain / classic / DFlash agreement with DFLASH_TENSOR_LAYOUT=wide (9 passed).
+RAN_ON_THE_H200 |= {
+    "dflash_attend_chunks_pair128_46ceffda7a",
+    "dflash_attend_chunks_wide128_abf31eb030",
 }
 # Session 23 (docs/benchmarks/h200-2026-12-02-s23): the matmul's SwiGLU forms (opt-in
 # ``DFLASH_SWIGLU=1``): call D, the two-K-group forms (4 `cuda` tests: hypothesis over
@@ -361,6 +362,8 @@ def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
     # Every form the default switches launch ran.
     defaults = {spec.name("cuda") for spec in tensor_qmm.K2_SPECS.values()}
     assert defaults <= RAN_ON_THE_H200 and tensor_qmm.K_GROUPS == 2
+    default_layout = tensor_attention.LAYOUTS[tensor_attention.DEFAULT_LAYOUT]
+    assert tensor_attention.attend_spec(128, default_layout).name("cuda") in RAN_ON_THE_H200
     scaled = {spec.name("cuda") for spec in tensor_qmm.SCALED_SPECS.values()}
     assert scaled <= RAN_ON_THE_H200 and tensor_qmm.SCALED_B
     assert not tensor_qmm.FOLD_Q4_OFFSET
