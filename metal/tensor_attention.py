@@ -690,6 +690,127 @@ _LAYOUT_HELPERS = {
 }
 
 
+# Text both two-level layouts (``pair``, ``wide``) share. The key limits of the warp's rows.
+_KEY_LIMITS = """  // The warp's rows' key limits: any row (skip) and every row (no mask).
+  const int big = cuda::std::numeric_limits<int>::max();
+  const int small = cuda::std::numeric_limits<int>::min();
+  int first_min = big, first_max = small, last_min = big, last_max = small;
+  for (int i = 0; i < 2; ++i) {
+    if (row_ok[i]) {
+      first_min = first[i] < first_min ? first[i] : first_min;
+      first_max = first[i] > first_max ? first[i] : first_max;
+      last_min = last[i] < last_min ? last[i] : last_min;
+      last_max = last[i] > last_max ? last[i] : last_max;
+    }
+  }
+  first_min = __reduce_min_sync(0xffffffffu, first_min);
+  first_max = __reduce_max_sync(0xffffffffu, first_max);
+  last_min = __reduce_min_sync(0xffffffffu, last_min);
+  last_max = __reduce_max_sync(0xffffffffu, last_max);
+"""
+# The groups' states meet in shared memory and group 0 combines them in group order, then
+# writes the chunk's statistics (natural units) and weighted values. @COMMENT@, @KEY@
+# (the warp's key group), @M@ / @L@ (its state), @UNROLL_I@ / @UNROLL_G@ (pragma lines).
+_COMBINED_GROUPS = r"""@COMMENT@  constexpr int VALUES = DIM_TILES * 4 + 4;
+  float* exchange = reinterpret_cast<float*>(dfl_smem);
+  if (@KEY@ > 0) {
+    float* mine = exchange + ((@KEY@ - 1) * 4 + row_tile) * VALUES * 32 + lane;
+    for (int dt = 0; dt < DIM_TILES; ++dt) {
+      for (int j = 0; j < 4; ++j) {
+        mine[(dt * 4 + j) * 32] = acc[dt][j];
+      }
+    }
+    for (int i = 0; i < 2; ++i) {
+      mine[(DIM_TILES * 4 + i) * 32] = @M@[i];
+      mine[(DIM_TILES * 4 + 2 + i) * 32] = @L@[i];
+    }
+  }
+  __syncthreads();
+  if (@KEY@ > 0 || !warp_active) {
+    return;
+  }
+@UNROLL_I@  for (int i = 0; i < 2; ++i) {
+    float top = @M@[i];
+    for (int g = 1; g < GROUPS; ++g) {
+      const float* theirs = exchange + ((g - 1) * 4 + row_tile) * VALUES * 32 + lane;
+      top = fmaxf(top, theirs[(DIM_TILES * 4 + i) * 32]);
+    }
+    // A state that saw nothing (-inf) weighs exactly 0; all -inf stays (-inf, 0, 0).
+    const float own = @M@[i] == NEG_INF ? 0.0f : exp2f(@M@[i] - top);
+    @L@[i] *= own;
+    for (int dt = 0; dt < DIM_TILES; ++dt) {
+      acc[dt][2 * i] *= own;
+      acc[dt][2 * i + 1] *= own;
+    }
+@UNROLL_G@    for (int g = 1; g < GROUPS; ++g) {
+      const float* theirs = exchange + ((g - 1) * 4 + row_tile) * VALUES * 32 + lane;
+      const float m_g = theirs[(DIM_TILES * 4 + i) * 32];
+      const float w = m_g == NEG_INF ? 0.0f : exp2f(m_g - top);
+      @L@[i] = fmaf(theirs[(DIM_TILES * 4 + 2 + i) * 32], w, @L@[i]);
+      for (int dt = 0; dt < DIM_TILES; ++dt) {
+        for (int e = 0; e < 2; ++e) {
+          acc[dt][2 * i + e] = fmaf(theirs[(dt * 4 + 2 * i + e) * 32], w, acc[dt][2 * i + e]);
+        }
+      }
+    }
+    @M@[i] = top;
+  }
+
+  // The chunk's statistics (natural units, as the fold reads them) and weighted values.
+  for (int i = 0; i < 2; ++i) {
+    if (!row_ok[i]) {
+      continue;
+    }
+    const int qrow = (b * n_heads + h * group_size + row[i] / n_queries) * n_queries
+        + row[i] % n_queries;
+    const int at = qrow * n_chunks + u;
+    if (tig == 0) {
+      part_stats[at * 2] = @M@[i] * LN2;
+      part_stats[at * 2 + 1] = @L@[i];
+    }
+    for (int dt = 0; dt < DIM_TILES; ++dt) {
+      const int d = dt * 8 + tig * 2;
+      part_values[at * DIM + d] = acc[dt][2 * i];
+      part_values[at * DIM + d + 1] = acc[dt][2 * i + 1];
+    }
+  }
+"""
+_PAIR_NAMES = (
+    "  // The groups' states meet in shared memory (the tiles are read): group g > 0"
+    " writes\n  // its warp's fragments lane-major, group 0 combines them in group"
+    " order.\n",
+    "key_group",
+    "m_run",
+    "l_run",
+    "",
+    "",
+)
+_WIDE_NAMES = (
+    "  // Key tiles 1.. write their states lane-major; tile 0's warp combines them in"
+    " order.\n",
+    "key_tile",
+    "m_tile",
+    "l_tile",
+    "  // Unrolled whole: an accumulator indexed at run time would live in local"
+    " memory.\n#pragma unroll\n",
+    "#pragma unroll\n",
+)
+
+
+def _combined_groups(
+    comment: str, key: str, m: str, l: str, unroll_i: str, unroll_g: str
+) -> str:
+    """:data:`_COMBINED_GROUPS` with a layout's names (its text as it ran on the H200)."""
+    return (
+        _COMBINED_GROUPS.replace("@COMMENT@", comment)
+        .replace("@KEY@", key)
+        .replace("@M@", m)
+        .replace("@L@", l)
+        .replace("@UNROLL_I@", unroll_i)
+        .replace("@UNROLL_G@", unroll_g)
+    )
+
+
 def _pair_body(dim: int) -> str:
     """The ``pair`` layout's body for head dim ``dim`` (a compile-time constant).
 
@@ -754,23 +875,9 @@ def _pair_body(dim: int) -> str:
 """
         + _ROWS.replace("@TILE@", "row_tile")
         + r"""  const bool warp_active = rb * ROWS + row_tile * 16 < head_rows;
-  // The warp's rows' key limits: any row (skip) and every row (no mask).
-  const int big = cuda::std::numeric_limits<int>::max();
-  const int small = cuda::std::numeric_limits<int>::min();
-  int first_min = big, first_max = small, last_min = big, last_max = small;
-  for (int i = 0; i < 2; ++i) {
-    if (row_ok[i]) {
-      first_min = first[i] < first_min ? first[i] : first_min;
-      first_max = first[i] > first_max ? first[i] : first_max;
-      last_min = last[i] < last_min ? last[i] : last_min;
-      last_max = last[i] > last_max ? last[i] : last_max;
-    }
-  }
-  first_min = __reduce_min_sync(0xffffffffu, first_min);
-  first_max = __reduce_max_sync(0xffffffffu, first_max);
-  last_min = __reduce_min_sync(0xffffffffu, last_min);
-  last_max = __reduce_max_sync(0xffffffffu, last_max);
-  const float scale_log2 = scale * LOG2E;
+"""
+        + _KEY_LIMITS
+        + r"""  const float scale_log2 = scale * LOG2E;
   const float softcap_log2 = softcap * LOG2E;
 
   // Query fragments (A of the scores), zero for rows that hold no query.
@@ -859,72 +966,8 @@ def _pair_body(dim: int) -> str:
     __syncthreads();
   }
 
-  // The groups' states meet in shared memory (the tiles are read): group g > 0 writes
-  // its warp's fragments lane-major, group 0 combines them in group order.
-  constexpr int VALUES = DIM_TILES * 4 + 4;
-  float* exchange = reinterpret_cast<float*>(dfl_smem);
-  if (key_group > 0) {
-    float* mine = exchange + ((key_group - 1) * 4 + row_tile) * VALUES * 32 + lane;
-    for (int dt = 0; dt < DIM_TILES; ++dt) {
-      for (int j = 0; j < 4; ++j) {
-        mine[(dt * 4 + j) * 32] = acc[dt][j];
-      }
-    }
-    for (int i = 0; i < 2; ++i) {
-      mine[(DIM_TILES * 4 + i) * 32] = m_run[i];
-      mine[(DIM_TILES * 4 + 2 + i) * 32] = l_run[i];
-    }
-  }
-  __syncthreads();
-  if (key_group > 0 || !warp_active) {
-    return;
-  }
-  for (int i = 0; i < 2; ++i) {
-    float top = m_run[i];
-    for (int g = 1; g < GROUPS; ++g) {
-      const float* theirs = exchange + ((g - 1) * 4 + row_tile) * VALUES * 32 + lane;
-      top = fmaxf(top, theirs[(DIM_TILES * 4 + i) * 32]);
-    }
-    // A state that saw nothing (-inf) weighs exactly 0; all -inf stays (-inf, 0, 0).
-    const float own = m_run[i] == NEG_INF ? 0.0f : exp2f(m_run[i] - top);
-    l_run[i] *= own;
-    for (int dt = 0; dt < DIM_TILES; ++dt) {
-      acc[dt][2 * i] *= own;
-      acc[dt][2 * i + 1] *= own;
-    }
-    for (int g = 1; g < GROUPS; ++g) {
-      const float* theirs = exchange + ((g - 1) * 4 + row_tile) * VALUES * 32 + lane;
-      const float m_g = theirs[(DIM_TILES * 4 + i) * 32];
-      const float w = m_g == NEG_INF ? 0.0f : exp2f(m_g - top);
-      l_run[i] = fmaf(theirs[(DIM_TILES * 4 + 2 + i) * 32], w, l_run[i]);
-      for (int dt = 0; dt < DIM_TILES; ++dt) {
-        for (int e = 0; e < 2; ++e) {
-          acc[dt][2 * i + e] = fmaf(theirs[(dt * 4 + 2 * i + e) * 32], w, acc[dt][2 * i + e]);
-        }
-      }
-    }
-    m_run[i] = top;
-  }
-
-  // The chunk's statistics (natural units, as the fold reads them) and weighted values.
-  for (int i = 0; i < 2; ++i) {
-    if (!row_ok[i]) {
-      continue;
-    }
-    const int qrow = (b * n_heads + h * group_size + row[i] / n_queries) * n_queries
-        + row[i] % n_queries;
-    const int at = qrow * n_chunks + u;
-    if (tig == 0) {
-      part_stats[at * 2] = m_run[i] * LN2;
-      part_stats[at * 2 + 1] = l_run[i];
-    }
-    for (int dt = 0; dt < DIM_TILES; ++dt) {
-      const int d = dt * 8 + tig * 2;
-      part_values[at * DIM + d] = acc[dt][2 * i];
-      part_values[at * DIM + d + 1] = acc[dt][2 * i + 1];
-    }
-  }
 """
+        + _combined_groups(*_PAIR_NAMES)
     )
 
 
@@ -998,23 +1041,9 @@ def _wide_body(dim: int) -> str:
 """
         + _ROWS.replace("@TILE@", "row_tile")
         + r"""  const bool warp_active = rb * ROWS + row_tile * 16 < head_rows;
-  // The warp's rows' key limits: any row (skip) and every row (no mask).
-  const int big = cuda::std::numeric_limits<int>::max();
-  const int small = cuda::std::numeric_limits<int>::min();
-  int first_min = big, first_max = small, last_min = big, last_max = small;
-  for (int i = 0; i < 2; ++i) {
-    if (row_ok[i]) {
-      first_min = first[i] < first_min ? first[i] : first_min;
-      first_max = first[i] > first_max ? first[i] : first_max;
-      last_min = last[i] < last_min ? last[i] : last_min;
-      last_max = last[i] > last_max ? last[i] : last_max;
-    }
-  }
-  first_min = __reduce_min_sync(0xffffffffu, first_min);
-  first_max = __reduce_max_sync(0xffffffffu, first_max);
-  last_min = __reduce_min_sync(0xffffffffu, last_min);
-  last_max = __reduce_max_sync(0xffffffffu, last_max);
-  const int tile_start = chunk_start + key_tile * TILE;
+"""
+        + _KEY_LIMITS
+        + r"""  const int tile_start = chunk_start + key_tile * TILE;
   const bool seen =
       key_tile < n_tiles && tile_start <= last_max && tile_start + TILE - 1 >= first_min;
 
@@ -1098,74 +1127,8 @@ def _wide_body(dim: int) -> str:
         + r"""  }
   __syncthreads();  // the tiles are read: their memory holds the exchange now
 
-  // Key tiles 1.. write their states lane-major; tile 0's warp combines them in order.
-  constexpr int VALUES = DIM_TILES * 4 + 4;
-  float* exchange = reinterpret_cast<float*>(dfl_smem);
-  if (key_tile > 0) {
-    float* mine = exchange + ((key_tile - 1) * 4 + row_tile) * VALUES * 32 + lane;
-    for (int dt = 0; dt < DIM_TILES; ++dt) {
-      for (int j = 0; j < 4; ++j) {
-        mine[(dt * 4 + j) * 32] = acc[dt][j];
-      }
-    }
-    for (int i = 0; i < 2; ++i) {
-      mine[(DIM_TILES * 4 + i) * 32] = m_tile[i];
-      mine[(DIM_TILES * 4 + 2 + i) * 32] = l_tile[i];
-    }
-  }
-  __syncthreads();
-  if (key_tile > 0 || !warp_active) {
-    return;
-  }
-  // Unrolled whole: an accumulator indexed at run time would live in local memory.
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    float top = m_tile[i];
-    for (int g = 1; g < GROUPS; ++g) {
-      const float* theirs = exchange + ((g - 1) * 4 + row_tile) * VALUES * 32 + lane;
-      top = fmaxf(top, theirs[(DIM_TILES * 4 + i) * 32]);
-    }
-    // A state that saw nothing (-inf) weighs exactly 0; all -inf stays (-inf, 0, 0).
-    const float own = m_tile[i] == NEG_INF ? 0.0f : exp2f(m_tile[i] - top);
-    l_tile[i] *= own;
-    for (int dt = 0; dt < DIM_TILES; ++dt) {
-      acc[dt][2 * i] *= own;
-      acc[dt][2 * i + 1] *= own;
-    }
-#pragma unroll
-    for (int g = 1; g < GROUPS; ++g) {
-      const float* theirs = exchange + ((g - 1) * 4 + row_tile) * VALUES * 32 + lane;
-      const float m_g = theirs[(DIM_TILES * 4 + i) * 32];
-      const float w = m_g == NEG_INF ? 0.0f : exp2f(m_g - top);
-      l_tile[i] = fmaf(theirs[(DIM_TILES * 4 + 2 + i) * 32], w, l_tile[i]);
-      for (int dt = 0; dt < DIM_TILES; ++dt) {
-        for (int e = 0; e < 2; ++e) {
-          acc[dt][2 * i + e] = fmaf(theirs[(dt * 4 + 2 * i + e) * 32], w, acc[dt][2 * i + e]);
-        }
-      }
-    }
-    m_tile[i] = top;
-  }
-
-  // The chunk's statistics (natural units, as the fold reads them) and weighted values.
-  for (int i = 0; i < 2; ++i) {
-    if (!row_ok[i]) {
-      continue;
-    }
-    const int qrow = (b * n_heads + h * group_size + row[i] / n_queries) * n_queries
-        + row[i] % n_queries;
-    const int at = qrow * n_chunks + u;
-    if (tig == 0) {
-      part_stats[at * 2] = m_tile[i] * LN2;
-      part_stats[at * 2 + 1] = l_tile[i];
-    }
-    for (int dt = 0; dt < DIM_TILES; ++dt) {
-      const int d = dt * 8 + tig * 2;
-      part_values[at * DIM + d] = acc[dt][2 * i];
-      part_values[at * DIM + d + 1] = acc[dt][2 * i + 1];
-    }
-  }
 """
+        + _combined_groups(*_WIDE_NAMES)
     )
 
 

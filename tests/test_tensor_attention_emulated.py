@@ -69,17 +69,8 @@ _LAYOUT_SLIPS = {
         ),
     },
     "pair": {
-        "row_sum_shuffle": (
-            "row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);",
-            "row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 4);",
-        ),
-        "divergent_shuffle": (
-            "tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));",
-            "if (tig < 2) tile_max[i] = fmaxf(tile_max[i], "
-            "__shfl_xor_sync(0xffffffffu, tile_max[i], 1));",
-        ),
-        # (No refill slip: at chunks of up to 256 keys its two stages hold the chunk.)
-        "early_read": ("dfl_cp_async_wait<1>();", "dfl_cp_async_wait<2>();"),
+        # (Its shuffles and its wait read as stream's: the slips below the dict. No refill
+        # slip: at chunks of up to 256 keys its two stages hold the chunk.)
         # Group 0 reads the exchange before the other groups have written it.
         "early_exchange": (
             "  __syncthreads();\n  if (key_group > 0 || !warp_active) {",
@@ -94,23 +85,7 @@ _LAYOUT_SLIPS = {
             "dfl_mma(s[j], qa, kf[0], kf[1], queries);",
             "dfl_mma(s[j], qa, kf[1], kf[0], queries);",
         ),
-        "row_sum_shuffle": (
-            "l_tile[i] += __shfl_xor_sync(0xffffffffu, l_tile[i], 2);",
-            "l_tile[i] += __shfl_xor_sync(0xffffffffu, l_tile[i], 4);",
-        ),
-        "divergent_shuffle": (
-            "m_tile[i] = fmaxf(m_tile[i], __shfl_xor_sync(0xffffffffu, m_tile[i], 1));",
-            "if (tig < 2) m_tile[i] = fmaxf(m_tile[i], "
-            "__shfl_xor_sync(0xffffffffu, m_tile[i], 1));",
-        ),
-        "no_wait": (
-            "  dfl_cp_async_wait<0>();\n  __syncthreads();\n",
-            "  __syncthreads();\n",
-        ),
-        "wait_after_barrier": (
-            "  dfl_cp_async_wait<0>();\n  __syncthreads();\n",
-            "  __syncthreads();\n  dfl_cp_async_wait<0>();\n",
-        ),
+        # (Its shuffles and its wait read as split's: the slips below the dict.)
         "early_reuse": (
             "  __syncthreads();  // the tiles are read: their memory holds the exchange now\n",
             "",
@@ -154,6 +129,10 @@ _LAYOUT_SLIPS = {
         ),
     },
 }
+_PAIR_AS_STREAM = ("row_sum_shuffle", "divergent_shuffle", "early_read")
+_LAYOUT_SLIPS["pair"].update({slip: _LAYOUT_SLIPS["stream"][slip] for slip in _PAIR_AS_STREAM})
+_WIDE_AS_SPLIT = ("row_sum_shuffle", "divergent_shuffle", "no_wait", "wait_after_barrier")
+_LAYOUT_SLIPS["wide"].update({slip: _LAYOUT_SLIPS["split"][slip] for slip in _WIDE_AS_SPLIT})
 # The emulator's modes: (copies land at their wait, not at issue; each warp runs as far
 # as it goes before the next, not all in turn).
 MODES = ((False, False), (True, False), (False, True), (True, True))
