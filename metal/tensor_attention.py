@@ -666,7 +666,7 @@ def _stream_body(dim: int) -> str:
     )
 
 
-# Helpers only the pair layout's text carries (the other layouts' texts, and so their
+# Helpers only the pair and wide layouts' texts carry (stream's and split's texts, and so their
 # kernel names, stay as they ran).
 PAIR_HELPERS = r"""
 // Element offset of row `pos` like dfl_row_offset, without the modulo: the plan keeps
