@@ -690,7 +690,22 @@ _LAYOUT_HELPERS = {
 }
 
 
-# Text both two-level layouts (``pair``, ``wide``) share. The key limits of the warp's rows.
+# Text both two-level layouts (``pair``, ``wide``) share. Row sources as _ROW_SOURCES's,
+# the ring wrapped by one compare (``dfl_row_offset_wrap``).
+_WRAP_ROW_SOURCES = _ROW_SOURCES.replace(
+    "dfl_row_offset(pos", "dfl_row_offset_wrap(pos"
+).replace("\n" + " " * 35 + "origin_physical", "\n" + " " * 40 + "origin_physical")
+# The keys any query of the call sees: a tile outside them is neither loaded nor attended.
+_CALL_KEYS = """  // Keys any query of the call sees (first and last keys grow with the position).
+  const int call_first = dfl_first_key(query_start, window);
+  const int call_last =
+      dfl_last_key(query_start + n_queries - 1, window, causal, key_end);
+"""
+# Scores in log2 units (exp2f); statistics back in natural units for the fold.
+_LOG2_UNITS = """  constexpr float LOG2E = 1.4426950408889634f;
+  constexpr float LN2 = 0.6931471805599453f;
+"""
+# The key limits of the warp's rows.
 _KEY_LIMITS = """  // The warp's rows' key limits: any row (skip) and every row (no mask).
   const int big = cuda::std::numeric_limits<int>::max();
   const int small = cuda::std::numeric_limits<int>::min();
@@ -823,20 +838,17 @@ def _pair_body(dim: int) -> str:
     return (
         _constants(dim, PAIR, "GROUPS", PAIR_GROUPS)
         + _PARAMS
-        + r"""  constexpr int STAGES = 2;
-  constexpr float LOG2E = 1.4426950408889634f;
-  constexpr float LN2 = 0.6931471805599453f;
-  extern __shared__ __align__(16) unsigned char dfl_smem[];
+        + f"  constexpr int STAGES = {STAGES};\n"
+        + _LOG2_UNITS
+        + r"""  extern __shared__ __align__(16) unsigned char dfl_smem[];
   T* k_tiles = reinterpret_cast<T*>(dfl_smem);
   T* v_tiles = k_tiles + STAGES * GROUPS * TILE * PITCH;
 
   const int n_tiles = chunk / TILE;
   const int n_steps = (n_tiles + GROUPS - 1) / GROUPS;
-  // Keys any query of the call sees (first and last keys grow with the position).
-  const int call_first = dfl_first_key(query_start, window);
-  const int call_last =
-      dfl_last_key(query_start + n_queries - 1, window, causal, key_end);
-
+"""
+        + _CALL_KEYS
+        + r"""
   // Stage step `step`'s tiles (tile step * GROUPS + g for group g) into `stage`;
   // a tile no query sees is skipped, positions outside the live ones are zeros.
   auto load_step = [&](int step, int stage) {
@@ -850,16 +862,9 @@ def _pair_body(dim: int) -> str:
         continue;
       }
       const int pos = tile_start + r;
-      const bool live = pos >= origin_logical && pos < key_end;
-      const T* k_src = keys;
-      const T* v_src = values;
-      if (live) {
-        const int off = dfl_row_offset_wrap(pos, bh, DIM, cap, n_block, origin_logical,
-                                            origin_physical, ring_end);
-        k_src = (pos < ring_end ? keys : block_keys) + off + c;
-        v_src = (pos < ring_end ? values : block_values) + off + c;
-      }
-      const int at = ((stage * GROUPS + g) * TILE + r) * PITCH + c;
+"""
+        + _indent(_WRAP_ROW_SOURCES, 4)
+        + r"""      const int at = ((stage * GROUPS + g) * TILE + r) * PITCH + c;
       dfl_cp_async16(k_tiles + at, k_src, live);
       dfl_cp_async16(v_tiles + at, v_src, live);
     }
@@ -984,19 +989,16 @@ def _wide_body(dim: int) -> str:
     return (
         _constants(dim, WIDE, "GROUPS", WIDE_GROUPS)
         + _PARAMS
-        + r"""  constexpr float LOG2E = 1.4426950408889634f;
-  constexpr float LN2 = 0.6931471805599453f;
-  extern __shared__ __align__(16) unsigned char dfl_smem[];
+        + _LOG2_UNITS
+        + r"""  extern __shared__ __align__(16) unsigned char dfl_smem[];
   T* k_tiles = reinterpret_cast<T*>(dfl_smem);
   T* v_tiles = k_tiles + GROUPS * TILE * PITCH;
   T* q_rows = v_tiles + GROUPS * TILE * PITCH;
 
   const int n_tiles = chunk / TILE;
-  // Keys any query of the call sees (first and last keys grow with the position).
-  const int call_first = dfl_first_key(query_start, window);
-  const int call_last =
-      dfl_last_key(query_start + n_queries - 1, window, causal, key_end);
-
+"""
+        + _CALL_KEYS
+        + r"""
   // Stage the block's query rows (zeros for rows that hold none) and the chunk's
   // tiles that some query sees (zeros outside the live positions), all at once.
   for (int idx = int(lid); idx < ROWS * VECTORS; idx += THREADS) {
@@ -1019,16 +1021,9 @@ def _wide_body(dim: int) -> str:
       continue;
     }
     const int pos = tile_start + r;
-    const bool live = pos >= origin_logical && pos < key_end;
-    const T* k_src = keys;
-    const T* v_src = values;
-    if (live) {
-      const int off = dfl_row_offset_wrap(pos, bh, DIM, cap, n_block, origin_logical,
-                                          origin_physical, ring_end);
-      k_src = (pos < ring_end ? keys : block_keys) + off + c;
-      v_src = (pos < ring_end ? values : block_values) + off + c;
-    }
-    dfl_cp_async16(k_tiles + (g * TILE + r) * PITCH + c, k_src, live);
+"""
+        + _indent(_WRAP_ROW_SOURCES, 2)
+        + r"""    dfl_cp_async16(k_tiles + (g * TILE + r) * PITCH + c, k_src, live);
     dfl_cp_async16(v_tiles + (g * TILE + r) * PITCH + c, v_src, live);
   }
   dfl_cp_async_commit();
