@@ -265,10 +265,25 @@ def _launch_arguments(
     return group_kernel_for(spec), arguments
 
 
+# Fewest elements of a launch's scalar array. mlx's CUDA allocator puts host-made arrays
+# of at most 8 bytes in a shared pool of managed memory that the host keeps writing into
+# (every Python scalar mlx turns into an array); a larger one is its own allocation,
+# which moves to the GPU at first use and stays (these are memoised, never rewritten).
+# Session 31 found the attention chunk pass's warps waiting on the batch of parameter
+# loads that holds its 8-byte ``fparams``; that the pool is the cause is not measured.
+MIN_PARAMS = 4
+
+
+def _padded(values: tuple) -> list:
+    """``values`` and zeros up to :data:`MIN_PARAMS` (kernels read their own indices)."""
+    return list(values) + [0] * (MIN_PARAMS - len(values))
+
+
 @functools.lru_cache(maxsize=512)
 def int_params(*values: int) -> mx.array:
-    """Runtime integer scalars of a launch as an int32 array (memoised, immutable)."""
-    return mx.array(list(values), dtype=mx.int32)
+    """Runtime integer scalars of a launch as an int32 array (memoised, immutable;
+    zero-padded to :data:`MIN_PARAMS`)."""
+    return mx.array(_padded(values), dtype=mx.int32)
 
 
 class CounterPool:
@@ -304,6 +319,12 @@ class CounterPool:
 COUNTER_POOL = CounterPool()
 
 
+@functools.lru_cache(maxsize=None)
+def _unused_counter() -> mx.array:
+    """The one-element placeholder bound where a launch elects no threadgroup."""
+    return mx.array([0], dtype=mx.int32)
+
+
 def launch_counters(count: int) -> mx.array:
     """Zeroed int32 counters for one launch whose last threadgroup is elected by an
     atomic, fresh each launch (from :data:`COUNTER_POOL`; under a :func:`counter_feed`
@@ -311,7 +332,7 @@ def launch_counters(count: int) -> mx.array:
     their own, as a pool region the trace captured would be shared by every replay);
     for ``count`` 0 a shared one-element placeholder, which the kernel never writes."""
     if not count:
-        return int_params(0)
+        return _unused_counter()
     feed = _FEED.get()
     if feed is not None:
         return feed.take(count)
@@ -381,5 +402,6 @@ def unused_input(dtype: mx.Dtype) -> mx.array:
 
 @functools.lru_cache(maxsize=512)
 def float_params(*values: float) -> mx.array:
-    """Runtime float scalars of a launch as a float32 array (memoised, immutable)."""
-    return mx.array(list(values), dtype=mx.float32)
+    """Runtime float scalars of a launch as a float32 array (memoised, immutable;
+    zero-padded to :data:`MIN_PARAMS`)."""
+    return mx.array(_padded(values), dtype=mx.float32)
