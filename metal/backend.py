@@ -24,6 +24,7 @@ import os
 from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from .sources import CUDA, MAX_PLANES, METAL, KernelSpec
 
@@ -47,6 +48,8 @@ def _detect_backend() -> Optional[str]:
 
 
 BACKEND: Optional[str] = _detect_backend()
+# The backend mlx really has (tests and host-cost stubs set BACKEND to route as on a GPU).
+NATIVE_BACKEND: Optional[str] = BACKEND
 
 
 def env_switch(name: str) -> Optional[bool]:
@@ -291,14 +294,130 @@ def call_kernel(
     return kernel(inputs=inputs, output_shapes=output_shapes, stream=mx.gpu, **launch)
 
 
-@functools.lru_cache(maxsize=256)
+RESIDENT_ENV = "DFLASH_RESIDENT_PARAMS"
+
+# Launch scalars words a packing launch gathers (two a slot); longer sets stay host-made.
+PACK_SLOTS = 16
+
+
+def resident_wanted() -> bool:
+    """Whether launch scalars are gathered into device memory (:func:`launch_scalars`):
+    on CUDA unless :data:`RESIDENT_ENV` is off, and never inside an ``mx.compile`` trace
+    (the gather would be a traced op, and it is memoised)."""
+    if BACKEND != CUDA or NATIVE_BACKEND != CUDA or tracing():
+        return False
+    return strict_switch(RESIDENT_ENV, None, True)
+
+
+def scalar_words(values: Sequence, dtype: mx.Dtype) -> tuple[int, ...]:
+    """``values`` as the int32 words of a ``dtype`` (int32 / float32) array, bit for bit
+    (so ``-0.0`` and ``0.0`` stay apart, unlike the values as memo keys)."""
+    kind = np.int32 if dtype == mx.int32 else np.float32
+    if dtype not in (mx.int32, mx.float32):
+        raise ValueError(f"launch scalars are int32 or float32, not {dtype}")
+    return tuple(np.asarray(values, dtype=kind).view(np.int32).tolist())
+
+
+def _pack_body(slots: int) -> str:
+    lines = [
+        f"  if (gid >= {2 * slots}u) {{",
+        "    return;",
+        "  }",
+        "  const uint32_t lane = gid % 2u;",
+        "  int32_t word = 0;",
+    ]
+    for slot in range(slots):
+        branch = "if" if slot == 0 else "} else if"
+        lines.append(f"  {branch} (gid / 2u == {slot}u) {{")
+        lines.append(f"    word = s{slot}[lane];")
+    lines += ["  }", "  out[gid] = word;", ""]
+    return "\n".join(lines)
+
+
+@functools.lru_cache(maxsize=None)
+def pack_spec(slots: int) -> KernelSpec:
+    """The kernel that gathers ``slots`` two-word int32 inputs ``s0 ..`` into ``out``
+    (one thread a word): launch scalars read once from mlx's small host pool."""
+    names = tuple(f"s{slot}" for slot in range(slots))
+    return KernelSpec(f"pack_scalars{slots}", names, ("out",), _pack_body(slots))
+
+
+def reference_pack(words: Sequence[int]) -> mx.array:
+    """What a packing launch stores: ``words`` as an int32 array (even length)."""
+    return mx.array(list(words), dtype=mx.int32)
+
+
+def pack_launch(words: Sequence[int]) -> mx.array:
+    """Gather ``words`` (even count, at most ``2 * PACK_SLOTS``) into device memory.
+
+    Each pair is its own 8-byte ``mx.array``: mlx's CUDA allocator serves arrays of at
+    most 8 bytes from a pool of host memory the GPU reads in place (advised
+    ``AccessedBy``), so no page migrates; one launch copies them into an output mlx
+    allocates on the device.
+    """
+    slots = len(words) // 2
+    inputs = [mx.array(list(words[2 * i : 2 * i + 2]), dtype=mx.int32) for i in range(slots)]
+    spec = pack_spec(slots)
+    return call_kernel(
+        kernel_for(spec),
+        spec.base,
+        inputs,
+        [(2 * slots,)],
+        output_dtypes=[mx.int32],
+        grid=(2 * slots, 1, 1),
+        threadgroup=(2 * slots, 1, 1),
+    )[0]
+
+
+@functools.lru_cache(maxsize=1024)
+def _host_scalars(words: tuple, dtype_name: str) -> mx.array:
+    host = mx.array(list(words), dtype=mx.int32)
+    return host if dtype_name == "int32" else host.view(mx.float32)
+
+
+@functools.lru_cache(maxsize=1024)
+def _resident_scalars(words: tuple, dtype_name: str) -> mx.array:
+    padded = words + (0,) * (len(words) % 2)
+    if len(padded) > 2 * PACK_SLOTS:
+        return _host_scalars(words, dtype_name)
+    packed = pack_launch(padded)[: len(words)]
+    return packed if dtype_name == "int32" else packed.view(mx.float32)
+
+
+def launch_scalars(values: Sequence, dtype: mx.Dtype = mx.int32) -> mx.array:
+    """A launch's runtime scalars as an immutable, memoised 1-D array.
+
+    mlx's CUDA allocator puts an array made on the host (``mx.array`` of a list, more
+    than 8 bytes) in managed memory, and the first kernel to read it waits while its
+    page migrates: measured in session 32 (CUPTI, H200), a chunk pass reading new
+    host-made scalars took ~100 us against 16, a residual norm ~100 against 10. A
+    decode step's positions make new scalars every step. Where :func:`resident_wanted`,
+    the scalars are therefore gathered by one small launch (:func:`pack_launch`) into
+    device memory, and every launch reads them there.
+
+    Args:
+        values: The scalars, in the order the kernel reads them.
+        dtype: ``mx.int32`` or ``mx.float32``.
+
+    Returns:
+        The array (the same object for the same words and dtype).
+
+    Raises:
+        ValueError: another dtype.
+    """
+    key = (scalar_words(values, dtype), "int32" if dtype == mx.int32 else "float32")
+    if resident_wanted():
+        return _resident_scalars(*key)
+    return _host_scalars(*key)
+
+
 def params(*values: int) -> mx.array:
-    """Runtime scalars of one launch as an int32 array.
+    """Runtime scalars of one launch as an int32 array (:func:`launch_scalars`).
 
     Memoised: every layer of a round launches with the same scalars, and an
-    ``mx.array`` is immutable, so one host-to-device copy serves them all.
+    ``mx.array`` is immutable, so one copy serves them all.
     """
-    return mx.array(list(values), dtype=mx.int32)
+    return launch_scalars(values, mx.int32)
 
 
 def probed(verdicts: dict, key: Any, probe: Callable[[], bool]) -> bool:

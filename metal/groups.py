@@ -266,11 +266,10 @@ def _launch_arguments(
 
 
 # Fewest elements of a launch's scalar array. mlx's CUDA allocator puts host-made arrays
-# of at most 8 bytes in a shared pool of managed memory that the host keeps writing into
-# (every Python scalar mlx turns into an array); a larger one is its own allocation,
-# which moves to the GPU at first use and stays (these are memoised, never rewritten).
-# Session 31 found the attention chunk pass's warps waiting on the batch of parameter
-# loads that holds its 8-byte ``fparams``; that the pool is the cause is not measured.
+# of at most 8 bytes in a shared pool of host memory read in place, and every warp read
+# them there: measured in session 32, the 4k chunk pass + fold took 29.0 us with its
+# 8-byte ``fparams`` against 24.1 padded (where scalars are host-made; see
+# :func:`backend.launch_scalars` for where they are not).
 MIN_PARAMS = 4
 
 
@@ -279,11 +278,11 @@ def _padded(values: tuple) -> list:
     return list(values) + [0] * (MIN_PARAMS - len(values))
 
 
-@functools.lru_cache(maxsize=512)
 def int_params(*values: int) -> mx.array:
-    """Runtime integer scalars of a launch as an int32 array (memoised, immutable;
-    zero-padded to :data:`MIN_PARAMS`)."""
-    return mx.array(_padded(values), dtype=mx.int32)
+    """Runtime integer scalars of a launch as an int32 array (memoised, immutable,
+    device-made on CUDA: :func:`backend.launch_scalars`; zero-padded to
+    :data:`MIN_PARAMS`)."""
+    return backend.launch_scalars(_padded(values), mx.int32)
 
 
 class CounterPool:
@@ -400,8 +399,8 @@ def unused_input(dtype: mx.Dtype) -> mx.array:
     return mx.zeros((1,), dtype)
 
 
-@functools.lru_cache(maxsize=512)
 def float_params(*values: float) -> mx.array:
-    """Runtime float scalars of a launch as a float32 array (memoised, immutable;
-    zero-padded to :data:`MIN_PARAMS`)."""
-    return mx.array(_padded(values), dtype=mx.float32)
+    """Runtime float scalars of a launch as a float32 array (memoised, immutable,
+    device-made on CUDA: :func:`backend.launch_scalars`; zero-padded to
+    :data:`MIN_PARAMS`)."""
+    return backend.launch_scalars([float(v) for v in _padded(values)], mx.float32)

@@ -30,7 +30,7 @@ from support.validated import (
     checked_stage_shadow_kv,
 )
 
-from dflash.metal import kernel_backend, restore_rows, retain_rows
+from dflash.metal import backend, kernel_backend, restore_rows, retain_rows
 
 pytestmark = [
     pytest.mark.cuda,
@@ -98,7 +98,9 @@ def _planes(count: int) -> list[mx.array]:
     return planes
 
 
-def test_one_launch_for_all_glimmer_planes() -> None:
+def test_one_launch_for_all_glimmer_planes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The op's own launches: scalars host-made (their packing has its own tests).
+    monkeypatch.setenv(backend.RESIDENT_ENV, "0")
     planes = _planes(78)
     dests = mx.array(np.tile(np.arange(60, 76) % 64, (78, 1)).astype(np.int32))
     block = retain_rows(planes, dests, use_kernel=True)
@@ -108,7 +110,10 @@ def test_one_launch_for_all_glimmer_planes() -> None:
     assert graph_launches(*restored)["CustomKernel"] == 1
 
 
-def test_auto_picks_the_measured_defaults_on_cuda() -> None:
+def test_auto_picks_the_measured_defaults_on_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(backend.RESIDENT_ENV, "0")
     (plane,) = _planes(1)
     rows = mx.zeros((1, 2, 16, 16), dtype=mx.bfloat16)
     dests = mx.array(np.arange(16, dtype=np.int32)[None])
@@ -132,3 +137,30 @@ def test_auto_picks_the_measured_defaults_on_cuda() -> None:
     assert store["CustomKernel"] == 0 and store["ScatterAxis"] == 1
     restore = graph_launches(*restore_rows([plane], dests, rows[None]))
     assert restore["CustomKernel"] == 0 and restore["ScatterAxis"] == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=40),
+    st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=40),
+)
+def test_packed_launch_scalars_keep_every_bit(ints: list, floats: list) -> None:
+    """Scalars gathered into device memory equal the host's words bit for bit (signed
+    zeros and infinities included), for every count up to and past the packing limit."""
+    for values, dtype, kind in ((ints, mx.int32, np.int32), (floats, mx.float32, np.float32)):
+        packed = backend.launch_scalars(values, dtype)
+        assert packed.dtype == dtype and packed.shape == (len(values),)
+        want = np.asarray(values, dtype=kind).view(np.int32)
+        assert np.array_equal(np.array(packed).view(np.int32), want)
+
+
+def test_fresh_scalars_cost_one_pack_launch() -> None:
+    """A new scalar set is one packing launch (reading mlx's host pool), memoised: the
+    same set again is the evaluated array, no launch."""
+    values = (11, 22, 33, 44, 55)
+    backend._resident_scalars.cache_clear()
+    first = backend.launch_scalars(values)
+    assert graph_launches(first)["CustomKernel"] == 1
+    assert first.tolist() == list(values)
+    again = backend.launch_scalars(values)
+    assert again is first and graph_launches(again)["CustomKernel"] == 0

@@ -31,6 +31,7 @@ from typing import Iterable, Optional, Sequence
 
 import mlx.core as mx
 
+from dflash.metal.backend import PACK_SLOTS, pack_spec
 from dflash.metal.sources import (
     CUDA,
     METAL,
@@ -95,7 +96,8 @@ def check_specs(planes: Iterable[int] = CHECK_PLANES) -> list[KernelSpec]:
     specs = [RING_WRITE, STAGE_SHADOW, STAGE_SHADOW_KV]
     for count in planes:
         specs += [retain_spec(count), restore_spec(count)]
-    return specs
+    # The launch-scalar gather (launched on CUDA only; its text is shared all the same).
+    return specs + [pack_spec(1), pack_spec(PACK_SLOTS)]
 
 
 def input_dtype(name: str, word: mx.Dtype) -> mx.Dtype:

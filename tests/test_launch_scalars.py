@@ -1,0 +1,129 @@
+"""Launch scalars: host-made or gathered into device memory, the same words either way.
+
+On CUDA a launch's runtime scalars are gathered by one small kernel from mlx's host
+pool into device memory (:func:`dflash.metal.backend.launch_scalars`); elsewhere, and
+inside ``mx.compile`` traces, they are host-made. Here the gather runs as its reference
+(the kernel itself is compile-checked in ``test_metal_compile`` and run on the H200 in
+``test_metal_cuda``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash.metal import backend, groups
+
+
+@pytest.fixture
+def resident(monkeypatch: pytest.MonkeyPatch):
+    """The CUDA route, with the gather replaced by its reference; fresh memos."""
+    monkeypatch.setattr(backend, "BACKEND", backend.CUDA)
+    monkeypatch.setattr(backend, "NATIVE_BACKEND", backend.CUDA)
+    monkeypatch.delenv(backend.RESIDENT_ENV, raising=False)
+    launched = []
+
+    def pack(words):
+        assert len(words) % 2 == 0 and len(words) <= 2 * backend.PACK_SLOTS
+        launched.append(tuple(words))
+        return backend.reference_pack(words)
+
+    monkeypatch.setattr(backend, "pack_launch", pack)
+    backend._resident_scalars.cache_clear()
+    backend._host_scalars.cache_clear()
+    yield launched
+    backend._resident_scalars.cache_clear()
+    backend._host_scalars.cache_clear()
+
+
+def _bits(array: mx.array) -> list:
+    return np.array(array).view(np.int32).tolist()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=40),
+    st.lists(st.floats(width=32), min_size=1, max_size=40),
+)
+def test_gathered_scalars_keep_every_bit(ints: list, floats: list) -> None:
+    """Every count (odd, even, past the gather's limit) and every float (signed zeros,
+    infinities, NaN) comes back with the host's exact words, dtype and length."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backend, "BACKEND", backend.CUDA)
+        patch.setattr(backend, "NATIVE_BACKEND", backend.CUDA)
+        patch.setattr(backend, "pack_launch", backend.reference_pack)
+        backend._resident_scalars.cache_clear()
+        for values, dtype, kind in (
+            (ints, mx.int32, np.int32),
+            (floats, mx.float32, np.float32),
+        ):
+            packed = backend.launch_scalars(values, dtype)
+            assert packed.dtype == dtype and packed.shape == (len(values),)
+            assert _bits(packed) == np.asarray(values, kind).view(np.int32).tolist()
+        backend._resident_scalars.cache_clear()
+
+
+def test_one_gather_per_distinct_scalar_set(resident: list) -> None:
+    first = groups.int_params(1, 2, 3)
+    assert groups.int_params(1, 2, 3) is first
+    assert resident == [(1, 2, 3, 0)]  # padded to MIN_PARAMS
+    groups.int_params(1, 2, 4)
+    assert len(resident) == 2
+
+
+def test_signed_zeros_are_distinct_scalar_sets(resident: list) -> None:
+    """Memo keys are the words: ``-0.0`` never gets ``0.0``'s array (as equal values
+    would)."""
+    plus, minus = groups.float_params(0.0), groups.float_params(-0.0)
+    assert plus is not minus
+    assert math.copysign(1.0, minus.tolist()[0]) == -1.0
+    assert math.copysign(1.0, plus.tolist()[0]) == 1.0
+
+
+def test_long_sets_stay_host_made(resident: list) -> None:
+    values = list(range(2 * backend.PACK_SLOTS + 1))
+    assert backend.launch_scalars(values).tolist() == values
+    assert resident == []
+
+
+def test_switch_off_and_traces_get_host_made_scalars(
+    resident: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(backend.RESIDENT_ENV, "0")
+    assert groups.int_params(5, 6).tolist() == [5, 6, 0, 0]
+    monkeypatch.delenv(backend.RESIDENT_ENV)
+
+    def traced(x):
+        assert backend.tracing()
+        return x + groups.int_params(7, 8)
+
+    out = backend.compile_traced(traced)(mx.zeros((4,), mx.int32))
+    assert out.tolist() == [7, 8, 0, 0]
+    assert resident == []  # neither the switch's nor the trace's scalars were gathered
+
+
+def test_bad_switch_and_dtype_fail_closed(
+    resident: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(backend.RESIDENT_ENV, "maybe")
+    with pytest.raises(ValueError, match=backend.RESIDENT_ENV):
+        groups.int_params(1)
+    monkeypatch.delenv(backend.RESIDENT_ENV)
+    with pytest.raises(ValueError, match="int32 or float32"):
+        backend.launch_scalars([1], mx.float16)
+    assert resident == []
+
+
+def test_routes_faked_as_cuda_never_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without mlx's CUDA backend nothing gathers, even where tests and host-cost stubs
+    route as on CUDA (the gather would be a real launch)."""
+    if backend.NATIVE_BACKEND == backend.CUDA:
+        pytest.skip("on CUDA the gather is the point")
+    monkeypatch.setattr(backend, "BACKEND", backend.CUDA)
+    assert not backend.resident_wanted()
+    assert groups.int_params(9).tolist() == [9, 0, 0, 0]
