@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import os
+import struct
 from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -301,17 +302,18 @@ PACK_SLOTS = 16
 
 
 def resident_wanted() -> bool:
-    """Whether launch scalars are gathered into device memory (:func:`launch_scalars`):
-    on CUDA unless :data:`RESIDENT_ENV` is off, and never inside an ``mx.compile`` trace
-    (the gather would be a traced op, and it is memoised)."""
+    """Whether a new launch-scalar set is gathered into device memory
+    (:func:`launch_scalars`): with mlx's CUDA backend (and routed as on it) unless
+    :data:`RESIDENT_ENV` is off, and never inside an ``mx.compile`` trace (the gather
+    would be a traced op)."""
     if BACKEND != CUDA or NATIVE_BACKEND != CUDA or tracing():
         return False
     return strict_switch(RESIDENT_ENV, None, True)
 
 
 def scalar_words(values: Sequence, dtype: mx.Dtype) -> tuple[int, ...]:
-    """``values`` as the int32 words of a ``dtype`` (int32 / float32) array, bit for bit
-    (so ``-0.0`` and ``0.0`` stay apart, unlike the values as memo keys)."""
+    """``values`` as the int32 words of a ``dtype`` (int32 / float32) array, bit for
+    bit."""
     kind = np.int32 if dtype == mx.int32 else np.float32
     if dtype not in (mx.int32, mx.float32):
         raise ValueError(f"launch scalars are int32 or float32, not {dtype}")
@@ -369,19 +371,33 @@ def pack_launch(words: Sequence[int]) -> mx.array:
     )[0]
 
 
-@functools.lru_cache(maxsize=1024)
 def _host_scalars(words: tuple, dtype_name: str) -> mx.array:
     host = mx.array(list(words), dtype=mx.int32)
     return host if dtype_name == "int32" else host.view(mx.float32)
 
 
-@functools.lru_cache(maxsize=1024)
 def _resident_scalars(words: tuple, dtype_name: str) -> mx.array:
     padded = words + (0,) * (len(words) % 2)
     if len(padded) > 2 * PACK_SLOTS:
         return _host_scalars(words, dtype_name)
     packed = pack_launch(padded)[: len(words)]
     return packed if dtype_name == "int32" else packed.view(mx.float32)
+
+
+@functools.lru_cache(maxsize=2048)
+def _scalars(key, dtype_name: str, in_trace: bool) -> mx.array:
+    if dtype_name == "int32":
+        words = scalar_words(key, mx.int32)
+    else:
+        words = tuple(np.frombuffer(key, dtype=np.int32).tolist())
+    # The switch is read once a set: a memo hit costs no environment lookup.
+    make = _resident_scalars if resident_wanted() else _host_scalars
+    return make(words, dtype_name)
+
+
+def clear_launch_scalars() -> None:
+    """Forget every memoised scalar array (the next use of each set makes it anew)."""
+    _scalars.cache_clear()
 
 
 def launch_scalars(values: Sequence, dtype: mx.Dtype = mx.int32) -> mx.array:
@@ -399,16 +415,27 @@ def launch_scalars(values: Sequence, dtype: mx.Dtype = mx.int32) -> mx.array:
         values: The scalars, in the order the kernel reads them.
         dtype: ``mx.int32`` or ``mx.float32``.
 
+    The route (:func:`resident_wanted`) is decided when a set is first made, so
+    :data:`RESIDENT_ENV` applies to sets made after it is set (:func:`clear_launch_scalars`
+    forgets the others).
+
     Returns:
-        The array (the same object for the same words and dtype).
+        The array (the same object for the same words and dtype, outside or inside a
+        trace).
 
     Raises:
-        ValueError: another dtype.
+        ValueError: another dtype, or a float that float32 cannot hold.
     """
-    key = (scalar_words(values, dtype), "int32" if dtype == mx.int32 else "float32")
-    if resident_wanted():
-        return _resident_scalars(*key)
-    return _host_scalars(*key)
+    if dtype == mx.int32:
+        return _scalars(tuple(values), "int32", tracing())
+    if dtype != mx.float32:
+        raise ValueError(f"launch scalars are int32 or float32, not {dtype}")
+    # Keyed by the float32 bytes: equal values that differ in bits (signed zeros) stay apart.
+    try:
+        key = struct.pack(f"<{len(values)}f", *values)
+    except OverflowError as error:
+        raise ValueError(f"launch scalars {list(values)} overflow float32") from error
+    return _scalars(key, "float32", tracing())
 
 
 def params(*values: int) -> mx.array:

@@ -403,4 +403,4 @@ def float_params(*values: float) -> mx.array:
     """Runtime float scalars of a launch as a float32 array (memoised, immutable,
     device-made on CUDA: :func:`backend.launch_scalars`; zero-padded to
     :data:`MIN_PARAMS`)."""
-    return backend.launch_scalars([float(v) for v in _padded(values)], mx.float32)
+    return backend.launch_scalars(_padded(values), mx.float32)

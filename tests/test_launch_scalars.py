@@ -34,11 +34,9 @@ def resident(monkeypatch: pytest.MonkeyPatch):
         return backend.reference_pack(words)
 
     monkeypatch.setattr(backend, "pack_launch", pack)
-    backend._resident_scalars.cache_clear()
-    backend._host_scalars.cache_clear()
+    backend.clear_launch_scalars()
     yield launched
-    backend._resident_scalars.cache_clear()
-    backend._host_scalars.cache_clear()
+    backend.clear_launch_scalars()
 
 
 def _bits(array: mx.array) -> list:
@@ -57,7 +55,7 @@ def test_gathered_scalars_keep_every_bit(ints: list, floats: list) -> None:
         patch.setattr(backend, "BACKEND", backend.CUDA)
         patch.setattr(backend, "NATIVE_BACKEND", backend.CUDA)
         patch.setattr(backend, "pack_launch", backend.reference_pack)
-        backend._resident_scalars.cache_clear()
+        backend.clear_launch_scalars()
         for values, dtype, kind in (
             (ints, mx.int32, np.int32),
             (floats, mx.float32, np.float32),
@@ -65,7 +63,7 @@ def test_gathered_scalars_keep_every_bit(ints: list, floats: list) -> None:
             packed = backend.launch_scalars(values, dtype)
             assert packed.dtype == dtype and packed.shape == (len(values),)
             assert _bits(packed) == np.asarray(values, kind).view(np.int32).tolist()
-        backend._resident_scalars.cache_clear()
+        backend.clear_launch_scalars()
 
 
 def test_one_gather_per_distinct_scalar_set(resident: list) -> None:
@@ -97,6 +95,8 @@ def test_switch_off_and_traces_get_host_made_scalars(
     monkeypatch.setenv(backend.RESIDENT_ENV, "0")
     assert groups.int_params(5, 6).tolist() == [5, 6, 0, 0]
     monkeypatch.delenv(backend.RESIDENT_ENV)
+    # The route is decided when a set is made: the memoised host-made set stays.
+    assert groups.int_params(5, 6).tolist() == [5, 6, 0, 0]
 
     def traced(x):
         assert backend.tracing()
@@ -105,6 +105,8 @@ def test_switch_off_and_traces_get_host_made_scalars(
     out = backend.compile_traced(traced)(mx.zeros((4,), mx.int32))
     assert out.tolist() == [7, 8, 0, 0]
     assert resident == []  # neither the switch's nor the trace's scalars were gathered
+    assert groups.int_params(7, 8).tolist() == [7, 8, 0, 0]  # outside: its own set
+    assert resident == [(7, 8, 0, 0)]
 
 
 def test_bad_switch_and_dtype_fail_closed(

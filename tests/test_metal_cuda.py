@@ -101,6 +101,7 @@ def _planes(count: int) -> list[mx.array]:
 def test_one_launch_for_all_glimmer_planes(monkeypatch: pytest.MonkeyPatch) -> None:
     # The op's own launches: scalars host-made (their packing has its own tests).
     monkeypatch.setenv(backend.RESIDENT_ENV, "0")
+    backend.clear_launch_scalars()  # sets made before keep their route
     planes = _planes(78)
     dests = mx.array(np.tile(np.arange(60, 76) % 64, (78, 1)).astype(np.int32))
     block = retain_rows(planes, dests, use_kernel=True)
@@ -114,6 +115,7 @@ def test_auto_picks_the_measured_defaults_on_cuda(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(backend.RESIDENT_ENV, "0")
+    backend.clear_launch_scalars()  # sets made before keep their route
     (plane,) = _planes(1)
     rows = mx.zeros((1, 2, 16, 16), dtype=mx.bfloat16)
     dests = mx.array(np.arange(16, dtype=np.int32)[None])
@@ -158,7 +160,7 @@ def test_fresh_scalars_cost_one_pack_launch() -> None:
     """A new scalar set is one packing launch (reading mlx's host pool), memoised: the
     same set again is the evaluated array, no launch."""
     values = (11, 22, 33, 44, 55)
-    backend._resident_scalars.cache_clear()
+    backend.clear_launch_scalars()
     first = backend.launch_scalars(values)
     assert graph_launches(first)["CustomKernel"] == 1
     assert first.tolist() == list(values)

@@ -442,6 +442,7 @@ def test_cuda_round_equals_the_reference_round() -> None:
 def test_cuda_staged_round_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     # The round's own launches: scalars host-made (their packing has its own tests).
     monkeypatch.setenv(backend.RESIDENT_ENV, "0")
+    backend.clear_launch_scalars()  # sets made before keep their route
     # By default CUDA stages with the reference ops (measured at least as fast): per ring a
     # stack and one concatenate, no gather, no custom kernel.
     default = glimmer_like(None)
