@@ -297,7 +297,7 @@ def call_kernel(
 
 RESIDENT_ENV = "DFLASH_RESIDENT_PARAMS"
 
-# Launch scalars words a packing launch gathers (two a slot); longer sets stay host-made.
+# Launch-scalar words one packing launch gathers (two a slot); longer sets stay host-made.
 PACK_SLOTS = 16
 
 
@@ -309,15 +309,6 @@ def resident_wanted() -> bool:
     if BACKEND != CUDA or NATIVE_BACKEND != CUDA or tracing():
         return False
     return strict_switch(RESIDENT_ENV, None, True)
-
-
-def scalar_words(values: Sequence, dtype: mx.Dtype) -> tuple[int, ...]:
-    """``values`` as the int32 words of a ``dtype`` (int32 / float32) array, bit for
-    bit."""
-    kind = np.int32 if dtype == mx.int32 else np.float32
-    if dtype not in (mx.int32, mx.float32):
-        raise ValueError(f"launch scalars are int32 or float32, not {dtype}")
-    return tuple(np.asarray(values, dtype=kind).view(np.int32).tolist())
 
 
 def _pack_body(slots: int) -> str:
@@ -386,8 +377,9 @@ def _resident_scalars(words: tuple, dtype_name: str) -> mx.array:
 
 @functools.lru_cache(maxsize=2048)
 def _scalars(key, dtype_name: str, in_trace: bool) -> mx.array:
+    # ``in_trace`` only keys the memo: a trace's sets are host-made (resident_wanted).
     if dtype_name == "int32":
-        words = scalar_words(key, mx.int32)
+        words = tuple(np.asarray(key, dtype=np.int32).tolist())
     else:
         words = tuple(np.frombuffer(key, dtype=np.int32).tolist())
     # The switch is read once a set: a memo hit costs no environment lookup.
@@ -411,13 +403,13 @@ def launch_scalars(values: Sequence, dtype: mx.Dtype = mx.int32) -> mx.array:
     the scalars are therefore gathered by one small launch (:func:`pack_launch`) into
     device memory, and every launch reads them there.
 
-    Args:
-        values: The scalars, in the order the kernel reads them.
-        dtype: ``mx.int32`` or ``mx.float32``.
-
     The route (:func:`resident_wanted`) is decided when a set is first made, so
     :data:`RESIDENT_ENV` applies to sets made after it is set (:func:`clear_launch_scalars`
     forgets the others).
+
+    Args:
+        values: The scalars, in the order the kernel reads them.
+        dtype: ``mx.int32`` or ``mx.float32``.
 
     Returns:
         The array (the same object for the same words and dtype, outside or inside a
