@@ -371,6 +371,32 @@ _WEIGHTED_VALUES = """\
 """
 
 
+# A thread's rows' chunk statistics (@STAT_M@, @STAT_L@) and weighted values, stored
+# for the fold.
+_PARTIAL_STORES = r"""  for (int i = 0; i < 2; ++i) {
+    if (!row_ok[i]) {
+      continue;
+    }
+    const int qrow = (b * n_heads + h * group_size + row[i] / n_queries) * n_queries
+        + row[i] % n_queries;
+    const int at = qrow * n_chunks + u;
+    if (tig == 0) {
+      part_stats[at * 2] = @STAT_M@;
+      part_stats[at * 2 + 1] = @STAT_L@;
+    }
+    for (int dt = 0; dt < DIM_TILES; ++dt) {
+      const int d = dt * 8 + tig * 2;
+      part_values[at * DIM + d] = acc[dt][2 * i];
+      part_values[at * DIM + d + 1] = acc[dt][2 * i + 1];
+    }
+  }
+"""
+
+
+def _partial_stores(stat_m: str, stat_l: str) -> str:
+    return _PARTIAL_STORES.replace("@STAT_M@", stat_m).replace("@STAT_L@", stat_l)
+
+
 def _indent(text: str, spaces: int) -> str:
     """``text`` with ``spaces`` more spaces before every non-empty line."""
     pad = " " * spaces
@@ -645,24 +671,8 @@ def _stream_body(dim: int) -> str:
   }
 
   // The chunk's statistics and weighted values of this thread's rows.
-  for (int i = 0; i < 2; ++i) {
-    if (!row_ok[i]) {
-      continue;
-    }
-    const int qrow = (b * n_heads + h * group_size + row[i] / n_queries) * n_queries
-        + row[i] % n_queries;
-    const int at = qrow * n_chunks + u;
-    if (tig == 0) {
-      part_stats[at * 2] = m_run[i];
-      part_stats[at * 2 + 1] = l_run[i];
-    }
-    for (int dt = 0; dt < DIM_TILES; ++dt) {
-      const int d = dt * 8 + tig * 2;
-      part_values[at * DIM + d] = acc[dt][2 * i];
-      part_values[at * DIM + d + 1] = acc[dt][2 * i + 1];
-    }
-  }
 """
+        + _partial_stores("m_run[i]", "l_run[i]")
     )
 
 
@@ -772,24 +782,7 @@ _COMBINED_GROUPS = r"""@COMMENT@  constexpr int VALUES = DIM_TILES * 4 + 4;
   }
 
   // The chunk's statistics (natural units, as the fold reads them) and weighted values.
-  for (int i = 0; i < 2; ++i) {
-    if (!row_ok[i]) {
-      continue;
-    }
-    const int qrow = (b * n_heads + h * group_size + row[i] / n_queries) * n_queries
-        + row[i] % n_queries;
-    const int at = qrow * n_chunks + u;
-    if (tig == 0) {
-      part_stats[at * 2] = @M@[i] * LN2;
-      part_stats[at * 2 + 1] = @L@[i];
-    }
-    for (int dt = 0; dt < DIM_TILES; ++dt) {
-      const int d = dt * 8 + tig * 2;
-      part_values[at * DIM + d] = acc[dt][2 * i];
-      part_values[at * DIM + d + 1] = acc[dt][2 * i + 1];
-    }
-  }
-"""
+""" + _partial_stores("@M@[i] * LN2", "@L@[i]")
 _PAIR_NAMES = (
     "  // The groups' states meet in shared memory (the tiles are read): group g > 0"
     " writes\n  // its warp's fragments lane-major, group 0 combines them in group"

@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from support.scalar_bits import assert_scalars_keep_bits
 
 from dflash.metal import backend, groups
 
@@ -39,10 +40,6 @@ def resident(monkeypatch: pytest.MonkeyPatch):
     backend.clear_launch_scalars()
 
 
-def _bits(array: mx.array) -> list:
-    return np.array(array).view(np.int32).tolist()
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=40),
@@ -56,14 +53,28 @@ def test_gathered_scalars_keep_every_bit(ints: list, floats: list) -> None:
         patch.setattr(backend, "NATIVE_BACKEND", backend.CUDA)
         patch.setattr(backend, "pack_launch", backend.reference_pack)
         backend.clear_launch_scalars()
-        for values, dtype, kind in (
-            (ints, mx.int32, np.int32),
-            (floats, mx.float32, np.float32),
-        ):
-            packed = backend.launch_scalars(values, dtype)
-            assert packed.dtype == dtype and packed.shape == (len(values),)
-            assert _bits(packed) == np.asarray(values, kind).view(np.int32).tolist()
+        assert_scalars_keep_bits(ints, mx.int32)
+        assert_scalars_keep_bits(floats, mx.float32)
         backend.clear_launch_scalars()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=20),
+    st.lists(st.floats(-1e6, 1e6, width=32), min_size=1, max_size=20),
+)
+def test_launch_scalars_are_never_a_small_pool_array(ints: list, floats: list) -> None:
+    """A launch's scalar arrays hold at least 16 bytes (mlx's CUDA allocator puts
+    host-made arrays of at most 8 bytes in a pool of host memory every warp would read
+    in place), their values first, in order, then zeros."""
+    for values, make, dtype in (
+        (ints, groups.int_params, mx.int32),
+        (floats, groups.float_params, mx.float32),
+    ):
+        array = make(*values)
+        assert array.dtype == dtype and array.nbytes >= 16
+        assert array.tolist()[: len(values)] == values
+        assert array.tolist()[len(values) :] == [0] * (array.size - len(values))
 
 
 def test_one_gather_per_distinct_scalar_set(resident: list) -> None:

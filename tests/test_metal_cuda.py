@@ -24,6 +24,7 @@ from support.kernel_cases import (
     glimmer_cases,
 )
 from support.launches import graph_launches
+from support.scalar_bits import assert_scalars_keep_bits
 from support.validated import (
     checked_ring_write,
     checked_stage_shadow,
@@ -149,11 +150,8 @@ def test_auto_picks_the_measured_defaults_on_cuda(
 def test_packed_launch_scalars_keep_every_bit(ints: list, floats: list) -> None:
     """Scalars gathered into device memory equal the host's words bit for bit (signed
     zeros and infinities included), for every count up to and past the packing limit."""
-    for values, dtype, kind in ((ints, mx.int32, np.int32), (floats, mx.float32, np.float32)):
-        packed = backend.launch_scalars(values, dtype)
-        assert packed.dtype == dtype and packed.shape == (len(values),)
-        want = np.asarray(values, dtype=kind).view(np.int32)
-        assert np.array_equal(np.array(packed).view(np.int32), want)
+    assert_scalars_keep_bits(ints, mx.int32)
+    assert_scalars_keep_bits(floats, mx.float32)
 
 
 def test_fresh_scalars_cost_one_pack_launch() -> None:

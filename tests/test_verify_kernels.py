@@ -113,25 +113,6 @@ def test_reference_does_not_see_the_seam(case: Case, turn: int) -> None:
     assert_seamless(case, turn, False)
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=20),
-    st.lists(st.floats(-1e6, 1e6, width=32), min_size=1, max_size=20),
-)
-def test_launch_scalars_are_never_a_small_pool_array(ints: list, floats: list) -> None:
-    """A launch's scalar arrays hold at least 16 bytes (mlx's CUDA allocator pools
-    host-made arrays of at most 8 bytes in host-written managed memory), their values
-    first, in order, then zeros."""
-    for values, make, dtype in (
-        (ints, groups.int_params, mx.int32),
-        (floats, groups.float_params, mx.float32),
-    ):
-        array = make(*values)
-        assert array.dtype == dtype and array.nbytes >= 16
-        assert array.tolist()[: len(values)] == values
-        assert array.tolist()[len(values) :] == [0] * (array.size - len(values))
-
-
 @pytest.mark.parametrize("shift", [-1, 1])
 @pytest.mark.parametrize("seed", range(4))
 def test_window_off_by_one_fails_the_oracle(shift: int, seed: int) -> None:
