@@ -24,6 +24,7 @@ from .inputs import (
     resolve_block_size,
 )
 from .kernel_patch import attention_route, verify_kernels
+from .metal.backend import resident_array
 from .metal.layout import leading_view
 from .rounds import VerifyRound, cache_room, emit_rounds, prefill
 from .sampling import LogitsProcessor, Sampler, Sampling, log_normalize
@@ -99,7 +100,9 @@ class DFlashSpeculator:
             log-distributions or ``None``; nothing is read back.
         """
         config = self.drafter.config
-        block = mx.array([[last] + [config.mask_token_id] * (size - 1)], mx.uint32)
+        # New ids every round: made without a page migration at the embedding (CUDA).
+        ids = [last] + [config.mask_token_id] * (size - 1)
+        block = resident_array(ids, mx.uint32)[None]
         if getattr(config, "has_candidate_selector", False):
             # DFlash2 re-ranks candidates given the previous pick: drafts are not a row argmax.
             proposal = self.drafter.propose(

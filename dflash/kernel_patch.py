@@ -108,6 +108,7 @@ _BOUND = "_dflash_bound"
 _TRACES = "_dflash_traces"
 # Switch for whole MLP blocks through mx.compile (default off: measured slower).
 COMPILED_BLOCKS_ENV = "DFLASH_COMPILED_BLOCKS"
+DRAFTER_DENSE_ENV = "DFLASH_DRAFTER_DENSE_KERNEL"
 
 # The route of the attention call in progress (None: not a patched call).
 _ACTIVE: contextvars.ContextVar[Optional["AttentionRoute"]] = contextvars.ContextVar(
@@ -609,6 +610,16 @@ def compiled_blocks_wanted() -> bool:
     return bool(backend.env_switch(COMPILED_BLOCKS_ENV))
 
 
+def drafter_dense_wanted(value: Optional[bool] = None) -> bool:
+    """Whether :class:`KernelPatch` routes the drafter's unquantized projections through
+    the small-row kernel: ``value`` if given, else ``DFLASH_DRAFTER_DENSE_KERNEL``
+    (``0`` / ``1``), else on. The drafter needs no batch invariance (its drafts are only
+    proposals), so mlx's own matmul serves it wherever it is faster."""
+    if value is not None:
+        return bool(value)
+    return backend.env_switch(DRAFTER_DENSE_ENV) is not False
+
+
 def _matmul_args(layer: nn.Module, dtype: mx.Dtype):
     """``(weight, scales, biases, bits, group_size)`` of ``layer``, or None if unserved."""
     if dtype not in qmm.DTYPES:
@@ -720,6 +731,9 @@ class KernelPatch:
             target's decoder layers :mod:`dflash.traced_layers` re-states as two
             compiled replays a served call (takes precedence over
             ``residual_norms``). None: :func:`dflash.traced_layers.traced_layers_wanted`.
+        drafter_dense: With ``matmul``, route the drafter's unquantized projections
+            too (False: they keep mlx's matmul; the target's are always routed, for
+            batch invariance). None: :func:`drafter_dense_wanted`.
 
     Raises:
         ValueError: ``model``'s architecture is not one whose attention can be routed.
@@ -744,6 +758,7 @@ class KernelPatch:
         kv_block: Optional[bool] = None,
         swiglu: Optional[bool] = None,
         traced_layers: Optional[bool] = None,
+        drafter_dense: Optional[bool] = None,
     ) -> None:
         if attention and not supports(model):
             raise ValueError(
@@ -766,6 +781,7 @@ class KernelPatch:
         self.attention = attention
         self.matmul = matmul
         self.fuse = fuse_wanted() if fuse is None else bool(fuse)
+        self.drafter_dense = drafter_dense_wanted(drafter_dense)
         self.projections = bool(projections) and not matmul
         self.compile_blocks = bool(matmul) and (
             compiled_blocks_wanted() if compile_blocks is None else bool(compile_blocks)
@@ -797,7 +813,8 @@ class KernelPatch:
         return found
 
     def matmul_modules(self) -> List[nn.Module]:
-        """Every ``nn.Linear`` / ``nn.QuantizedLinear`` of the target and the drafter."""
+        """Every ``nn.Linear`` / ``nn.QuantizedLinear`` of the target and the drafter
+        (less the drafter's own unquantized ones without ``drafter_dense``)."""
         owners = [self.model] + ([self.drafter] if self.drafter is not None else [])
         found, seen = [], set()
         for owner in owners:
@@ -807,7 +824,9 @@ class KernelPatch:
                     and id(module) not in seen
                 ):
                     seen.add(id(module))
-                    found.append(module)
+                    dense = not isinstance(module, nn.QuantizedLinear)
+                    if owner is self.model or self.drafter_dense or not dense:
+                        found.append(module)
         return found
 
     def sibling_parents(self) -> List[nn.Module]:

@@ -349,7 +349,9 @@ def pack_launch(words: Sequence[int]) -> mx.array:
     allocates on the device.
     """
     slots = len(words) // 2
-    inputs = [mx.array(list(words[2 * i : 2 * i + 2]), dtype=mx.int32) for i in range(slots)]
+    inputs = [
+        mx.array(list(words[2 * i : 2 * i + 2]), dtype=mx.int32) for i in range(slots)
+    ]
     spec = pack_spec(slots)
     return call_kernel(
         kernel_for(spec),
@@ -372,7 +374,12 @@ def _resident_scalars(words: tuple, dtype_name: str) -> mx.array:
     if len(padded) > 2 * PACK_SLOTS:
         return _host_scalars(words, dtype_name)
     packed = pack_launch(padded)[: len(words)]
-    return packed if dtype_name == "int32" else packed.view(mx.float32)
+    packed = packed if dtype_name == "int32" else packed.view(mx.float32)
+    # Scheduled now, so a trace that captures the memoised array (a bound launch plan
+    # inside ``mx.compile``) holds its value, not the gather: a lazy capture re-ran the
+    # gather at every replay (session 33: ~280 extra launches a 4-bit round).
+    mx.async_eval(packed)
+    return packed
 
 
 @functools.lru_cache(maxsize=2048)
@@ -428,6 +435,38 @@ def launch_scalars(values: Sequence, dtype: mx.Dtype = mx.int32) -> mx.array:
     except OverflowError as error:
         raise ValueError(f"launch scalars {list(values)} overflow float32") from error
     return _scalars(key, "float32", tracing())
+
+
+def resident_array(values: Sequence[int], dtype: mx.Dtype = mx.uint32) -> mx.array:
+    """Host integers that change every call (a block's token ids) as a 1-D array, made
+    where :func:`resident_wanted` without a page migration at its first reader.
+
+    Not memoised (:func:`launch_scalars` is, for values that recur). An array of more than
+    8 bytes made on the host lives in managed memory on CUDA, and the first kernel that
+    reads it waits while its page moves (session 32: 40-100 us); at most
+    ``2 * PACK_SLOTS`` words are gathered by one small launch instead.
+
+    Args:
+        values: The integers.
+        dtype: ``mx.uint32`` (each in ``[0, 2**31)``) or ``mx.int32``.
+
+    Returns:
+        The array, of ``dtype`` and shape ``(len(values),)``.
+
+    Raises:
+        ValueError: another dtype, or a value the gather's int32 words cannot hold.
+    """
+    if dtype not in (mx.uint32, mx.int32):
+        raise ValueError(f"resident arrays are uint32 or int32, not {dtype}")
+    words = tuple(int(value) for value in values)
+    low = 0 if dtype == mx.uint32 else -(2**31)
+    bad = [word for word in words if not low <= word < 2**31]
+    if bad:
+        raise ValueError(f"values {bad[:4]} do not fit a {dtype} resident array")
+    if not words or len(words) > 2 * PACK_SLOTS or not resident_wanted():
+        return mx.array(list(words), dtype)
+    padded = words + (0,) * (len(words) % 2)
+    return pack_launch(padded)[: len(words)].view(dtype)
 
 
 def params(*values: int) -> mx.array:

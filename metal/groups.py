@@ -395,8 +395,10 @@ def counter_feed(feed: CounterFeed) -> Iterator[CounterFeed]:
 @functools.lru_cache(maxsize=None)
 def unused_input(dtype: mx.Dtype) -> mx.array:
     """A one-element stand-in bound to an input a launch never reads (an absent norm
-    weight)."""
-    return mx.zeros((1,), dtype)
+    weight). Scheduled as it is made: a trace capturing it holds a value, not a fill."""
+    blank = mx.zeros((1,), dtype)
+    mx.async_eval(blank)
+    return blank
 
 
 def float_params(*values: float) -> mx.array:

@@ -1,5 +1,6 @@
 """dflash-bench: modes side by side, τ and losslessness, the scale mode, the peer; failures."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -571,3 +572,16 @@ def test_environment_records_the_switches_that_change_what_runs(monkeypatch):
     env = environment("cmd")["env"]
     assert env["DFLASH_COMPILE"] == "1" and env["MLX_USE_CUDA_GRAPHS"] == "0"
     assert "UNRELATED_SETTING" not in env
+
+
+def test_scale_target_loads_as_a_standalone_file() -> None:
+    """The side by side hands ``scale_target.py`` to the public loop's process as a plain
+    file (no package around it), so it may import only mlx and mlx-lm; its targets and
+    replay boost are then the ones our bench uses."""
+    spec = importlib.util.spec_from_file_location(
+        "standalone_scale_target", Path(scale_target.__file__)
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.REPLAY_BOOST == scale_target.REPLAY_BOOST
+    assert module.GEOMETRIES == scale_target.GEOMETRIES

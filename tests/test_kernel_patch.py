@@ -852,3 +852,34 @@ def test_an_mlp_block_runs_its_python_once_per_geometry_and_is_traced_again_for_
     assert len(compiled) == 2
     gc.collect()
     assert [ref for ref in compiled if ref() is not None] == []
+
+
+@pytest.mark.parametrize("setting", ["arg-off", "env-off", "default"])
+def test_drafter_dense_projections_can_keep_mlx_matmul(monkeypatch, setting) -> None:
+    """Off, the drafter's unquantized projections keep mlx's matmul while the target's
+    (which need batch invariance) and any quantized drafter layer stay routed; the
+    DFlash output is still the target's greedy output."""
+    monkeypatch.delenv(kernel_patch.DRAFTER_DENSE_ENV, raising=False)
+    if setting == "env-off":
+        monkeypatch.setenv(kernel_patch.DRAFTER_DENSE_ENV, "0")
+    target = tiny_model("muse_glimmer", seed=21, window=16)
+    drafter = random_drafter(target, seed=22, block_size=8)
+    dense = [m for m in drafter.modules() if type(m) is nn.Linear]
+    assert dense
+    patch = KernelPatch(
+        target, drafter, drafter_dense=False if setting == "arg-off" else None
+    )
+    routed = {id(m) for m in patch.matmul_modules()}
+    shared = {id(m) for m in target.modules() if isinstance(m, nn.Linear)}
+    assert shared and shared <= routed
+    kept = setting == "default"
+    assert all((id(m) in routed) == kept for m in dense if id(m) not in shared)
+    prompt = mx.random.randint(0, 250, (24,))
+    want = [int(t) for t, *_ in mlx_generate_step(prompt, target, max_tokens=12)]
+    with patch:
+        assert all(type(m) is nn.Linear for m in dense) != kept
+        got = [
+            int(t)
+            for t, *_ in dflash_generate_step(prompt, target, drafter, max_tokens=12)
+        ]
+    assert got == want

@@ -9,6 +9,7 @@ inside ``mx.compile`` traces, they are host-made. Here the gather runs as its re
 
 from __future__ import annotations
 
+import io
 import math
 
 import mlx.core as mx
@@ -77,6 +78,28 @@ def test_launch_scalars_are_never_a_small_pool_array(ints: list, floats: list) -
         assert array.tolist()[len(values) :] == [0] * (array.size - len(values))
 
 
+def _pending_ops(array: mx.array) -> list:
+    """The ops still to run to make ``array`` (none once it is scheduled)."""
+    dot = io.StringIO()
+    mx.export_to_dot(dot, array)
+    return [line for line in dot.getvalue().splitlines() if "shape=rectangle" in line]
+
+
+def test_gathered_sets_are_scheduled_when_made(resident: list) -> None:
+    """A gathered set is scheduled as it is made: an ``mx.compile`` trace that captures
+    the memoised array (a bound launch plan) holds its value, not the gather, which a
+    lazy capture would run again at every replay."""
+    ints, floats = groups.int_params(3, 1, 4, 1, 5), groups.float_params(9.0, 2.0)
+    assert resident and _pending_ops(ints) == [] and _pending_ops(floats) == []
+    host = mx.array([1, 2, 3])[:2]  # the check itself sees a lazy array's ops
+    assert _pending_ops(host)
+
+
+def test_memoised_stand_ins_are_scheduled_when_made() -> None:
+    groups.unused_input.cache_clear()
+    assert _pending_ops(groups.unused_input(mx.float16)) == []
+
+
 def test_one_gather_per_distinct_scalar_set(resident: list) -> None:
     first = groups.int_params(1, 2, 3)
     assert groups.int_params(1, 2, 3) is first
@@ -140,3 +163,62 @@ def test_routes_faked_as_cuda_never_gather(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(backend, "BACKEND", backend.CUDA)
     assert not backend.resident_wanted()
     assert groups.int_params(9).tolist() == [9, 0, 0, 0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(0, 2**31 - 1), max_size=40),
+    st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40),
+)
+def test_resident_arrays_keep_every_value(tokens: list, signed: list) -> None:
+    """Token ids (uint32) and signed rows (int32) come back exact, in order, with their
+    dtype and length, gathered (at most ``2 * PACK_SLOTS``) or host-made (longer)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backend, "BACKEND", backend.CUDA)
+        patch.setattr(backend, "NATIVE_BACKEND", backend.CUDA)
+        launched = []
+
+        def pack(words):
+            launched.append(len(words))
+            return backend.reference_pack(words)
+
+        patch.setattr(backend, "pack_launch", pack)
+        for values, dtype in ((tokens, mx.uint32), (signed, mx.int32)):
+            array = backend.resident_array(values, dtype)
+            assert array.dtype == dtype and array.shape == (len(values),)
+            assert array.tolist() == values
+        fits = [v for v in (tokens, signed) if 0 < len(v) <= 2 * backend.PACK_SLOTS]
+        assert len(launched) == len(fits)
+
+
+def test_resident_arrays_are_not_memoised(resident: list) -> None:
+    """Each call is its own gather (block ids change every round; a memo would only
+    grow), and never a launch-scalar memo entry."""
+    first = backend.resident_array([5, 7, 7])
+    again = backend.resident_array([5, 7, 7])
+    assert first is not again and resident == [(5, 7, 7, 0), (5, 7, 7, 0)]
+    assert backend._scalars.cache_info().currsize == 0
+
+
+def test_resident_arrays_fail_closed(resident: list) -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        backend.resident_array([1, 2**31], mx.uint32)
+    with pytest.raises(ValueError, match="do not fit"):
+        backend.resident_array([-1], mx.uint32)
+    with pytest.raises(ValueError, match="uint32 or int32"):
+        backend.resident_array([1], mx.float32)
+    assert resident == []
+
+
+def test_resident_arrays_off_the_gather_route_are_host_made(
+    resident: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(backend.RESIDENT_ENV, "0")
+    assert backend.resident_array([3, 4]).tolist() == [3, 4]
+    monkeypatch.delenv(backend.RESIDENT_ENV)
+
+    def traced(x):
+        return x + backend.resident_array([1, 2], mx.int32)
+
+    out = backend.compile_traced(traced)(mx.zeros((2,), mx.int32))
+    assert out.tolist() == [1, 2] and resident == []

@@ -164,3 +164,12 @@ def test_fresh_scalars_cost_one_pack_launch() -> None:
     assert first.tolist() == list(values)
     again = backend.launch_scalars(values)
     assert again is first and graph_launches(again)["CustomKernel"] == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=2 * backend.PACK_SLOTS))
+def test_resident_token_ids_are_one_pack_launch(tokens: list) -> None:
+    """A block's token ids reach device memory through one packing launch, exact."""
+    ids = backend.resident_array(tokens, mx.uint32)
+    assert graph_launches(ids)["CustomKernel"] == 1
+    assert ids.dtype == mx.uint32 and ids.tolist() == tokens
