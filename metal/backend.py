@@ -369,11 +369,15 @@ def _host_scalars(words: tuple, dtype_name: str) -> mx.array:
     return host if dtype_name == "int32" else host.view(mx.float32)
 
 
+def _gathered(words: tuple) -> mx.array:
+    """``words`` (at most ``2 * PACK_SLOTS``) as an int32 array in device memory."""
+    return pack_launch(words + (0,) * (len(words) % 2))[: len(words)]
+
+
 def _resident_scalars(words: tuple, dtype_name: str) -> mx.array:
-    padded = words + (0,) * (len(words) % 2)
-    if len(padded) > 2 * PACK_SLOTS:
+    if len(words) > 2 * PACK_SLOTS:
         return _host_scalars(words, dtype_name)
-    packed = pack_launch(padded)[: len(words)]
+    packed = _gathered(words)
     packed = packed if dtype_name == "int32" else packed.view(mx.float32)
     # Scheduled now, so a trace that captures the memoised array (a bound launch plan
     # inside ``mx.compile``) holds its value, not the gather: a lazy capture re-ran the
@@ -465,8 +469,7 @@ def resident_array(values: Sequence[int], dtype: mx.Dtype = mx.uint32) -> mx.arr
         raise ValueError(f"values {bad[:4]} do not fit a {dtype} resident array")
     if not words or len(words) > 2 * PACK_SLOTS or not resident_wanted():
         return mx.array(list(words), dtype)
-    padded = words + (0,) * (len(words) % 2)
-    return pack_launch(padded)[: len(words)].view(dtype)
+    return _gathered(words).view(dtype)
 
 
 def params(*values: int) -> mx.array:
