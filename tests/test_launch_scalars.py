@@ -9,25 +9,24 @@ inside ``mx.compile`` traces, they are host-made. Here the gather runs as its re
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
+from typing import Iterator
 
 import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from support.scalar_bits import assert_scalars_keep_bits
 
 from dflash.metal import backend, groups
 
 
-@pytest.fixture
-def resident(monkeypatch: pytest.MonkeyPatch):
-    """The CUDA route, with the gather replaced by its reference; fresh memos."""
-    monkeypatch.setattr(backend, "BACKEND", backend.CUDA)
-    monkeypatch.setattr(backend, "NATIVE_BACKEND", backend.CUDA)
-    monkeypatch.delenv(backend.RESIDENT_ENV, raising=False)
+@contextlib.contextmanager
+def cuda_route() -> Iterator[list]:
+    """The CUDA route with the gather replaced by its reference (each gather's words
+    recorded), the switch unset and fresh memos; everything restored after."""
     launched = []
 
     def pack(words):
@@ -35,10 +34,23 @@ def resident(monkeypatch: pytest.MonkeyPatch):
         launched.append(tuple(words))
         return backend.reference_pack(words)
 
-    monkeypatch.setattr(backend, "pack_launch", pack)
-    backend.clear_launch_scalars()
-    yield launched
-    backend.clear_launch_scalars()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(backend, "BACKEND", backend.CUDA)
+        patch.setattr(backend, "NATIVE_BACKEND", backend.CUDA)
+        patch.delenv(backend.RESIDENT_ENV, raising=False)
+        patch.setattr(backend, "pack_launch", pack)
+        backend.clear_launch_scalars()
+        try:
+            yield launched
+        finally:
+            backend.clear_launch_scalars()
+
+
+@pytest.fixture
+def resident():
+    """:func:`cuda_route` for one test."""
+    with cuda_route() as launched:
+        yield launched
 
 
 @settings(max_examples=40, deadline=None)
@@ -49,14 +61,9 @@ def resident(monkeypatch: pytest.MonkeyPatch):
 def test_gathered_scalars_keep_every_bit(ints: list, floats: list) -> None:
     """Every count (odd, even, past the gather's limit) and every float (signed zeros,
     infinities, NaN) comes back with the host's exact words, dtype and length."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(backend, "BACKEND", backend.CUDA)
-        patch.setattr(backend, "NATIVE_BACKEND", backend.CUDA)
-        patch.setattr(backend, "pack_launch", backend.reference_pack)
-        backend.clear_launch_scalars()
+    with cuda_route():
         assert_scalars_keep_bits(ints, mx.int32)
         assert_scalars_keep_bits(floats, mx.float32)
-        backend.clear_launch_scalars()
 
 
 @settings(max_examples=40, deadline=None)
@@ -173,16 +180,7 @@ def test_routes_faked_as_cuda_never_gather(monkeypatch: pytest.MonkeyPatch) -> N
 def test_resident_arrays_keep_every_value(tokens: list, signed: list) -> None:
     """Token ids (uint32) and signed rows (int32) come back exact, in order, with their
     dtype and length, gathered (at most ``2 * PACK_SLOTS``) or host-made (longer)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(backend, "BACKEND", backend.CUDA)
-        patch.setattr(backend, "NATIVE_BACKEND", backend.CUDA)
-        launched = []
-
-        def pack(words):
-            launched.append(len(words))
-            return backend.reference_pack(words)
-
-        patch.setattr(backend, "pack_launch", pack)
+    with cuda_route() as launched:
         for values, dtype in ((tokens, mx.uint32), (signed, mx.int32)):
             array = backend.resident_array(values, dtype)
             assert array.dtype == dtype and array.shape == (len(values),)
