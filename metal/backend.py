@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .sources import CUDA, MAX_PLANES, METAL, KernelSpec
+from .sources import CUDA, MAX_PLANES, METAL, KernelSpec, compact_text
 
 Kernel = Callable[..., list]
 
@@ -179,6 +179,9 @@ def build_kernel(
 def make_kernel(backend: str, **fields: Any) -> Optional[Kernel]:
     """``mx.fast.metal_kernel`` or ``mx.fast.cuda_kernel`` for ``backend``.
 
+    The source and header are handed over compacted (:func:`compact_text`: mlx hashes
+    them at every CUDA launch); the name, made from the full texts, stays.
+
     Args:
         backend: ``"metal"`` or ``"cuda"``.
         **fields: The kernel's name, input and output names, source (and header).
@@ -186,6 +189,9 @@ def make_kernel(backend: str, **fields: Any) -> Optional[Kernel]:
     Returns:
         The kernel callable, or None when mlx cannot build it here.
     """
+    for text in ("source", "header"):
+        if text in fields:
+            fields[text] = compact_text(fields[text])
     try:
         if backend == METAL:
             return mx.fast.metal_kernel(**fields)
