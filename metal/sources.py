@@ -41,7 +41,7 @@ def compact_text(text: str) -> str:
     handed.
 
     mlx's CUDA backend hashes a custom kernel's whole source at every launch (to name
-    its JIT module; measured in session 34 at ~7 % of a 4-bit decode's host time), so
+    its JIT module; 7-10 % of a 4-bit decode's host time in session 34), so
     a byte the compiler never needed costs host time at every launch. Tokens, string
     and character literals and line breaks between kept lines stay as they are
     (preprocessor lines end at them), and an empty line that ends a continued macro
