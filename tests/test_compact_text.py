@@ -54,22 +54,10 @@ def directives(text: str) -> List[str]:
 
 
 def group_specs() -> List[groups.GroupKernelSpec]:
-    """Every threadgroup kernel the 4-bit verify launches, and the rest of its kind."""
-    specs = [
-        attention.ATTEND_CHUNKS,
-        attention.FOLD_CHUNKS,
-        attention.FOLD_GATED,
-        heads.HEAD_PREP,
-        norms.RESIDUAL_NORM,
-        qmm.SMALL_ROW_AFFINE,
-        qmm.SMALL_ROW_DENSE,
-        tensor_qmm.REDUCE_SPEC,
-    ]
-    for form in tensor_qmm.FORM_SPECS.values():
-        specs += form.values()
-    specs += tensor_qmm.SWIGLU_SPECS.values()
-    specs += tensor_qmm.SCALED_SPECS.values()
-    specs += tensor_qmm.SWIGLU_SCALED_SPECS.values()
+    """Every threadgroup kernel the package registers (the modules' ``SPECS``, the
+    two-K-group folded matmuls), and the attention chunk pass at head dim 128."""
+    specs = [*attention.SPECS, *heads.SPECS, *norms.SPECS, *qmm.SPECS]
+    specs += [*tensor_qmm.SPECS, *tensor_qmm.K2_FOLDED_SPECS.values()]
     specs += [
         tensor_attention.attend_spec(128, layout)
         for layout in tensor_attention.LAYOUTS.values()
