@@ -166,24 +166,21 @@ class FusedProjections:
         """``x -> columns of x @ stack.T`` per member, for inputs of ``x``'s shape and
         dtype, planned once."""
         depth = x.shape[-1]
-        flat = (x.size // depth, depth)
-        out_shape = (*x.shape[:-1], self.weight.shape[0])
+        lead = x.shape[:-1]
         matmul = bind_matmul(
-            flat, x.dtype, self.weight, self.scales, self.biases,
+            (x.size // depth, depth), x.dtype, self.weight, self.scales, self.biases,
             bits=self.bits, group_size=self.group_size, use_kernel=use_kernel,
-            members=self.splits,
+            members=self.splits, lead=lead,
         )  # fmt: skip
         splits = self.splits
         # Stored member by member (the tensor-core form): each member is a view.
         edges = getattr(matmul, "member_edges", ())
-        lead = x.shape[:-1]
 
         def product(x: mx.array, counters: Optional[mx.array]) -> List[mx.array]:
-            y = matmul(x.reshape(flat), counters)
+            y = matmul(x, counters)
             if edges:
-                views = member_views(y, edges)
-                return [view.reshape(*lead, view.shape[-1]) for view in views]
-            return mx.split(y.reshape(out_shape), splits, axis=-1)
+                return member_views(y, edges, lead)
+            return mx.split(y, splits, axis=-1)
 
         return compile_around(matmul, product)
 
@@ -224,14 +221,9 @@ class FusedProjections:
             return None
         matmul = tensor_qmm.bind_tensor_core(
             rows, depth, self.weight, self.scales, self.biases, self.bits,
-            self.group_size, x.dtype, swiglu=True,
+            self.group_size, x.dtype, swiglu=True, lead=x.shape[:-1],
         )  # fmt: skip
-        flat, out_shape = (rows, depth), (*x.shape[:-1], columns // 2)
-
-        def product(x: mx.array, counters: Optional[mx.array]) -> mx.array:
-            return matmul(x.reshape(flat), counters).reshape(out_shape)
-
-        return compile_around(matmul, product)
+        return compile_around(matmul, matmul)
 
     def _mlx_product(self, x: mx.array) -> mx.array:
         """``x @ stack.T`` by mlx's own op, as each member's layer computes its own."""

@@ -489,12 +489,12 @@ def _bind_linear(layer: nn.Module, x: mx.array) -> Callable[[mx.array], mx.array
     matmul = bind_matmul(
         (rows, depth), x.dtype, weight, scales, biases,
         bits=bits, group_size=group_size, use_kernel=route.use_kernel,
+        lead=x.shape[:-1],
     )  # fmt: skip
-    flat, out_shape = (rows, depth), (*x.shape[:-1], weight.shape[0])
     bias = layer["bias"] if "bias" in layer else None
 
     def run(x: mx.array, counters: Optional[mx.array]) -> mx.array:
-        y = matmul(x.reshape(flat), counters).reshape(out_shape)
+        y = matmul(x, counters)
         return y if bias is None else y + bias
 
     return compile_around(matmul, run)

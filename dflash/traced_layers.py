@@ -198,13 +198,18 @@ def _post_attention(
 
     Shapes: x ``(B, L, H)``; queries ``(B, L, Hq, D)``; gate ``(B, L, Hq * D)``;
     returns ``(B, L, H)``.
+
+    Besides the launches, the trace holds only the views the matmuls' counters and
+    the fused projections' members need: each view is one more array that every
+    replay builds and mlx's encode visits.
     """
     attn = layer.self_attn
     batch, length, _ = x.shape
-    gate = gate.reshape(batch, length, attn.n_heads, attn.head_dim)
-    out = attention.launch_attention(form, queries, *arrays, gate)
-    attended = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
-    return _after_attention(layer, x, attended)
+    # The fold reads the gate and stores its result with the heads merged, as the
+    # output projection takes it: no view between the launches.
+    stored = (batch, length, attn.n_heads * attn.head_dim)
+    out = attention.launch_attention(form, queries, *arrays, gate, stored)
+    return _after_attention(layer, x, attn.o_proj(out))
 
 
 class _Replay:

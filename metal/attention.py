@@ -974,6 +974,7 @@ def launch_attention(
     floats: mx.array,
     fold_ints: mx.array,
     gate: Optional[mx.array] = None,
+    stored_shape: Optional[tuple[int, ...]] = None,
 ) -> mx.array:
     """The chunk pass and the fold of ``form`` over these arrays (every runtime value
     an input, so a traced caller replays it for any plan of the same form).
@@ -986,11 +987,17 @@ def launch_attention(
         floats: ``(scale, softcap or 0)`` as float32.
         fold_ints: The fold's (``form.launch.fold_ints``).
         gate: The output gate, given exactly when ``form.gated``.
+        stored_shape: Given, the shape the fold's ``(B, S, Hq, D)`` buffer is
+            declared in and returned as it is (a caller that merges the heads, as
+            ``(B, S, Hq * D)``, then needs no transpose or reshape; the fold indexes
+            by its scalars, not by shapes).
 
-    Shapes: queries ``(B, S, Hq, D)``; gate ``(B, S, Hq, D)``; returns
-    ``(B, Hq, S, D)``, a transposed view of the ``(B, S, Hq, D)`` buffer the fold stores.
+    Shapes: queries ``(B, S, Hq, D)``; gate ``(B, S, Hq, D)`` or any shape of its
+    elements in that order; returns ``(B, Hq, S, D)``, a transposed view of the
+    ``(B, S, Hq, D)`` buffer the fold stores (``stored_shape``: that buffer).
     """
     launch = form.launch
+    out_shape = launch.out_shape if stored_shape is None else tuple(stored_shape)
     stats, weighted = groups.launch_groups(
         form.spec,
         [queries, keys, values, block_keys, block_values, ints, floats],
@@ -1003,11 +1010,13 @@ def launch_attention(
     (out,) = groups.launch_groups(
         FOLD_GATED if form.gated else FOLD_CHUNKS,
         fold_inputs + [gate] if form.gated else fold_inputs,
-        [launch.out_shape],
+        [out_shape],
         [form.dtype],
         launch.fold_groups,
         form.dtype,
     )
+    if stored_shape is not None:
+        return out
     # Stored (B, S, Hq, D): this view is (B, Hq, S, D), and transposing it back is free.
     return out.transpose(0, 2, 1, 3)
 

@@ -27,6 +27,7 @@ lose precision in bfloat16); each is batch-invariant.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -399,6 +400,7 @@ def bind_matmul(
     group_size: Optional[int] = None,
     use_kernel: Optional[bool] = None,
     members: Sequence[int] = (),
+    lead: Optional[Sequence[int]] = None,
 ) -> BoundMatmul:
     """:func:`small_row_matmul` with everything but ``x`` fixed: checked, routed and
     planned once.
@@ -417,10 +419,15 @@ def bind_matmul(
             the first: the tensor-core form may then store the members as blocks
             (``member_edges`` on the result; see
             :func:`~dflash.metal.tensor_qmm.bind_tensor_core`).
+        lead: The leading shape of every ``x`` and result (its extents multiply to
+            ``M``; default ``(M,)``): ``x`` is then ``(*lead, K)`` and the result
+            ``(*lead, N)``. The tensor-core form takes and declares them so without
+            a reshape (a member-major result stays flat, for
+            :func:`~dflash.metal.tensor_qmm.member_views`); the others reshape.
 
     Returns:
-        ``x -> x @ W.T`` for ``x`` of exactly ``x_shape`` and ``x_dtype`` (not checked
-        again).
+        ``x -> x @ W.T`` for ``x`` of exactly ``(*lead, K)`` and ``x_dtype`` (not
+        checked again).
 
     Raises:
         ValueError: On any inconsistent argument.
@@ -442,21 +449,29 @@ def bind_matmul(
             raise ValueError(
                 f"the small-row kernel needs K to be a multiple of 8, got {depth}"
             )
+    lead = (rows,) if lead is None else tuple(lead)
+    if math.prod(lead) != rows:
+        raise ValueError(f"leading shape {lead} does not hold the {rows} rows of x")
     if use_kernel and uses_tensor_cores(x_dtype, rows, depth, weight.shape[0], bits):
         return tensor_qmm.bind_tensor_core(
-            rows, depth, weight, scales, biases, bits, group_size, x_dtype, members
-        )
+            rows, depth, weight, scales, biases, bits, group_size, x_dtype, members,
+            lead=lead,
+        )  # fmt: skip
     form = kernel_matmul if use_kernel else reference_matmul
+    shapes = ((rows, depth), (*lead, weight.shape[0]))
     return functools.partial(
-        _bound_form, form, weight, scales, biases, bits, group_size
+        _bound_form, form, weight, scales, biases, bits, group_size, shapes
     )
 
 
 def _bound_form(
-    form, weight, scales, biases, bits, group_size, x: mx.array, counters=None
+    form, weight, scales, biases, bits, group_size, shapes, x: mx.array, counters=None
 ):
     # The reference and scalar forms elect no threadgroup: ``counters`` is never given.
-    return form(x, weight, scales, biases, bits, group_size)
+    # They take x as (M, K); a reshape to the shape it has is no op (mlx returns it).
+    flat, out_shape = shapes
+    y = form(x.reshape(flat), weight, scales, biases, bits, group_size)
+    return y.reshape(out_shape)
 
 
 def compile_around(matmul: BoundMatmul, forward: Callable) -> Callable:

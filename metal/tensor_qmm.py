@@ -104,6 +104,7 @@ a constant of each scaled kernel (session 28, ``docs/benchmarks/h200-2026-12-03-
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -1297,6 +1298,7 @@ def bind_tensor_core(
     dtype: mx.Dtype,
     members: Sequence[int] = (),
     swiglu: bool = False,
+    lead: Optional[Sequence[int]] = None,
 ) -> Callable[[mx.array], mx.array]:
     """The tensor-core form (one launch; two when K is split and the split sum is not
     merged) with everything but ``x`` fixed (see ``qmm.bind_matmul``, which has
@@ -1310,22 +1312,31 @@ def bind_tensor_core(
     evaluated together), and the last-CTA election would then mix their partials.
 
     Returns:
-        ``(x, counters=None) -> x @ W.T`` for ``x`` of shape ``(rows, depth)`` and
-        ``dtype``; its ``counters`` attribute is how many zeroed counters a launch
+        ``(x, counters=None) -> x @ W.T`` for ``x`` of shape ``(*lead, depth)``
+        (``lead`` defaults to ``(rows,)``; its extents multiply to ``rows``) and
+        ``dtype``, the result declared ``(*lead, N)``: the kernels index by their
+        scalars, never by shapes, so no reshape is needed on either side (each would
+        be one more array to build and encode at every call); its ``counters`` attribute is how many zeroed counters a launch
         takes (0: none). ``counters=None`` takes them from the pool; a caller that
         compiles the call passes them in (:func:`~dflash.metal.qmm.compile_around`),
         as a region captured by a trace would be reused by every replay.
 
         ``members`` (the first column of each sibling after the first, of a fused
         call) asks for the member-major store: where :func:`member_edges` takes them,
-        the launch's ``member_edges`` attribute holds them and the result's buffer
-        holds each member's ``(rows, width)`` block in turn (its ``(rows, N)`` shape
-        is then only a container: read it through :func:`member_views`).
+        the launch's ``member_edges`` attribute holds them and the result is the flat
+        buffer ``(rows * N,)`` holding each member's ``(rows, width)`` block in turn:
+        read it through :func:`member_views`.
 
         ``swiglu`` (a stacked ``[gate; up]`` weight): the result is
         ``silu(x @ gate.T) * (x @ up.T)``, ``(rows, N / 2)``, in one launch (see
         :data:`SWIGLU_HELPERS`; the caller checks :func:`swiglu_serves`).
+
+    Raises:
+        ValueError: ``lead``'s extents do not multiply to ``rows``.
     """
+    lead = (rows,) if lead is None else tuple(lead)
+    if math.prod(lead) != rows:
+        raise ValueError(f"leading shape {lead} does not hold {rows} rows")
     edges = () if swiglu else member_edges(members, weight.shape[0])
     scaled = scaled_b(bits)
     plan = launch_plan(
@@ -1336,7 +1347,10 @@ def bind_tensor_core(
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)
     out_dtypes = [dtype, mx.float32]
-    reduce_shapes = [(rows, plan.columns)]
+    width = plan.columns // 2 if swiglu else plan.columns
+    out_shape = (rows * width,) if edges else (*lead, width)
+    shapes = (out_shape if plan.reduce_params is None else (1,), plan.shapes[1])
+    reduce_shapes = [out_shape]
 
     def launch(x: mx.array, counters: Optional[mx.array] = None) -> mx.array:
         if counters is None:
@@ -1344,7 +1358,7 @@ def bind_tensor_core(
         y, partial = groups.launch_groups(
             plan.spec,
             [x, *weights, counters],
-            plan.shapes,
+            shapes,
             out_dtypes,
             plan.groups,
             dtype,
@@ -1366,17 +1380,22 @@ def bind_tensor_core(
     return launch
 
 
-def member_views(y: mx.array, edges: Sequence[int]) -> list[mx.array]:
-    """Each member's ``(rows, width)`` result in a member-major ``y`` (views).
+def member_views(
+    y: mx.array, edges: Sequence[int], lead: Optional[Sequence[int]] = None
+) -> list[mx.array]:
+    """Each member's ``(*lead, width)`` result in a member-major ``y`` (views: one
+    slice and one reshape each).
 
-    Shapes: y ``(rows, N)``, members stored as blocks at ``edges``; returns
-    ``(rows, width)`` per member.
+    Shapes: y ``(rows * N,)`` (or ``(rows, N)``), members stored as blocks at
+    ``edges``; ``lead`` multiplies to ``rows`` (default: ``y``'s first extent);
+    returns ``(*lead, width)`` per member.
     """
-    rows, columns = y.shape
-    flat = y.reshape(-1)
-    bounds = (0, *edges, columns)
+    lead = (y.shape[0],) if lead is None else tuple(lead)
+    rows = math.prod(lead)
+    flat = y if y.ndim == 1 else y.reshape(-1)
+    bounds = (0, *edges, flat.size // rows)
     return [
-        flat[lo * rows : hi * rows].reshape(rows, hi - lo)
+        flat[lo * rows : hi * rows].reshape(*lead, hi - lo)
         for lo, hi in zip(bounds, bounds[1:])
     ]
 

@@ -838,6 +838,91 @@ def test_emulated_member_major_members_have_the_plain_bits(
     assert all(map(np.array_equal, results["1"], results["0"]))
 
 
+@pytest.mark.parametrize("merged", [True, False])
+def test_emulated_matmul_with_a_leading_shape_launches_on_x_as_it_is(
+    emulated, monkeypatch, merged
+) -> None:
+    """Bound with ``lead=(1, 5)`` (a layer's ``(B, L)``), the tensor-core form hands
+    the launch ``x`` itself and declares the result ``(1, 5, N)``: no reshape on either
+    side, the bits of the ``(5, K)`` call (K split 4 ways, its sum merged or a launch of
+    its own). Fused member-major members come as ``(1, 5, width)`` views of one flat
+    buffer."""
+    monkeypatch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", merged)
+    layers = _member_layers((128, 256, 128), 1024, 5)
+    x = mx.random.normal((5, 1024), key=mx.random.key(4)).astype(mx.bfloat16)
+    x3 = x.reshape(1, 5, 1024)
+    seen = []
+    launch = qmm.groups.launch_groups
+
+    def spy(spec, inputs, output_shapes, *rest):
+        seen.append((inputs[0].shape, tuple(map(tuple, output_shapes))))
+        return launch(spec, inputs, output_shapes, *rest)
+
+    monkeypatch.setattr(qmm.groups, "launch_groups", spy)
+    layer = layers[1]
+    weights = (layer["weight"], layer["scales"], layer["biases"])
+    options = dict(bits=4, group_size=64, use_kernel=True)
+    flat = qmm.bind_matmul((5, 1024), mx.bfloat16, *weights, **options)(x)
+    seen.clear()
+    shaped = qmm.bind_matmul((5, 1024), mx.bfloat16, *weights, **options, lead=(1, 5))
+    got = shaped(x3)
+    mx.eval(flat, got)
+    assert got.shape == (1, 5, 256)
+    assert np.array_equal(raw_bits(got), raw_bits(flat.reshape(1, 5, 256)))
+    assert seen[0][0] == (1, 5, 1024)  # the matmul launch reads x as it is
+    assert seen[-1][1][0] == (1, 5, 256)  # the last launch declares the result
+    monkeypatch.setenv(tensor_qmm.MEMBER_MAJOR_ENV, "1")
+    group = FusedProjections(layers)
+    plain = [group.output(index, x, use_kernel=True) for index in range(3)]
+    members = [group.output(index, x3, use_kernel=True) for index in range(3)]
+    mx.eval(plain, members)
+    for width, a, b in zip((128, 256, 128), plain, members):
+        assert b.shape == (1, 5, width)
+        assert np.array_equal(raw_bits(b), raw_bits(a.reshape(1, 5, width)))
+
+
+def test_a_leading_shape_must_hold_the_rows(monkeypatch) -> None:
+    """``lead`` whose extents do not multiply to the rows is refused by the bind (the
+    reference form too), and the reference form gives ``(*lead, N)``."""
+    layer = _member_layers((64,), 256, 1)[0]
+    weights = (layer["weight"], layer["scales"], layer["biases"])
+    options = dict(bits=4, group_size=64)
+    with pytest.raises(ValueError, match="leading shape"):
+        qmm.bind_matmul((6, 256), mx.bfloat16, *weights, **options, lead=(2, 2))
+    with pytest.raises(ValueError, match="leading shape"):
+        tensor_qmm.bind_tensor_core(6, 256, *weights, 4, 64, mx.bfloat16, lead=(4,))
+    x = mx.random.normal((6, 256), key=mx.random.key(2)).astype(mx.bfloat16)
+    options["use_kernel"] = False
+    flat = qmm.bind_matmul((6, 256), mx.bfloat16, *weights, **options)(x)
+    bound = qmm.bind_matmul((6, 256), mx.bfloat16, *weights, **options, lead=(2, 3))
+    shaped = bound(x.reshape(2, 3, 256))
+    assert shaped.shape == (2, 3, 64)
+    assert np.array_equal(raw_bits(shaped), raw_bits(flat.reshape(2, 3, 64)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lead=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    widths=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+)
+def test_member_views_are_each_members_block_in_turn(lead, widths) -> None:
+    """A member-major buffer, flat or ``(rows, N)``, read as ``(*lead, width)`` per
+    member: member m's element (r, c) is the buffer's ``edge_m * rows + r * width + c``.
+    """
+    rows = int(np.prod(lead))
+    columns = sum(widths)
+    buffer = mx.arange(rows * columns, dtype=mx.int32)
+    edges = tuple(np.cumsum(widths)[:-1].tolist())
+    for y in (buffer, buffer.reshape(rows, columns)):
+        views = member_views(y, edges, lead)
+        start = 0
+        for width, view in zip(widths, views):
+            assert view.shape == (*lead, width)
+            want = np.arange(start * rows, (start + width) * rows).reshape(*lead, width)
+            assert np.array_equal(np.asarray(view), want)
+            start += width
+
+
 def test_member_edges_take_only_tile_aligned_inner_edges(monkeypatch) -> None:
     columns = tensor_qmm.COLUMNS
     assert tensor_qmm.member_edges((columns, 3 * columns), 4 * columns) == (
@@ -1452,6 +1537,45 @@ def test_cuda_tensor_matmul_glimmer_shapes(shape, rows, bits) -> None:
         assert _form_close(case, out, slack=4.0)
     alone = _kernel(case, slice(0, 1))
     assert np.array_equal(raw_bits(alone), raw_bits(out[0:1]))
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("bits", [4, None])
+@pytest.mark.parametrize("merged", [True, False])
+def test_cuda_a_leading_shape_keeps_the_flat_bits(monkeypatch, rows, bits, merged):
+    """On the GPU: a matmul bound with ``lead=(1, rows)`` (launched on ``x`` as it is,
+    its result declared ``(1, rows, N)``) and fused member-major members read as
+    ``(1, rows, width)`` give the ``(rows, K)`` calls' bits."""
+    monkeypatch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", merged)
+    mx.random.seed(rows + (bits or 0))
+    layers = []
+    for width in (1024, 128, 128, 1024):
+        dense = nn.Linear(2048, width, bias=False)
+        dense.set_dtype(mx.bfloat16)
+        if bits is not None:
+            dense = nn.QuantizedLinear.from_linear(dense, group_size=64, bits=bits)
+        layers.append(dense)
+    mx.eval([layer.parameters() for layer in layers])
+    x = mx.random.normal((rows, 2048)).astype(mx.bfloat16)
+    x3 = x.reshape(1, rows, 2048)
+    layer = layers[0]
+    weights = (layer["weight"], layer.get("scales"), layer.get("biases"))
+    options = dict(bits=bits, group_size=64 if bits else None, use_kernel=True)
+    flat = qmm.bind_matmul((rows, 2048), mx.bfloat16, *weights, **options)(x)
+    bound = qmm.bind_matmul(
+        (rows, 2048), mx.bfloat16, *weights, **options, lead=x3.shape[:-1]
+    )
+    shaped = bound(x3)
+    group = FusedProjections(layers)
+    plain = [group.output(index, x, use_kernel=True) for index in range(4)]
+    members = [group.output(index, x3, use_kernel=True) for index in range(4)]
+    mx.eval(flat, shaped, plain, members)
+    assert np.array_equal(raw_bits(shaped), raw_bits(flat.reshape(1, rows, 1024)))
+    for a, b in zip(plain, members):
+        assert b.shape == (1, *a.shape)
+        assert np.array_equal(raw_bits(b), raw_bits(a.reshape(b.shape)))
 
 
 @pytest.mark.cuda

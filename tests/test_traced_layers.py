@@ -18,6 +18,8 @@ What is proven where:
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from typing import List
 
 import mlx.core as mx
@@ -29,7 +31,12 @@ from hypothesis import strategies as st
 from mlx_lm.models import muse_glimmer
 
 from benchmarks import layer_stack
-from dflash import kernel_patch, prepared_heads, residual_layers, traced_layers
+from dflash import (
+    kernel_patch,
+    prepared_heads,
+    residual_layers,
+    traced_layers,
+)
 from dflash.bench.scale_target import BRANCH_SCALE, randomize
 from dflash.cache.checkpoint import SpeculativeCheckpoint
 from dflash.kernel_patch import KernelPatch
@@ -370,3 +377,58 @@ def test_cuda_traced_layers_give_the_eager_bits_at_glimmers_width():
     want, _ = verify_run(model, False, accepted, context=2100)
     got, _ = verify_run(model, True, accepted, context=2100)
     _assert_same(got, want)
+
+
+def standing_launch(spec, inputs, output_shapes, output_dtypes, count, dtype):
+    """A stand-in launch that adds no views: zeros of the declared shapes, made to
+    depend on every input (so the graph keeps what feeds the launch)."""
+    outs = [mx.zeros(shape, dt) for shape, dt in zip(output_shapes, output_dtypes)]
+    return mx.depends(outs, [array for array in inputs if isinstance(array, mx.array)])
+
+
+VIEWS = ("Reshape", "Slice", "Transpose", "Squeeze", "Split")
+
+
+def _replay_primitives(monkeypatch, tmp_path, model) -> dict:
+    """The primitives of the last pre- and post-attention replays of a verify run,
+    by name (each replay's inputs evaluated first, so its graph is its own)."""
+    counted = {}
+    real = traced_layers._Replay.__call__
+
+    def call(replay, *inputs):
+        mx.eval(*inputs)
+        out = real(replay, *inputs)
+        if replay.compiled is not None:
+            outs = list(out) if isinstance(out, tuple) else [out]
+            dot = tmp_path / "replay.dot"
+            mx.export_to_dot(str(dot), *outs)
+            labels = re.findall(r'label ="([A-Za-z_0-9]+)"', dot.read_text())
+            counted["pre" if len(inputs) == 2 else "post"] = Counter(labels)
+        return out
+
+    monkeypatch.setattr(traced_layers._Replay, "__call__", call)
+    verify_run(model, True, [16, 5, 16], context=48)
+    return counted
+
+
+def test_the_replays_hold_only_the_views_the_members_need(
+    kernel_path_on_cpu, monkeypatch, tmp_path
+):
+    """Every view in a trace is an array each replay builds and mlx's encode visits.
+    With the tensor-core matmuls (K >= 256, as on CUDA) the traces hold one slice and
+    one reshape per fused member (q / k / v / gate before the attention, the MLP's
+    gate / up after it), the reshapes to heads mlx-lm's attention makes for the
+    queries, keys and values, and the counters' slices; no transpose and no other
+    reshape: the fold stores the heads merged, and the matmuls take and give their
+    inputs' leading shape. Session 34 counted 13 and 25 reshapes and 2 transposes."""
+    monkeypatch.setattr(groups, "launch_groups", standing_launch)
+    counted = _replay_primitives(monkeypatch, tmp_path, wide_heads_stack(2))
+    pre, post = counted["pre"], counted["post"]
+    assert pre["Reshape"] == 4 + 3 and post["Reshape"] == 2, (pre, post)
+    assert pre["Transpose"] == post["Transpose"] == 0, (pre, post)
+    assert pre["Squeeze"] == post["Squeeze"] == 0, (pre, post)
+    assert pre["Split"] == post["Split"] == 0, (pre, post)
+    assert pre["Depends"] == 2 and post["Depends"] == 5  # the launches
+    # The members' slices, then (where a launch takes counters) the replay's counters
+    # region and one cut of it per launch that takes them (at most the projections).
+    assert 4 <= pre["Slice"] <= 4 + 2 and 2 <= post["Slice"] <= 2 + 1 + 2

@@ -434,6 +434,46 @@ def test_a_gate_read_in_the_wrong_order_fails(
     assert not np.array_equal(bits(got), bits(_metal_gated(built.attend(True), gate)))
 
 
+def _launch_gated(built, gate: mx.array, stored_shape=None) -> mx.array:
+    """:func:`attention.launch_attention` of ``built`` as the kernel form runs it."""
+    c = built.case
+    plan = attention.make_plan(
+        built.queries, built.plane, built.block_keys, built.block_values,
+        window=c.window, causal=c.causal, query_start=None, chunk=c.chunk,
+    )  # fmt: skip
+    form = attention.kernel_form(plan, c.dtype, True)
+    arrays = attention.bound_arrays(
+        plan, built.plane, built.block_keys, built.block_values
+    )
+    floats = groups.float_params(float(c.scale), float(c.softcap or 0.0))
+    out = attention.launch_attention(
+        form, built.queries.transpose(0, 2, 1, 3), *arrays, form.launch.ints,
+        floats, form.launch.fold_ints, gate, stored_shape,
+    )  # fmt: skip
+    mx.eval(out)
+    return out
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=_SHARED)
+@given(case=cases(max_queries=12, **_SMALL))
+def test_metal_fold_stored_with_the_heads_merged_has_the_same_bits(
+    metal_on_cpu, case: Case
+) -> None:
+    """The traced layers' form: the fold's buffer declared ``(B, S, Hq * D)`` and
+    returned as it is, the gate given in that layout too, holds the bits of the
+    transposed view's ``(B, S, Hq * D)`` reshape (the kernels index by their scalars,
+    not by shapes)."""
+    built = build(case)
+    gate = _gate_for(built)
+    batch, heads, count, dim = built.queries.shape
+    merged = (batch, count, heads * dim)
+    plain = _launch_gated(built, gate.reshape(batch, count, heads, dim))
+    stored = _launch_gated(built, gate, merged)
+    assert stored.shape == merged
+    want = plain.transpose(0, 2, 1, 3).reshape(merged)
+    assert np.array_equal(bits(stored), bits(want)), case
+
+
 def test_reference_gate_is_mlx_lms_multiply() -> None:
     case = Case(1, 2, 4, 32, mx.bfloat16, True, 24, 100, 9, 9, 17, 20, True, None, 8, 5)
     built = build(case)
@@ -469,6 +509,24 @@ def test_cuda_gated_fold_gives_mlxs_sigmoid_and_multiply(case: Case) -> None:
     want = plain.transpose(0, 2, 1, 3).reshape(batch, count, -1) * mx.sigmoid(gate)
     got = built.attend(True, gate=gate).transpose(0, 2, 1, 3).reshape(batch, count, -1)
     assert np.array_equal(bits(got), bits(want)), case
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=20, deadline=None)
+@given(case=cases())
+def test_cuda_fold_stored_with_the_heads_merged_has_the_same_bits(case: Case) -> None:
+    """The traced layers' form on the GPU: the fold's buffer declared
+    ``(B, S, Hq * D)``, the gate given so, holds the transposed view's bits."""
+    built = build(case)
+    gate = _gate_for(built)
+    batch, heads, count, dim = built.queries.shape
+    merged = (batch, count, heads * dim)
+    plain = _launch_gated(built, gate.reshape(batch, count, heads, dim))
+    stored = _launch_gated(built, gate, merged)
+    assert stored.shape == merged
+    want = plain.transpose(0, 2, 1, 3).reshape(merged)
+    assert np.array_equal(bits(stored), bits(want)), case
 
 
 @pytest.mark.cuda

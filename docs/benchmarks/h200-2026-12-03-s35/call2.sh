@@ -1,0 +1,18 @@
+#!/bin/bash
+# session 35, call 2: the 4-bit A/B alternated (new = this tree, old = HEAD before the change,
+# unpacked from old.tgz), three pairs; then bf16 (kernels off: the default; on: DFLASH_VERIFY_KERNELS=1).
+set -u
+export PYTHONUNBUFFERED=1
+mkdir -p /tmp/old && tar xzf .sweep/s35/old.tgz -C /tmp/old
+arm() {  # name tree quant [env...]
+  name=$1; tree=$2; quant=$3; shift 3
+  env PYTHONPATH=$tree:/tmp/site "$@" timeout 110 python3 .sweep/s35/ab.py $OUT/ab-$name.json $quant $name > $OUT/ab-$name.txt 2>&1
+  echo "$name rc=$?"; grep -E "^summary|Error" $OUT/ab-$name.txt | cut -c1-200
+}
+for i in 1 2 3; do
+  arm old$i /tmp/old 4bit
+  arm new$((i+2)) $PWD 4bit
+done
+arm bf16-default $PWD bf16
+arm bf16-kernels $PWD bf16 DFLASH_VERIFY_KERNELS=1
+cd $OUT && tar czf ab.tgz ab-*.json ab-*.txt && rm ab-*
