@@ -1539,6 +1539,21 @@ def test_cuda_tensor_matmul_glimmer_shapes(shape, rows, bits) -> None:
     assert np.array_equal(raw_bits(alone), raw_bits(out[0:1]))
 
 
+def _attention_members(bits, seed: int) -> list:
+    """An attention's q / k / v / gate projections, narrower (K 2048; 1024, 128, 128,
+    1024 columns), bf16 or affine ``bits`` in groups of 64."""
+    mx.random.seed(seed)
+    layers = []
+    for width in (1024, 128, 128, 1024):
+        dense = nn.Linear(2048, width, bias=False)
+        dense.set_dtype(mx.bfloat16)
+        if bits is not None:
+            dense = nn.QuantizedLinear.from_linear(dense, group_size=64, bits=bits)
+        layers.append(dense)
+    mx.eval([layer.parameters() for layer in layers])
+    return layers
+
+
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("rows", [1, 16])
@@ -1549,15 +1564,7 @@ def test_cuda_a_leading_shape_keeps_the_flat_bits(monkeypatch, rows, bits, merge
     its result declared ``(1, rows, N)``) and fused member-major members read as
     ``(1, rows, width)`` give the ``(rows, K)`` calls' bits."""
     monkeypatch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", merged)
-    mx.random.seed(rows + (bits or 0))
-    layers = []
-    for width in (1024, 128, 128, 1024):
-        dense = nn.Linear(2048, width, bias=False)
-        dense.set_dtype(mx.bfloat16)
-        if bits is not None:
-            dense = nn.QuantizedLinear.from_linear(dense, group_size=64, bits=bits)
-        layers.append(dense)
-    mx.eval([layer.parameters() for layer in layers])
+    layers = _attention_members(bits, seed=rows + (bits or 0))
     x = mx.random.normal((rows, 2048)).astype(mx.bfloat16)
     x3 = x.reshape(1, rows, 2048)
     layer = layers[0]
@@ -1589,15 +1596,7 @@ def test_cuda_member_major_members_have_the_plain_bits(
     """On the GPU: an attention's fused q / k / v / gate (narrower, same pattern) stored
     member by member gives every member the plain layout's bits and its own oracle,
     also with several inputs evaluated together."""
-    mx.random.seed(rows + (bits or 0))
-    layers = []
-    for width in (1024, 128, 128, 1024):
-        dense = nn.Linear(2048, width, bias=False)
-        dense.set_dtype(mx.bfloat16)
-        if bits is not None:
-            dense = nn.QuantizedLinear.from_linear(dense, group_size=64, bits=bits)
-        layers.append(dense)
-    mx.eval([layer.parameters() for layer in layers])
+    layers = _attention_members(bits, seed=rows + (bits or 0))
     monkeypatch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", merged)
     inputs = [mx.random.normal((rows, 2048)).astype(mx.bfloat16) for _ in range(3)]
     results = {}

@@ -454,15 +454,9 @@ def _launch_gated(built, gate: mx.array, stored_shape=None) -> mx.array:
     return out
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=_SHARED)
-@given(case=cases(max_queries=12, **_SMALL))
-def test_metal_fold_stored_with_the_heads_merged_has_the_same_bits(
-    metal_on_cpu, case: Case
-) -> None:
-    """The traced layers' form: the fold's buffer declared ``(B, S, Hq * D)`` and
-    returned as it is, the gate given in that layout too, holds the bits of the
-    transposed view's ``(B, S, Hq * D)`` reshape (the kernels index by their scalars,
-    not by shapes)."""
+def _assert_stored_with_the_heads_merged(case: Case) -> None:
+    """The fold's buffer declared ``(B, S, Hq * D)`` (the gate given so) against the
+    default call's transposed view, reshaped: the same bits."""
     built = build(case)
     gate = _gate_for(built)
     batch, heads, count, dim = built.queries.shape
@@ -472,6 +466,18 @@ def test_metal_fold_stored_with_the_heads_merged_has_the_same_bits(
     assert stored.shape == merged
     want = plain.transpose(0, 2, 1, 3).reshape(merged)
     assert np.array_equal(bits(stored), bits(want)), case
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=_SHARED)
+@given(case=cases(max_queries=12, **_SMALL))
+def test_metal_fold_stored_with_the_heads_merged_has_the_same_bits(
+    metal_on_cpu, case: Case
+) -> None:
+    """The traced layers' form: the fold's buffer declared ``(B, S, Hq * D)`` and
+    returned as it is, the gate given in that layout too, holds the bits of the
+    transposed view's ``(B, S, Hq * D)`` reshape (the kernels index by their scalars,
+    not by shapes)."""
+    _assert_stored_with_the_heads_merged(case)
 
 
 def test_reference_gate_is_mlx_lms_multiply() -> None:
@@ -518,15 +524,7 @@ def test_cuda_gated_fold_gives_mlxs_sigmoid_and_multiply(case: Case) -> None:
 def test_cuda_fold_stored_with_the_heads_merged_has_the_same_bits(case: Case) -> None:
     """The traced layers' form on the GPU: the fold's buffer declared
     ``(B, S, Hq * D)``, the gate given so, holds the transposed view's bits."""
-    built = build(case)
-    gate = _gate_for(built)
-    batch, heads, count, dim = built.queries.shape
-    merged = (batch, count, heads * dim)
-    plain = _launch_gated(built, gate.reshape(batch, count, heads, dim))
-    stored = _launch_gated(built, gate, merged)
-    assert stored.shape == merged
-    want = plain.transpose(0, 2, 1, 3).reshape(merged)
-    assert np.array_equal(bits(stored), bits(want)), case
+    _assert_stored_with_the_heads_merged(case)
 
 
 @pytest.mark.cuda
