@@ -1316,10 +1316,11 @@ def bind_tensor_core(
         (``lead`` defaults to ``(rows,)``; its extents multiply to ``rows``) and
         ``dtype``, the result declared ``(*lead, N)``: the kernels index by their
         scalars, never by shapes, so no reshape is needed on either side (each would
-        be one more array to build and encode at every call); its ``counters`` attribute is how many zeroed counters a launch
-        takes (0: none). ``counters=None`` takes them from the pool; a caller that
-        compiles the call passes them in (:func:`~dflash.metal.qmm.compile_around`),
-        as a region captured by a trace would be reused by every replay.
+        be one more array to build and encode at every call); its ``counters``
+        attribute is how many zeroed counters a launch takes (0: none).
+        ``counters=None`` takes them from the pool; a caller that compiles the call
+        passes them in (:func:`~dflash.metal.qmm.compile_around`), as a region
+        captured by a trace would be reused by every replay.
 
         ``members`` (the first column of each sibling after the first, of a fused
         call) asks for the member-major store: where :func:`member_edges` takes them,
@@ -1328,7 +1329,7 @@ def bind_tensor_core(
         read it through :func:`member_views`.
 
         ``swiglu`` (a stacked ``[gate; up]`` weight): the result is
-        ``silu(x @ gate.T) * (x @ up.T)``, ``(rows, N / 2)``, in one launch (see
+        ``silu(x @ gate.T) * (x @ up.T)``, ``(*lead, N / 2)``, in one launch (see
         :data:`SWIGLU_HELPERS`; the caller checks :func:`swiglu_serves`).
 
     Raises:
