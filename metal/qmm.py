@@ -27,7 +27,6 @@ lose precision in bfloat16); each is batch-invariant.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -449,9 +448,7 @@ def bind_matmul(
             raise ValueError(
                 f"the small-row kernel needs K to be a multiple of 8, got {depth}"
             )
-    lead = (rows,) if lead is None else tuple(lead)
-    if math.prod(lead) != rows:
-        raise ValueError(f"leading shape {lead} does not hold the {rows} rows of x")
+    lead = tensor_qmm.leading_shape(rows, lead)
     if use_kernel and uses_tensor_cores(x_dtype, rows, depth, weight.shape[0], bits):
         return tensor_qmm.bind_tensor_core(
             rows, depth, weight, scales, biases, bits, group_size, x_dtype, members,

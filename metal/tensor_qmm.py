@@ -1335,9 +1335,7 @@ def bind_tensor_core(
     Raises:
         ValueError: ``lead``'s extents do not multiply to ``rows``.
     """
-    lead = (rows,) if lead is None else tuple(lead)
-    if math.prod(lead) != rows:
-        raise ValueError(f"leading shape {lead} does not hold {rows} rows")
+    lead = leading_shape(rows, lead)
     edges = () if swiglu else member_edges(members, weight.shape[0])
     scaled = scaled_b(bits)
     plan = launch_plan(
@@ -1379,6 +1377,18 @@ def bind_tensor_core(
     launch.counters = plan.counters
     launch.member_edges = edges
     return launch
+
+
+def leading_shape(rows: int, lead: Optional[Sequence[int]]) -> tuple[int, ...]:
+    """``lead`` as a tuple (None: ``(rows,)``), checked to hold ``rows`` rows.
+
+    Raises:
+        ValueError: ``lead``'s extents do not multiply to ``rows``.
+    """
+    lead = (rows,) if lead is None else tuple(lead)
+    if math.prod(lead) != rows:
+        raise ValueError(f"leading shape {lead} does not hold the {rows} rows of x")
+    return lead
 
 
 def member_views(

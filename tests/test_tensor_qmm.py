@@ -881,7 +881,7 @@ def test_emulated_matmul_with_a_leading_shape_launches_on_x_as_it_is(
         assert np.array_equal(raw_bits(b), raw_bits(a.reshape(1, 5, width)))
 
 
-def test_a_leading_shape_must_hold_the_rows(monkeypatch) -> None:
+def test_a_leading_shape_must_hold_the_rows() -> None:
     """``lead`` whose extents do not multiply to the rows is refused by the bind (the
     reference form too), and the reference form gives ``(*lead, N)``."""
     layer = _member_layers((64,), 256, 1)[0]
