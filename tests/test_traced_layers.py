@@ -40,7 +40,7 @@ from dflash import (
 from dflash.bench.scale_target import BRANCH_SCALE, randomize
 from dflash.cache.checkpoint import SpeculativeCheckpoint
 from dflash.kernel_patch import KernelPatch
-from dflash.metal import backend, groups, heads
+from dflash.metal import attention, backend, groups, heads
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
 FLOATS = (mx.float32, mx.bfloat16, mx.float16)
@@ -74,8 +74,11 @@ def mixing_launch(spec, inputs, output_shapes, output_dtypes, count, dtype):
 def kernel_path_on_cpu(monkeypatch):
     """The kernel path taken as on CUDA (with ``mx.compile``), launches mixed."""
     monkeypatch.setattr(groups, "launch_groups", mixing_launch)
-    # Replays traced by earlier tests hold the launches of their time.
+    # Replays traced by earlier tests hold the launches of their time, and the step
+    # memo the forms of their backend.
     monkeypatch.setattr(groups, "_REPLAYS", {})
+    monkeypatch.setattr(traced_layers, "_PRE_CALLS", {})
+    monkeypatch.setattr(traced_layers, "_POST_CALLS", {})
     monkeypatch.setattr(backend, "use_kernel_path", lambda use, auto: use is not False)
     monkeypatch.setattr(backend, "BACKEND", "cuda")
     monkeypatch.setattr(prepared_heads, "gated_fold_matches", lambda dtype, use: True)
@@ -156,6 +159,79 @@ def test_a_trace_that_keeps_its_first_integers_is_caught(
     assert not all(mx.array_equal(g, w).item() for g, w in zip(got[1:], want[1:]))
 
 
+def _counted(monkeypatch, module, name: str) -> list:
+    """Record the calls of ``module.name`` (its keyword arguments)."""
+    calls = []
+    real = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_a_steps_layers_of_one_kind_share_the_hosts_work(
+    tiny_stack, kernel_path_on_cpu, monkeypatch
+):
+    """The step memo: the first layer of each attention kind works out the head prep
+    and the plan of a step, the other layers of its kind look them up (the outputs
+    stay the eager ones: the test above)."""
+    plans = _counted(monkeypatch, attention, "make_plan")
+    preps = _counted(monkeypatch, traced_layers, "prep_of")
+    accepted = [16, 5, 9]
+    verify_run(tiny_stack, True, accepted)
+    kinds = {
+        traced_layers._attention_kind(layer.self_attn) for layer in tiny_stack.layers
+    }
+    windows = {
+        getattr(layer.self_attn, "sliding_window", None) for layer in tiny_stack.layers
+    }
+    assert len(tiny_stack.layers) > len(kinds) >= 2
+    assert len(preps) == len(accepted) * len(kinds)
+    assert len(plans) == len(accepted) * len(kinds)
+    starts = sorted({call["query_start"] for call in plans})
+    assert starts == [40, 56, 61]  # each step's own position
+
+
+def test_layers_of_another_kind_do_not_share_the_memo(
+    tiny_stack, kernel_path_on_cpu, monkeypatch
+):
+    """The negative side: a layer whose attention scale differs from its kind's (the
+    float scalars its attention reads) gets its own entry, so the traced outputs stay
+    the eager ones; keying the memo without the scale makes them differ. (The stand-in
+    launch sees a float through its integer part: the scale moves by 3.)"""
+    attn = tiny_stack.layers[1].self_attn
+    monkeypatch.setattr(attn, "scale", attn.scale + 3.0)
+    accepted = [16, 5]
+    want, _ = verify_run(tiny_stack, False, accepted)
+    got, _ = verify_run(tiny_stack, True, accepted)
+    _assert_same(got, want)
+    real_kind = traced_layers._attention_kind
+    monkeypatch.setattr(traced_layers, "_attention_kind", lambda a: real_kind(a)[:-1])
+    monkeypatch.setattr(traced_layers, "_POST_CALLS", {})
+    monkeypatch.setattr(traced_layers, "_KINDS", {})
+    got, _ = verify_run(tiny_stack, True, accepted)
+    assert not all(mx.array_equal(g, w).item() for g, w in zip(got, want))
+
+
+def test_a_refused_plan_is_not_memoised_and_ids_are_never_reused():
+    table = {}
+    with pytest.raises(ValueError):
+        traced_layers._memo(table, ("k",), lambda: (_ for _ in ()).throw(ValueError()))
+    assert table == {}
+    assert traced_layers._memo(table, ("k",), lambda: 7) == 7
+    assert traced_layers._memo(table, ("k",), lambda: 8) == 7
+    numbers = {}
+    first = traced_layers._interned(numbers, ("a",), 2)
+    second = traced_layers._interned(numbers, ("b",), 2)
+    assert traced_layers._interned(numbers, ("a",), 2) == first
+    third = traced_layers._interned(numbers, ("c",), 2)  # clears the table
+    again = traced_layers._interned(numbers, ("a",), 2)
+    assert len({first, second, third, again}) == 4
+
+
 def test_each_replay_takes_its_own_counters(
     tiny_stack, kernel_path_on_cpu, monkeypatch
 ):
@@ -169,6 +245,10 @@ def test_each_replay_takes_its_own_counters(
 
     monkeypatch.setattr(groups.CounterPool, "take", take)
     verify_run(tiny_stack, True, [16, 16, 16])
+    # The tiny stack's launches take none: its replays cut no region.
+    assert not regions
+    # K >= 256 (the tensor-core matmuls' merged K split) takes them.
+    verify_run(wide_heads_stack(2), True, [16, 16, 16], context=48)
     assert regions, "the matmuls took no counters"
     seen = set()
     for fill, start, count in regions:
