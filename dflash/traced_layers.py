@@ -354,7 +354,7 @@ def _attention_kind(attn: nn.Module) -> tuple:
 # and bookkeeping) ask the host for the same things: the head prep's scalars, the
 # attention's plan, form and scalars, the post trace's geometry. Worked out by the
 # first layer of a kind and looked up by the others (one key each): the pieces a hit
-# skips took the H200's host ~37 µs a layer (session 36). Keys hold every input they
+# skips took the H200's host ~32 µs a layer (session 36). Keys hold every input they
 # read, so a hit gives what the miss would have computed (a plan the route refuses
 # raises at each miss and is never memoised).
 
