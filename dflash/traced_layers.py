@@ -403,6 +403,7 @@ _POST_CALLS: Dict[tuple, _PostCall] = {}
 
 
 def _memo(table: Dict[tuple, Any], key: tuple, make: Callable[[], Any]) -> Any:
+    """``table[key]``, made by ``make`` on a miss (stored only if it returns)."""
     entry = table.get(key)
     if entry is None:
         entry = make()  # may raise: nothing is stored then
