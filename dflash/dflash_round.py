@@ -7,6 +7,7 @@ kept rows are committed, and the drafter's context grows by the target features 
 those rows.
 """
 
+import os
 from typing import Any, Generator, List, Optional, Tuple
 
 import mlx.core as mx
@@ -24,12 +25,55 @@ from .inputs import (
     resolve_block_size,
 )
 from .kernel_patch import attention_route, verify_kernels
-from .metal.backend import resident_array
+from .metal.backend import resident_array, strict_switch
 from .metal.layout import leading_view
 from .rounds import VerifyRound, cache_room, emit_rounds, prefill
 from .sampling import LogitsProcessor, Sampler, Sampling, log_normalize
 from .stats import GenerationStats
 from .taps import TargetTaps
+
+EVAL_EVERY_ENV = "DFLASH_EVAL_EVERY"
+# A verify forward's layers also start on the device every this many layers, not only
+# at the taps (0: the taps only). Opt-in: on an H200 (session 37,
+# docs/benchmarks/h200-2026-12-04-s37) every 4 layers made 4-bit rounds faster on one
+# machine (15 of 18 alternated runs, medians 277-279 ms against 304-348) and slower on
+# another (7 of 24, medians 347-371 against 328-357): each start commits a graph, which
+# costs a slow host more than the device's earlier start saves.
+DEFAULT_EVAL_EVERY = 0
+
+
+EVAL_TAIL_ENV = "DFLASH_EVAL_TAIL"
+
+
+def eval_tail() -> bool:
+    """Whether ``DFLASH_EVAL_EVERY`` paces only the verify forward's last two gaps
+    between starts (:class:`TargetTaps`' ``eval_tail``; ``DFLASH_EVAL_TAIL``, default
+    off). On Glimmer with its drafter's taps and every 4 that starts layers 41 and 45:
+    faster in 7 of 11 runs on an H200 lease where every 4 throughout was slower
+    (session 37, as a benchmark patch); not measured on other leases yet.
+
+    Raises:
+        ValueError: ``DFLASH_EVAL_TAIL`` is not an on/off value.
+    """
+    return strict_switch(EVAL_TAIL_ENV, None, default=False)
+
+
+def eval_every() -> int:
+    """How often the verify forward's layers are started on the device as they are
+    built (:class:`TargetTaps`' ``eval_every``): ``DFLASH_EVAL_EVERY``, else
+    :data:`DEFAULT_EVAL_EVERY`.
+
+    Raises:
+        ValueError: ``DFLASH_EVAL_EVERY`` is not a non-negative integer.
+    """
+    text = os.environ.get(EVAL_EVERY_ENV, "").strip()
+    if not text:
+        return DEFAULT_EVAL_EVERY
+    if not text.isdigit():
+        raise ValueError(
+            f"{EVAL_EVERY_ENV} must be a non-negative integer, got {text!r}"
+        )
+    return int(text)
 
 
 class DFlashRound(VerifyRound):
@@ -136,6 +180,9 @@ class DFlashSpeculator:
         self.commit_target()  # a round settled twice without a launch between
         features = round_.features[:, :rows]
         self.drafter.append_context(self.context, features, round_.position)
+        # The append runs while the host builds the draft (session 37: 4-bit rounds
+        # faster in 12 of 17 runs alternated with it not started; medians 0.86-1.00).
+        mx.async_eval(self.context.buffers())
         self.sampling.extend(round_.block[:rows])
         self.unsettled = (round_, rows)
 
@@ -255,11 +302,18 @@ def dflash_generate_step(
     stats.block_size = block_size
     progress = prompt_progress_callback or (lambda *_: None)
     sampling = Sampling(sampler, logits_processors, prompt[:-1])
+    taps = TargetTaps(
+        model,
+        drafter.config.target_layer_ids,
+        start_early=True,
+        eval_every=eval_every(),
+        eval_tail=eval_tail(),
+    )
     # The kernels before the taps: a tapped layer keeps mlx-lm's forward.
     with (
         mx.stream(stream),
         verify_kernels(model, drafter),
-        TargetTaps(model, drafter.config.target_layer_ids, start_early=True) as taps,
+        taps,
         held_norms(model, drafter),
         attention_route(model),
     ):

@@ -521,6 +521,17 @@ class DrafterContext:
         """Bytes held by all context buffers (live rows, slack and scratch)."""
         return sum(plane.nbytes for plane in self.planes)
 
+    def buffers(self) -> List[mx.array]:
+        """Every key and value buffer the planes hold (what an append writes): started
+        on the device as soon as an append is built (``mx.async_eval``), it runs while
+        the host builds the next draft."""
+        return [
+            buffer
+            for plane in self.planes
+            for buffer in (plane.keys, plane.values)
+            if buffer is not None
+        ]
+
     def live_rows(self) -> List[Optional[Tuple[mx.array, mx.array]]]:
         """Per draft layer, the live context rows oldest first (``None`` while empty).
 

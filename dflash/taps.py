@@ -8,7 +8,7 @@ target with no taps attached run exactly their original code.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,7 +46,12 @@ class TargetTaps:
     """
 
     def __init__(
-        self, model: nn.Module, layer_ids: Sequence[int], start_early: bool = False
+        self,
+        model: nn.Module,
+        layer_ids: Sequence[int],
+        start_early: bool = False,
+        eval_every: int = 0,
+        eval_tail: bool = False,
     ) -> None:
         """Validate ``layer_ids`` against the model's decoder layers.
 
@@ -57,10 +62,20 @@ class TargetTaps:
                 soon as its graph is built, so the device runs the first layers of a
                 forward while Python still builds the later ones (the loop's verify is
                 bound by host graph building as much as by the device).
+            eval_every: With ``start_early``, also start the output of every
+                ``eval_every``-th decoder layer (layers ``eval_every - 1``,
+                ``2 * eval_every - 1``, ...; 0: the tapped ones only), so the device
+                follows the build a few layers behind instead of a whole gap between
+                taps behind (values are unchanged: only when work is started).
+            eval_tail: Pace only the last two gaps between starts (the taps and the
+                last layer): layers ``s + eval_every``, ``s + 2 * eval_every``, ...
+                after the third-to-last start ``s``. Those are what the device still
+                runs when the host has built the forward; earlier starts each cost
+                the host a graph commit.
 
         Raises:
-            ValueError: an id is outside ``[0, len(model.layers))`` or the list is
-                empty.
+            ValueError: an id is outside ``[0, len(model.layers))``, the list is
+                empty, or ``eval_every`` is negative.
         """
         self.model = model
         self.layers = target_layers(model)
@@ -73,9 +88,20 @@ class TargetTaps:
                 f"layer_ids {bad} out of range for a target with "
                 f"{len(self.layers)} layers (valid 0..{len(self.layers) - 1})"
             )
+        if eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {eval_every}")
         self._records: Dict[int, mx.array] = {}
         self._attached = False
         self.start_early = start_early
+        self.eval_every = eval_every if start_early else 0
+        starts = sorted(set(self.layer_ids) | {len(self.layers) - 1})
+        first = starts[-3] if eval_tail and len(starts) >= 3 else -1
+        paced = range(first + eval_every, len(self.layers), eval_every or 1)
+        # The layers whose class is swapped: the tapped ones and, when started early,
+        # the paced ones (which only start their output).
+        self._swapped = sorted(
+            set(self.layer_ids) | (set(paced) if self.eval_every else set())
+        )
 
     def attach(self) -> None:
         """Swap each tapped layer's class for a recording subclass.
@@ -85,18 +111,22 @@ class TargetTaps:
         """
         if self._attached:
             return
-        unique = sorted(set(self.layer_ids))
-        busy = [i for i in unique if hasattr(type(self.layers[i]), _ORIGINAL_CLASS)]
+        busy = [
+            i for i in self._swapped if hasattr(type(self.layers[i]), _ORIGINAL_CLASS)
+        ]
         if busy:
             raise RuntimeError(f"layers {busy} are already tapped")
-        for index in unique:
+        recorded = set(self.layer_ids)
+        for index in self._swapped:
             layer = self.layers[index]
-            layer.__class__ = _recording_class(type(layer), self, index)
+            layer.__class__ = _recording_class(
+                type(layer), self, index if index in recorded else None
+            )
         self._attached = True
 
     def detach(self) -> None:
         """Restore every tapped layer's original class and drop pending records."""
-        for index in sorted(set(self.layer_ids)):
+        for index in self._swapped:
             layer = self.layers[index]
             original = getattr(type(layer), _ORIGINAL_CLASS, None)
             if original is not None:
@@ -133,14 +163,16 @@ class TargetTaps:
         self.detach()
 
 
-def _recording_class(base: type, taps: TargetTaps, index: int) -> type:
-    """A subclass of ``base`` whose ``__call__`` also stores its output in ``taps``."""
+def _recording_class(base: type, taps: TargetTaps, index: Optional[int]) -> type:
+    """A subclass of ``base`` whose ``__call__`` also stores its output in ``taps`` as
+    layer ``index``'s (``None``: a paced layer, which only starts its output early)."""
 
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         out = base.__call__(self, *args, **kwargs)
         # Some layer types return (hidden, extras); the hidden state comes first.
         hidden = out[0] if isinstance(out, tuple) else out
-        taps._records[index] = hidden
+        if index is not None:
+            taps._records[index] = hidden
         if taps.start_early:
             mx.async_eval(hidden)
         return out

@@ -15,7 +15,12 @@ from conftest import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash import GenerationStats, dflash_generate_step, make_prompt_cache
+from dflash import (
+    GenerationStats,
+    dflash_generate_step,
+    dflash_round,
+    make_prompt_cache,
+)
 from dflash.drafter import DFlashDrafter
 from dflash.rounds import round_size
 from dflash.sampling import make_sampler
@@ -49,7 +54,7 @@ class OracleDrafter:
         )
 
     def make_context(self, bucket_keys=None):
-        return SimpleNamespace(offset=0)
+        return SimpleNamespace(offset=0, buffers=lambda: [])
 
     def append_context(self, context, target_hidden, start_position):
         assert start_position == context.offset, "context must grow contiguously"
@@ -84,6 +89,67 @@ def test_greedy_output_equals_target_greedy(arch, seed, block_size):
     ]
     assert_lossless(target, prompt, reference, output)
     assert stats.rounds >= 1 and 1.0 <= stats.tau <= block_size
+
+
+@pytest.mark.parametrize("every, tail", [("1", "0"), ("3", "0"), ("2", "1")])
+def test_layers_started_early_keep_the_greedy_output(monkeypatch, every, tail):
+    """``DFLASH_EVAL_EVERY`` (and ``DFLASH_EVAL_TAIL``) change only when layers start
+    on the device."""
+    monkeypatch.setenv(dflash_round.EVAL_EVERY_ENV, every)
+    monkeypatch.setenv(dflash_round.EVAL_TAIL_ENV, tail)
+    target = tiny_model("muse_glimmer", seed=2, window=16)
+    drafter = random_drafter(target, seed=12, block_size=8)
+    prompt = mx.random.randint(0, 250, (19,), key=mx.random.key(3))
+    reference = greedy_reference(target, prompt, 40)
+    output = [
+        t for t, _, _ in dflash_generate_step(prompt, target, drafter, max_tokens=40)
+    ]
+    assert_lossless(target, prompt, reference, output)
+
+
+@pytest.mark.parametrize("every", ["0", "4"])
+def test_the_context_append_is_started_at_each_settle(monkeypatch, every):
+    monkeypatch.setenv(dflash_round.EVAL_EVERY_ENV, every)
+    target = tiny_model("muse_glimmer", seed=2, window=16)
+    drafter = random_drafter(target, seed=12, block_size=8)
+    cache = make_prompt_cache(target, drafter)
+    started = []
+    real_async_eval = mx.async_eval
+
+    def recording_async_eval(*arrays):
+        started.append(arrays[0])
+        real_async_eval(*arrays)
+
+    monkeypatch.setattr("dflash.dflash_round.mx.async_eval", recording_async_eval)
+    stats = GenerationStats(8)
+    prompt = mx.random.randint(0, 250, (19,), key=mx.random.key(3))
+    steps = dflash_generate_step(
+        prompt, target, drafter, max_tokens=30, prompt_cache=cache, stats=stats
+    )
+    list(steps)
+    buffers = cache.drafter_context.buffers()
+    assert len(buffers) == 2 * len(drafter.layers)
+    appends = [s for s in started if isinstance(s, list) and len(s) == len(buffers)]
+    # One a settled round (the generation's last settle may write only its last token).
+    assert stats.rounds <= len(appends) <= stats.rounds + 1
+    # The last settle's append is what the context holds now.
+    assert all(a is b for a, b in zip(appends[-1], buffers))
+
+
+@pytest.mark.parametrize(
+    "name, bad",
+    [
+        (dflash_round.EVAL_EVERY_ENV, "-1"),
+        (dflash_round.EVAL_EVERY_ENV, "two"),
+        (dflash_round.EVAL_EVERY_ENV, "1.5"),
+        (dflash_round.EVAL_TAIL_ENV, "maybe"),
+    ],
+)
+def test_a_bad_eval_switch_is_refused_naming_the_variable(monkeypatch, name, bad):
+    monkeypatch.setenv(name, bad)
+    target = tiny_model("muse_glimmer", seed=0)
+    with pytest.raises(ValueError, match=name):
+        next(dflash_generate_step(mx.array([1, 2]), target, random_drafter(target)))
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 16])

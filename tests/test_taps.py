@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import mlx.core as mx
 import pytest
 from conftest import tiny_model
@@ -145,3 +147,72 @@ def test_start_early_launches_each_tapped_output_and_keeps_the_values(monkeypatc
     assert all(a.shape == (1, TOKENS.shape[1], 64) for a in started)
     assert mx.array_equal(got, want).item()
     assert mx.array_equal(logits, want_logits).item()
+
+
+@pytest.mark.parametrize("every", [1, 3, 4, 8, 9])
+def test_eval_every_starts_paced_layers_too_and_keeps_every_value(monkeypatch, every):
+    """Paced layers only start their output: the records (tapped layers only), the
+    logits and the classes after detach are those of plain taps."""
+    model = build("muse_glimmer")
+    ids = (5, 1, 3)
+    with TargetTaps(model, ids, start_early=True) as taps:
+        want_logits = model(TOKENS)
+        want = taps.pop()
+    started = []
+    real_async_eval = mx.async_eval
+
+    def recording_async_eval(*arrays):
+        started.append(arrays[0])
+        real_async_eval(*arrays)
+
+    monkeypatch.setattr("dflash.taps.mx.async_eval", recording_async_eval)
+    outputs = manual_layer_outputs(model, TOKENS)
+    with TargetTaps(model, ids, start_early=True, eval_every=every) as taps:
+        logits = model(TOKENS)
+        got = taps.pop()
+        assert sorted(taps._records) == []  # popped: only the tapped were recorded
+    paced = set(range(every - 1, LAYERS, every)) | set(ids)
+    assert len(started) == len(paced)
+    # In layer order, each the output of its layer.
+    for array, index in zip(started, sorted(paced)):
+        assert mx.array_equal(array, outputs[index]).item()
+    assert mx.array_equal(got, want).item()
+    assert mx.array_equal(logits, want_logits).item()
+    assert all(type(layer) is muse_glimmer.DecoderLayer for layer in model.layers)
+
+
+def test_eval_every_without_start_early_swaps_only_the_tapped_layers():
+    model = build("muse_glimmer")
+    with TargetTaps(model, (2,), eval_every=2):
+        swapped = [
+            type(layer) is not muse_glimmer.DecoderLayer for layer in model.layers
+        ]
+    assert swapped == [index == 2 for index in range(LAYERS)]
+
+
+def test_negative_eval_every_is_refused():
+    with pytest.raises(ValueError, match="eval_every"):
+        TargetTaps(build("muse_glimmer"), (1,), start_early=True, eval_every=-1)
+
+
+@pytest.mark.parametrize(
+    "every, tail, paced",
+    [
+        (4, False, set(range(3, 52, 4))),
+        (4, True, {41, 45}),  # session 37's measured arm: the last gap in pieces
+        (3, True, {40, 43, 46}),  # and 49, a tap
+        (0, True, set()),
+    ],
+)
+def test_eval_tail_paces_only_the_last_two_gaps_between_starts(every, tail, paced):
+    """Glimmer's 52 layers with its drafter's taps: which layers start early."""
+    layers = SimpleNamespace(layers=[object() for _ in range(52)])
+    taps = (1, 13, 25, 37, 49)
+    got = TargetTaps(layers, taps, start_early=True, eval_every=every, eval_tail=tail)
+    assert got._swapped == sorted(set(taps) | paced)
+
+
+def test_eval_tail_with_fewer_than_three_starts_paces_every_layer():
+    layers = SimpleNamespace(layers=[object() for _ in range(12)])
+    got = TargetTaps(layers, (11,), start_early=True, eval_every=5, eval_tail=True)
+    assert got._swapped == [4, 9, 11]
