@@ -206,3 +206,17 @@ def save_target(model, path):
     config = {k: v for k, v in vars(model.args).items() if not k.startswith("_")}
     (path / "config.json").write_text(json.dumps(config))
     tiny_tokenizer().save_pretrained(str(path))
+
+
+def recorded_async_evals(monkeypatch, module: str) -> list:
+    """Record what ``module`` starts with ``mx.async_eval`` (each call's first
+    argument), still starting it; the list fills as the test runs."""
+    started = []
+    real_async_eval = mx.async_eval
+
+    def recording_async_eval(*arrays):
+        started.append(arrays[0])
+        real_async_eval(*arrays)
+
+    monkeypatch.setattr(f"{module}.mx.async_eval", recording_async_eval)
+    return started

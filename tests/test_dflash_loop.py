@@ -9,6 +9,7 @@ from conftest import (
     TINY_DFLASH2,
     assert_lossless,
     greedy_reference,
+    recorded_async_evals,
     tiny_drafter_config,
     tiny_model,
 )
@@ -113,14 +114,7 @@ def test_the_context_append_is_started_at_each_settle(monkeypatch, every):
     target = tiny_model("muse_glimmer", seed=2, window=16)
     drafter = random_drafter(target, seed=12, block_size=8)
     cache = make_prompt_cache(target, drafter)
-    started = []
-    real_async_eval = mx.async_eval
-
-    def recording_async_eval(*arrays):
-        started.append(arrays[0])
-        real_async_eval(*arrays)
-
-    monkeypatch.setattr("dflash.dflash_round.mx.async_eval", recording_async_eval)
+    started = recorded_async_evals(monkeypatch, "dflash.dflash_round")
     stats = GenerationStats(8)
     prompt = mx.random.randint(0, 250, (19,), key=mx.random.key(3))
     steps = dflash_generate_step(

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
-from conftest import tiny_model
+from conftest import recorded_async_evals, tiny_model
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama, muse_glimmer
 from mlx_lm.models.base import create_attention_mask
@@ -131,14 +131,7 @@ def test_start_early_launches_each_tapped_output_and_keeps_the_values(monkeypatc
     with TargetTaps(model, ids) as taps:
         want_logits = model(TOKENS)
         want = taps.pop()
-    started = []
-    real_async_eval = mx.async_eval
-
-    def recording_async_eval(*arrays):
-        started.extend(arrays)
-        real_async_eval(*arrays)
-
-    monkeypatch.setattr("dflash.taps.mx.async_eval", recording_async_eval)
+    started = recorded_async_evals(monkeypatch, "dflash.taps")
     with TargetTaps(model, ids, start_early=True) as taps:
         logits = model(TOKENS)
         got = taps.pop()
@@ -158,14 +151,7 @@ def test_eval_every_starts_paced_layers_too_and_keeps_every_value(monkeypatch, e
     with TargetTaps(model, ids, start_early=True) as taps:
         want_logits = model(TOKENS)
         want = taps.pop()
-    started = []
-    real_async_eval = mx.async_eval
-
-    def recording_async_eval(*arrays):
-        started.append(arrays[0])
-        real_async_eval(*arrays)
-
-    monkeypatch.setattr("dflash.taps.mx.async_eval", recording_async_eval)
+    started = recorded_async_evals(monkeypatch, "dflash.taps")
     outputs = manual_layer_outputs(model, TOKENS)
     with TargetTaps(model, ids, start_early=True, eval_every=every) as taps:
         logits = model(TOKENS)
