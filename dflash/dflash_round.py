@@ -36,9 +36,9 @@ EVAL_EVERY_ENV = "DFLASH_EVAL_EVERY"
 # A verify forward's layers also start on the device every this many layers, not only
 # at the taps (0: the taps only). Opt-in: on an H200 (session 37,
 # docs/benchmarks/h200-2026-12-04-s37) every 4 layers made 4-bit rounds faster on one
-# machine (15 of 18 alternated runs, medians 277-279 ms against 304-348) and slower on
-# another (7 of 24, medians 347-371 against 328-357): each start commits a graph, which
-# costs a slow host more than the device's earlier start saves.
+# machine lease (15 of 18 alternated runs, medians 277-279 ms against 304-348) and slower
+# on two others (7 of 24, medians 347-371 against 328-357): each start commits a graph,
+# which costs a slow host more than the device's earlier start saves.
 DEFAULT_EVAL_EVERY = 0
 
 

@@ -1,0 +1,172 @@
+"""When a DFlash round's verify layers start on the device: pacing arms run by run.
+
+A DFlash verify forward reaches the device where it is evaluated: at the drafter's taps
+and at the round's end, or also every ``N`` layers (``DFLASH_EVAL_EVERY=N``), or every
+``N`` layers in the last two gaps between starts only (with ``DFLASH_EVAL_TAIL=1``).
+Which is fastest depends on the host (session 37: every 4 won on one H200 lease and lost
+on two others), so arms are compared inside one process, alternated run by run (the
+order reversed every other repetition), each against mlx-lm's plain decoding in the same
+process. Both switches are read at each generation, so one process can alternate them.
+
+Arms: ``0`` (the taps only), ``N`` (every N layers), ``Nt`` (every N in the tail).
+Every run is checked lossless against the target's greedy continuation.
+
+Run (from the repository root)::
+
+    python -m benchmarks.pacing_ab --scale full --quant 4bit --context 4096 \\
+        --tokens 96 --tau 6 --arms 0,4,4t --reps 6 --json docs/.../pacing.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from dflash import kernel_patch
+from dflash.bench.report import environment
+from dflash.bench.runs import plain_mode, replay_mode, timed_run
+from dflash.bench.scale import build_scale_pair, scale_prompts
+from dflash.bench.scale_target import QUANTS
+from dflash.dflash_round import EVAL_EVERY_ENV, EVAL_TAIL_ENV
+from dflash.greedy import greedy_reference_with_margins
+
+from .common import write_json
+
+ARM_PATTERN = re.compile(r"(\d+)(t?)")
+
+
+def parse_arms(text: str) -> List[str]:
+    """A comma list of arms (``0``, ``N``, ``Nt``), each once.
+
+    Raises:
+        argparse.ArgumentTypeError: an arm is not of that form, or repeats.
+    """
+    arms = [arm.strip() for arm in text.split(",")]
+    bad = [arm for arm in arms if not ARM_PATTERN.fullmatch(arm)]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"arms must be 0, N or Nt (N a layer count), got {bad}"
+        )
+    if len(set(arms)) != len(arms):
+        raise argparse.ArgumentTypeError(f"an arm repeats in {arms}")
+    return arms
+
+
+@contextmanager
+def arm_switches(arm: str) -> Iterator[None]:
+    """``DFLASH_EVAL_EVERY`` / ``DFLASH_EVAL_TAIL`` set as ``arm`` says, then restored."""
+    every, tail = ARM_PATTERN.fullmatch(arm).groups()
+    saved = {name: os.environ.get(name) for name in (EVAL_EVERY_ENV, EVAL_TAIL_ENV)}
+    os.environ[EVAL_EVERY_ENV] = every
+    os.environ[EVAL_TAIL_ENV] = "1" if tail else "0"
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def wins_against_first(runs: Dict[str, List[float]], arms: Sequence[str]) -> Dict:
+    """Per arm after the first: repetitions in which it was faster than the first arm."""
+    first = runs[arms[0]]
+    return {arm: sum(a < b for a, b in zip(runs[arm], first)) for arm in arms[1:]}
+
+
+def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
+    """Build the pair, then alternate the arms; the report (times in ms)."""
+    started = time.time()
+    target, drafter = build_scale_pair(args.scale, args.quant, 0)
+    prompt = scale_prompts(target, args.context, 1, 0)[0]
+    tokens, _ = greedy_reference_with_margins(target, prompt, args.tokens, set())
+    sequence = prompt.tolist() + tokens
+    plain = plain_mode(target)
+    replay = replay_mode(target, drafter, args.block_size, args.tau)
+    report: Dict[str, Any] = {
+        "environment": environment(command),
+        "arms": args.arms,
+        "plain_ms": [],
+        "ms": {arm: [] for arm in args.arms},
+        "lossless": {arm: [] for arm in args.arms},
+        "rounds": {arm: [] for arm in args.arms},
+    }
+
+    def decode(arm: str) -> Tuple[float, bool, int]:
+        with arm_switches(arm):
+            record = timed_run(replay, prompt, args.tokens, set(), sequence)
+        lossless = list(record.tokens) == tokens
+        return 1000 * record.decode_seconds, lossless, len(record.round_seconds)
+
+    # One held patch: each generation would otherwise install the kernels again.
+    with kernel_patch.verify_kernels(target, drafter):
+        for arm in args.arms:
+            decode(arm)  # warm-up: traces and binds every shape
+    for rep in range(args.reps):
+        if rep % 2 == 0:
+            record = timed_run(plain, prompt, args.tokens, set(), sequence)
+            report["plain_ms"].append(round(1000 * record.decode_seconds, 1))
+        order = args.arms if rep % 2 == 0 else args.arms[::-1]
+        with kernel_patch.verify_kernels(target, drafter):
+            for arm in order:
+                ms, lossless, rounds = decode(arm)
+                report["ms"][arm].append(round(ms, 1))
+                report["lossless"][arm].append(lossless)
+                report["rounds"][arm].append(rounds)
+        print(rep, {arm: report["ms"][arm][-1] for arm in args.arms}, flush=True)
+    plain_ms = statistics.median(report["plain_ms"])
+    medians = {arm: statistics.median(v) for arm, v in report["ms"].items()}
+    report["median_ms"] = medians
+    report["x_plain"] = {arm: round(plain_ms / ms, 2) for arm, ms in medians.items()}
+    report["wins_vs_first"] = wins_against_first(report["ms"], args.arms)
+    report["all_lossless"] = all(all(v) for v in report["lossless"].values())
+    report["total_s"] = round(time.time() - started, 1)
+    return report
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.pacing_ab")
+    parser.add_argument("--scale", choices=("full", "tiny"), default="tiny")
+    parser.add_argument("--quant", choices=QUANTS, default="4bit")
+    parser.add_argument("--context", type=int, default=64, help="prompt tokens")
+    parser.add_argument("--tokens", type=int, default=32, help="tokens a run")
+    parser.add_argument("--tau", type=int, default=6, help="replayed tokens a round")
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--arms", type=parse_arms, default=["0", "4", "4t"])
+    parser.add_argument("--reps", type=int, default=4, help="repetitions of every arm")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.block_size is None:
+        args.block_size = 16 if args.scale == "full" else 8
+    for name in ("context", "tokens", "reps", "tau"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    if not 1 <= args.tau <= args.block_size:
+        parser.error(f"--tau must be in 1..{args.block_size} (the block size)")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv)
+    command = " ".join(["python -m benchmarks.pacing_ab", *(argv or sys.argv[1:])])
+    report = run(args, command)
+    write_json(args.json, report)
+    print(
+        "summary",
+        {
+            key: report[key]
+            for key in ("median_ms", "x_plain", "wins_vs_first", "all_lossless")
+        },
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
