@@ -7,7 +7,6 @@ kept rows are committed, and the drafter's context grows by the target features 
 those rows.
 """
 
-import os
 from typing import Any, Generator, List, Optional, Tuple
 
 import mlx.core as mx
@@ -25,7 +24,7 @@ from .inputs import (
     resolve_block_size,
 )
 from .kernel_patch import attention_route, verify_kernels
-from .metal.backend import resident_array, strict_switch
+from .metal.backend import count_switch, resident_array, strict_switch
 from .metal.layout import leading_view
 from .rounds import VerifyRound, cache_room, emit_rounds, prefill
 from .sampling import LogitsProcessor, Sampler, Sampling, log_normalize
@@ -66,14 +65,7 @@ def eval_every() -> int:
     Raises:
         ValueError: ``DFLASH_EVAL_EVERY`` is not a non-negative integer.
     """
-    text = os.environ.get(EVAL_EVERY_ENV, "").strip()
-    if not text:
-        return DEFAULT_EVAL_EVERY
-    if not text.isdigit():
-        raise ValueError(
-            f"{EVAL_EVERY_ENV} must be a non-negative integer, got {text!r}"
-        )
-    return int(text)
+    return count_switch(EVAL_EVERY_ENV, DEFAULT_EVAL_EVERY)
 
 
 class DFlashRound(VerifyRound):

@@ -23,12 +23,11 @@ verify may differ from plain decoding only where two logits nearly tie, as befor
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import mlx.core as mx
 
-from .metal.backend import env_switch
+from .metal.backend import count_switch, env_switch
 
 # Block forwards the route serves: verify and draft blocks, not decode steps (mlx's
 # vector kernel) nor prompt chunks.
@@ -38,7 +37,7 @@ MAX_QUERIES = 32
 # fused 83 / 69 us at 2,064 keys, 77 / 84 at 4,096, 192 / 364 at 32,768
 # (docs/benchmarks/h200-2026-12-01-s7/attention-route.json). ``DFLASH_FOLDED_MIN_KEYS``
 # overrides it (read at import).
-MIN_KEYS = int(os.environ.get("DFLASH_FOLDED_MIN_KEYS", "4096"))
+MIN_KEYS = count_switch("DFLASH_FOLDED_MIN_KEYS", 4096)
 
 # Whether attention_route installs the folded route when nobody says, per backend.
 # CUDA: measured faster for 16 queries from 4k keys on (one H200, mlx 0.32.4; see

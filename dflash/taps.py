@@ -93,15 +93,14 @@ class TargetTaps:
         self._records: Dict[int, mx.array] = {}
         self._attached = False
         self.start_early = start_early
-        self.eval_every = eval_every if start_early else 0
-        starts = sorted(set(self.layer_ids) | {len(self.layers) - 1})
-        first = starts[-3] if eval_tail and len(starts) >= 3 else -1
-        paced = range(first + eval_every, len(self.layers), eval_every or 1)
         # The layers whose class is swapped: the tapped ones and, when started early,
         # the paced ones (which only start their output).
-        self._swapped = sorted(
-            set(self.layer_ids) | (set(paced) if self.eval_every else set())
-        )
+        self._swapped = sorted(set(self.layer_ids))
+        if start_early and eval_every:
+            starts = sorted(set(self.layer_ids) | {len(self.layers) - 1})
+            first = starts[-3] if eval_tail and len(starts) >= 3 else -1
+            paced = range(first + eval_every, len(self.layers), eval_every)
+            self._swapped = sorted(set(self._swapped) | set(paced))
 
     def attach(self) -> None:
         """Swap each tapped layer's class for a recording subclass.

@@ -81,6 +81,20 @@ def strict_switch(name: str, given: Optional[bool], default: bool = True) -> boo
     return default if switch is None else switch
 
 
+def count_switch(name: str, default: int) -> int:
+    """A non-negative integer environment setting: ``name``'s value, else ``default``.
+
+    Raises:
+        ValueError: ``name`` is set to something that is not a non-negative integer.
+    """
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise ValueError(f"{name} must be a non-negative integer, got {text!r}")
+    return int(text)
+
+
 # ``DFLASH_KERNELS=0`` makes every default (``use_kernel=None``) pick the pure-MLX
 # reference; an explicit ``use_kernel=True`` still launches the kernel.
 KERNELS_ENV = "DFLASH_KERNELS"

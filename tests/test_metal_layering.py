@@ -122,3 +122,23 @@ def test_every_environment_switch_is_in_the_switch_table() -> None:
     section = table.split("## Switches", 1)[1].split("\n## ", 1)[0]
     listed = set(re.findall(r"^\| `(DFLASH_[A-Z0-9_]+)` \|", section, flags=re.M))
     assert read and read == listed, (read - listed, listed - read)
+
+
+@pytest.mark.parametrize("text, want", [(None, 5), ("", 5), ("12", 12), (" 7 ", 7)])
+def test_count_switch_reads_a_non_negative_integer(monkeypatch, text, want) -> None:
+    from dflash.metal import backend
+
+    if text is None:
+        monkeypatch.delenv("DFLASH_TEST_COUNT", raising=False)
+    else:
+        monkeypatch.setenv("DFLASH_TEST_COUNT", text)
+    assert backend.count_switch("DFLASH_TEST_COUNT", 5) == want
+
+
+@pytest.mark.parametrize("text", ["-1", "x", "1.5", "4k"])
+def test_a_bad_count_switch_is_refused_naming_it(monkeypatch, text) -> None:
+    from dflash.metal import backend
+
+    monkeypatch.setenv("DFLASH_TEST_COUNT", text)
+    with pytest.raises(ValueError, match="DFLASH_TEST_COUNT must be a non-negative"):
+        backend.count_switch("DFLASH_TEST_COUNT", 5)
