@@ -20,7 +20,6 @@ Run (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import sys
@@ -37,6 +36,7 @@ from dflash.dflash_round import EVAL_EVERY_ENV, EVAL_TAIL_ENV
 from dflash.greedy import greedy_reference_with_margins
 
 from .common import write_json
+from .round_profile import env_value
 
 ARM_PATTERN = re.compile(r"(\d+)(t?)")
 
@@ -48,10 +48,14 @@ def parse_arms(text: str) -> List[str]:
         argparse.ArgumentTypeError: an arm is not of that form, or repeats.
     """
     arms = [arm.strip() for arm in text.split(",")]
-    bad = [arm for arm in arms if not ARM_PATTERN.fullmatch(arm)]
+    bad = [
+        arm
+        for arm in arms
+        if not ARM_PATTERN.fullmatch(arm) or (arm.endswith("t") and int(arm[:-1]) == 0)
+    ]
     if bad:
         raise argparse.ArgumentTypeError(
-            f"arms must be 0, N or Nt (N a layer count), got {bad}"
+            f"arms must be 0, N or Nt (N a layer count, Nt with N > 0), got {bad}"
         )
     if len(set(arms)) != len(arms):
         raise argparse.ArgumentTypeError(f"an arm repeats in {arms}")
@@ -62,17 +66,11 @@ def parse_arms(text: str) -> List[str]:
 def arm_switches(arm: str) -> Iterator[None]:
     """``DFLASH_EVAL_EVERY`` / ``DFLASH_EVAL_TAIL`` set as ``arm`` says, then restored."""
     every, tail = ARM_PATTERN.fullmatch(arm).groups()
-    saved = {name: os.environ.get(name) for name in (EVAL_EVERY_ENV, EVAL_TAIL_ENV)}
-    os.environ[EVAL_EVERY_ENV] = every
-    os.environ[EVAL_TAIL_ENV] = "1" if tail else "0"
-    try:
+    with (
+        env_value(EVAL_EVERY_ENV, every),
+        env_value(EVAL_TAIL_ENV, "1" if tail else "0"),
+    ):
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def wins_against_first(runs: Dict[str, List[float]], arms: Sequence[str]) -> Dict:

@@ -43,7 +43,7 @@ def test_every_arm_reaches_the_generation_and_every_run_is_lossless(
     assert EVAL_EVERY_ENV not in os.environ and os.environ[EVAL_TAIL_ENV] == "1"
 
 
-@pytest.mark.parametrize("text", ["0,x", "4,4", "t", "-1", "4tt"])
+@pytest.mark.parametrize("text", ["0,x", "4,4", "t", "-1", "4tt", "0t"])
 def test_a_bad_arm_list_is_refused(text):
     with pytest.raises(argparse.ArgumentTypeError):
         pacing_ab.parse_arms(text)
