@@ -58,7 +58,9 @@ long as the forward's other ops are batch-invariant too (norms, RoPE and
 elementwise ops are row-wise).
 
 ``uninstall()`` (or leaving the ``with`` block) restores every class and module
-function; nothing else about the model changes (same objects, same parameters).
+function; nothing else about the model changes (same objects, same parameters), except
+that a traced layer keeps its traces in its instance dictionary for the next install with
+the same options (``DFLASH_KEEP_TRACES=0`` off; :func:`forget_traces` frees them).
 """
 
 from __future__ import annotations
@@ -104,8 +106,15 @@ _FUSED_SLOT = "_dflash_fused"
 # A matmul layer's (or block's) bound forwards by input geometry (plain attribute, while
 # installed).
 _BOUND = "_dflash_bound"
-# Where a traced decoder layer keeps its traces (dropped with the patch).
+# Where a traced decoder layer keeps its traces while the patch is installed.
 _TRACES = "_dflash_traces"
+# Where it keeps them after: (the options they were made under, the traces), for the
+# next install with the same options (each generation installs the patch again).
+_KEPT_TRACES = "_dflash_kept_traces"
+KEEP_TRACES_ENV = "DFLASH_KEEP_TRACES"
+# Part of every kept trace's options: :func:`forget_traces` replaces it, so traces kept
+# before are never taken again.
+_trace_epoch = object()
 # Switch for whole MLP blocks through mx.compile (default off: measured slower).
 COMPILED_BLOCKS_ENV = "DFLASH_COMPILED_BLOCKS"
 DRAFTER_DENSE_ENV = "DFLASH_DRAFTER_DENSE_KERNEL"
@@ -661,13 +670,60 @@ def _swap(module: nn.Module, cls: type, route: AttentionRoute) -> None:
     module.__dict__[_BOUND] = {}
 
 
-def _unswap(module: nn.Module) -> None:
+def _unswap(module: nn.Module, trace_options: Optional[tuple] = None) -> None:
+    """Restore ``module``'s class; its traces are kept under ``trace_options`` (None:
+    dropped)."""
     original = getattr(type(module), _ORIGINAL_CLASS, None)
     if original is not None:
         module.__class__ = original
     module.__dict__.pop("_dflash_route", None)
     module.__dict__.pop(_BOUND, None)
-    module.__dict__.pop(_TRACES, None)
+    traces = module.__dict__.pop(_TRACES, None)
+    if traces is not None and trace_options is not None:
+        # On the layer itself, so they go with it (a table would keep the layer alive).
+        module.__dict__[_KEPT_TRACES] = (trace_options, traces)
+
+
+def _take_kept_traces(layer: nn.Module, trace_options: Optional[tuple]) -> bool:
+    """Give ``layer`` back the traces an earlier install kept, if they were made under
+    ``trace_options`` (None: take none) and the layer still holds the arrays they
+    captured; other kept traces are dropped (they hold arrays and compiled graphs).
+    Whether it took them."""
+    kept = layer.__dict__.pop(_KEPT_TRACES, None)
+    if kept is None or kept[0] != trace_options or not kept[1].holds():
+        return False
+    layer.__dict__[_TRACES] = kept[1]
+    return True
+
+
+def keep_traces_wanted() -> bool:
+    """Whether an uninstall keeps the traced layers' traces for the next install with
+    the same options: ``DFLASH_KEEP_TRACES``, else on.
+
+    Raises:
+        ValueError: ``DFLASH_KEEP_TRACES`` is set to something that is not a switch value.
+    """
+    return backend.strict_switch(KEEP_TRACES_ENV, None, True)
+
+
+def forget_traces(model: Optional[nn.Module] = None) -> None:
+    """Never take back traces kept so far; with ``model``, also free its kept traces now.
+
+    Kept traces hold the arrays they captured: a model whose weights were replaced
+    keeps the old ones alive until its next install drops them (or until this).
+    """
+    global _trace_epoch
+    _trace_epoch = object()
+    if model is not None:
+        for module in model.modules():
+            module.__dict__.pop(_KEPT_TRACES, None)
+
+
+def _dflash_settings() -> tuple:
+    """Every ``DFLASH_*`` environment setting: a trace fixes what its switches said."""
+    return tuple(
+        sorted((k, v) for k, v in os.environ.items() if k.startswith("DFLASH_"))
+    )
 
 
 # ------------------------------------------------------------------ public
@@ -794,6 +850,7 @@ class KernelPatch:
         self.traced_layers = bool(attention) and wanted
         self._groups: List[FusedProjections] = []
         self._patched: List[nn.Module] = []
+        self._trace_options: Optional[tuple] = None
         self._modules: List[str] = []
 
     @property
@@ -916,6 +973,16 @@ class KernelPatch:
             and traced_layers_module.forward_matches(layer, type(layer))
         ]
 
+    def trace_options(self) -> tuple:
+        """What a traced layer's traces fix when they are made: the route, this patch's
+        parts, the backend and default device, the ``DFLASH_*`` switches and
+        :func:`forget_traces`'s epoch. An install takes back kept traces only under equal
+        options."""
+        parts = (self.attention, self.matmul, self.fuse, self.projections)
+        parts += (self.compile_blocks, self.head_prep, self.residual_norms)
+        where = (backend.BACKEND, str(mx.default_device()))
+        return (self.route, parts, where, _dflash_settings(), _trace_epoch)
+
     def install(self) -> "KernelPatch":
         """Swap the classes and hook the model module (all or nothing).
 
@@ -959,6 +1026,7 @@ class KernelPatch:
         self.route = dataclasses.replace(self.route, gate_epilogue=gate)
         traced = self.traced_layer_modules(prepared)
         layers = [m for m in layers if all(m is not t for t in traced)]
+        self._trace_options = self.trace_options() if keep_traces_wanted() else None
         for module in attention:
             base = type(module)
             if isinstance(module, DraftAttention):
@@ -993,6 +1061,9 @@ class KernelPatch:
                 self._fuse_siblings(sibling_sets(self.sibling_parents()), routed)
             elif sets:
                 self._fuse_siblings(sets, {id(m) for m in members}, form="mlx")
+            # After the fusion: the traces captured its views of the stacked weights.
+            for layer in traced:
+                _take_kept_traces(layer, self._trace_options)
         except BaseException:
             self.uninstall()  # all or nothing (members keep equal-valued views)
             raise
@@ -1015,7 +1086,7 @@ class KernelPatch:
                 member.__dict__.pop(_FUSED_SLOT, None)
         self._groups.clear()
         for module in self._patched:
-            _unswap(module)
+            _unswap(module, self._trace_options)
         for name in self._modules:
             _unhook_module(name)
         self._patched.clear()

@@ -154,16 +154,32 @@ def test_packed_launch_scalars_keep_every_bit(ints: list, floats: list) -> None:
     assert_scalars_keep_bits(floats, mx.float32)
 
 
-def test_fresh_scalars_cost_one_pack_launch() -> None:
-    """A new scalar set is one packing launch (reading mlx's host pool), memoised: the
-    same set again is the evaluated array, no launch."""
+def test_fresh_scalars_cost_one_pack_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new scalar set is one packing launch (reading mlx's host pool), scheduled when
+    it is made (so a trace captures its value, not the gather) and memoised: the same
+    set again is the same array, no launch."""
+    packs = []
+    pack_launch = backend.pack_launch
+
+    def counted(words):
+        packed = pack_launch(words)
+        packs.append(graph_launches(packed))
+        return packed
+
+    monkeypatch.setattr(backend, "pack_launch", counted)
     values = (11, 22, 33, 44, 55)
     backend.clear_launch_scalars()
     first = backend.launch_scalars(values)
-    assert graph_launches(first)["CustomKernel"] == 1
+    assert (
+        len(packs) == 1
+        and packs[0]["CustomKernel"] == 1
+        and sum(packs[0].values()) == 1
+    )
+    # Already scheduled: its graph is a leaf, nothing left for a reader to launch.
+    assert graph_launches(first)["CustomKernel"] == 0
     assert first.tolist() == list(values)
     again = backend.launch_scalars(values)
-    assert again is first and graph_launches(again)["CustomKernel"] == 0
+    assert again is first and len(packs) == 1
 
 
 @settings(max_examples=40, deadline=None)

@@ -18,7 +18,9 @@ What is proven where:
 
 from __future__ import annotations
 
+import gc
 import re
+import weakref
 from collections import Counter
 from typing import List
 
@@ -79,6 +81,9 @@ def kernel_path_on_cpu(monkeypatch):
     monkeypatch.setattr(groups, "_REPLAYS", {})
     monkeypatch.setattr(traced_layers, "_PRE_CALLS", {})
     monkeypatch.setattr(traced_layers, "_POST_CALLS", {})
+    # Traces kept by earlier tests' installs were made with their launches.
+    monkeypatch.setattr(kernel_patch, "_trace_epoch", object())
+    monkeypatch.delenv(kernel_patch.KEEP_TRACES_ENV, raising=False)
     monkeypatch.setattr(backend, "use_kernel_path", lambda use, auto: use is not False)
     monkeypatch.setattr(backend, "BACKEND", "cuda")
     monkeypatch.setattr(prepared_heads, "gated_fold_matches", lambda dtype, use: True)
@@ -211,6 +216,9 @@ def test_layers_of_another_kind_do_not_share_the_memo(
     real_kind = traced_layers._attention_kind
     monkeypatch.setattr(traced_layers, "_attention_kind", lambda a: real_kind(a)[:-1])
     monkeypatch.setattr(traced_layers, "_POST_CALLS", {})
+    # Traces kept by earlier tests' installs were made with their launches.
+    monkeypatch.setattr(kernel_patch, "_trace_epoch", object())
+    monkeypatch.delenv(kernel_patch.KEEP_TRACES_ENV, raising=False)
     monkeypatch.setattr(traced_layers, "_KINDS", {})
     got, _ = verify_run(tiny_stack, True, accepted)
     assert not all(mx.array_equal(g, w).item() for g, w in zip(got, want))
@@ -295,6 +303,131 @@ def test_replacing_an_array_drops_the_traces(tiny_stack, kernel_path_on_cpu):
         assert layer.__dict__[kernel_patch._TRACES] is not kept
     assert kernel_patch._TRACES not in layer.__dict__  # dropped with the patch
     _assert_same(outs[1:], outs[:2])
+
+
+def _traces_of(model) -> list:
+    return [layer.__dict__.get(kernel_patch._TRACES) for layer in model.layers]
+
+
+def _kept_of(model) -> list:
+    return [layer.__dict__.get(kernel_patch._KEPT_TRACES) for layer in model.layers]
+
+
+def _replay_counter(monkeypatch) -> list:
+    """Record every replay :mod:`dflash.traced_layers` makes (each a new trace)."""
+    made = []
+    real = traced_layers._Replay.__init__
+
+    def counted(self, function):
+        made.append(function)
+        real(self, function)
+
+    monkeypatch.setattr(traced_layers._Replay, "__init__", counted)
+    return made
+
+
+@settings(
+    max_examples=4,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],  # patches only
+)
+@given(accepted=st.lists(st.integers(1, 16), min_size=2, max_size=4))
+def test_the_next_install_takes_back_the_traces_and_keeps_the_bits(
+    tiny_stack, kernel_path_on_cpu, monkeypatch, accepted
+):
+    """Each generation installs the patch again: the traces the last install made are
+    taken back (no new trace, the same replays) and still give the eager outputs at
+    every step of a run whose positions move and rings wrap."""
+    kernel_patch.forget_traces(tiny_stack)
+    want, _ = verify_run(tiny_stack, False, accepted)
+    first, _ = verify_run(tiny_stack, True, accepted)
+    kept = [entry[1] for entry in _kept_of(tiny_stack)]
+    assert all(traces is not None and traces.pre for traces in kept)
+    made = _replay_counter(monkeypatch)
+    again, _ = verify_run(tiny_stack, True, accepted[::-1] + [3])
+    assert made == []  # other positions, the same geometries: no trace made
+    assert all(k is entry[1] for k, entry in zip(kept, _kept_of(tiny_stack)))
+    want_again, _ = verify_run(tiny_stack, False, accepted[::-1] + [3])
+    _assert_same(first, want)
+    _assert_same(again, want_again)
+
+
+def test_kept_traces_are_taken_only_under_the_same_options(
+    tiny_stack, kernel_path_on_cpu, monkeypatch
+):
+    """Another switch, another part of the patch, :func:`forget_traces` or an array the
+    layer no longer holds: the kept traces are dropped and new ones made; with
+    ``DFLASH_KEEP_TRACES=0`` an uninstall keeps none."""
+    layer = tiny_stack.layers[1]
+
+    def run_and_keep():
+        verify_run(tiny_stack, True, [4, 16])
+        return _kept_of(tiny_stack)
+
+    def taken_after(change) -> bool:
+        before = run_and_keep()
+        change()
+        with KernelPatch(tiny_stack, traced_layers=True):
+            now = _traces_of(tiny_stack)
+        return all(n is b[1] for n, b in zip(now, before))
+
+    assert taken_after(lambda: None)
+    assert not taken_after(lambda: monkeypatch.setenv("DFLASH_SOMETHING", "1"))
+    assert not taken_after(kernel_patch.forget_traces)
+    norm = layer.post_attention_layernorm
+    assert not taken_after(lambda: setattr(norm, "weight", mx.array(norm.weight)))
+    before = run_and_keep()
+    with KernelPatch(tiny_stack, traced_layers=False):
+        pass  # layers it does not trace keep what they kept
+    assert _kept_of(tiny_stack) == before
+    with KernelPatch(tiny_stack, traced_layers=True, residual_norms=True):
+        assert _traces_of(tiny_stack) == [None] * len(tiny_stack.layers)
+    assert _kept_of(tiny_stack) == [None] * len(tiny_stack.layers)
+    run_and_keep()
+    kernel_patch.forget_traces(tiny_stack)
+    assert _kept_of(tiny_stack) == [None] * len(tiny_stack.layers)
+    monkeypatch.setenv(kernel_patch.KEEP_TRACES_ENV, "0")
+    assert run_and_keep() == [None] * len(tiny_stack.layers)
+    monkeypatch.setenv(kernel_patch.KEEP_TRACES_ENV, "sometimes")
+    with pytest.raises(ValueError, match=kernel_patch.KEEP_TRACES_ENV):
+        KernelPatch(tiny_stack, traced_layers=True).install()
+    assert not any(_is_traced(layer) for layer in tiny_stack.layers)
+
+
+def test_kept_traces_go_with_their_model(kernel_path_on_cpu):
+    """Kept traces live on their layer: dropping the model frees it (no table of the
+    module keeps a layer, its arrays or its compiled replays alive)."""
+    model = layer_stack.build_layers("tiny", "4bit", 2)
+    verify_run(model, True, [5, 16])
+    assert all(kept is not None for kept in _kept_of(model))
+    layer = weakref.ref(model.layers[0])
+    del model
+    gc.collect()
+    assert layer() is None
+
+
+def test_a_kept_trace_replays_the_launches_it_captured(
+    tiny_stack, kernel_path_on_cpu, monkeypatch
+):
+    """The negative control: kept traces are replayed, not re-made. A launch changed
+    between installs (which no option names) still gives the old launch's outputs
+    through the kept traces; after :func:`forget_traces` the new one's."""
+    accepted = [16, 7]
+    old, _ = verify_run(tiny_stack, True, accepted)
+
+    def shifted(spec, inputs, output_shapes, output_dtypes, count, dtype):
+        outs = mixing_launch(spec, inputs, output_shapes, output_dtypes, count, dtype)
+        return [((out.astype(mx.int32) + 5) % 97).astype(out.dtype) for out in outs]
+
+    monkeypatch.setattr(groups, "launch_groups", shifted)
+    monkeypatch.setattr(groups, "_REPLAYS", {})
+    stale, _ = verify_run(tiny_stack, True, accepted)
+    _assert_same(stale, old)
+    kernel_patch.forget_traces()
+    fresh, _ = verify_run(tiny_stack, True, accepted)
+    want, _ = verify_run(tiny_stack, False, accepted)
+    _assert_same(fresh, want)
+    assert not any(mx.array_equal(f, o).item() for f, o in zip(fresh, old))
 
 
 def test_calls_the_traces_do_not_serve_keep_the_layers_forward(
