@@ -302,6 +302,52 @@ def run_meta(
 Event = tuple[str, float, float]
 
 
+def scale_run_parser(prog: str, tokens: int, reps: int) -> argparse.ArgumentParser:
+    """The arguments of a benchmark that generates with a scale pair at a replayed tau:
+    ``--scale --quant --context --tokens --tau --block-size --reps --json``."""
+    from dflash.bench.scale_target import QUANTS
+
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--scale", choices=("full", "tiny"), default="tiny")
+    parser.add_argument("--quant", choices=QUANTS, default="4bit")
+    parser.add_argument("--context", type=int, default=64, help="prompt tokens")
+    parser.add_argument("--tokens", type=int, default=tokens, help="tokens a run")
+    parser.add_argument("--tau", type=int, default=6, help="replayed tokens a round")
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--reps", type=int, default=reps, help="repetitions")
+    parser.add_argument("--json", default=None)
+    return parser
+
+
+def check_scale_run_args(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> argparse.Namespace:
+    """The block size for the scale (16 full, 8 tiny) unless given, and the counts in
+    range; a bad value exits through ``parser.error`` (one line, status 2)."""
+    if args.block_size is None:
+        args.block_size = 16 if args.scale == "full" else 8
+    for name in ("context", "tokens", "reps", "tau"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    if not 1 <= args.tau <= args.block_size:
+        parser.error(f"--tau must be in 1..{args.block_size} (the block size)")
+    return args
+
+
+def scale_run_setup(args: argparse.Namespace) -> tuple:
+    """The scale pair of ``args``, one prompt of ``args.context`` tokens and the target's
+    greedy continuation of ``args.tokens``: ``(target, drafter, prompt, tokens,
+    sequence)``, ``sequence`` the prompt's ids then the continuation (what a replay
+    drafter follows)."""
+    from dflash.bench.scale import build_scale_pair, scale_prompts
+    from dflash.greedy import greedy_reference_with_margins
+
+    target, drafter = build_scale_pair(args.scale, args.quant, 0)
+    prompt = scale_prompts(target, args.context, 1, 0)[0]
+    tokens, _ = greedy_reference_with_margins(target, prompt, args.tokens, set())
+    return target, drafter, prompt, tokens, prompt.tolist() + tokens
+
+
 def write_json(path: Optional[str], data: object) -> None:
     """Write a benchmark's result as indented JSON (nothing when ``path`` is None)."""
     if path:

@@ -27,13 +27,15 @@ import mlx.core as mx
 
 from dflash.bench.report import environment
 from dflash.bench.runs import Mode, replay_mode, timed_run
-from dflash.bench.scale import build_scale_pair, scale_prompts
-from dflash.bench.scale_target import QUANTS
 from dflash.generation import generate_step
-from dflash.greedy import greedy_reference_with_margins
 from dflash.kernel_patch import KEEP_TRACES_ENV
 
-from .common import write_json
+from .common import (
+    check_scale_run_args,
+    scale_run_parser,
+    scale_run_setup,
+    write_json,
+)
 from .round_profile import env_value
 
 ARMS = ("keep", "drop")
@@ -51,10 +53,7 @@ def our_plain_mode(model: Any) -> Mode:
 def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     """Build the pair, then alternate the arms; the report (times in ms)."""
     started = time.time()
-    target, drafter = build_scale_pair(args.scale, args.quant, 0)
-    prompt = scale_prompts(target, args.context, 1, 0)[0]
-    tokens, _ = greedy_reference_with_margins(target, prompt, args.tokens, set())
-    sequence = prompt.tolist() + tokens
+    target, drafter, prompt, tokens, sequence = scale_run_setup(args)
     modes = {
         "plain": our_plain_mode(target),
         "dflash": replay_mode(target, drafter, args.block_size, args.tau),
@@ -89,28 +88,11 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.kept_traces")
-    parser.add_argument("--scale", choices=("full", "tiny"), default="tiny")
-    parser.add_argument("--quant", choices=QUANTS, default="4bit")
-    parser.add_argument("--context", type=int, default=64, help="prompt tokens")
-    parser.add_argument("--tokens", type=int, default=16, help="tokens a run")
-    parser.add_argument("--tau", type=int, default=6, help="replayed tokens a round")
-    parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument(
-        "--runs", type=int, default=2, help="generations an arm, in a row"
-    )
-    parser.add_argument("--reps", type=int, default=3, help="repetitions of both arms")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    if args.block_size is None:
-        args.block_size = 16 if args.scale == "full" else 8
-    for name in ("context", "tokens", "reps", "tau"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1")
+    parser = scale_run_parser("python -m benchmarks.kept_traces", tokens=16, reps=3)
+    parser.add_argument("--runs", type=int, default=2, help="generations an arm")
+    args = check_scale_run_args(parser, parser.parse_args(argv))
     if args.runs < 2:
         parser.error("--runs must be at least 2 (the first of an arm traces in both)")
-    if not 1 <= args.tau <= args.block_size:
-        parser.error(f"--tau must be in 1..{args.block_size} (the block size)")
     return args
 
 

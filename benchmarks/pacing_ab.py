@@ -30,12 +30,14 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from dflash import kernel_patch
 from dflash.bench.report import environment
 from dflash.bench.runs import plain_mode, replay_mode, timed_run
-from dflash.bench.scale import build_scale_pair, scale_prompts
-from dflash.bench.scale_target import QUANTS
 from dflash.dflash_round import EVAL_EVERY_ENV, EVAL_TAIL_ENV
-from dflash.greedy import greedy_reference_with_margins
 
-from .common import write_json
+from .common import (
+    check_scale_run_args,
+    scale_run_parser,
+    scale_run_setup,
+    write_json,
+)
 from .round_profile import env_value
 
 ARM_PATTERN = re.compile(r"(\d+)(t?)")
@@ -82,10 +84,7 @@ def wins_against_first(runs: Dict[str, List[float]], arms: Sequence[str]) -> Dic
 def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     """Build the pair, then alternate the arms; the report (times in ms)."""
     started = time.time()
-    target, drafter = build_scale_pair(args.scale, args.quant, 0)
-    prompt = scale_prompts(target, args.context, 1, 0)[0]
-    tokens, _ = greedy_reference_with_margins(target, prompt, args.tokens, set())
-    sequence = prompt.tolist() + tokens
+    target, drafter, prompt, tokens, sequence = scale_run_setup(args)
     plain = plain_mode(target)
     replay = replay_mode(target, drafter, args.block_size, args.tau)
     report: Dict[str, Any] = {
@@ -130,25 +129,9 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.pacing_ab")
-    parser.add_argument("--scale", choices=("full", "tiny"), default="tiny")
-    parser.add_argument("--quant", choices=QUANTS, default="4bit")
-    parser.add_argument("--context", type=int, default=64, help="prompt tokens")
-    parser.add_argument("--tokens", type=int, default=32, help="tokens a run")
-    parser.add_argument("--tau", type=int, default=6, help="replayed tokens a round")
-    parser.add_argument("--block-size", type=int, default=None)
+    parser = scale_run_parser("python -m benchmarks.pacing_ab", tokens=32, reps=4)
     parser.add_argument("--arms", type=parse_arms, default=["0", "4", "4t"])
-    parser.add_argument("--reps", type=int, default=4, help="repetitions of every arm")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    if args.block_size is None:
-        args.block_size = 16 if args.scale == "full" else 8
-    for name in ("context", "tokens", "reps", "tau"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1")
-    if not 1 <= args.tau <= args.block_size:
-        parser.error(f"--tau must be in 1..{args.block_size} (the block size)")
-    return args
+    return check_scale_run_args(parser, parser.parse_args(argv))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
