@@ -190,9 +190,6 @@ def test_a_steps_layers_of_one_kind_share_the_hosts_work(
     kinds = {
         traced_layers._attention_kind(layer.self_attn) for layer in tiny_stack.layers
     }
-    windows = {
-        getattr(layer.self_attn, "sliding_window", None) for layer in tiny_stack.layers
-    }
     assert len(tiny_stack.layers) > len(kinds) >= 2
     assert len(preps) == len(accepted) * len(kinds)
     assert len(plans) == len(accepted) * len(kinds)
