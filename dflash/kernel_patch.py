@@ -684,16 +684,13 @@ def _unswap(module: nn.Module, trace_options: Optional[tuple] = None) -> None:
         module.__dict__[_KEPT_TRACES] = (trace_options, traces)
 
 
-def _take_kept_traces(layer: nn.Module, trace_options: Optional[tuple]) -> bool:
+def _take_kept_traces(layer: nn.Module, trace_options: Optional[tuple]) -> None:
     """Give ``layer`` back the traces an earlier install kept, if they were made under
     ``trace_options`` (None: take none) and the layer still holds the arrays they
-    captured; other kept traces are dropped (they hold arrays and compiled graphs).
-    Whether it took them."""
+    captured; other kept traces are dropped (they hold arrays and compiled graphs)."""
     kept = layer.__dict__.pop(_KEPT_TRACES, None)
-    if kept is None or kept[0] != trace_options or not kept[1].holds():
-        return False
-    layer.__dict__[_TRACES] = kept[1]
-    return True
+    if kept is not None and kept[0] == trace_options and kept[1].holds():
+        layer.__dict__[_TRACES] = kept[1]
 
 
 def keep_traces_wanted() -> bool:
