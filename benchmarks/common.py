@@ -18,7 +18,10 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
+from dflash.bench.scale import build_scale_pair, scale_prompts
+from dflash.bench.scale_target import QUANTS
 from dflash.cache import GrowingKVCache, PlaneMeta, RingKVCache, make_prompt_cache
+from dflash.greedy import greedy_reference_with_margins
 from dflash.metal import kernel_backend
 
 
@@ -305,8 +308,6 @@ Event = tuple[str, float, float]
 def scale_run_parser(prog: str, tokens: int, reps: int) -> argparse.ArgumentParser:
     """The arguments of a benchmark that generates with a scale pair at a replayed tau:
     ``--scale --quant --context --tokens --tau --block-size --reps --json``."""
-    from dflash.bench.scale_target import QUANTS
-
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("--scale", choices=("full", "tiny"), default="tiny")
     parser.add_argument("--quant", choices=QUANTS, default="4bit")
@@ -339,9 +340,6 @@ def scale_run_setup(args: argparse.Namespace) -> tuple:
     greedy continuation of ``args.tokens``: ``(target, drafter, prompt, tokens,
     sequence)``, ``sequence`` the prompt's ids then the continuation (what a replay
     drafter follows)."""
-    from dflash.bench.scale import build_scale_pair, scale_prompts
-    from dflash.greedy import greedy_reference_with_margins
-
     target, drafter = build_scale_pair(args.scale, args.quant, 0)
     prompt = scale_prompts(target, args.context, 1, 0)[0]
     tokens, _ = greedy_reference_with_margins(target, prompt, args.tokens, set())
