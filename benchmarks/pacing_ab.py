@@ -8,13 +8,15 @@ on two others), so arms are compared inside one process, alternated run by run (
 order reversed every other repetition), each against mlx-lm's plain decoding in the same
 process. Both switches are read at each generation, so one process can alternate them.
 
-Arms: ``0`` (the taps only), ``N`` (every N layers), ``Nt`` (every N in the tail).
-Every run is checked lossless against the target's greedy continuation.
+Arms: ``0`` (the taps only), ``N`` (every N layers), ``Nt`` (every N in the tail),
+``auto`` / ``autot`` (every 4 layers or the taps only, as :mod:`dflash.pacing` chooses
+from the process's first rounds; its choice and evidence are reported). Every run is
+checked lossless against the target's greedy continuation.
 
 Run (from the repository root)::
 
     python -m benchmarks.pacing_ab --scale full --quant 4bit --context 4096 \\
-        --tokens 96 --tau 6 --arms 0,4,4t --reps 6 --json docs/.../pacing.json
+        --tokens 96 --tau 6 --arms 0,4,auto --reps 6 --json docs/.../pacing.json
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dflash import kernel_patch
 from dflash.bench.report import environment
 from dflash.bench.runs import plain_mode, replay_mode, timed_run
 from dflash.dflash_round import EVAL_EVERY_ENV, EVAL_TAIL_ENV
+from dflash.pacing import pacing_choices
 
 from .common import (
     check_scale_run_args,
@@ -40,11 +43,11 @@ from .common import (
 )
 from .round_profile import env_value
 
-ARM_PATTERN = re.compile(r"(\d+)(t?)")
+ARM_PATTERN = re.compile(r"(\d+|auto)(t?)")
 
 
 def parse_arms(text: str) -> List[str]:
-    """A comma list of arms (``0``, ``N``, ``Nt``), each once.
+    """A comma list of arms (``0``, ``N``, ``Nt``, ``auto``, ``autot``), each once.
 
     Raises:
         argparse.ArgumentTypeError: an arm is not of that form, or repeats.
@@ -53,11 +56,12 @@ def parse_arms(text: str) -> List[str]:
     bad = [
         arm
         for arm in arms
-        if not ARM_PATTERN.fullmatch(arm) or (arm.endswith("t") and int(arm[:-1]) == 0)
+        if not ARM_PATTERN.fullmatch(arm) or (arm[:-1].isdigit() and int(arm[:-1]) == 0)
     ]
     if bad:
         raise argparse.ArgumentTypeError(
-            f"arms must be 0, N or Nt (N a layer count, Nt with N > 0), got {bad}"
+            f"arms must be 0, N, Nt, auto or autot (N a layer count, Nt with N > 0), "
+            f"got {bad}"
         )
     if len(set(arms)) != len(arms):
         raise argparse.ArgumentTypeError(f"an arm repeats in {arms}")
@@ -124,6 +128,7 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     report["x_plain"] = {arm: round(plain_ms / ms, 2) for arm, ms in medians.items()}
     report["wins_vs_first"] = wins_against_first(report["ms"], args.arms)
     report["all_lossless"] = all(all(v) for v in report["lossless"].values())
+    report["auto_choices"] = [c.summary() for c in pacing_choices(target).values()]
     report["total_s"] = round(time.time() - started, 1)
     return report
 
@@ -143,7 +148,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "summary",
         {
             key: report[key]
-            for key in ("median_ms", "x_plain", "wins_vs_first", "all_lossless")
+            for key in (
+                "median_ms",
+                "x_plain",
+                "wins_vs_first",
+                "all_lossless",
+                "auto_choices",
+            )
         },
         flush=True,
     )

@@ -7,6 +7,7 @@ kept rows are committed, and the drafter's context grows by the target features 
 those rows.
 """
 
+import os
 from typing import Any, Generator, List, Optional, Tuple
 
 import mlx.core as mx
@@ -23,9 +24,10 @@ from .inputs import (
     check_cache_options,
     resolve_block_size,
 )
-from .kernel_patch import attention_route, verify_kernels
-from .metal.backend import count_switch, resident_array, strict_switch
+from .kernel_patch import attention_route, dflash_settings, verify_kernels
+from .metal.backend import resident_array, strict_switch
 from .metal.layout import leading_view
+from .pacing import RoundPacer, pacing_choice
 from .rounds import VerifyRound, cache_room, emit_rounds, prefill
 from .sampling import LogitsProcessor, Sampler, Sampling, log_normalize
 from .stats import GenerationStats
@@ -57,15 +59,64 @@ def eval_tail() -> bool:
     return strict_switch(EVAL_TAIL_ENV, None, default=False)
 
 
-def eval_every() -> int:
+AUTO_EVAL_EVERY = 4
+# ``DFLASH_EVAL_EVERY=auto`` paces every this many layers or not, as the process's first
+# full rounds measure (``auto:N`` names another count).
+
+
+def eval_pacing() -> Tuple[int, bool]:
     """How often the verify forward's layers are started on the device as they are
-    built (:class:`TargetTaps`' ``eval_every``): ``DFLASH_EVAL_EVERY``, else
+    built (:class:`TargetTaps`' ``eval_every``), and whether that pacing is chosen at
+    run time (:mod:`dflash.pacing`): ``DFLASH_EVAL_EVERY`` as ``N``, ``auto`` (every
+    :data:`AUTO_EVAL_EVERY`, chosen at run time) or ``auto:N``; unset
     :data:`DEFAULT_EVAL_EVERY`.
 
+    Returns:
+        ``(every, auto)``.
+
     Raises:
-        ValueError: ``DFLASH_EVAL_EVERY`` is not a non-negative integer.
+        ValueError: ``DFLASH_EVAL_EVERY`` is none of those forms (N a non-negative
+            integer; positive after ``auto:``).
     """
-    return count_switch(EVAL_EVERY_ENV, DEFAULT_EVAL_EVERY)
+    text = os.environ.get(EVAL_EVERY_ENV, "").strip().lower()
+    if not text:
+        return DEFAULT_EVAL_EVERY, False
+    if text == "auto":
+        return AUTO_EVAL_EVERY, True
+    auto = text.startswith("auto:")
+    count = text[len("auto:") :] if auto else text
+    if not count.isdigit() or (auto and int(count) == 0):
+        raise ValueError(
+            f"{EVAL_EVERY_ENV} must be a non-negative layer count N, auto or auto:N "
+            f"(N > 0), got {text!r}"
+        )
+    return int(count), auto
+
+
+def eval_every() -> int:
+    """The layer count of :func:`eval_pacing` (whether or not chosen at run time).
+
+    Raises:
+        ValueError: ``DFLASH_EVAL_EVERY`` is not a valid setting.
+    """
+    return eval_pacing()[0]
+
+
+def round_pacer(
+    model: nn.Module, drafter: nn.Module, taps: TargetTaps, block_size: int
+) -> Optional[RoundPacer]:
+    """A pacer for a generation under ``DFLASH_EVAL_EVERY=auto`` (else ``None``).
+
+    The choice it feeds is kept on ``model`` per drafter, block size and ``DFLASH_*``
+    settings (the kernel route and pacing switches change the round's host work).
+
+    Raises:
+        ValueError: ``DFLASH_EVAL_EVERY`` is not a valid setting.
+    """
+    if not eval_pacing()[1]:
+        return None
+    key = (id(drafter), block_size, dflash_settings())
+    return RoundPacer(taps, pacing_choice(model, key), block_size)
 
 
 class DFlashRound(VerifyRound):
@@ -97,17 +148,29 @@ class DFlashSpeculator:
         context: The drafter's context, at the cache's position.
         taps: Taps on the target layers the drafter reads (attached).
         sampling: The generation's sampling state.
+        pacer: Sets and times each round's pacing (``DFLASH_EVAL_EVERY=auto``), or
+            ``None``.
     """
 
     full_blocks = True
 
-    def __init__(self, model, drafter, cache, context, taps: TargetTaps, sampling):
+    def __init__(
+        self,
+        model,
+        drafter,
+        cache,
+        context,
+        taps: TargetTaps,
+        sampling,
+        pacer: Optional[RoundPacer] = None,
+    ):
         self.model = model
         self.drafter = drafter
         self.cache = cache
         self.context = context
         self.taps = taps
         self.sampling = sampling
+        self.pacer = pacer
         # A settled round whose target rows are committed after the next draft is started.
         self.unsettled: Optional[Tuple[DFlashRound, int]] = None
 
@@ -152,6 +215,8 @@ class DFlashSpeculator:
 
     def launch(self, last: int, size: int) -> DFlashRound:
         """Draft ``size - 1`` tokens and verify ``[last, drafts]``; nothing waits."""
+        if self.pacer is not None:
+            self.pacer.start_round(size)
         block, q = mx.array([last], mx.uint32), None
         try:
             if size > 1:
@@ -301,6 +366,7 @@ def dflash_generate_step(
         eval_every=eval_every(),
         eval_tail=eval_tail(),
     )
+    pacer = round_pacer(model, drafter, taps, block_size)
     # The kernels before the taps: a tapped layer keeps mlx-lm's forward.
     with (
         mx.stream(stream),
@@ -310,7 +376,7 @@ def dflash_generate_step(
         attention_route(model),
     ):
         speculator = DFlashSpeculator(
-            model, drafter, prompt_cache, context, taps, sampling
+            model, drafter, prompt_cache, context, taps, sampling, pacer
         )
         progress(0, prompt.size)
         speculator.prefill(prompt[:-1], prefill_step_size, progress, prompt.size)

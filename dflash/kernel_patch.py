@@ -716,8 +716,9 @@ def forget_traces(model: Optional[nn.Module] = None) -> None:
             module.__dict__.pop(_KEPT_TRACES, None)
 
 
-def _dflash_settings() -> tuple:
-    """Every ``DFLASH_*`` environment setting: a trace fixes what its switches said."""
+def dflash_settings() -> tuple:
+    """Every ``DFLASH_*`` environment setting, as sorted pairs: a trace fixes what its
+    switches said (and a run-time pacing choice is made under them)."""
     return tuple(
         sorted((k, v) for k, v in os.environ.items() if k.startswith("DFLASH_"))
     )
@@ -978,7 +979,7 @@ class KernelPatch:
         parts = (self.attention, self.matmul, self.fuse, self.projections)
         parts += (self.compile_blocks, self.head_prep, self.residual_norms)
         where = (backend.BACKEND, str(mx.default_device()))
-        return (self.route, parts, where, _dflash_settings(), _trace_epoch)
+        return (self.route, parts, where, dflash_settings(), _trace_epoch)
 
     def install(self) -> "KernelPatch":
         """Swap the classes and hook the model module (all or nothing).

@@ -93,6 +93,9 @@ class TargetTaps:
         self._records: Dict[int, mx.array] = {}
         self._attached = False
         self.start_early = start_early
+        # Whether the paced layers start their output (a run-time pacing rule may switch
+        # it per round, see dflash.pacing); tapped layers start theirs regardless.
+        self.paced = True
         # The layers whose class is swapped: the tapped ones and, when started early,
         # the paced ones (which only start their output).
         self._swapped = sorted(set(self.layer_ids))
@@ -172,7 +175,7 @@ def _recording_class(base: type, taps: TargetTaps, index: Optional[int]) -> type
         hidden = out[0] if isinstance(out, tuple) else out
         if index is not None:
             taps._records[index] = hidden
-        if taps.start_early:
+        if taps.start_early and (index is not None or taps.paced):
             mx.async_eval(hidden)
         return out
 

@@ -28,22 +28,29 @@ def test_every_arm_reaches_the_generation_and_every_run_is_lossless(
 
     monkeypatch.setattr(dflash_round, "TargetTaps", RecordingTaps)
     out = tmp_path / "pacing.json"
-    argv = ["--context", "24", "--tokens", "12", "--arms", "0,2,3t", "--reps", "2"]
+    arms = "0,2,3t,auto"
+    argv = ["--context", "24", "--tokens", "30", "--arms", arms, "--reps", "2"]
     pacing_ab.main([*argv, "--json", str(out)])
     report = json.loads(out.read_text())
     assert report["all_lossless"]
-    assert set(report["median_ms"]) == {"0", "2", "3t"}
+    assert set(report["median_ms"]) == {"0", "2", "3t", "auto"}
     assert all(len(runs) == 2 for runs in report["ms"].values())
     assert all(rounds and min(rounds) >= 1 for rounds in report["rounds"].values())
     assert len(report["plain_ms"]) == 1  # every other repetition
-    assert set(report["wins_vs_first"]) == {"2", "3t"}
+    assert set(report["wins_vs_first"]) == {"2", "3t", "auto"}
     # Warm-ups and timed runs: each arm's switches, as the generator read them.
-    assert sorted(set(seen)) == [(0, False), (2, False), (3, True)]
-    assert len(seen) == 3 * 3
+    assert sorted(set(seen)) == [(0, False), (2, False), (3, True), (4, False)]
+    assert len(seen) == 4 * 3
+    # The auto arm's choice (one setup), with the rounds it timed per arm.
+    (choice,) = report["auto_choices"]
+    assert set(choice["rounds"]) == {"False", "True"}
+    assert sum(choice["rounds"].values()) >= 1
     assert EVAL_EVERY_ENV not in os.environ and os.environ[EVAL_TAIL_ENV] == "1"
 
 
-@pytest.mark.parametrize("text", ["0,x", "4,4", "t", "-1", "4tt", "0t"])
+@pytest.mark.parametrize(
+    "text", ["0,x", "4,4", "t", "-1", "4tt", "0t", "00t", "autox", "auto4", "auto,auto"]
+)
 def test_a_bad_arm_list_is_refused(text):
     with pytest.raises(argparse.ArgumentTypeError):
         pacing_ab.parse_arms(text)

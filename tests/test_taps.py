@@ -202,3 +202,22 @@ def test_eval_tail_with_fewer_than_three_starts_paces_every_layer():
     layers = SimpleNamespace(layers=[object() for _ in range(12)])
     got = TargetTaps(layers, (11,), start_early=True, eval_every=5, eval_tail=True)
     assert got._swapped == [4, 9, 11]
+
+
+def test_unpaced_taps_start_only_the_tapped_layers_and_keep_every_value(monkeypatch):
+    """``paced`` (switched per round by a run-time pacing rule) turns the paced layers'
+    starts off and on without a new attach; the values never change."""
+    model = build("muse_glimmer")
+    ids = (5, 1)
+    started = recorded_async_evals(monkeypatch, "dflash.taps")
+    with TargetTaps(model, ids, start_early=True, eval_every=2) as taps:
+        counts, logits = [], []
+        for paced in (False, True, False):
+            taps.paced = paced
+            before = len(started)
+            logits.append(model(TOKENS))
+            taps.pop()
+            counts.append(len(started) - before)
+    every_other = set(range(1, LAYERS, 2)) | set(ids)
+    assert counts == [len(ids), len(every_other), len(ids)]
+    assert all(mx.array_equal(out, logits[0]).item() for out in logits[1:])

@@ -1,0 +1,2 @@
+export PYTHONPATH=$PWD:/tmp/site
+timeout 330 python3 -m benchmarks.pacing_ab --scale full --quant 4bit --context 4096 --tokens 96 --arms 0,4,auto --reps 8 --json $OUT/pacing_4bit_p4.json 2>&1 | grep -v Warning
