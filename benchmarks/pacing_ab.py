@@ -85,6 +85,16 @@ def wins_against_first(runs: Dict[str, List[float]], arms: Sequence[str]) -> Dic
     return {arm: sum(a < b for a, b in zip(runs[arm], first)) for arm in arms[1:]}
 
 
+def round_medians(round_ms: Dict[str, List[List[float]]]) -> Dict[str, Optional[float]]:
+    """Per arm: the median round (ms) over every run, each run's first timed round left
+    out as ``dflash.pacing`` leaves it out (whole runs keep the host's stalls; medians of
+    rounds shed them, which is what a run-time rule sees)."""
+    pooled = {
+        arm: [ms for run in runs for ms in run[1:]] for arm, runs in round_ms.items()
+    }
+    return {arm: statistics.median(v) if v else None for arm, v in pooled.items()}
+
+
 def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     """Build the pair, then alternate the arms; the report (times in ms)."""
     started = time.time()
@@ -98,13 +108,14 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
         "ms": {arm: [] for arm in args.arms},
         "lossless": {arm: [] for arm in args.arms},
         "rounds": {arm: [] for arm in args.arms},
+        "round_ms": {arm: [] for arm in args.arms},
     }
 
-    def decode(arm: str) -> Tuple[float, bool, int]:
+    def decode(arm: str) -> Tuple[float, bool, List[float]]:
         with arm_switches(arm):
             record = timed_run(replay, prompt, args.tokens, set(), sequence)
         lossless = list(record.tokens) == tokens
-        return 1000 * record.decode_seconds, lossless, len(record.round_seconds)
+        return 1000 * record.decode_seconds, lossless, record.round_seconds
 
     # One held patch: each generation would otherwise install the kernels again.
     with kernel_patch.verify_kernels(target, drafter):
@@ -120,13 +131,15 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
                 ms, lossless, rounds = decode(arm)
                 report["ms"][arm].append(round(ms, 1))
                 report["lossless"][arm].append(lossless)
-                report["rounds"][arm].append(rounds)
+                report["rounds"][arm].append(len(rounds))
+                report["round_ms"][arm].append([round(1000 * r, 2) for r in rounds])
         print(rep, {arm: report["ms"][arm][-1] for arm in args.arms}, flush=True)
     plain_ms = statistics.median(report["plain_ms"])
     medians = {arm: statistics.median(v) for arm, v in report["ms"].items()}
     report["median_ms"] = medians
     report["x_plain"] = {arm: round(plain_ms / ms, 2) for arm, ms in medians.items()}
     report["wins_vs_first"] = wins_against_first(report["ms"], args.arms)
+    report["round_median_ms"] = round_medians(report["round_ms"])
     report["all_lossless"] = all(all(v) for v in report["lossless"].values())
     report["auto_choices"] = [c.summary() for c in pacing_choices(target).values()]
     report["total_s"] = round(time.time() - started, 1)
@@ -152,6 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 "median_ms",
                 "x_plain",
                 "wins_vs_first",
+                "round_median_ms",
                 "all_lossless",
                 "auto_choices",
             )

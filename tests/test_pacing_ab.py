@@ -36,6 +36,11 @@ def test_every_arm_reaches_the_generation_and_every_run_is_lossless(
     assert set(report["median_ms"]) == {"0", "2", "3t", "auto"}
     assert all(len(runs) == 2 for runs in report["ms"].values())
     assert all(rounds and min(rounds) >= 1 for rounds in report["rounds"].values())
+    # Each run's round times, one per counted round; their pooled medians per arm.
+    for arm, runs in report["round_ms"].items():
+        assert [len(times) for times in runs] == report["rounds"][arm]
+        assert all(ms > 0 for times in runs for ms in times)
+    assert set(report["round_median_ms"]) == set(report["ms"])
     assert len(report["plain_ms"]) == 1  # every other repetition
     assert set(report["wins_vs_first"]) == {"2", "3t", "auto"}
     # Warm-ups and timed runs: each arm's switches, as the generator read them.
@@ -54,6 +59,11 @@ def test_every_arm_reaches_the_generation_and_every_run_is_lossless(
 def test_a_bad_arm_list_is_refused(text):
     with pytest.raises(argparse.ArgumentTypeError):
         pacing_ab.parse_arms(text)
+
+
+def test_round_medians_leave_out_each_runs_first_round():
+    runs = {"0": [[100.0, 1.0, 2.0], [50.0, 3.0]], "4": [[9.0]], "auto": []}
+    assert pacing_ab.round_medians(runs) == {"0": 2.0, "4": None, "auto": None}
 
 
 def test_bad_numbers_exit_with_one_line(capsys):

@@ -4,6 +4,7 @@ generation at temperature 0."""
 
 import json
 import threading
+import time
 
 import httpx
 import openai
@@ -72,6 +73,13 @@ def test_models_and_health(server, client):
     assert [model.id for model in client.models.list().data] == ["demo"]
     health = httpx.get(server.url + "/health").json()
     assert health["status"] == "ok"
+    # The server warms up by default (before its first job); health reports how long.
+    deadline = time.monotonic() + 120
+    while health["warm_up_seconds"] is None:
+        assert time.monotonic() < deadline, "the warm-up never finished"
+        time.sleep(0.05)
+        health = httpx.get(server.url + "/health").json()
+    assert health["warm_up_seconds"] > 0
     detail = httpx.get(server.base_url + "/models/demo")
     assert detail.status_code == 200 and detail.json()["id"] == "demo"
 

@@ -21,7 +21,7 @@ import dflash
 from dflash import kernel_patch
 from dflash.cache import make_prompt_cache
 from dflash.server.policy import shift_chat
-from dflash.server.protocol import TEXT, GenerationRequest
+from dflash.server.protocol import TEXT, APIError, GenerationRequest
 from dflash.server.sessions import positions
 from dflash.server.worker import (
     Delta,
@@ -418,3 +418,123 @@ def test_the_worker_holds_the_verify_kernels_between_requests(
     assert not kernel_patch.is_patched(model)
     assert id(model) not in kernel_patch._HELD_PATCHES
     assert got == want
+
+
+def test_the_warm_up_runs_first_on_the_worker_thread_and_changes_no_answer(
+    tiny_engines, monkeypatch
+):
+    """The warm-up generates once before the first job, on the generation thread with
+    the verify kernels installed; it leaves no session, no counted request or token, and
+    the job's answer is that of a worker without a warm-up."""
+    from dflash.server.worker import WARM_UP_TEXT
+
+    engine = tiny_engines["dflash"]
+    monkeypatch.setenv(kernel_patch.VERIFY_KERNELS_ENV, "1")
+    prompt = [5, 6, 7, 8]
+    want = _run(Worker(engine, cache_size=2), prompt)[1]
+    calls = []
+    real_generate = Engine.generate
+
+    def recording_generate(self, tokens, cache, request):
+        patched = kernel_patch.is_patched(self.model)
+        calls.append((list(tokens), threading.current_thread().name, patched))
+        return real_generate(self, tokens, cache, request)
+
+    monkeypatch.setattr(Engine, "generate", recording_generate)
+    worker = Worker(engine, cache_size=2, warm_up=True)
+    busy_while_warming = []
+    real_warm_up = Engine.warm_up
+
+    def observed_warm_up(self):
+        busy_while_warming.append(worker.busy)
+        return real_warm_up(self)
+
+    monkeypatch.setattr(Engine, "warm_up", observed_warm_up)
+    worker.start()
+    try:
+        got = _submit(worker, prompt)  # queued at once: it waits for the warm-up
+        settled(worker)
+    finally:
+        worker.stop()
+    assert got == want
+    warm_up_prompt = engine.tokenizer.encode(WARM_UP_TEXT)
+    assert calls[0] == (warm_up_prompt, "dflash-generation", True)
+    assert [call[0] for call in calls[1:]] == [prompt]
+    assert len(worker.pool) == 1
+    assert worker.stats["requests"] == 1
+    assert worker.stats["generated_tokens"] == len(got)
+    assert worker.stats["warm_up_seconds"] > 0
+    assert busy_while_warming == [True] and not worker.busy
+
+
+def test_without_warm_up_nothing_runs_before_the_first_job(tiny_engines, monkeypatch):
+    calls = []
+    monkeypatch.setattr(Engine, "warm_up", lambda self: calls.append(self) or 0)
+    worker = Worker(tiny_engines["plain"], cache_size=2)
+    worker.start()
+    try:
+        _submit(worker, [5, 6, 7])
+    finally:
+        worker.stop()
+    assert calls == [] and worker.stats["warm_up_seconds"] is None
+
+
+def test_a_failing_warm_up_stops_the_worker_and_requests_get_503(
+    tiny_engines, monkeypatch
+):
+    def failing_warm_up(self):
+        raise InjectedFault("the kernels did not compile")
+
+    monkeypatch.setattr(Engine, "warm_up", failing_warm_up)
+    worker = Worker(tiny_engines["plain"], cache_size=2, warm_up=True)
+    worker.start()
+    worker._thread.join(30)
+    assert isinstance(worker.failure, InjectedFault)
+    assert not worker.healthy
+    with pytest.raises(APIError) as raised:
+        worker.submit(Job([5, 6], GenerationRequest(kind=TEXT), 0, lambda e: None))
+    assert raised.value.status == 503
+
+
+def test_the_warm_up_forgets_the_pacing_choice_it_started(tiny_engines, monkeypatch):
+    """Its rounds compile as they go: a run-time pacing choice starts again after it."""
+    from dflash.dflash_round import EVAL_EVERY_ENV
+    from dflash.pacing import pacing_choices
+
+    monkeypatch.setenv(EVAL_EVERY_ENV, "auto")
+    engine = tiny_engines["dflash"]
+    seen = []
+    real_forget = dflash.pacing.forget_pacing
+
+    def recording_forget(model):
+        seen.append(len(pacing_choices(model)))
+        real_forget(model)
+
+    monkeypatch.setattr(dflash.pacing, "forget_pacing", recording_forget)
+    assert engine.warm_up() > 0
+    assert seen == [1]  # the warm-up made a choice entry, then it was dropped
+    assert pacing_choices(engine.model) == {}
+
+
+@pytest.mark.parametrize("kind", ["plain", "dflash"])
+@pytest.mark.parametrize("max_context", [2, 3, 7, 16, 64, None])
+def test_the_warm_up_fits_any_context_limit(tiny_engines, kind, max_context):
+    """``--max-context`` accepts 2 and up: the warm-up stays inside whatever it is."""
+    base = tiny_engines[kind]
+    engine = Engine(
+        base.model,
+        base.tokenizer,
+        drafter=base.drafter,
+        max_context=max_context,
+        prefill_step_size=4,
+    )
+    assert engine.warm_up() >= 1
+
+
+@support.needs_demo
+def test_the_server_warms_up_unless_told_not_to():
+    from dflash.server.cli import build_parser, build_state
+
+    for argv, wanted in (([], True), (["--no-warmup"], False)):
+        state = build_state(build_parser().parse_args(argv))
+        assert state.worker.warm_up is wanted

@@ -1,9 +1,9 @@
 """``dflash-server``: flags, model loading and the HTTP server (uvicorn).
 
 Flags follow ``mlx_lm.server`` where they apply, plus ``--drafter`` / ``--block-size`` (DFlash),
-``--max-context`` / ``--context-policy`` / ``--raw-keep-tokens`` (the context policy) and
-``--queue-size`` (overload). Without ``--model`` the bundled demo pair is served. A failure to
-start prints one line and exits non-zero.
+``--max-context`` / ``--context-policy`` / ``--raw-keep-tokens`` (the context policy),
+``--queue-size`` (overload) and ``--no-warmup``. Without ``--model`` the bundled demo pair is
+served. A failure to start prints one line and exits non-zero.
 """
 
 import argparse
@@ -171,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=64,
         help="requests that may wait for the worker before new ones get HTTP 429 (64)",
     )
+    add(
+        "--no-warmup",
+        action="store_true",
+        help="serve without first generating once from a short prompt (the warm-up "
+        "compiles the kernels and traces the layers before the first request)",
+    )
     add_cache_flags(parser)
     return parser
 
@@ -275,7 +281,11 @@ def build_state(args):
         args.chat_template_args,
     )
     worker = Worker(
-        engine, args.queue_size, args.prompt_cache_size, args.prompt_cache_bytes
+        engine,
+        args.queue_size,
+        args.prompt_cache_size,
+        args.prompt_cache_bytes,
+        warm_up=not args.no_warmup,
     )
     return ServerState(
         worker, prompter, defaults, names, draft_names, args.allowed_origins

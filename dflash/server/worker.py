@@ -24,6 +24,9 @@ from .sessions import STAGED, Plan, SessionPool
 
 log = logging.getLogger("dflash.server")
 
+# The warm-up's prompt: plain words any tokenizer encodes to a few dozen tokens.
+WARM_UP_TEXT = "The quick brown fox jumps over the lazy dog. " * 6
+
 LogprobEntry = Tuple[str, float, List[Tuple[str, float]]]
 
 
@@ -65,6 +68,35 @@ class Engine:
                 make_prompt_cache(self.draft_model, max_context=self.max_context)
             )
         return cache
+
+    def warm_up(self) -> int:
+        """Generate once, greedily, from a short fixed prompt on a fresh cache.
+
+        Run before the first request (on the thread that will serve them, with the
+        verify kernels installed), this makes the process's one-time costs: mlx's
+        compilation of the kernels and the traced layers' first traces, which on an H200
+        made a process's first DFlash generation take 4.9-5.7 s against 0.6 s for later
+        ones (docs/benchmarks/h200-2026-12-04-s38 and -s39). No session sees the cache, and
+        a run-time pacing choice is started again (these rounds compile as they go).
+
+        Returns:
+            Tokens generated.
+        """
+        from ..pacing import forget_pacing
+
+        prompt = self.tokenizer.encode(WARM_UP_TEXT)
+        block = self.block_size or getattr(
+            getattr(self.drafter, "config", None), "block_size", 4
+        )
+        max_tokens = 2 * block + 1
+        if self.max_context is not None:
+            # Well inside the context limit, whatever it is.
+            quarter = max(1, self.max_context // 4)
+            prompt, max_tokens = prompt[:quarter], min(max_tokens, quarter)
+        request = GenerationRequest(kind="text", max_tokens=max_tokens)
+        generated = sum(1 for _ in self.generate(prompt, self.new_cache(), request))
+        forget_pacing(self.model)
+        return generated
 
     def __post_init__(self):
         # Tokens XTC never removes (as mlx_lm.server): computed once, before the worker runs.
@@ -231,6 +263,9 @@ class Worker:
         queue_size: Jobs that may wait (beyond the one running) before new ones get 429.
         cache_size: Sessions kept (``--prompt-cache-size``).
         cache_bytes: Session bytes kept at most (``None``: no limit).
+        warm_up: Run :meth:`Engine.warm_up` on the generation thread before the first
+            job (jobs submitted meanwhile wait in the queue); a warm-up that fails
+            kills the worker, as a failing generation would fail every request.
     """
 
     def __init__(
@@ -239,12 +274,14 @@ class Worker:
         queue_size: int = 64,
         cache_size: int = 10,
         cache_bytes: Optional[int] = None,
+        warm_up: bool = False,
     ):
         if queue_size < 1:
             raise ValueError(
                 f"the queue must hold at least 1 request, got {queue_size}"
             )
         self.engine = engine
+        self.warm_up = warm_up
         self.pool = SessionPool(engine.new_cache, cache_size, cache_bytes)
         self.queue: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=queue_size)
         self.failure: Optional[BaseException] = None
@@ -258,6 +295,8 @@ class Worker:
             "rebuilds": 0,
             "shifts": 0,
             "failed": 0,
+            # Seconds the warm-up took (None: not run, or not finished yet).
+            "warm_up_seconds": None,
         }
         self._stopping = threading.Event()
         self._thread = threading.Thread(
@@ -331,12 +370,25 @@ class Worker:
             # generation shares the patch, so its traced layers and bound matmuls are
             # built once, not at every request (where the defaults install any).
             with kernel_patch.verify_kernels(self.engine.model, self.engine.drafter):
+                if self.warm_up:
+                    self._warm_up()
                 self._serve_queue()
         except (
             BaseException
         ) as error:  # noqa: B902 - the health check must see any death
             self.failure = error
             log.exception("the generation worker died")
+
+    def _warm_up(self) -> None:
+        started = time.perf_counter()
+        self.busy = True  # /health shows the worker busy until it can take a job
+        try:
+            tokens = self.engine.warm_up()
+        finally:
+            self.busy = False
+        seconds = time.perf_counter() - started
+        self.stats["warm_up_seconds"] = round(seconds, 3)
+        log.info("warm-up: %d tokens in %.2f s", tokens, seconds)
 
     def _serve_queue(self) -> None:
         while not self._stopping.is_set():
