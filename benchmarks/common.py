@@ -346,6 +346,22 @@ def scale_run_setup(args: argparse.Namespace) -> tuple:
     return target, drafter, prompt, tokens, prompt.tolist() + tokens
 
 
+def scale_run_main(
+    module: str,
+    argv: Optional[Sequence[str]],
+    parse_args: Callable[[Optional[Sequence[str]]], argparse.Namespace],
+    run: Callable[[argparse.Namespace, str], dict],
+    summary_keys: Sequence[str],
+) -> None:
+    """A scale-run benchmark's ``main``: parse, run with its command line recorded, write
+    ``--json``, print the ``summary_keys`` of the report."""
+    args = parse_args(argv)
+    command = " ".join([f"python -m {module}", *(argv or sys.argv[1:])])
+    report = run(args, command)
+    write_json(args.json, report)
+    print("summary", {key: report[key] for key in summary_keys}, flush=True)
+
+
 def write_json(path: Optional[str], data: object) -> None:
     """Write a benchmark's result as indented JSON (nothing when ``path`` is None)."""
     if path:

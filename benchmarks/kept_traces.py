@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
@@ -32,9 +31,9 @@ from dflash.kernel_patch import KEEP_TRACES_ENV
 
 from .common import (
     check_scale_run_args,
+    scale_run_main,
     scale_run_parser,
     scale_run_setup,
-    write_json,
 )
 from .round_profile import env_value
 
@@ -97,15 +96,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    args = parse_args(argv)
-    command = " ".join(["python -m benchmarks.kept_traces", *(argv or sys.argv[1:])])
-    report = run(args, command)
-    write_json(args.json, report)
-    print(
-        "summary",
-        {key: report[key] for key in ("median_later_ms", "lossless")},
-        flush=True,
-    )
+    keys = ("median_later_ms", "lossless")
+    scale_run_main("benchmarks.kept_traces", argv, parse_args, run, keys)
 
 
 if __name__ == "__main__":

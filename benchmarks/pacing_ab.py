@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import sys
 import time
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -37,9 +36,9 @@ from dflash.pacing import pacing_choices
 
 from .common import (
     check_scale_run_args,
+    scale_run_main,
     scale_run_parser,
     scale_run_setup,
-    write_json,
 )
 from .round_profile import env_value
 
@@ -153,25 +152,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    args = parse_args(argv)
-    command = " ".join(["python -m benchmarks.pacing_ab", *(argv or sys.argv[1:])])
-    report = run(args, command)
-    write_json(args.json, report)
-    print(
-        "summary",
-        {
-            key: report[key]
-            for key in (
-                "median_ms",
-                "x_plain",
-                "wins_vs_first",
-                "round_median_ms",
-                "all_lossless",
-                "auto_choices",
-            )
-        },
-        flush=True,
+    keys = (
+        "median_ms",
+        "x_plain",
+        "wins_vs_first",
+        "round_median_ms",
+        "all_lossless",
+        "auto_choices",
     )
+    scale_run_main("benchmarks.pacing_ab", argv, parse_args, run, keys)
 
 
 if __name__ == "__main__":
