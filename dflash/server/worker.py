@@ -73,7 +73,7 @@ class Engine:
         """Generate once, greedily, from a short fixed prompt on a fresh cache.
 
         Run before the first request (on the thread that will serve them, with the
-        verify kernels installed), this makes the process's one-time costs: mlx's
+        verify kernels installed), this pays the process's one-time costs: mlx's
         compilation of the kernels and the traced layers' first traces, which on an H200
         made a process's first DFlash generation take 4.9-5.7 s against 0.6 s for later
         ones (docs/benchmarks/h200-2026-12-04-s38 and -s39). No session sees the cache, and
