@@ -104,17 +104,12 @@ def eval_every() -> int:
 
 def round_pacer(
     model: nn.Module, drafter: nn.Module, taps: TargetTaps, block_size: int
-) -> Optional[RoundPacer]:
-    """A pacer for a generation under ``DFLASH_EVAL_EVERY=auto`` (else ``None``).
+) -> RoundPacer:
+    """The pacer of a generation under ``DFLASH_EVAL_EVERY=auto``.
 
     The choice it feeds is kept on ``model`` per drafter, block size and ``DFLASH_*``
     settings (the kernel route and pacing switches change the round's host work).
-
-    Raises:
-        ValueError: ``DFLASH_EVAL_EVERY`` is not a valid setting.
     """
-    if not eval_pacing()[1]:
-        return None
     key = (id(drafter), block_size, dflash_settings())
     return RoundPacer(taps, pacing_choice(model, key), block_size)
 
@@ -359,14 +354,15 @@ def dflash_generate_step(
     stats.block_size = block_size
     progress = prompt_progress_callback or (lambda *_: None)
     sampling = Sampling(sampler, logits_processors, prompt[:-1])
+    every, auto = eval_pacing()  # read once: the taps and the pacer agree
     taps = TargetTaps(
         model,
         drafter.config.target_layer_ids,
         start_early=True,
-        eval_every=eval_every(),
+        eval_every=every,
         eval_tail=eval_tail(),
     )
-    pacer = round_pacer(model, drafter, taps, block_size)
+    pacer = round_pacer(model, drafter, taps, block_size) if auto else None
     # The kernels before the taps: a tapped layer keeps mlx-lm's forward.
     with (
         mx.stream(stream),
