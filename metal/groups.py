@@ -72,6 +72,14 @@ PROLOGUES: dict[str, str] = {
 }
 
 
+def indent(text: str, spaces: int) -> str:
+    """``text`` with ``spaces`` more spaces before every non-empty line (body text)."""
+    pad = " " * spaces
+    return "".join(
+        pad + line if line.strip() else line for line in text.splitlines(True)
+    )
+
+
 # Compared and hashed by identity: each spec is one module-level (or memoised) object,
 # and launches look its kernel up on every call.
 @dataclass(frozen=True, eq=False)

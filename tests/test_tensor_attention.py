@@ -264,7 +264,7 @@ RAN_ON_THE_H200 = {
     # (10 `cuda` tests, mlx's bits; opt-in). Call G: the gated fold (3 `cuda` tests,
     # mlx's sigmoid and multiply bits; 8 full-size layers bit-equal to the ungated).
     "dflash_residual_norm_2b66ef2ad0",
-    "dflash_fold_gated_e567aac492",
+    # (Its text then: dflash_fold_gated_e567aac492; changed in session 40, below.)
     # Session 22 (docs/benchmarks/h200-2026-12-02-s22, call B): head prep that also
     # writes the stacked K/V block (20 `cuda` tests, mlx's bits and the stack's; 8
     # full-size layers bit-equal to the unstacked).
@@ -287,7 +287,7 @@ RAN_ON_THE_H200 = {
     # Session 19 (call D: 32 `cuda` attention tests, 42 `cuda` matmul tests, the route's
     # tests, all with the default switches): the fold stores (B, S, Hq, D); the matmul
     # forms take member edges (the member-major store of fused siblings).
-    "dflash_fold_chunks_c01c9dc4da",
+    # (Its text then: dflash_fold_chunks_c01c9dc4da; changed in session 40, below.)
     "dflash_tensor_split_sum_4ed96840a0",
     "dflash_tensor_q4_m1_k2_ee2653ba77",
     "dflash_tensor_q4_m2_k2_5133f0f5ee",
@@ -305,7 +305,7 @@ NOT_RUN_SINCE_CHANGED: set = set()
 # plain / classic / DFlash agreement with DFLASH_TENSOR_LAYOUT=wide (9 passed).
 RAN_ON_THE_H200 |= {
     "dflash_attend_chunks_pair128_46ceffda7a",
-    "dflash_attend_chunks_wide128_abf31eb030",
+    # (Its text then: dflash_attend_chunks_wide128_abf31eb030; changed in session 40.)
 }
 # Session 23 (docs/benchmarks/h200-2026-12-02-s23): the matmul's SwiGLU forms (opt-in
 # ``DFLASH_SWIGLU=1``): call D, the two-K-group forms (4 `cuda` tests: hypothesis over
@@ -339,6 +339,18 @@ NOT_RUN_SINCE_CHANGED |= {
     if groups == 1
 }
 
+# Session 40 (docs/benchmarks/h200-2026-12-04-s40): the fold holds up to FOLD_HELD
+# chunks' loads in registers, more in batches (same arithmetic, same order); the wide
+# layout stores a row's chunk state two floats at a time. Call D: the 15 `cuda` tests of
+# test_verify_kernels (the held fold's bits equal to the loops' among them), the 12 of
+# this file, the traced layers' 2 and the kernel patch's bitwise plain / classic /
+# DFlash agreement (15 passed); calls E-G: full-size loops lossless.
+RAN_ON_THE_H200 |= {
+    attention.FOLD_CHUNKS.name("cuda"),
+    attention.FOLD_GATED.name("cuda"),
+    tensor_attention.attend_spec(128, tensor_attention.WIDE).name("cuda"),
+}
+
 
 def names_digest(names: set) -> str:
     """A short digest of a set of kernel names (each hashes its own text)."""
@@ -363,7 +375,10 @@ def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
     defaults = {spec.name("cuda") for spec in tensor_qmm.K2_SPECS.values()}
     assert defaults <= RAN_ON_THE_H200 and tensor_qmm.K_GROUPS == 2
     default_layout = tensor_attention.LAYOUTS[tensor_attention.DEFAULT_LAYOUT]
-    assert tensor_attention.attend_spec(128, default_layout).name("cuda") in RAN_ON_THE_H200
+    assert (
+        tensor_attention.attend_spec(128, default_layout).name("cuda")
+        in RAN_ON_THE_H200
+    )
     scaled = {spec.name("cuda") for spec in tensor_qmm.SCALED_SPECS.values()}
     assert scaled <= RAN_ON_THE_H200 and tensor_qmm.SCALED_B
     assert not tensor_qmm.FOLD_Q4_OFFSET

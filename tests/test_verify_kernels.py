@@ -434,6 +434,127 @@ def test_a_gate_read_in_the_wrong_order_fails(
     assert not np.array_equal(bits(got), bits(_metal_gated(built.attend(True), gate)))
 
 
+# ------------------------------------------------------- the fold's held chunks
+
+# The fold with no chunk held in registers (its loops read memory), and a planted slip
+# in the held path: the maximum taken from chunk 1 on, so chunk 0 is weighed against
+# the wrong top.
+_FOLD_LOOPS = dataclasses.replace(
+    attention.FOLD_CHUNKS,
+    base="fold_chunks_loops",
+    body=attention.FOLD_CHUNKS.body.replace(
+        attention.FOLD_CHUNKS_BODY, attention.fold_body(0)
+    ),
+)
+_HELD_TOP = "const bool take = l_u > 0.0f;"
+assert attention.FOLD_CHUNKS.body.count(_HELD_TOP) == 2
+_FOLD_SKIPS_CHUNK_0 = dataclasses.replace(
+    attention.FOLD_CHUNKS,
+    base="fold_chunks_skips_0",
+    body=attention.FOLD_CHUNKS.body.replace(
+        _HELD_TOP, "const bool take = u > 0 && l_u > 0.0f;", 1
+    ),
+)
+_FOLD_SPECS = (attention.FOLD_CHUNKS, _FOLD_LOOPS, _FOLD_SKIPS_CHUNK_0)
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldCase:
+    """Chunk partials of ``rows`` query rows: ``chunks`` chunks of ``dim`` each."""
+
+    batch: int
+    heads: int
+    queries: int
+    dim: int
+    chunks: int
+    dtype: mx.Dtype
+    unseen: float
+    seed: int
+
+
+@st.composite
+def fold_cases(draw, max_chunks: int = 2 * attention.FOLD_HELD + 8) -> FoldCase:
+    return FoldCase(
+        batch=draw(st.integers(1, 2)),
+        heads=draw(st.integers(1, 4)),
+        queries=draw(st.integers(1, 5)),
+        dim=draw(st.sampled_from((8, 16, 24, 64))),
+        chunks=draw(st.integers(1, max_chunks)),
+        dtype=draw(st.sampled_from((mx.float32, mx.bfloat16, mx.float16))),
+        unseen=draw(st.sampled_from((0.0, 0.3, 0.9))),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _fold_inputs(case: FoldCase) -> list:
+    """What a chunk pass leaves: per (row, chunk) its maximum and sum (a chunk the row
+    does not see: -inf and 0) and weighted values, exact zeros of either sign among
+    them; then the fold's scalars."""
+    rng = np.random.default_rng(case.seed)
+    rows = case.batch * case.heads * case.queries
+    shape = (rows, case.chunks)
+    unseen = rng.random(shape) < case.unseen
+    unseen[:, rng.integers(case.chunks)] = False  # every row sees some chunk
+    peak = np.where(unseen, -np.inf, rng.normal(0.0, 4.0, shape)).astype(np.float32)
+    total = np.where(unseen, 0.0, rng.uniform(0.5, 20.0, shape)).astype(np.float32)
+    values = rng.normal(0.0, 3.0, shape + (case.dim,)).astype(np.float32)
+    zeros = rng.random(values.shape) < 0.05
+    values[zeros] = np.copysign(0.0, rng.normal(size=int(zeros.sum())))
+    stats = np.stack([peak, total], axis=-1)
+    total_threads = rows * case.dim
+    scalars = groups.int_params(
+        total_threads, case.dim, case.chunks, case.heads, case.queries
+    )
+    return [mx.array(stats), mx.array(values), scalars]
+
+
+def _fold(launch, spec, case: FoldCase) -> mx.array:
+    """One fold launch of ``spec`` over :func:`_fold_inputs` of ``case``."""
+    total = case.batch * case.heads * case.queries * case.dim
+    (out,) = launch(
+        spec,
+        _fold_inputs(case),
+        [(case.batch, case.queries, case.heads, case.dim)],
+        [case.dtype],
+        -(-total // attention.THREADS),
+        case.dtype,
+    )
+    mx.eval(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fold_emulator(tmp_path_factory):
+    return built_emulator(GroupEmulator, tmp_path_factory, "fold_held", _FOLD_SPECS)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=_SHARED)
+@given(case=fold_cases())
+def test_metal_fold_held_chunks_give_the_loops_bits(fold_emulator, case) -> None:
+    """Up to FOLD_HELD chunks held in registers, or read in the loops: the same bits."""
+    held = _fold(fold_emulator.launch, attention.FOLD_CHUNKS, case)
+    loops = _fold(fold_emulator.launch, _FOLD_LOOPS, case)
+    assert np.array_equal(bits(held), bits(loops)), case
+
+
+def test_a_held_fold_that_skips_chunk_0_fails(fold_emulator) -> None:
+    """Negative control: the slip changes bits in some of a fixed set of calls."""
+    differ = 0
+    for seed in range(6):
+        case = FoldCase(1, 2, 3, 16, 3 + 5 * seed, mx.float32, 0.3, seed)
+        slipped = _fold(fold_emulator.launch, _FOLD_SKIPS_CHUNK_0, case)
+        loops = _fold(fold_emulator.launch, _FOLD_LOOPS, case)
+        differ += not np.array_equal(bits(slipped), bits(loops))
+    assert differ > 0
+
+
+def test_the_fold_holds_every_verify_call_up_to_8k_keys() -> None:
+    """A verify call's chunks over 7,936 keys and its block's chunk are held."""
+    assert attention.FOLD_HELD * 256 >= 7936 + 256
+    assert "n_chunks <= FOLD_HELD" in attention.FOLD_CHUNKS.body
+    assert attention.FOLD_GATED.body.count("held_a[u]") == 2
+
+
 def _launch_gated(built, gate: mx.array, stored_shape=None) -> mx.array:
     """:func:`attention.launch_attention` of ``built`` as the kernel form runs it."""
     c = built.case
@@ -539,6 +660,16 @@ def test_cuda_gated_fold_at_glimmer_shapes(dtype) -> None:
     want = plain.transpose(0, 2, 1, 3).reshape(1, 16, -1) * mx.sigmoid(gate)
     got = built.attend(True, gate=gate).transpose(0, 2, 1, 3).reshape(1, 16, -1)
     assert np.array_equal(bits(got), bits(want))
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=60, deadline=None)
+@given(case=fold_cases())
+def test_cuda_fold_held_chunks_give_the_loops_bits(case) -> None:
+    held = _fold(groups.launch_groups, attention.FOLD_CHUNKS, case)
+    loops = _fold(groups.launch_groups, _FOLD_LOOPS, case)
+    assert np.array_equal(bits(held), bits(loops)), case
 
 
 # ------------------------------------------------------------------ CUDA (GPU)

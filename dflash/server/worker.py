@@ -76,8 +76,10 @@ class Engine:
         verify kernels installed), this pays the process's one-time costs: mlx's
         compilation of the kernels and the traced layers' first traces, which on an H200
         made a process's first DFlash generation take 4.9-5.7 s against 0.6 s for later
-        ones (docs/benchmarks/h200-2026-12-04-s38 and -s39). No session sees the cache, and
-        a run-time pacing choice is started again (these rounds compile as they go).
+        ones (docs/benchmarks/h200-2026-12-04-s38 and -s39); a first 1,024-token request
+        took 13.7-20.6 s without it and 0.65-0.70 s after it (-s40). No session sees the
+        cache, and a run-time pacing choice is started again (these rounds compile as they
+        go).
 
         Returns:
             Tokens generated.
