@@ -10,13 +10,16 @@ process. Both switches are read at each generation, so one process can alternate
 
 Arms: ``0`` (the taps only), ``N`` (every N layers), ``Nt`` (every N in the tail),
 ``auto`` / ``autot`` (every 4 layers or the taps only, as :mod:`dflash.pacing` chooses
-from the process's first rounds; its choice and evidence are reported). Every run is
-checked lossless against the target's greedy continuation.
+from the process's first rounds; its choice and evidence are reported). Any arm may be
+given again under a copy label, ``ARM/LABEL`` (``0,4,4/b``): the same switches as a
+separate arm, an A/A control whose spread against its original (``controls``: runs won
+and median ratio) is what one process's noise alone gives. Every run is checked lossless
+against the target's greedy continuation.
 
 Run (from the repository root)::
 
     python -m benchmarks.pacing_ab --scale full --quant 4bit --context 4096 \\
-        --tokens 96 --tau 6 --arms 0,4,auto --reps 6 --json docs/.../pacing.json
+        --tokens 96 --tau 6 --arms 0,4,auto,4/b --reps 6 --json docs/.../pacing.json
 """
 
 from __future__ import annotations
@@ -42,25 +45,38 @@ from .common import (
 )
 from .round_profile import env_value
 
-ARM_PATTERN = re.compile(r"(\d+|auto)(t?)")
+ARM_PATTERN = re.compile(r"(\d+|auto)(t?)(?:/(\w+))?")
+
+
+def arm_setting(arm: str) -> str:
+    """The switches an arm names: ``arm`` without its copy label (``4/b`` -> ``4``)."""
+    return arm.split("/", 1)[0]
 
 
 def parse_arms(text: str) -> List[str]:
-    """A comma list of arms (``0``, ``N``, ``Nt``, ``auto``, ``autot``), each once.
+    """A comma list of arms (``0``, ``N``, ``Nt``, ``auto``, ``autot``, each optionally
+    ``/LABEL``, a copy for an A/A control), each once.
 
     Raises:
-        argparse.ArgumentTypeError: an arm is not of that form, or repeats.
+        argparse.ArgumentTypeError: an arm is not of that form, repeats, or is a copy
+            of an arm not given.
     """
     arms = [arm.strip() for arm in text.split(",")]
     bad = [
         arm
         for arm in arms
-        if not ARM_PATTERN.fullmatch(arm) or (arm[:-1].isdigit() and int(arm[:-1]) == 0)
+        if not ARM_PATTERN.fullmatch(arm)
+        or (arm_setting(arm)[:-1].isdigit() and int(arm_setting(arm)[:-1]) == 0)
     ]
     if bad:
         raise argparse.ArgumentTypeError(
             f"arms must be 0, N, Nt, auto or autot (N a layer count, Nt with N > 0), "
-            f"got {bad}"
+            f"each optionally /LABEL, got {bad}"
+        )
+    orphans = [a for a in arms if a != arm_setting(a) and arm_setting(a) not in arms]
+    if orphans:
+        raise argparse.ArgumentTypeError(
+            f"a copy needs its original among the arms: {orphans}"
         )
     if len(set(arms)) != len(arms):
         raise argparse.ArgumentTypeError(f"an arm repeats in {arms}")
@@ -70,7 +86,7 @@ def parse_arms(text: str) -> List[str]:
 @contextmanager
 def arm_switches(arm: str) -> Iterator[None]:
     """``DFLASH_EVAL_EVERY`` / ``DFLASH_EVAL_TAIL`` set as ``arm`` says, then restored."""
-    every, tail = ARM_PATTERN.fullmatch(arm).groups()
+    every, tail, _ = ARM_PATTERN.fullmatch(arm).groups()
     with (
         env_value(EVAL_EVERY_ENV, every),
         env_value(EVAL_TAIL_ENV, "1" if tail else "0"),
@@ -82,6 +98,25 @@ def wins_against_first(runs: Dict[str, List[float]], arms: Sequence[str]) -> Dic
     """Per arm after the first: repetitions in which it was faster than the first arm."""
     first = runs[arms[0]]
     return {arm: sum(a < b for a, b in zip(runs[arm], first)) for arm in arms[1:]}
+
+
+def controls(runs: Dict[str, List[float]], arms: Sequence[str]) -> Dict[str, Dict]:
+    """Each copy against its original (an A/A pair): repetitions the copy was faster in,
+    and the ratio of its median run to the original's."""
+    pairs = {}
+    for arm in arms:
+        original = arm_setting(arm)
+        if arm == original:
+            continue
+        mine, theirs = runs[arm], runs[original]
+        pairs[f"{arm} vs {original}"] = {
+            "wins": sum(a < b for a, b in zip(mine, theirs)),
+            "runs": min(len(mine), len(theirs)),
+            "median_ratio": round(
+                statistics.median(mine) / statistics.median(theirs), 4
+            ),
+        }
+    return pairs
 
 
 def round_medians(round_ms: Dict[str, List[List[float]]]) -> Dict[str, Optional[float]]:
@@ -138,6 +173,7 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     report["median_ms"] = medians
     report["x_plain"] = {arm: round(plain_ms / ms, 2) for arm, ms in medians.items()}
     report["wins_vs_first"] = wins_against_first(report["ms"], args.arms)
+    report["controls"] = controls(report["ms"], args.arms)
     report["round_median_ms"] = round_medians(report["round_ms"])
     report["all_lossless"] = all(all(v) for v in report["lossless"].values())
     report["auto_choices"] = [c.summary() for c in pacing_choices(target).values()]
@@ -156,6 +192,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "median_ms",
         "x_plain",
         "wins_vs_first",
+        "controls",
         "round_median_ms",
         "all_lossless",
         "auto_choices",

@@ -28,12 +28,12 @@ def test_every_arm_reaches_the_generation_and_every_run_is_lossless(
 
     monkeypatch.setattr(dflash_round, "TargetTaps", RecordingTaps)
     out = tmp_path / "pacing.json"
-    arms = "0,2,3t,auto"
+    arms = "0,2,3t,auto,2/b"
     argv = ["--context", "24", "--tokens", "30", "--arms", arms, "--reps", "2"]
     pacing_ab.main([*argv, "--json", str(out)])
     report = json.loads(out.read_text())
     assert report["all_lossless"]
-    assert set(report["median_ms"]) == {"0", "2", "3t", "auto"}
+    assert set(report["median_ms"]) == {"0", "2", "3t", "auto", "2/b"}
     assert all(len(runs) == 2 for runs in report["ms"].values())
     assert all(rounds and min(rounds) >= 1 for rounds in report["rounds"].values())
     # Each run's round times, one per counted round; their pooled medians per arm.
@@ -42,10 +42,13 @@ def test_every_arm_reaches_the_generation_and_every_run_is_lossless(
         assert all(ms > 0 for times in runs for ms in times)
     assert set(report["round_median_ms"]) == set(report["ms"])
     assert len(report["plain_ms"]) == 1  # every other repetition
-    assert set(report["wins_vs_first"]) == {"2", "3t", "auto"}
+    assert set(report["wins_vs_first"]) == {"2", "3t", "auto", "2/b"}
+    # The copy is an A/A control against its original.
+    (pair,) = report["controls"].items()
+    assert pair[0] == "2/b vs 2" and pair[1]["runs"] == 2
     # Warm-ups and timed runs: each arm's switches, as the generator read them.
     assert sorted(set(seen)) == [(0, False), (2, False), (3, True), (4, False)]
-    assert len(seen) == 4 * 3
+    assert len(seen) == 5 * 3
     # The auto arm's choice (one setup), with the rounds it timed per arm.
     (choice,) = report["auto_choices"]
     assert set(choice["rounds"]) == {"False", "True"}
@@ -54,11 +57,37 @@ def test_every_arm_reaches_the_generation_and_every_run_is_lossless(
 
 
 @pytest.mark.parametrize(
-    "text", ["0,x", "4,4", "t", "-1", "4tt", "0t", "00t", "autox", "auto4", "auto,auto"]
-)
+    "text",
+    [
+        "0,x", "4,4", "t", "-1", "4tt", "0t", "00t", "autox", "auto4", "auto,auto",
+        "0,4/b", "4,4/b,4/b", "4,4/", "4,4/b/c", "0t/b", "4,4/-",
+    ],
+)  # fmt: skip
 def test_a_bad_arm_list_is_refused(text):
     with pytest.raises(argparse.ArgumentTypeError):
         pacing_ab.parse_arms(text)
+
+
+def test_copies_are_arms_with_their_originals_switches():
+    assert pacing_ab.parse_arms("0,4,4/b,auto,auto/x") == [
+        "0",
+        "4",
+        "4/b",
+        "auto",
+        "auto/x",
+    ]
+    assert pacing_ab.arm_setting("4t/b") == "4t"
+    with pacing_ab.arm_switches("4t/b"):
+        assert os.environ[EVAL_EVERY_ENV] == "4" and os.environ[EVAL_TAIL_ENV] == "1"
+
+
+def test_controls_compare_each_copy_with_its_original():
+    runs = {"0": [5.0, 5.0], "4": [10.0, 12.0, 14.0], "4/b": [11.0, 11.0, 13.0]}
+    got = pacing_ab.controls(runs, ["0", "4", "4/b"])
+    assert got == {
+        "4/b vs 4": {"wins": 2, "runs": 3, "median_ratio": round(11 / 12, 4)}
+    }
+    assert pacing_ab.controls(runs, ["0", "4"]) == {}
 
 
 def test_round_medians_leave_out_each_runs_first_round():
