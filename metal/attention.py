@@ -740,45 +740,46 @@ _FOLD_READ = """const float m_u = part_stats[(base + u) * 2];
 const float l_u = part_stats[(base + u) * 2 + 1];
 """
 _FOLD_READ_VALUE = "const float a_u = part_values[(base + u) * dim + d];\n"
-# The passes with every load issued first; fully unrolled (u is a constant in each copy),
-# so the held values live in registers, and left at n_chunks (a uniform branch), so a
-# short call issues no work for the copies past it.
+_HELD = {"m": "held_m", "l": "held_l", "a": "held_a"}
+
+
+def _declare(names: str, size: str) -> str:
+    """Register arrays for the named values (``m``, ``l``, ``a``) of ``size`` chunks."""
+    return "".join(f"float {_HELD[n]}[{size}];\n" for n in names)
+
+
+def _hold(names: str, index: str) -> str:
+    """Keep the named values just read in their arrays at ``index``."""
+    return "".join(f"{_HELD[n]}[{index}] = {n}_u;\n" for n in names)
+
+
+def _take(names: str, index: str) -> str:
+    """The named values back from their arrays at ``index``."""
+    return "".join(f"const float {n}_u = {_HELD[n]}[{index}];\n" for n in names)
+
+
+def _unrolled(size: str, index: str, head: str, done: str, body: str) -> str:
+    """A loop of ``size`` copies, fully unrolled (so ``index`` is a constant in each and
+    the held arrays stay in registers), left once ``done`` holds (a uniform branch: a
+    short call issues no work for the copies past its chunks)."""
+    return (
+        "DFL_UNROLL_ALL\n"
+        f"for (int {index} = 0; {index} < {size}; ++{index}) {{\n"
+        + indent(head + f"if ({done}) {{\n  break;\n}}\n" + body, 2)
+        + "}\n"
+    )
+
+
+# Up to FOLD_HELD chunks: every load first, then both passes on the held values.
 _FOLD_HELD = (
-    """float held_m[FOLD_HELD];
-float held_l[FOLD_HELD];
-float held_a[FOLD_HELD];
-DFL_UNROLL_ALL
-for (int u = 0; u < FOLD_HELD; ++u) {
-  if (u >= n_chunks) {
-    break;
-  }
-"""
-    + indent(_FOLD_READ + _FOLD_READ_VALUE, 2)
-    + indent("held_m[u] = m_u;\nheld_l[u] = l_u;\nheld_a[u] = a_u;\n", 2)
-    + """}
-DFL_UNROLL_ALL
-for (int u = 0; u < FOLD_HELD; ++u) {
-  if (u >= n_chunks) {
-    break;
-  }
-  const float m_u = held_m[u];
-  const float l_u = held_l[u];
-"""
-    + indent(_FOLD_TOP, 2)
-    + """}
-DFL_UNROLL_ALL
-for (int u = 0; u < FOLD_HELD; ++u) {
-  if (u >= n_chunks) {
-    break;
-  }
-  const float m_u = held_m[u];
-  const float l_u = held_l[u];
-  const float a_u = held_a[u];
-"""
-    + indent(_FOLD_SUM, 2)
-    + """}
-"""
-)
+    _declare("mla", "FOLD_HELD")
+    + _unrolled(
+        "FOLD_HELD", "u", "", "u >= n_chunks",
+        _FOLD_READ + _FOLD_READ_VALUE + _hold("mla", "u"),
+    )
+    + _unrolled("FOLD_HELD", "u", "", "u >= n_chunks", _take("ml", "u") + _FOLD_TOP)
+    + _unrolled("FOLD_HELD", "u", "", "u >= n_chunks", _take("mla", "u") + _FOLD_SUM)
+)  # fmt: skip
 # The passes straight from memory (the reference form; no longer launched).
 _FOLD_LOOPS = (
     "DFL_UNROLL8\nfor (int u = 0; u < n_chunks; ++u) {\n"
@@ -787,64 +788,29 @@ _FOLD_LOOPS = (
     + indent(_FOLD_READ + _FOLD_READ_VALUE + _FOLD_SUM, 2)
     + "}\n"
 )
-# More chunks than FOLD_HELD: each pass in batches of FOLD_BATCH chunks, a batch's loads
-# all issued before its arithmetic (one wait a batch; half of FOLD_HELD keeps the
-# kernel's registers at the held path's, two threadgroups an SM).
-_FOLD_BATCHED = (
-    """for (int first = 0; first < n_chunks; first += FOLD_BATCH) {
-  float held_m[FOLD_BATCH];
-  float held_l[FOLD_BATCH];
-  DFL_UNROLL_ALL
-  for (int i = 0; i < FOLD_BATCH; ++i) {
-    const int u = first + i;
-    if (u >= n_chunks) {
-      break;
-    }
-"""
-    + indent(_FOLD_READ, 4)
-    + """    held_m[i] = m_u;
-    held_l[i] = l_u;
-  }
-  DFL_UNROLL_ALL
-  for (int i = 0; i < FOLD_BATCH; ++i) {
-    if (first + i >= n_chunks) {
-      break;
-    }
-    const float m_u = held_m[i];
-    const float l_u = held_l[i];
-"""
-    + indent(_FOLD_TOP, 4)
-    + """  }
-}
-for (int first = 0; first < n_chunks; first += FOLD_BATCH) {
-  float held_m[FOLD_BATCH];
-  float held_l[FOLD_BATCH];
-  float held_a[FOLD_BATCH];
-  DFL_UNROLL_ALL
-  for (int i = 0; i < FOLD_BATCH; ++i) {
-    const int u = first + i;
-    if (u >= n_chunks) {
-      break;
-    }
-"""
-    + indent(_FOLD_READ + _FOLD_READ_VALUE, 4)
-    + """    held_m[i] = m_u;
-    held_l[i] = l_u;
-    held_a[i] = a_u;
-  }
-  DFL_UNROLL_ALL
-  for (int i = 0; i < FOLD_BATCH; ++i) {
-    if (first + i >= n_chunks) {
-      break;
-    }
-    const float m_u = held_m[i];
-    const float l_u = held_l[i];
-    const float a_u = held_a[i];
-"""
-    + indent(_FOLD_SUM, 4)
-    + """  }
-}
-"""
+
+
+def _batched_pass(names: str, reads: str, step: str) -> str:
+    """One pass over every chunk (more than FOLD_HELD), FOLD_BATCH at a time: the
+    batch's ``names`` all read before ``step`` runs on each in order (one wait a batch;
+    half of FOLD_HELD keeps the kernel's registers at the held path's, two threadgroups
+    an SM)."""
+    loads = _unrolled(
+        "FOLD_BATCH", "i", "const int u = first + i;\n", "u >= n_chunks",
+        reads + _hold(names, "i"),
+    )  # fmt: skip
+    steps = _unrolled(
+        "FOLD_BATCH", "i", "", "first + i >= n_chunks", _take(names, "i") + step
+    )
+    return (
+        "for (int first = 0; first < n_chunks; first += FOLD_BATCH) {\n"
+        + indent(_declare(names, "FOLD_BATCH") + loads + steps, 2)
+        + "}\n"
+    )
+
+
+_FOLD_BATCHED = _batched_pass("ml", _FOLD_READ, _FOLD_TOP) + _batched_pass(
+    "mla", _FOLD_READ + _FOLD_READ_VALUE, _FOLD_SUM
 )
 _FOLD_EPILOGUE = """  const int b = qrow / (n_heads * n_queries);
   const int h = (qrow / n_queries) % n_heads;
@@ -855,7 +821,7 @@ _FOLD_EPILOGUE = """  const int b = qrow / (n_heads * n_queries);
 
 def fold_body(held: int = FOLD_HELD) -> str:
     """The fold's body: up to ``held`` chunks held in registers, more in batches of
-    ``held``; 0: the plain loops (the reference form, same bits)."""
+    half as many; 0: the plain loops (the reference form, same bits)."""
     if held <= 0:
         return _FOLD_PROLOGUE + indent(_FOLD_LOOPS, 2) + _FOLD_EPILOGUE
     return (
