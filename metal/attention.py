@@ -703,11 +703,10 @@ ATTEND_CHUNKS_BODY = (
 #
 # Up to FOLD_HELD chunks (a call over fewer than ~8k keys), every load is issued first
 # into registers: one wait on memory, not one per unrolled batch of eight in each pass.
-# More chunks take each pass in batches of FOLD_BATCH. On an H200 (session 40): 5.7 -> 4.4
+# More chunks take each pass in batches of half as many. On an H200 (session 40): 5.7 -> 4.4
 # us at 17 chunks, 43.7 -> 29.1 at 129. Every form does the same arithmetic in the same
 # order, so they give the same bits.
 FOLD_HELD = 32
-FOLD_BATCH = FOLD_HELD // 2
 
 _FOLD_PROLOGUE = """
   const int total_threads = fold_params[0];
