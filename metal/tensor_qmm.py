@@ -98,7 +98,11 @@ prefetch hints change nothing; copies alone cost 2.0-2.3x the bound, arithmetic 
 16-24 % less; 8-bit 0.4-2.7 % less (same run). One lop3 a 4-bit pair and the group size
 a constant of each scaled kernel (session 28, ``docs/benchmarks/h200-2026-12-03-s28``):
 8-13 % less again, gate/up 107.9 -> 98.3 us with 16 rows (3.16x the bound) and
-91.3 -> 80.3 with 1; 8-bit 1.5-7.5 % less (same run).
+91.3 -> 80.3 with 1; 8-bit 1.5-7.5 % less (same run). Session 41
+(``docs/benchmarks/h200-2026-12-04-s41``): a one-wave launch spends ~11 us outside its
+arithmetic and copies (the epilogue 6-7 us at 16 rows); with a CTA's fixed cost priced
+as 4 chunks (:func:`cta_overhead_chunks`) the fused gate/up takes 2 K splits, not 3:
+98.1 -> 85.9 us with 16 rows (2.76x the bound), 80.6 -> 73.6 with 1.
 """
 
 from __future__ import annotations
@@ -127,14 +131,22 @@ GROUP_SIZES = (32, 64, 128)
 TARGET_GROUPS = 264
 # The wave-aware K split: CTAs resident at once (two an SM on an H200: each form takes
 # 82 to 110 KB of shared memory), and a CTA's fixed cost (pipeline fill, partial
-# writes) in chunks. On since the H200 measured it (session 17: 7 of 8 projection
-# calls faster, Glimmer's down projection by a quarter); ``DFLASH_QMM_WAVE_SPLIT=0``
-# keeps the TARGET_GROUPS rule. Read at each bind.
+# writes and their merge) in chunks. On since the H200 measured it (session 17: 7 of 8
+# projection calls faster, Glimmer's down projection by a quarter);
+# ``DFLASH_QMM_WAVE_SPLIT=0`` keeps the TARGET_GROUPS rule. Read at each bind. For
+# affine weights the fixed cost is 4 chunks since session 41: an H200 launch's
+# epilogue (partials, their merge) measured ~6 us, ~2.5 chunks of a 16-row call,
+# beside the fill; of Glimmer's shapes only the fused gate / up changes (3 splits to
+# 2: 98.1 -> 85.9 us with 16 rows, 80.6 -> 73.6 with 1 at 4 bits; 151.6 -> 137.6 and
+# 131.6 -> 122.0 at 8). Dense weights (the drafter's) keep 2: not measured there.
 RESIDENT_CTAS = 264
-CTA_OVERHEAD_CHUNKS = 2
+CTA_OVERHEAD_CHUNKS = 4
+DENSE_CTA_OVERHEAD_CHUNKS = 2
 WAVE_SPLIT = True
 WAVE_SPLIT_ENV = "DFLASH_QMM_WAVE_SPLIT"
 SHARED_BUDGET = 113 * 1024
+# The deepest stage ring a form takes (benchmarks.matmul_variants varies it).
+MAX_STAGES = 4
 REDUCE_THREADS = 256
 # Sum a K split's partials in the matmul launch (its last CTA per column tile) rather
 # than in a second launch: the same bits, half the launches of a split call. On since
@@ -282,8 +294,9 @@ class Layout:
 
     @property
     def stages(self) -> int:
-        """Pipeline depth: the most stages (2 to 4) within :data:`SHARED_BUDGET`."""
-        return max(2, min(4, SHARED_BUDGET // self.stage_bytes))
+        """Pipeline depth: the most stages (2 to :data:`MAX_STAGES`) within
+        :data:`SHARED_BUDGET`."""
+        return max(2, min(MAX_STAGES, SHARED_BUDGET // self.stage_bytes))
 
     @property
     def shared_memory(self) -> int:
@@ -1261,27 +1274,34 @@ def split_plan(
     By default K is split over CTAs only when the column tiles alone give fewer than
     :data:`TARGET_GROUPS` CTAs. With ``waves`` the split is the one whose CTAs finish
     soonest when :data:`RESIDENT_CTAS` run at a time: ``ceil(CTAs / resident)`` waves,
-    each as long as a CTA's chunks plus :data:`CTA_OVERHEAD_CHUNKS` (ties: fewer
-    splits). ``waves`` None: the rule in force (:func:`wave_split`). Every split holds
-    at least one chunk.
+    each as long as a CTA's chunks plus its fixed cost (:func:`cta_overhead_chunks`;
+    ties: fewer splits). ``waves`` None: the rule in force (:func:`wave_split`). Every
+    split holds at least one chunk.
     """
     chunks = depth // Layout(bits or 0, 1).chunk
     tiles = -(-columns // COLUMNS)
     if wave_split() if waves is None else waves:
-        return (tiles,) + _wave_split(chunks, tiles)
+        return (tiles,) + _wave_split(chunks, tiles, cta_overhead_chunks(bits))
     want = min(chunks, max(1, -(-TARGET_GROUPS // tiles)))
     per_split = -(-chunks // want)
     return tiles, -(-chunks // per_split), per_split
 
 
+def cta_overhead_chunks(bits: Optional[int]) -> int:
+    """A CTA's fixed cost in chunks for the wave rule: :data:`CTA_OVERHEAD_CHUNKS` for
+    affine weights (``bits`` 4 or 8), :data:`DENSE_CTA_OVERHEAD_CHUNKS` for dense."""
+    return CTA_OVERHEAD_CHUNKS if bits else DENSE_CTA_OVERHEAD_CHUNKS
+
+
 @functools.lru_cache(maxsize=1024)
-def _wave_split(chunks: int, tiles: int) -> tuple[int, int]:
-    """``(splits, chunks per split)`` of the wave-aware rule (see :func:`split_plan`)."""
+def _wave_split(chunks: int, tiles: int, overhead: int) -> tuple[int, int]:
+    """``(splits, chunks per split)`` of the wave-aware rule (see :func:`split_plan`),
+    a CTA's fixed cost ``overhead`` chunks."""
     best = None
     for per_split in range(chunks, 0, -1):  # fewest splits first: ties keep them
         splits = -(-chunks // per_split)
         waves = -(-tiles * splits // RESIDENT_CTAS)
-        cost = waves * (per_split + CTA_OVERHEAD_CHUNKS)
+        cost = waves * (per_split + overhead)
         if best is None or cost < best[0]:
             best = (cost, splits, per_split)
     return best[1], best[2]
