@@ -23,6 +23,9 @@ Each variant changes one or more of the form's knobs for the time of its rows:
 * ``scaled``: the scaled-weight form (``tensor_qmm.SCALED_B``);
 * ``constant_group``: the scaled forms' group size a compile-time constant (as
   shipped since session 28) or a launch parameter;
+* ``cluster``: a K split of 2 to 4 ways summed inside a thread-block cluster
+  (``tensor_qmm.CLUSTER_SUM``; refused while mlx records CUDA graphs: run with
+  ``MLX_USE_CUDA_GRAPHS=0``);
 * ``edits``: text edits of the kernels (:data:`EDITS`): L2 prefetch hints, and the
   diagnostics ``memonly`` / ``computeonly`` / ``contig`` / ``nox`` (wrong results).
 
@@ -108,9 +111,21 @@ VARIANTS = {
     "overhead20": {"overhead": 20},
     # A K split's merge with its loads batched (the same bits; tried in session 41).
     "batchedmerge": {"edits": ("batchedmerge",)},
+    # Every split's load of an output in flight at once (session 42; the same bits).
+    "mergeunrolled": {"edits": ("mergeunrolled",)},
     # Diagnostics of the epilogue (results wrong): no merge; no merge and no fences.
     "nolast": {"edits": ("nolast",)},
     "nolast-nofence": {"edits": ("nolast", "nofence")},
+    # Session 42: a K split summed inside a thread-block cluster (tensor_qmm.CLUSTER_SUM;
+    # the same bits), or by the last CTA as before; with the wave rule's fixed cost
+    # lowered, as a cheaper epilogue may ask. Each needs mlx's CUDA graphs off
+    # (MLX_USE_CUDA_GRAPHS=0), else the form is refused and the rows are the merge's;
+    # tilemajor: the merge with a column tile's splits as consecutive CTAs.
+    "cluster": {"cluster": True},
+    "nocluster": {"cluster": False},
+    "cluster-overhead2": {"cluster": True, "overhead": 2},
+    "cluster-overhead3": {"cluster": True, "overhead": 3},
+    "tilemajor": {"edits": ("tilemajor",)},
     # L2 prefetch hints on the 16-byte copies (weights and x rows): the L2 fetches the
     # 128 or 256 bytes around each access, so a column's next chunk may already be there.
     "prefetch128": {"edits": ("prefetch128",)},
@@ -171,8 +186,8 @@ def _bounds(blocks: int) -> tuple[str, str, str]:
 
 # A K split's merge as shipped (each thread sums one output at a time, split by split)
 # and the form session 41 tried: the loads of 8 outputs a thread in flight per split.
-# Same bits; the batched form measured slower on the H200 (gate+up 102.7 against 98.1
-# us with 16 rows, o_proj 20.9 against 18.4), so the shipped merge stayed.
+# Same bits; the batched form measured slower on the H200 (session 42: o_proj 20.9 us
+# with 16 rows against 18.1 shipped, 16.5 for `mergeunrolled` below).
 _MERGE = tensor_qmm._BODY[
     tensor_qmm._BODY.index(
         "      for (int p = int(lid); p < n_rows * COLUMNS;"
@@ -206,6 +221,39 @@ _MERGE_BATCHED = """      constexpr int EACH = XROWS * COLUMNS / THREADS;
       }
 """
 
+# Session 42: every split's load of an output in flight at once (up to 8 splits,
+# unrolled and predicated; the shipped loop beyond), the sum in split order as shipped:
+# the same bits (120 of 120 cases on the H200), o_proj 18.1 -> 16.5 us and q/k/v/gate
+# 27.3 -> 26.3 with 16 rows. Not shipped yet: a changed merge renames every matmul
+# kernel, and the forms it did not run (groups of 32 / 128, one K group, SwiGLU) must
+# pass their `cuda` tests first.
+_MERGE_UNROLLED = """      for (int p = int(lid); p < n_rows * COLUMNS; p += THREADS) {
+        const int n = col0 + p % COLUMNS;
+        if (n < n_cols) {
+          const size_t e = size_t(p / COLUMNS) * size_t(n_cols) + size_t(n);
+          float sum;
+          if (splits <= 8) {
+            float v[8];
+            #pragma unroll
+            for (int k = 0; k < 8; ++k) {
+              v[k] = k < splits ? __ldcg(partial + size_t(k) * total + e) : 0.0f;
+            }
+            sum = v[0];
+            #pragma unroll
+            for (int k = 1; k < 8; ++k) {
+              sum = k < splits ? __fadd_rn(sum, v[k]) : sum;
+            }
+          } else {
+            sum = __ldcg(partial + e);
+            for (int k = 1; k < splits; ++k) {
+              sum = __fadd_rn(sum, __ldcg(partial + size_t(k) * total + e));
+            }
+          }
+          y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)] = T(sum);
+        }
+      }
+"""
+
 # Text edits of the kernels by name: (``"helpers"`` or ``"body"``, old, new).
 EDITS = {
     "bounds2": _bounds(2),
@@ -233,6 +281,7 @@ EDITS = {
         "  if (n_rows <= 32) return;\n  // c0, c1: row gid",
     ),
     "batchedmerge": ("body", _MERGE, _MERGE_BATCHED),
+    "mergeunrolled": ("body", _MERGE, _MERGE_UNROLLED),
     # The epilogue taken apart: no CTA counts itself last (no merge), no fences.
     "nolast": (
         "body",
@@ -240,6 +289,15 @@ EDITS = {
         "atomicAdd(counter, 1) == splits",
     ),
     "nofence": ("body", "__threadfence();", "(void)0;"),
+    # A column tile's splits as consecutive CTAs (the cluster form's order; same bits).
+    "tilemajor": (
+        "body",
+        "  const int tile = int(group) % col_tiles;\n"
+        "  const int split = int(group) / col_tiles;\n",
+        "  const int tile = int(group) / splits;\n"
+        "  const int split = int(group) % splits;\n"
+        "  (void)col_tiles;\n",
+    ),
     # Rows are never above 32: the arithmetic is skipped, yet still compiled.
     "memonly": (
         "body",
@@ -297,6 +355,7 @@ def variant(
     max_stages: Optional[int] = None,
     x_stride: Optional[int] = None,
     overhead: Optional[int] = None,
+    cluster: Optional[bool] = None,
     edits: Sequence[str] = (),
 ) -> Iterator[None]:
     """Rebuild the tensor-core specs with the given knobs, restoring them after.
@@ -316,6 +375,7 @@ def variant(
         max_stages: ``MAX_STAGES`` (None: unchanged).
         x_stride: Bytes an x row takes in a stage (None: the layout's own).
         overhead: ``CTA_OVERHEAD_CHUNKS``, affine weights' (None: unchanged).
+        cluster: ``CLUSTER_SUM`` (None: unchanged).
         edits: Names of :data:`EDITS` to apply to the kernels' text.
     """
     knobs = {
@@ -329,6 +389,7 @@ def variant(
         "SCALED_B": scaled,
         "MAX_STAGES": max_stages,
         "CTA_OVERHEAD_CHUNKS": overhead,
+        "CLUSTER_SUM": cluster,
     }
     texts = ("_HELPERS", "_BODY", "_SCALED_Q4_HELPER")
     saved = {name: getattr(tensor_qmm, name) for name in (*knobs, *texts)}

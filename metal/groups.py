@@ -103,6 +103,9 @@ class GroupKernelSpec:
         shared_memory: Dynamic shared memory per threadgroup in bytes (CUDA's
             ``extern __shared__``; 0: none).
         dtypes: The template types ``T`` the body is written for.
+        cluster: CTAs of a thread-block cluster (CUDA; 1: none). The header
+            declares it (``__cluster_dims__``); a launch's CTAs must fill whole
+            clusters, and the emulator runs a cluster's CTAs together.
     """
 
     base: str
@@ -117,6 +120,7 @@ class GroupKernelSpec:
     backends: tuple[str, ...] = (METAL, CUDA)
     shared_memory: int = 0
     dtypes: tuple[mx.Dtype, ...] = (mx.float32, mx.float16, mx.bfloat16)
+    cluster: int = 1
 
     def header(self, backend_name: str) -> str:
         """The ``header=`` text for ``backend_name``: its macros, then the helpers."""
@@ -263,6 +267,10 @@ def _launch_arguments(
     groups: int,
     dtype: mx.Dtype,
 ) -> tuple[Optional[Kernel], dict]:
+    if groups % spec.cluster:
+        raise ValueError(
+            f"{spec.base}: {groups} threadgroups do not fill clusters of {spec.cluster}"
+        )
     arguments = {
         "output_shapes": [tuple(shape) for shape in output_shapes],
         "output_dtypes": list(output_dtypes),

@@ -102,13 +102,19 @@ a constant of each scaled kernel (session 28, ``docs/benchmarks/h200-2026-12-03-
 (``docs/benchmarks/h200-2026-12-04-s41``): a one-wave launch spends ~11 us outside its
 arithmetic and copies (the epilogue 6-7 us at 16 rows); with a CTA's fixed cost priced
 as 4 chunks (:func:`cta_overhead_chunks`) the fused gate/up takes 2 K splits, not 3:
-98.1 -> 85.9 us with 16 rows (2.76x the bound), 80.6 -> 73.6 with 1.
+98.1 -> 85.9 us with 16 rows (2.76x the bound), 80.6 -> 73.6 with 1. Session 42
+(``docs/benchmarks/h200-2026-12-04-s42``): the split summed inside a thread-block
+cluster (:func:`cluster_spec`, the same bits) takes o_proj 18.0 -> 13.4 us with 16
+rows, but mlx's CUDA graphs lose its cluster shape, so it is off (:data:`CLUSTER_SUM`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import os
+import re
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -148,6 +154,24 @@ SHARED_BUDGET = 113 * 1024
 # The deepest stage ring a form takes (benchmarks.matmul_variants varies it).
 MAX_STAGES = 4
 REDUCE_THREADS = 256
+# A K split's partials summed inside a thread-block cluster (session 42): a column
+# tile's splits run as one cluster (rank = split), each CTA leaves its float32 partial
+# in its own shared memory, and after a cluster barrier every CTA sums its share of
+# the tile's outputs over the ranks' partials in split order through distributed
+# shared memory: the merge's order and bits, without the global partials, the fence,
+# the counter or one CTA's serial sum. Splits of 2 to MAX_CLUSTER on devices with
+# clusters (compute capability 9.0 on); other calls keep the merge. MAX_CLUSTER is 4,
+# as measured on the H200 (16 rows, graphs off): o_proj 18.0 -> 13.4 us (4 splits),
+# q/k/v/gate 27.2 -> 23.3 (3), gate / up 85.7 -> 80.5 (2), but down 42.4 -> 59.3 (5:
+# clusters of 5 leave CTA slots of a GPC idle). ``DFLASH_QMM_CLUSTER_SUM`` (on/off) decides when set; read at each bind.
+# Off, and refused while mlx records CUDA graphs: mlx 0.32.4 updates a cached graph's
+# kernel node to a new kernel without its compile-time cluster shape (its own check
+# covers captured child graphs only), and the H200 then ran cluster kernels, and
+# kernels after them, wrongly (session 42). With ``MLX_USE_CUDA_GRAPHS=0`` every
+# launch is direct and keeps the shape.
+CLUSTER_SUM = False
+CLUSTER_SUM_ENV = "DFLASH_QMM_CLUSTER_SUM"
+MAX_CLUSTER = 4
 # Sum a K split's partials in the matmul launch (its last CTA per column tile) rather
 # than in a second launch: the same bits, half the launches of a split call. On since
 # the H200 ran it (session 13); ``DFLASH_MERGED_SPLIT_SUM=0`` keeps the reduce launch.
@@ -196,6 +220,39 @@ def merge_split_sum() -> bool:
     """
     switch = backend.env_switch(MERGED_SPLIT_SUM_ENV)
     return MERGE_SPLIT_SUM if switch is None else switch
+
+
+def cluster_sum() -> bool:
+    """Whether a call bound now sums a K split of 2 to :data:`MAX_CLUSTER` inside a
+    thread-block cluster (see :data:`CLUSTER_SUM`): ``DFLASH_QMM_CLUSTER_SUM`` when
+    set, else the default; never on a device without clusters."""
+    switch = backend.env_switch(CLUSTER_SUM_ENV)
+    wanted = CLUSTER_SUM if switch is None else switch
+    return wanted and not mlx_cuda_graphs() and device_clusters()
+
+
+def mlx_cuda_graphs() -> bool:
+    """Whether mlx records CUDA graphs in this process (``MLX_USE_CUDA_GRAPHS``, which
+    mlx reads once: on unless set to 0 / false / off)."""
+    value = os.environ.get("MLX_USE_CUDA_GRAPHS", "1").strip().lower()
+    return value not in ("0", "false", "off", "no")
+
+
+@functools.lru_cache(maxsize=1)
+def device_clusters() -> bool:
+    """Whether the default device runs thread-block clusters: a CUDA device of compute
+    capability 9.0 or later, by the ``architecture`` mlx reports (unknown: no)."""
+    if backend.BACKEND != CUDA:
+        return False
+    try:
+        info = mx.device_info()
+    except (AttributeError, RuntimeError, ValueError):
+        return False
+    major = info.get("compute_capability_major")
+    if isinstance(major, int):
+        return major >= 9
+    found = re.fullmatch(r"sm_(\d+)\w*", str(info.get("architecture", "")))
+    return found is not None and int(found.group(1)) >= 90
 
 
 def wave_split() -> bool:
@@ -495,6 +552,30 @@ def launch_bounds(threads: int, blocks: int = 2) -> str:
     return LAUNCH_BOUNDS.replace("{threads}", str(threads)).replace(
         "{blocks}", str(blocks)
     )
+
+
+# A cluster's barrier (every thread of its CTAs, shared-memory writes released before
+# and acquired after) and the address of a shared element in another CTA of the
+# cluster (``mapa``: a generic address, read with plain loads).
+CLUSTER_HELPERS = r"""
+DFL_FN void dfl_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+DFL_FN const float* dfl_cluster_map(const float* p, uint32_t rank) {
+  const float* q;
+  asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(q) : "l"(p), "r"(rank));
+  return q;
+}
+"""
+# A cluster kernel's attribute, after its launch bounds when it has them.
+CLUSTER_DIMS = r"""
+#undef __global__
+#define __global__ __attribute__((global)) __cluster_dims__({cluster}, 1, 1)
+"""
+# Floats a row of a cluster partial takes in shared memory: a column tile and 8 more,
+# so the fragment stores (rows gid, columns 2 tig + j) meet 2-way bank conflicts, not 8.
+PART_STRIDE = COLUMNS + 8
 
 
 # Scaled-weight form: the lane's column of each n8 tile (gid) takes its group's scale
@@ -1171,6 +1252,117 @@ def _two_k_groups(body: str, affine: bool) -> str:
     return body
 
 
+# A matmul form's text (one or two K groups, not SwiGLU) as its cluster-sum form (see
+# :data:`CLUSTER_SUM`): (old, new). ``{cluster}`` is the cluster's size.
+_CLUSTER_EDITS = (
+    # A column tile's splits are consecutive CTAs: one cluster, rank = split.
+    (
+        "  const int tile = int(group) % col_tiles;\n"
+        "  const int split = int(group) / col_tiles;\n",
+        "  const int tile = int(group) / splits;\n"
+        "  const int split = int(group) % splits;\n"
+        "  (void)col_tiles;\n",
+    ),
+    # The split's partial stays in shared memory, past the two-group exchange (every
+    # warp is done with the stages).
+    (
+        "  // c0, c1: row gid, columns 2 tig, 2 tig + 1; c2, c3: row gid + 8.\n",
+        "  constexpr int CLUSTER = {cluster};\n"
+        "  constexpr int PART = {part_stride};\n"
+        "  float* dfl_part = reinterpret_cast<float*>(smem + 128 * MT * 16 * 4);\n"
+        "{settle}"
+        "  // c0, c1: row gid, columns 2 tig, 2 tig + 1; c2, c3: row gid + 8.\n",
+    ),
+    (
+        "            partial[(size_t(split) * n_rows + r) * n_cols + n] = acc[mt][t][i];\n",
+        "            dfl_part[r * PART + (n - col0)] = acc[mt][t][i];\n",
+    ),
+    (
+        _BODY[_BODY.index("  if (splits > 1 && merged) {\n") :],
+        r"""  if (splits > 1) {
+    // Each CTA sums its share of the tile's outputs over the cluster's partials in
+    // split order (the merge's arithmetic, so its bits), reading them where they lie.
+    dfl_cluster_sync();
+    const float* parts[CLUSTER];
+    #pragma unroll
+    for (int k = 0; k < CLUSTER; ++k) {
+      parts[k] = dfl_cluster_map(dfl_part, k);
+    }
+    for (int p = split * THREADS + int(lid); p < n_rows * COLUMNS; p += CLUSTER * THREADS) {
+      const int n = col0 + p % COLUMNS;
+      if (n < n_cols) {
+        const int e = (p / COLUMNS) * PART + p % COLUMNS;
+        float v[CLUSTER];
+        #pragma unroll
+        for (int k = 0; k < CLUSTER; ++k) {
+          v[k] = parts[k][e];
+        }
+        float sum = v[0];
+        #pragma unroll
+        for (int k = 1; k < CLUSTER; ++k) {
+          sum = __fadd_rn(sum, v[k]);
+        }
+        y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)] = T(sum);
+      }
+    }
+    // No CTA leaves while another may still read its shared memory.
+    dfl_cluster_sync();
+  }
+  (void)merged;
+""",
+    ),
+)
+
+
+def _cluster_sum(body: str, cluster: int) -> str:
+    """A matmul body (either K-group form, not SwiGLU) as its cluster-sum form for
+    clusters of ``cluster`` CTAs (see :data:`CLUSTER_SUM`)."""
+    # The two-group form has waited for its copies and met at a barrier already.
+    settled = "float* exchange" in body
+    values = {
+        "cluster": cluster,
+        "part_stride": PART_STRIDE,
+        "settle": "" if settled else "  dfl_wait<0>();\n  DFL_BARRIER();\n",
+    }
+    for old, new in _CLUSTER_EDITS:
+        if body.count(old) != 1:
+            raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
+        body = body.replace(old, _fill(new, values))
+    return body
+
+
+@functools.lru_cache(maxsize=None)
+def cluster_spec(spec: GroupKernelSpec, cluster: int) -> GroupKernelSpec:
+    """The cluster-sum form of a matmul spec (not SwiGLU) for a K split of ``cluster``
+    ways, 2 to :data:`MAX_CLUSTER` (see :data:`CLUSTER_SUM`): the same arithmetic and
+    bits, one cluster per column tile.
+
+    Raises:
+        ValueError: ``cluster`` outside 2 .. MAX_CLUSTER, or a spec whose shared
+            memory cannot hold the exchange and a 32-row partial.
+    """
+    if not 2 <= cluster <= MAX_CLUSTER:
+        raise ValueError(f"a cluster holds 2 to {MAX_CLUSTER} CTAs, got {cluster}")
+    mtiles = 2 if "constexpr int MT = 2;" in spec.body else 1
+    needed = 128 * mtiles * 16 * 4 + 16 * mtiles * PART_STRIDE * 4
+    if spec.shared_memory < needed:
+        raise ValueError(f"{spec.base}: {spec.shared_memory} bytes of shared memory, "
+                         f"the cluster sum needs {needed}")  # fmt: skip
+    bounds = launch_bounds(spec.threads)
+    helpers = spec.helpers
+    dims = _fill(CLUSTER_DIMS, {"cluster": cluster})
+    if helpers.startswith(bounds):
+        helpers = helpers[len(bounds) :]
+        dims = bounds.rstrip("\n") + f" __cluster_dims__({cluster}, 1, 1)\n"
+    return dataclasses.replace(
+        spec,
+        base=f"{spec.base}_c{cluster}",
+        helpers=dims + helpers + CLUSTER_HELPERS,
+        body=_cluster_sum(spec.body, cluster),
+        cluster=cluster,
+    )
+
+
 LAYOUTS = {(bits, m): Layout(bits, m) for bits in (4, 8, 0) for m in (1, 2)}
 
 
@@ -1361,7 +1553,7 @@ def bind_tensor_core(
     plan = launch_plan(
         rows, depth, weight.shape[0], bits, group_size, merge_split_sum(),
         fold_q4_offset() and not swiglu and not scaled, wave_split(), k_groups(),
-        edges, swiglu, scaled,
+        edges, swiglu, scaled, cluster_sum() and not swiglu,
     )  # fmt: skip
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)
@@ -1474,6 +1666,7 @@ def launch_plan(
     edges: tuple[int, ...] = (),
     swiglu: bool = False,
     scaled: bool = False,
+    cluster: bool = False,
 ) -> LaunchPlan:
     """The launch plan of a validated call, built once per geometry (host time).
 
@@ -1485,6 +1678,9 @@ def launch_plan(
     :func:`member_edges`; ``()``: the plain layout). ``swiglu``: the SwiGLU form (see
     :func:`swiglu_serves`; its result is ``(rows, columns / 2)``). ``scaled``: an
     affine call takes the scaled-weight form (:data:`SCALED_B`; not with ``folded``).
+    ``cluster``: a split of 2 to :data:`MAX_CLUSTER` ways is summed inside a
+    thread-block cluster (:func:`cluster_spec`; not SwiGLU), with no partials array
+    and no counters.
 
     Raises:
         ValueError: ``swiglu`` for a call :func:`swiglu_serves` refuses.
@@ -1519,6 +1715,11 @@ def launch_plan(
         return LaunchPlan(
             spec, columns, params, ((rows, columns), (1,)), tiles, 0, None, 0
         )
+    if cluster and splits <= MAX_CLUSTER:
+        return LaunchPlan(
+            cluster_spec(spec, splits), columns, params, ((rows, columns), (1,)),
+            tiles * splits, 0, None, 0,
+        )  # fmt: skip
     partials = (splits, rows, columns)
     if merged:
         return LaunchPlan(

@@ -1989,3 +1989,161 @@ def test_emulated_scaled_swiglu_form_matches_its_gate_and_up(scaled) -> None:
     got = np.array(_bound(case, swiglu=True).astype(mx.float32))
     assert "_scaled" in scaled.launched[-1] and "swiglu" in scaled.launched[-1]
     assert np.array_equal(got, model.emulated_swiglu(plain[:, :128], plain[:, 128:]))
+
+
+# ====================================================== the cluster sum (session 42)
+
+# The forms a cluster sum serves: the two-K-group scaled forms (as shipped) and the
+# unscaled ones (dense included), one- and two-row-tile layouts.
+CLUSTER_BASES = [
+    tensor_qmm.SCALED_SPECS[(2, (4, 1), 64)],
+    tensor_qmm.SCALED_SPECS[(2, (8, 2), 32)],
+    K2_SPECS[(4, 2)],
+    K2_SPECS[(0, 1)],
+]
+
+
+@needs_nvcc
+def test_cluster_forms_compile_for_sm90_without_spills(tmp_path: Path) -> None:
+    """Every cluster size of the served forms compiles (the cluster barrier and
+    ``mapa`` PTX checked by ptxas) without spills, the scaled forms within their
+    launch bounds (128 registers)."""
+    specs = [
+        tensor_qmm.cluster_spec(base, size)
+        for base in CLUSTER_BASES
+        for size in range(2, tensor_qmm.MAX_CLUSTER + 1)
+    ]
+    result = check_cuda(
+        specs, tmp_path / "clusters", NVCC, dtypes=HALF, flags=("-Xptxas", "-v")
+    )
+    assert result.ok, f"{result.command}\n{result.log}"
+    spills = re.findall(
+        r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.log
+    )
+    assert spills and all(a == "0" and b == "0" for a, b in spills), result.log
+    registers = re.findall(
+        r"custom_kernel_(\w+?)_[0-9a-f]{10}_\w+'[^\n]*\n(?:.*\n){2}.*Used (\d+) registers",
+        result.log,
+    )
+    bounded = [int(r) for name, r in registers if "_scaled" in name]
+    assert len(bounded) == 2 * 2 * (tensor_qmm.MAX_CLUSTER - 1), result.log
+    assert max(bounded) <= 128, result.log
+
+
+@pytest.mark.parametrize("base", CLUSTER_BASES, ids=lambda spec: spec.base)
+@pytest.mark.parametrize("size", range(2, tensor_qmm.MAX_CLUSTER + 1))
+def test_cluster_form_is_the_merge_with_its_partials_in_shared_memory(base, size):
+    """The cluster form: its own name and cluster size, the attribute in its header
+    (after the launch bounds where the form has them), its column tile's splits as
+    consecutive CTAs, and no global partials, fence or counter left."""
+    spec = tensor_qmm.cluster_spec(base, size)
+    assert spec.cluster == size and spec.base == f"{base.base}_c{size}"
+    assert spec.name("cuda") != base.name("cuda")
+    assert spec.helpers.count("__cluster_dims__") == 1
+    assert f"__cluster_dims__({size}, 1, 1)" in spec.helpers
+    bounded = base.helpers.startswith(tensor_qmm.launch_bounds(base.threads))
+    assert ("__launch_bounds__" in spec.helpers) == bounded
+    assert spec.helpers.endswith(tensor_qmm.CLUSTER_HELPERS)
+    assert f"constexpr int CLUSTER = {size};" in spec.body
+    assert "const int split = int(group) % splits;" in spec.body
+    for gone in ("atomicAdd", "__threadfence", "partial[", "__ldcg"):
+        assert gone in base.body and gone not in spec.body, gone
+    assert spec.body.count("dfl_cluster_sync();") == 2
+    assert tensor_qmm.cluster_spec(base, size) is spec
+
+
+def test_cluster_spec_refuses_what_it_cannot_build() -> None:
+    base = CLUSTER_BASES[0]
+    for size in (0, 1, tensor_qmm.MAX_CLUSTER + 1):
+        with pytest.raises(ValueError, match="cluster holds"):
+            tensor_qmm.cluster_spec(base, size)
+    swiglu = tensor_qmm.SWIGLU_SCALED_SPECS[(2, (4, 1), 64)]
+    with pytest.raises(RuntimeError, match="body has changed"):
+        tensor_qmm.cluster_spec(swiglu, 2)
+    small = dataclasses.replace(base, shared_memory=4096)
+    with pytest.raises(ValueError, match="shared memory"):
+        tensor_qmm.cluster_spec(small, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    chunks=st.integers(1, 80),
+    columns=st.integers(1, 40000),
+    rows=st.sampled_from([1, 7, 16, 17, 32]),
+    bits=st.sampled_from([4, 8, None]),
+)
+def test_cluster_plan_takes_splits_of_two_to_four(chunks, columns, rows, bits) -> None:
+    """With the cluster sum a split of 2 to MAX_CLUSTER ways launches its cluster form
+    (same scalars and CTAs, no partials, no counters, no second launch); any other
+    split plans exactly as without it."""
+    depth = chunks * Layout(bits or 0, 1).chunk
+    group = 64 if bits else None
+    scaled = bits is not None
+    args = (rows, depth, columns, bits, group, True, False, True, 2, (), False, scaled)
+    plain = tensor_qmm.launch_plan(*args)
+    clustered = tensor_qmm.launch_plan(*args, cluster=True)
+    tiles, splits, _ = split_plan(depth, columns, bits, True)
+    if 2 <= splits <= tensor_qmm.MAX_CLUSTER:
+        assert clustered.spec is tensor_qmm.cluster_spec(plain.spec, splits)
+        assert clustered.groups == plain.groups == tiles * splits
+        assert clustered.shapes == ((rows, columns), (1,))
+        assert clustered.counters == 0 and clustered.reduce_params is None
+        assert np.array_equal(np.array(clustered.params), np.array(plain.params))
+    else:
+        assert clustered == plain
+
+
+def test_cluster_sum_is_refused_while_mlx_records_cuda_graphs(monkeypatch) -> None:
+    """Off by default; on only with its switch, a device with clusters and mlx's CUDA
+    graphs off (mlx 0.32.4 updates a graph's kernel node without its cluster shape)."""
+    monkeypatch.setattr(tensor_qmm, "device_clusters", lambda: True)
+    monkeypatch.delenv(tensor_qmm.CLUSTER_SUM_ENV, raising=False)
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "0")
+    assert tensor_qmm.CLUSTER_SUM is False and not tensor_qmm.cluster_sum()
+    monkeypatch.setenv(tensor_qmm.CLUSTER_SUM_ENV, "1")
+    assert tensor_qmm.cluster_sum()
+    for graphs in (None, "1", "true"):
+        if graphs is None:
+            monkeypatch.delenv("MLX_USE_CUDA_GRAPHS")
+        else:
+            monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", graphs)
+        assert tensor_qmm.mlx_cuda_graphs() and not tensor_qmm.cluster_sum()
+    for off in ("0", "false", "OFF"):
+        monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", off)
+        assert not tensor_qmm.mlx_cuda_graphs() and tensor_qmm.cluster_sum()
+    monkeypatch.setattr(tensor_qmm, "device_clusters", lambda: False)
+    assert not tensor_qmm.cluster_sum()
+
+
+@pytest.mark.parametrize(
+    "info, expected",
+    [
+        ({"compute_capability_major": 9, "architecture": "sm_90"}, True),
+        ({"compute_capability_major": 10}, True),
+        ({"compute_capability_major": 8, "architecture": "sm_90"}, False),
+        ({"architecture": "sm_90a"}, True),
+        ({"architecture": "sm_86"}, False),
+        ({"architecture": "x86_64"}, False),
+        ({}, False),
+    ],
+)
+def test_device_clusters_reads_the_compute_capability(monkeypatch, info, expected):
+    monkeypatch.setattr(tensor_qmm.backend, "BACKEND", "cuda")
+    monkeypatch.setattr(tensor_qmm.mx, "device_info", lambda: info)
+    tensor_qmm.device_clusters.cache_clear()
+    try:
+        assert tensor_qmm.device_clusters() is expected
+    finally:
+        tensor_qmm.device_clusters.cache_clear()
+
+
+def test_device_clusters_is_off_without_cuda() -> None:
+    tensor_qmm.device_clusters.cache_clear()
+    if tensor_qmm.backend.BACKEND != "cuda":
+        assert not tensor_qmm.device_clusters()
+
+
+def test_a_launch_must_fill_whole_clusters() -> None:
+    spec = tensor_qmm.cluster_spec(CLUSTER_BASES[0], 3)
+    with pytest.raises(ValueError, match="do not fill clusters of 3"):
+        qmm.groups.launch_groups(spec, [], [(1,)], [mx.float32], 4, mx.bfloat16)

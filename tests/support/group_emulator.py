@@ -23,6 +23,12 @@ module does the same three jobs for them:
   shared by the group; groups run one after another). A barrier that some threads
   of a group never reach (they returned) is reported as an error, as is a write
   past the end of an output (canary bytes).
+
+The scheduler also runs a CUDA thread-block cluster (:func:`group_case`'s
+``cluster``, used by :mod:`.tensor_emulator`): its CTAs' threads together, each
+CTA's barrier releasing that CTA, the cluster's barrier (``dfl_cluster_sync``)
+every thread of the cluster; threads of a CTA split between its barrier and the
+cluster's, or CTAs that end while others wait at the cluster's, fail the run.
 """
 
 from __future__ import annotations
@@ -313,14 +319,18 @@ _DRIVER_INCLUDES = DRIVER_INCLUDES + """#include <ucontext.h>
 
 _DRIVER = r"""
 namespace {
-// READY: runs on; WAITING: at a threadgroup barrier; AT_WARP: at a warp collective
-// (released when every lane of its warp is there); DONE: returned.
-enum State { READY, WAITING, AT_WARP, DONE };
+// READY: runs on; WAITING: at its CTA's (threadgroup's) barrier; AT_CLUSTER: at the
+// cluster's barrier; AT_WARP: at a warp collective (released when every lane of its
+// warp is there); DONE: returned.
+enum State { READY, WAITING, AT_CLUSTER, AT_WARP, DONE };
 ucontext_t scheduler;
 std::vector<ucontext_t> contexts;
 std::vector<State> states;
 std::vector<std::vector<char>> stacks;
+// The running thread's slot: CTA `slot / cta_threads` of the cluster, thread
+// `slot % cta_threads` of it (one CTA: the thread's index).
 uint current = 0;
+uint cta_threads = 1;
 std::function<void(uint)> run_thread;
 
 void trampoline() {
@@ -377,13 +387,29 @@ void run_ready(uint first, uint end) {
 // true, each warp as far as it goes (to a barrier or its end) before the next.
 bool eager_warps = false;
 
-// Runs one threadgroup: every thread until a barrier, a warp collective or its end,
-// round after round (in the order `eager_warps` picks). Returns null when every thread ended, else what went wrong.
-const char* run_group(uint threads) {
-  contexts.assign(threads, ucontext_t());
-  states.assign(threads, READY);
-  stacks.resize(threads);
-  for (uint t = 0; t < threads; ++t) {
+// Sets the threads of CTA `cta` at a barrier running again.
+void release_cta(uint cta, uint threads) {
+  for (uint t = cta * threads; t < (cta + 1) * threads; ++t) {
+    states[t] = READY;
+  }
+}
+
+// Runs one cluster of `ctas` threadgroups (CTAs) of `threads` threads together (one
+// CTA: a threadgroup alone): every thread until a barrier, a warp collective or its
+// end, round after round (in the order `eager_warps` picks). A CTA's barrier releases
+// its threads once all of them are there; the cluster's barrier, every thread of the
+// cluster. Returns null when every thread ended, else what went wrong.
+const char* run_group(uint threads, uint ctas = 1) {
+  // Warps are 32 consecutive slots, so a CTA must hold whole ones to share a cluster.
+  if (ctas > 1 && threads % 32 != 0) {
+    return "a cluster's CTAs must hold whole warps";
+  }
+  const uint slots = threads * ctas;
+  cta_threads = threads;
+  contexts.assign(slots, ucontext_t());
+  states.assign(slots, READY);
+  stacks.resize(slots);
+  for (uint t = 0; t < slots; ++t) {
     stacks[t].resize(1 << 16);
     getcontext(&contexts[t]);
     contexts[t].uc_stack.ss_sp = stacks[t].data();
@@ -393,34 +419,56 @@ const char* run_group(uint threads) {
   }
   while (true) {
     if (eager_warps) {
-      for (uint first = 0; first < threads; first += 32) {
-        const uint end = warp_end(first, threads);
+      for (uint first = 0; first < slots; first += 32) {
+        const uint end = warp_end(first, slots);
         uint at = 0;
         do {
           run_ready(first, end);
         } while (release_warp(first, end, &at));
       }
     } else {
-      run_ready(0, threads);
+      run_ready(0, slots);
     }
     uint stuck = 0;
-    if (release_warps(threads, &stuck)) {
+    if (release_warps(slots, &stuck)) {
       continue;
     }
     if (stuck > 0) {
       return "some lanes of a warp never reach its warp collective";
     }
-    uint done = 0;
-    for (uint t = 0; t < threads; ++t) {
-      done += states[t] == DONE;
+    // Every thread now waits at a barrier or has ended.
+    bool released = false;
+    uint done_ctas = 0;
+    for (uint c = 0; c < ctas; ++c) {
+      uint waiting = 0;
+      uint done = 0;
+      for (uint t = c * threads; t < (c + 1) * threads; ++t) {
+        waiting += states[t] == WAITING;
+        done += states[t] == DONE;
+      }
+      if (done > 0 && done < threads) {
+        return "threads ended before a barrier";
+      }
+      // The rest wait at the cluster's barrier, which needs these too: a deadlock.
+      if (waiting > 0 && waiting < threads) {
+        return "threads of a CTA wait at its barrier and at the cluster's";
+      }
+      if (waiting == threads) {
+        release_cta(c, threads);
+        released = true;
+      }
+      done_ctas += done == threads;
     }
-    if (done == threads) {
+    if (released) {
+      continue;
+    }
+    if (done_ctas == ctas) {
       return nullptr;
     }
-    if (done > 0) {
-      return "threads ended before a barrier";
+    if (done_ctas > 0) {
+      return "CTAs of a cluster ended before a cluster barrier";
     }
-    for (uint t = 0; t < threads; ++t) {
+    for (uint t = 0; t < slots; ++t) {
       states[t] = READY;
     }
   }
@@ -435,6 +483,12 @@ void dfl_warp_sync() {
 
 void metal::threadgroup_barrier(mem_flags) {
   states[current] = WAITING;
+  swapcontext(&contexts[current], &scheduler);
+}
+
+// The cluster's barrier (barrier.cluster.arrive + wait): every thread of every CTA.
+void dfl_cluster_sync() {
+  states[current] = AT_CLUSTER;
   swapcontext(&contexts[current], &scheduler);
 }
 
@@ -455,24 +509,51 @@ def _driver_case(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
 
 
 def group_case(
-    key: str, call: str, setup: str = "", per_group: str = "", check: str = ""
+    key: str,
+    call: str,
+    setup: str = "",
+    per_group: str = "",
+    check: str = "",
+    cluster: int = 1,
 ) -> str:
-    """The driver's ``if (key == ...)`` block: every threadgroup in turn, its threads
-    (each running ``call``, which sees ``lid``) as coroutines, then the outputs.
+    """The driver's ``if (key == ...)`` block: every cluster of threadgroups in turn,
+    its threads (each running ``call``, which sees ``lid`` and ``group``) as
+    coroutines, then the outputs.
 
     Args:
         key: The kernel's key on the command line.
         call: C++ statements one thread runs.
         setup: C++ statements before the first group.
-        per_group: C++ statements before each group (they see ``group``).
-        check: C++ statements after each group, returning non-zero on a failure.
+        per_group: C++ statements before each cluster (they see ``group``, its first
+            threadgroup).
+        check: C++ statements after each cluster, returning non-zero on a failure.
+        cluster: Threadgroups run together (a thread-block cluster); the launch's
+            groups must be a multiple of it.
     """
+    where = (
+        '"group %u: %s\\n", group'
+        if cluster == 1
+        else f'"cluster of groups %u to %u: %s\\n", group, group + {cluster - 1}'
+    )
+    fill = (
+        f"    if (groups % {cluster} != 0) {{\n"
+        f'      std::fprintf(stderr, "%u groups do not fill clusters of {cluster}\\n", groups);\n'
+        f"      return 8;\n    }}\n"
+        if cluster > 1
+        else ""
+    )
     return (
-        f'  if (key == "{key}") {{\n{setup}'
-        f"    for (uint group = 0; group < groups; ++group) {{\n{per_group}"
-        f"      run_thread = [&](uint lid) {{ (void)lid; {call} }};\n"
-        f"      if (const char* failure = run_group(threads)) {{\n"
-        f'        std::fprintf(stderr, "group %u: %s\\n", group, failure);\n'
+        f'  if (key == "{key}") {{\n{fill}{setup}'
+        f"    for (uint group = 0; group < groups; group += {cluster}) {{\n{per_group}"
+        f"      run_thread = [&](uint slot) {{\n"
+        f"        const uint first = group;\n"
+        f"        {{\n"
+        f"          const uint lid = slot % threads;\n"
+        f"          const uint group = first + slot / threads;\n"
+        f"          (void)lid;\n          (void)group;\n"
+        f"          {call}\n        }}\n      }};\n"
+        f"      if (const char* failure = run_group(threads, {cluster})) {{\n"
+        f"        std::fprintf(stderr, {where}, failure);\n"
         f"        return 4;\n      }}\n{check}    }}\n"
         f"    return finish(argv, outs, sizes, first_out);\n  }}\n"
     )
@@ -528,6 +609,11 @@ class DriverLauncher(ABC):
             raise RuntimeError(f"emulator did not build:\n{self.build.log}")
         if spec not in self.specs:
             raise RuntimeError(f"emulator was not built with {spec.base}")
+        # launch_groups' own check (the driver has one too).
+        if groups % spec.cluster:
+            raise ValueError(
+                f"{spec.base}: {groups} threadgroups do not fill clusters of {spec.cluster}"
+            )
         self.launches += 1
         self.launched.append(spec.base)
         env, lead = self.run_options()

@@ -21,17 +21,24 @@ by a C++ emulation written from the PTX ISA:
   waited for fails the run, as does one to a misaligned or out-of-range address;
 * dynamic shared memory (``extern __shared__``) is the spec's ``shared_memory``
   bytes, filled with 0xFF (NaN in every float type) before each threadgroup, with
-  guard bytes after it that a write past its end changes (the run fails);
+  guard bytes after it that a write past its end changes (the run fails); a
+  cluster's CTAs (``spec.cluster``) each have their own copy and guard;
+* a thread-block cluster's barrier (``dfl_cluster_sync``) meets every thread of
+  its CTAs, and ``dfl_cluster_map`` (``mapa``) takes an address in the running
+  CTA's shared memory to the same offset in another rank's (an address outside
+  it, or a rank outside the cluster, fails the run);
 * the half-precision pair arithmetic (``fma.rn.bf16x2``, ``cvt.rn.*x2.f32``, the
   attention's ``dfl_pack``, the scaled-weight form's ``dfl_scaled``) is computed per
   half and rounded once to nearest even.
 
-Threads run as coroutines, one threadgroup at a time (the scheduler of
-:mod:`.group_emulator`, whose warp meetings release a warp once all its lanes
-are there), in one of two orders: every thread in turn to its next stop (warps
-move together, so a warp with less to do runs ahead of the others) or ``eager``,
-each warp as far as it goes before the next starts (warp 0 runs ahead). :meth:`TensorEmulator.launch` has the contract of
-``dflash.metal.groups.launch_groups``.
+Threads run as coroutines, one threadgroup at a time, or one cluster at a time
+with its CTAs together (the scheduler of :mod:`.group_emulator`, whose warp
+meetings release a warp once all its lanes are there; a CTA's barrier releases
+that CTA, the cluster's barrier the whole cluster), in one of two orders: every
+thread in turn to its next stop (warps move together, so a warp with less to do
+runs ahead of the others) or ``eager``, each warp as far as it goes before the
+next starts (warp 0 runs ahead). :meth:`TensorEmulator.launch` has the contract
+of ``dflash.metal.groups.launch_groups``.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ CANARY_BYTES = 4096
 CANARY = 0xA5
 # Bytes after the dynamic shared memory whose change shows a write past its end.
 GUARD_BYTES = 256
+# Slots of the shim's per-thread state: a cluster of 8 CTAs of 256 threads.
+MAX_SLOTS = 2048
 # The helper texts (inline PTX) the shim below emulates; cut out of a spec's helpers.
 EMULATED_HELPERS = tuple(
     {spec.helpers for spec in tensor_qmm.MATMUL_SPECS.values()}
@@ -71,7 +80,12 @@ EMULATED_HELPERS = tuple(
     tensor_qmm._SCALED_HELPERS,
     tensor_qmm.launch_bounds(128),
     tensor_qmm.launch_bounds(256),
+    tensor_qmm.CLUSTER_HELPERS,
 )
+# A kernel attributes header (launch bounds, cluster dims): g++ has no such attributes.
+_ATTRIBUTES = re.compile(r"\n#undef __global__\n#define __global__ [^\n]*\n")
+# The unit's bytes of dynamic shared memory, every CTA's copy of a cluster.
+SHARED_STORE = "dfl_shared_store"
 _EXTERN_SHARED = re.compile(
     r"extern __shared__ (?:__align__\(\d+\) )?([\w ]+?) (\w+)\[\];"
 )
@@ -79,6 +93,7 @@ _EXTERN_SHARED = re.compile(
 SHIM = (
     f"""
 #include "{METAL_SHIM}"
+#define DFL_SLOTS {MAX_SLOTS}
 """
     + r"""
 // Only its types: none of Metal's address-space words.
@@ -99,15 +114,19 @@ void threadgroup_barrier(mem_flags flags);
 namespace cuda {
 namespace std = ::std;
 }
-uint dfl_current_thread();
-uint dfl_current_group();
+uint dfl_current_slot();    // the thread's slot in its cluster: per-thread state
+uint dfl_current_thread();  // threadIdx.x
+uint dfl_current_group();   // blockIdx.x
+uint dfl_current_cta();     // the CTA's rank in its cluster
 void dfl_warp_sync();
+void dfl_cluster_sync();
 
 struct dim1 { uint x; };
 #define threadIdx (dim1{dfl_current_thread()})
 #define blockIdx (dim1{dfl_current_group()})
-// Dynamic shared memory is a namespace-scope array of the unit (one copy, groups run
-// one after another); the extern declaration in the body binds to it.
+// Dynamic shared memory is a namespace-scope array of the unit, one copy a CTA of the
+// cluster (clusters run one after another); the body's extern declaration becomes a
+// pointer to the running CTA's copy.
 #define __shared__
 #define __device__
 #define __align__(n) __attribute__((aligned(n)))
@@ -144,17 +163,43 @@ inline uint32_t dfl_emu_word(float f, const __half*) {
   __half v = __half(f); uint16_t b; std::memcpy(&b, &v, 2); return b;
 }
 
-// ----- the running group's dynamic shared memory -----
-static unsigned char* dfl_shared_begin = nullptr;
+// ----- the running cluster's dynamic shared memory: a copy a CTA, `stride` apart -----
+static unsigned char* dfl_shared_begin = nullptr;  // CTA 0's copy
 static size_t dfl_shared_bytes = 0;
+static size_t dfl_shared_stride = 0;
+static uint dfl_cluster_ctas = 1;
 
-// Aborts unless [p, p + bytes) is 16-byte aligned and inside the shared memory.
+inline unsigned char* dfl_cta_shared(uint cta) {
+  return dfl_shared_begin == nullptr ? nullptr : dfl_shared_begin + cta * dfl_shared_stride;
+}
+// The running CTA's copy.
+inline unsigned char* dfl_shared_now() { return dfl_cta_shared(dfl_current_cta()); }
+
+// Aborts unless [p, p + bytes) is 16-byte aligned and inside the running CTA's copy.
 inline void dfl_check_shared(const void* p, size_t bytes) {
   const unsigned char* c = static_cast<const unsigned char*>(p);
-  if ((reinterpret_cast<size_t>(c) & 15) || c < dfl_shared_begin ||
-      c + bytes > dfl_shared_begin + dfl_shared_bytes) {
+  const unsigned char* mine = dfl_shared_now();
+  if ((reinterpret_cast<size_t>(c) & 15) || mine == nullptr || c < mine ||
+      c + bytes > mine + dfl_shared_bytes) {
     std::abort();
   }
+}
+
+// mapa: the same offset of `p` (in the running CTA's shared memory) in CTA `rank`'s.
+inline const float* dfl_cluster_map(const float* p, uint32_t rank) {
+  const unsigned char* c = reinterpret_cast<const unsigned char*>(p);
+  const unsigned char* mine = dfl_shared_now();
+  if (mine == nullptr || c < mine || c >= mine + dfl_shared_bytes) {
+    std::fprintf(stderr, "group %u: dfl_cluster_map of an address outside its shared memory\n",
+                 dfl_current_group());
+    std::abort();
+  }
+  if (rank >= dfl_cluster_ctas) {
+    std::fprintf(stderr, "group %u: dfl_cluster_map to rank %u of a cluster of %u\n",
+                 dfl_current_group(), rank, dfl_cluster_ctas);
+    std::abort();
+  }
+  return reinterpret_cast<const float*>(dfl_cta_shared(rank) + (c - mine));
 }
 
 // ----- warp collectives: each lane posts, the warp meets, each reads the others -----
@@ -166,13 +211,13 @@ struct DflPost {
 };
 // Two slots a lane, used alternately: a lane can post its next collective while a
 // slower lane still reads this one (it cannot post twice before the warp meets).
-static DflPost dfl_posts[2][1024];
-static unsigned dfl_collectives[1024];
+static DflPost dfl_posts[2][DFL_SLOTS];
+static unsigned dfl_collectives[DFL_SLOTS];
 
 // Posts `mine` (of collective `kind`), meets the warp; returns the warp's 32 posts.
 // Lanes that meet at different collectives (some skipped one) end the run.
 inline const DflPost* dfl_meet(DflPost mine, uint32_t kind) {
-  const uint me = dfl_current_thread();
+  const uint me = dfl_current_slot();
   mine.kind = kind;
   mine.seq = dfl_collectives[me]++;
   dfl_posts[mine.seq & 1u][me] = mine;
@@ -181,13 +226,13 @@ inline const DflPost* dfl_meet(DflPost mine, uint32_t kind) {
   for (uint lane = 0; lane < 32; ++lane) {
     if (warp[lane].kind != kind || warp[lane].seq != mine.seq) {
       std::fprintf(stderr, "group %u: lanes of warp %u meet at different warp collectives\n",
-                   dfl_current_group(), me / 32);
+                   dfl_current_group(), dfl_current_thread() / 32);
       std::_Exit(7);  // no exit handlers: they would free the stack this runs on
     }
   }
   return warp;
 }
-inline uint dfl_lane() { return dfl_current_thread() & 31u; }
+inline uint dfl_lane() { return dfl_current_slot() & 31u; }
 
 // mma.sync.m16n8k16.row.col, float32 accumulate (PTX fragment layout).
 template <typename H>
@@ -348,7 +393,7 @@ inline uint32_t dfl_q8(uint32_t lo, uint32_t hi, const H* tag) {
 // ----- cp.async: per-thread commit groups, landing early or late -----
 struct DflCopy { unsigned char* dst; unsigned char data[16]; int bytes; };
 struct DflThreadCopies { std::vector<DflCopy> open; std::deque<std::vector<DflCopy>> groups; };
-static DflThreadCopies dfl_copies[1024];
+static DflThreadCopies dfl_copies[DFL_SLOTS];
 static bool dfl_late = false;
 
 inline void dfl_land(const std::vector<DflCopy>& copies) {
@@ -359,7 +404,7 @@ inline void dfl_queue(unsigned char* dst, const unsigned char* src, int bytes, b
   DflCopy c{dst, {0}, bytes};
   if (valid) std::memcpy(c.data, src, bytes);
   if (dfl_late) {
-    dfl_copies[dfl_current_thread()].open.push_back(c);
+    dfl_copies[dfl_current_slot()].open.push_back(c);
   } else {
     dfl_land({c});
   }
@@ -387,14 +432,14 @@ inline void dfl_cp_async16(void* shared, const void* global, bool fill) {
             16, fill);
 }
 inline void dfl_commit() {
-  DflThreadCopies& t = dfl_copies[dfl_current_thread()];
+  DflThreadCopies& t = dfl_copies[dfl_current_slot()];
   t.groups.push_back(t.open);
   t.open.clear();
 }
 inline void dfl_cp_async_commit() { dfl_commit(); }
 template <int PENDING>
 inline void dfl_wait() {
-  DflThreadCopies& t = dfl_copies[dfl_current_thread()];
+  DflThreadCopies& t = dfl_copies[dfl_current_slot()];
   while (int(t.groups.size()) > PENDING) {
     dfl_land(t.groups.front());
     t.groups.pop_front();
@@ -403,22 +448,26 @@ inline void dfl_wait() {
 template <int PENDING>
 inline void dfl_cp_async_wait() { dfl_wait<PENDING>(); }
 
-// A threadgroup starts: no copies, no collectives, its shared memory poisoned and
-// guarded.
-inline void dfl_begin_group(unsigned char* shared, size_t bytes) {
+// A cluster of `ctas` threadgroups starts: no copies, no collectives, each CTA's
+// shared memory (`bytes` a CTA, `stride` apart from `shared` on) poisoned and guarded.
+inline void dfl_begin_group(unsigned char* shared, size_t bytes, size_t stride, uint ctas) {
   for (DflThreadCopies& t : dfl_copies) { t.open.clear(); t.groups.clear(); }
   std::memset(dfl_collectives, 0, sizeof(dfl_collectives));
   dfl_shared_begin = shared;
   dfl_shared_bytes = bytes;
-  if (shared != nullptr) {
-    std::memset(shared, 0xFF, bytes);
-    std::memset(shared + bytes, 0xA5, GUARD);
+  dfl_shared_stride = stride;
+  dfl_cluster_ctas = ctas;
+  for (uint c = 0; shared != nullptr && c < ctas; ++c) {
+    std::memset(dfl_cta_shared(c), 0xFF, bytes);
+    std::memset(dfl_cta_shared(c) + bytes, 0xA5, GUARD);
   }
 }
-// Whether the group wrote no guard byte.
+// Whether no CTA of the cluster wrote a guard byte.
 inline bool dfl_guard_intact() {
-  for (size_t i = 0; dfl_shared_begin != nullptr && i < GUARD; ++i) {
-    if (dfl_shared_begin[dfl_shared_bytes + i] != 0xA5) return false;
+  for (uint c = 0; dfl_shared_begin != nullptr && c < dfl_cluster_ctas; ++c) {
+    for (size_t i = 0; i < GUARD; ++i) {
+      if (dfl_cta_shared(c)[dfl_shared_bytes + i] != 0xA5) return false;
+    }
   }
   return true;
 }
@@ -430,8 +479,9 @@ inline bool dfl_copies_done() {
   }
   return true;
 }
-// The merged split sum's memory operations: groups run one after another here, so
-// the fence has nothing to order and the atomic is a plain read-modify-write.
+// The merged split sum's memory operations: groups run one after another here (a
+// cluster's CTAs on one CPU thread), so the fence has nothing to order and the atomic
+// is a plain read-modify-write.
 inline void __threadfence() {}
 inline int atomicAdd(int* address, int value) {
   const int old = *address;
@@ -449,9 +499,11 @@ inline void dfl_pairs(uint4 v, uint32_t* r) {
 ).replace("GUARD", str(GUARD_BYTES))
 
 _GROUP_ACCESS = r"""
-uint dfl_group_now = 0;
-uint dfl_current_thread() { return current; }
-uint dfl_current_group() { return dfl_group_now; }
+uint dfl_group_now = 0;  // the running cluster's first threadgroup
+uint dfl_current_slot() { return current; }
+uint dfl_current_thread() { return current % cta_threads; }
+uint dfl_current_cta() { return current / cta_threads; }
+uint dfl_current_group() { return dfl_group_now + current / cta_threads; }
 """
 
 
@@ -459,8 +511,17 @@ def _unit_name(index: int, dtype: mx.Dtype) -> str:
     return f"unit{index}_{SUFFIX[dtype]}"
 
 
-def _shared_array(spec: GroupKernelSpec) -> tuple[str, str]:
-    """The unit's definition of the body's dynamic shared memory and its name.
+def _shared_stride(spec: GroupKernelSpec) -> int:
+    """Bytes from one CTA's copy of the dynamic shared memory to the next (the copy,
+    its guard bytes, rounded up to 16)."""
+    return -(-(spec.shared_memory + GUARD_BYTES) // 16) * 16
+
+
+def _shared_source(spec: GroupKernelSpec) -> tuple[str, str]:
+    """The unit's store of the body's dynamic shared memory (one copy a CTA of the
+    spec's cluster, :data:`SHARED_STORE`; empty when the body has none) and the kernel
+    source, its ``extern __shared__`` declaration made a pointer to the running CTA's
+    copy.
 
     Raises:
         ValueError: The body declares static shared arrays (not emulated).
@@ -471,10 +532,12 @@ def _shared_array(spec: GroupKernelSpec) -> tuple[str, str]:
     if "__shared__" in rest or "DFL_SHARED" in rest:
         raise ValueError(f"{spec.base}: static shared arrays are not emulated")
     if found is None:
-        return "", ""
+        return "", source
     ctype, name = found.groups()
-    size = f"({spec.shared_memory} + {GUARD_BYTES}) / sizeof({ctype})"
-    return f"alignas(16) {ctype} {name}[{size}];\n", name
+    pointer = f"{ctype}* const {name} = reinterpret_cast<{ctype}*>(dfl_shared_now());"
+    size = spec.cluster * _shared_stride(spec)
+    store = f"alignas(16) unsigned char {SHARED_STORE}[{size}];\n"
+    return store, source[: found.start()] + pointer + source[found.end() :]
 
 
 def _helpers(spec: GroupKernelSpec) -> str:
@@ -483,7 +546,7 @@ def _helpers(spec: GroupKernelSpec) -> str:
     Raises:
         ValueError: Inline PTX is left (a helper the shim does not emulate).
     """
-    helpers = spec.helpers
+    helpers = _ATTRIBUTES.sub("\n", spec.helpers)
     for text in EMULATED_HELPERS:
         helpers = helpers.replace(text, "")
     if "asm" in helpers:
@@ -495,13 +558,14 @@ def _unit(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
     """One spec at one ``T``: mlx's CUDA header macros, the plain helpers, the shared
     memory and the kernel with mlx's CUDA signature."""
     args = cuda_params(spec, dtype)
+    store, source = _shared_source(spec)
     return (
         f"namespace {_unit_name(index, dtype)} {{\n"
         + HEADERS[CUDA]
         + _helpers(spec)
-        + _shared_array(spec)[0]
+        + store
         + f"void kernel({', '.join(args)}) {{\n"
-        f"  using T = {CUDA_TYPES[dtype]};\n" + spec.source(CUDA) + "\n}\n}\n"
+        f"  using T = {CUDA_TYPES[dtype]};\n" + source + "\n}\n}\n"
     )
 
 
@@ -521,18 +585,24 @@ def _case(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
         for i, arg in enumerate(buffer_args(*ctypes))
     ]
     space = _unit_name(index, dtype)
-    name = _shared_array(spec)[1]
     shared = (
-        f"reinterpret_cast<unsigned char*>({space}::{name}), {spec.shared_memory}"
-        if name
-        else "nullptr, 0"
+        f"{space}::{SHARED_STORE}, {spec.shared_memory}, {_shared_stride(spec)}"
+        if _shared_source(spec)[0]
+        else "nullptr, 0, 0"
     )
     setup = (
+        f"    if (threads * {spec.cluster} > {MAX_SLOTS}) {{\n"
+        f'      std::fprintf(stderr, "{spec.cluster} CTAs of %u threads overflow the '
+        f"shim's {MAX_SLOTS} slots\\n\", threads);\n"
+        "      return 9;\n    }\n"
         '    dfl_late = std::getenv("DFL_CP_LATE") != nullptr;\n'
         '    eager_warps = std::getenv("DFL_EAGER_WARPS") != nullptr;\n'
         '    const size_t dfl_offset = std::getenv("DFL_OFFSET") ? 2 : 0;\n'
     )
-    per_group = f"      dfl_group_now = group;\n      dfl_begin_group({shared});\n"
+    per_group = (
+        "      dfl_group_now = group;\n"
+        f"      dfl_begin_group({shared}, {spec.cluster});\n"
+    )
     check = (
         "      if (!dfl_copies_done()) {\n"
         '        std::fprintf(stderr, "group %u: cp.async copies never waited for\\n", group);\n'
@@ -542,7 +612,7 @@ def _case(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
         "        return 6;\n      }\n"
     )
     call = f"{space}::kernel({', '.join(args)});"
-    return group_case(space, call, setup, per_group, check)
+    return group_case(space, call, setup, per_group, check, spec.cluster)
 
 
 class TensorEmulator(DriverLauncher):
