@@ -729,9 +729,12 @@ def _swiglu_wrong_half():
 
 SWIGLU_WRONG_HALF = _swiglu_wrong_half()
 
-# The unscaled two-K-group forms (the emulated fixture's) with session 41's batched merge.
-with matmul_variants.variant(**matmul_variants.VARIANTS["batchedmerge"]):
-    BATCHED_MERGE = dict(tensor_qmm.FORM_SPECS[(False, 2)])
+# The unscaled two-K-group forms (the emulated fixture's) with another merge of the
+# same order: session 41's batched merge, session 42's with every split's load in flight.
+MERGE_VARIANTS = {}
+for _name in ("batchedmerge", "mergeunrolled"):
+    with matmul_variants.variant(**matmul_variants.VARIANTS[_name]):
+        MERGE_VARIANTS[_name] = dict(tensor_qmm.FORM_SPECS[(False, 2)])
 
 # Negative control of the scaled-weight form: the group's bias never reaches the weights.
 SCALED_G64 = tensor_qmm.SCALED_SPECS[(2, (4, 1), 64)]
@@ -756,7 +759,7 @@ def tensor_emulator(tmp_path_factory):
         + (K2_DROPPED, SWIGLU_WRONG_HALF)
         + tuple(tensor_qmm.SCALED_SPECS.values())
         + (SCALED_NO_BIAS,)
-        + tuple(BATCHED_MERGE.values())
+        + tuple(spec for specs in MERGE_VARIANTS.values() for spec in specs.values())
     )
     emulator = TensorEmulator(tmp_path_factory.mktemp("tensor_emulator"), specs, GXX)
     assert emulator.build.ok, emulator.build.log
@@ -809,19 +812,28 @@ def test_emulated_body_matches_oracle(
     assert emulated.launches == before + _launches(splits)
 
 
+@pytest.mark.parametrize("variant", sorted(MERGE_VARIANTS))
 @settings(max_examples=6, deadline=None, suppress_health_check=_FIXTURES)
-@given(case=served_cases(max_chunks=4, max_columns=200), late=st.booleans())
-def test_emulated_batched_merge_gives_the_shipped_merge_bits(
-    emulated, case, late
+@given(case=served_cases(max_chunks=9, max_columns=200), late=st.booleans())
+def test_emulated_merge_variants_give_the_shipped_merge_bits(
+    emulated, variant, case, late
 ) -> None:
     """matmul_variants' ``batchedmerge`` (session 41's try: a split's loads of 8 outputs
-    a thread in flight) sums a K split's partials in the shipped merge's order, so
-    every output keeps its bits (the emulated body, whatever the split)."""
+    a thread in flight) and ``mergeunrolled`` (session 42's: every split's load of an
+    output in flight, the loop past 8 splits) sum a K split's partials in the shipped
+    merge's order, so every output keeps its bits (the emulated body, whatever the
+    split)."""
     emulated.late = late
+    _assert_merge_variant_bits(emulated, variant, case)
+
+
+def _assert_merge_variant_bits(emulated, variant: str, case) -> None:
+    """The merge variant's output bits equal the shipped merge's for ``case``."""
     shipped = raw_bits(_kernel(case))
+    specs = MERGE_VARIANTS[variant]
     # The emulator holds the specs built at import (a spec is known by identity).
     with pytest.MonkeyPatch.context() as patch:
-        for key, spec in BATCHED_MERGE.items():
+        for key, spec in specs.items():
             patch.setitem(tensor_qmm.FORM_SPECS[(False, 2)], key, spec)
         tensor_qmm.launch_plan.cache_clear()
         launched = []
@@ -831,10 +843,22 @@ def test_emulated_batched_merge_gives_the_shipped_merge_bits(
             return emulated.launch(spec, *args, **kwargs)
 
         patch.setattr(qmm.groups, "launch_groups", launch)
-        batched = raw_bits(_kernel(case))
-        assert any(spec in BATCHED_MERGE.values() for spec in launched)
+        merged = raw_bits(_kernel(case))
+        assert any(spec in specs.values() for spec in launched)
     tensor_qmm.launch_plan.cache_clear()
-    assert np.array_equal(batched, shipped)
+    assert np.array_equal(merged, shipped)
+
+
+@pytest.mark.parametrize("chunks, splits", [(3, 3), (8, 8), (10, 10)])
+def test_emulated_unrolled_merge_keeps_bits_on_both_sides_of_eight_splits(
+    emulated, chunks, splits
+) -> None:
+    """``mergeunrolled`` holds up to 8 splits' loads unrolled and loops past that: both
+    paths give the shipped merge's bits (a 4-bit call of one column tile splits K into
+    one chunk a CTA)."""
+    case = _fixed_case(5, 256 * chunks, 100, 4, 64, mx.bfloat16, chunks)
+    assert split_plan(256 * chunks, 100, 4, True)[1] == splits
+    _assert_merge_variant_bits(emulated, "mergeunrolled", case)
 
 
 def test_emulated_fused_projections_give_each_member_its_columns(emulated) -> None:
