@@ -162,9 +162,10 @@ REDUCE_THREADS = 256
 # the counter or one CTA's serial sum. Splits of 2 to MAX_CLUSTER on devices with
 # clusters (compute capability 9.0 on); other calls keep the merge. MAX_CLUSTER is 4,
 # as measured on the H200 (16 rows, graphs off): o_proj 18.0 -> 13.4 us (4 splits),
-# q/k/v/gate 27.2 -> 23.3 (3), gate / up 85.7 -> 80.5 (2), but down 42.4 -> 59.3 (5:
-# clusters of 5 leave CTA slots of a GPC idle). ``DFLASH_QMM_CLUSTER_SUM`` (on/off) decides when set; read at each bind.
-# Off, and refused while mlx records CUDA graphs: mlx 0.32.4 updates a cached graph's
+# q/k/v/gate 27.2 -> 23.3 (3), gate / up 85.7 -> 80.5 (2), but down 42.4 -> 59.3 (5;
+# probably clusters of 5 leave CTA slots of a GPC idle). ``DFLASH_QMM_CLUSTER_SUM``
+# (on/off) decides when set; read at each bind. Off, and refused while mlx records
+# CUDA graphs: mlx 0.32.4 updates a cached graph's
 # kernel node to a new kernel without its compile-time cluster shape (its own check
 # covers captured child graphs only), and the H200 then ran cluster kernels, and
 # kernels after them, wrongly (session 42). With ``MLX_USE_CUDA_GRAPHS=0`` every
