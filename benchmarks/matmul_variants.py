@@ -290,14 +290,7 @@ EDITS = {
     ),
     "nofence": ("body", "__threadfence();", "(void)0;"),
     # A column tile's splits as consecutive CTAs (the cluster form's order; same bits).
-    "tilemajor": (
-        "body",
-        "  const int tile = int(group) % col_tiles;\n"
-        "  const int split = int(group) / col_tiles;\n",
-        "  const int tile = int(group) / splits;\n"
-        "  const int split = int(group) % splits;\n"
-        "  (void)col_tiles;\n",
-    ),
+    "tilemajor": ("body", *tensor_qmm._CLUSTER_EDITS[0]),
     # Rows are never above 32: the arithmetic is skipped, yet still compiled.
     "memonly": (
         "body",

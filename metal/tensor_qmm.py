@@ -165,11 +165,10 @@ REDUCE_THREADS = 256
 # q/k/v/gate 27.2 -> 23.3 (3), gate / up 85.7 -> 80.5 (2), but down 42.4 -> 59.3 (5;
 # probably clusters of 5 leave CTA slots of a GPC idle). ``DFLASH_QMM_CLUSTER_SUM``
 # (on/off) decides when set; read at each bind. Off, and refused while mlx records
-# CUDA graphs: mlx 0.32.4 updates a cached graph's
-# kernel node to a new kernel without its compile-time cluster shape (its own check
-# covers captured child graphs only), and the H200 then ran cluster kernels, and
-# kernels after them, wrongly (session 42). With ``MLX_USE_CUDA_GRAPHS=0`` every
-# launch is direct and keeps the shape.
+# CUDA graphs: mlx 0.32.4 updates a cached graph's kernel node to a new kernel without
+# its compile-time cluster shape (its own check covers captured child graphs only),
+# and the H200 then ran cluster kernels, and kernels after them, wrongly (session 42).
+# With ``MLX_USE_CUDA_GRAPHS=0`` every launch is direct and keeps the shape.
 CLUSTER_SUM = False
 CLUSTER_SUM_ENV = "DFLASH_QMM_CLUSTER_SUM"
 MAX_CLUSTER = 4
@@ -568,11 +567,6 @@ DFL_FN const float* dfl_cluster_map(const float* p, uint32_t rank) {
   asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(q) : "l"(p), "r"(rank));
   return q;
 }
-"""
-# A cluster kernel's attribute, after its launch bounds when it has them.
-CLUSTER_DIMS = r"""
-#undef __global__
-#define __global__ __attribute__((global)) __cluster_dims__({cluster}, 1, 1)
 """
 # Floats a row of a cluster partial takes in shared memory: a column tile and 8 more,
 # so the fragment stores (rows gid, columns 2 tig + j) meet 2-way bank conflicts, not 8.
@@ -1349,16 +1343,19 @@ def cluster_spec(spec: GroupKernelSpec, cluster: int) -> GroupKernelSpec:
     if spec.shared_memory < needed:
         raise ValueError(f"{spec.base}: {spec.shared_memory} bytes of shared memory, "
                          f"the cluster sum needs {needed}")  # fmt: skip
+    # The cluster attribute joins the launch bounds' redefinition of ``__global__``
+    # where the form has one (see LAUNCH_BOUNDS), else a redefinition of its own.
     bounds = launch_bounds(spec.threads)
     helpers = spec.helpers
-    dims = _fill(CLUSTER_DIMS, {"cluster": cluster})
     if helpers.startswith(bounds):
         helpers = helpers[len(bounds) :]
-        dims = bounds.rstrip("\n") + f" __cluster_dims__({cluster}, 1, 1)\n"
+    else:
+        bounds = "\n#undef __global__\n#define __global__ __attribute__((global))\n"
+    attributes = bounds.rstrip("\n") + f" __cluster_dims__({cluster}, 1, 1)\n"
     return dataclasses.replace(
         spec,
         base=f"{spec.base}_c{cluster}",
-        helpers=dims + helpers + CLUSTER_HELPERS,
+        helpers=attributes + helpers + CLUSTER_HELPERS,
         body=_cluster_sum(spec.body, cluster),
         cluster=cluster,
     )
@@ -1554,7 +1551,7 @@ def bind_tensor_core(
     plan = launch_plan(
         rows, depth, weight.shape[0], bits, group_size, merge_split_sum(),
         fold_q4_offset() and not swiglu and not scaled, wave_split(), k_groups(),
-        edges, swiglu, scaled, cluster_sum() and not swiglu,
+        edges, swiglu, scaled, cluster_sum(),
     )  # fmt: skip
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)
@@ -1680,8 +1677,8 @@ def launch_plan(
     :func:`swiglu_serves`; its result is ``(rows, columns / 2)``). ``scaled``: an
     affine call takes the scaled-weight form (:data:`SCALED_B`; not with ``folded``).
     ``cluster``: a split of 2 to :data:`MAX_CLUSTER` ways is summed inside a
-    thread-block cluster (:func:`cluster_spec`; not SwiGLU), with no partials array
-    and no counters.
+    thread-block cluster (:func:`cluster_spec`), with no partials array and no
+    counters; a SwiGLU plan keeps its merge.
 
     Raises:
         ValueError: ``swiglu`` for a call :func:`swiglu_serves` refuses.
