@@ -111,8 +111,8 @@ VARIANTS = {
     "overhead20": {"overhead": 20},
     # A K split's merge with its loads batched (the same bits; tried in session 41).
     "batchedmerge": {"edits": ("batchedmerge",)},
-    # Every split's load of an output in flight at once (session 42; the same bits).
-    "mergeunrolled": {"edits": ("mergeunrolled",)},
+    # The merge before session 43: each split's load waited for by its add (same bits).
+    "mergeloop": {"edits": ("mergeloop",)},
     # Diagnostics of the epilogue (results wrong): no merge; no merge and no fences.
     "nolast": {"edits": ("nolast",)},
     "nolast-nofence": {"edits": ("nolast", "nofence")},
@@ -184,15 +184,28 @@ def _bounds(blocks: int) -> tuple[str, str, str]:
     return ("helpers", first, tensor_qmm.launch_bounds(256, blocks) + first)
 
 
-# A K split's merge as shipped (each thread sums one output at a time, split by split)
-# and the form session 41 tried: the loads of 8 outputs a thread in flight per split.
-# Same bits; the batched form measured slower on the H200 (session 42: o_proj 20.9 us
-# with 16 rows against 18.1 shipped, 16.5 for `mergeunrolled` below).
+# A K split's merge as shipped (session 43: every split's load of an output in flight,
+# then added in split order), the loop before it (each split's load waited for by its
+# add) and session 41's try: the loads of 8 outputs a thread in flight per split. Same
+# bits; on the H200 (session 42, 16 rows) o_proj took 16.5 us shipped, 18.1 with the
+# loop and 20.9 batched.
 _MERGE = tensor_qmm._BODY[
     tensor_qmm._BODY.index(
         "      for (int p = int(lid); p < n_rows * COLUMNS;"
     ) : tensor_qmm._BODY.index("      // Dead (each launch")
 ]
+_MERGE_LOOP = """      for (int p = int(lid); p < n_rows * COLUMNS; p += THREADS) {
+        const int n = col0 + p % COLUMNS;
+        if (n < n_cols) {
+          const size_t e = size_t(p / COLUMNS) * size_t(n_cols) + size_t(n);
+          float sum = __ldcg(partial + e);
+          for (int k = 1; k < splits; ++k) {
+            sum = __fadd_rn(sum, __ldcg(partial + size_t(k) * total + e));
+          }
+          y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)] = T(sum);
+        }
+      }
+"""
 _MERGE_BATCHED = """      constexpr int EACH = XROWS * COLUMNS / THREADS;
       constexpr int BATCH = EACH < 8 ? EACH : 8;
       for (int j0 = 0; j0 < EACH; j0 += BATCH) {
@@ -217,39 +230,6 @@ _MERGE_BATCHED = """      constexpr int EACH = XROWS * COLUMNS / THREADS;
             const float sum = sums[j];
             y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)] = T(sum);
           }
-        }
-      }
-"""
-
-# Session 42: every split's load of an output in flight at once (up to 8 splits,
-# unrolled and predicated; the shipped loop beyond), the sum in split order as shipped:
-# the same bits (120 of 120 cases on the H200), o_proj 18.1 -> 16.5 us and q/k/v/gate
-# 27.3 -> 26.3 with 16 rows. Not shipped yet: a changed merge renames every matmul
-# kernel, and the forms it did not run (groups of 32 / 128, one K group, SwiGLU) must
-# pass their `cuda` tests first.
-_MERGE_UNROLLED = """      for (int p = int(lid); p < n_rows * COLUMNS; p += THREADS) {
-        const int n = col0 + p % COLUMNS;
-        if (n < n_cols) {
-          const size_t e = size_t(p / COLUMNS) * size_t(n_cols) + size_t(n);
-          float sum;
-          if (splits <= 8) {
-            float v[8];
-            #pragma unroll
-            for (int k = 0; k < 8; ++k) {
-              v[k] = k < splits ? __ldcg(partial + size_t(k) * total + e) : 0.0f;
-            }
-            sum = v[0];
-            #pragma unroll
-            for (int k = 1; k < 8; ++k) {
-              sum = k < splits ? __fadd_rn(sum, v[k]) : sum;
-            }
-          } else {
-            sum = __ldcg(partial + e);
-            for (int k = 1; k < splits; ++k) {
-              sum = __fadd_rn(sum, __ldcg(partial + size_t(k) * total + e));
-            }
-          }
-          y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)] = T(sum);
         }
       }
 """
@@ -281,7 +261,7 @@ EDITS = {
         "  if (n_rows <= 32) return;\n  // c0, c1: row gid",
     ),
     "batchedmerge": ("body", _MERGE, _MERGE_BATCHED),
-    "mergeunrolled": ("body", _MERGE, _MERGE_UNROLLED),
+    "mergeloop": ("body", _MERGE, _MERGE_LOOP),
     # The epilogue taken apart: no CTA counts itself last (no merge), no fences.
     "nolast": (
         "body",

@@ -892,13 +892,29 @@ _BODY = r"""
     if (*last) {
       __threadfence();
       const size_t total = size_t(n_rows) * size_t(n_cols);
+      // Every split's load of an output is issued before the first add (up to 8
+      // splits; a loop past that), then added in split order: the same sum.
       for (int p = int(lid); p < n_rows * COLUMNS; p += THREADS) {
         const int n = col0 + p % COLUMNS;
         if (n < n_cols) {
           const size_t e = size_t(p / COLUMNS) * size_t(n_cols) + size_t(n);
-          float sum = __ldcg(partial + e);
-          for (int k = 1; k < splits; ++k) {
-            sum = __fadd_rn(sum, __ldcg(partial + size_t(k) * total + e));
+          float sum;
+          if (splits <= 8) {
+            float v[8];
+            #pragma unroll
+            for (int k = 0; k < 8; ++k) {
+              v[k] = k < splits ? __ldcg(partial + size_t(k) * total + e) : 0.0f;
+            }
+            sum = v[0];
+            #pragma unroll
+            for (int k = 1; k < 8; ++k) {
+              sum = k < splits ? __fadd_rn(sum, v[k]) : sum;
+            }
+          } else {
+            sum = __ldcg(partial + e);
+            for (int k = 1; k < splits; ++k) {
+              sum = __fadd_rn(sum, __ldcg(partial + size_t(k) * total + e));
+            }
           }
           y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)] = T(sum);
         }

@@ -276,25 +276,13 @@ RAN_ON_THE_H200 = {
     # its text has changed since, see session 22).
     "dflash_attend_chunks_stream128_f6bed75984",
     "dflash_attend_chunks_split128_56623e56c5",
-    "dflash_tensor_q4_m1_bbc3c862f6",
-    "dflash_tensor_q4_m2_eeb83625a2",
-    "dflash_tensor_q8_m1_f627bb3344",
-    "dflash_tensor_q8_m2_71001ecfb6",
-    "dflash_tensor_dense_m1_ff5a4ac55a",
-    "dflash_tensor_dense_m2_b7669a81d8",
-    "dflash_tensor_q4_m1_folded_f287375884",
-    "dflash_tensor_q4_m2_folded_b0f0f4c588",
+    # (The one-K-group and folded matmul forms' texts then changed in session 43, below.)
     # Session 19 (call D: 32 `cuda` attention tests, 42 `cuda` matmul tests, the route's
     # tests, all with the default switches): the fold stores (B, S, Hq, D); the matmul
     # forms take member edges (the member-major store of fused siblings).
     # (Its text then: dflash_fold_chunks_c01c9dc4da; changed in session 40, below.)
     "dflash_tensor_split_sum_4ed96840a0",
-    "dflash_tensor_q4_m1_k2_ee2653ba77",
-    "dflash_tensor_q4_m2_k2_5133f0f5ee",
-    "dflash_tensor_q8_m1_k2_5d7cfa86df",
-    "dflash_tensor_q8_m2_k2_e97f988cc0",
-    "dflash_tensor_dense_m1_k2_922a8ee20e",
-    "dflash_tensor_dense_m2_k2_a75096fb37",
+    # (The two-K-group matmul forms' texts then changed in session 43, below.)
 }
 # Forms whose text changed, or new forms, that have not run on a GPU. A form
 # listed here must be named in the README's "What ran where".
@@ -307,37 +295,21 @@ RAN_ON_THE_H200 |= {
     "dflash_attend_chunks_pair128_46ceffda7a",
     # (Its text then: dflash_attend_chunks_wide128_abf31eb030; changed in session 40.)
 }
-# Session 23 (docs/benchmarks/h200-2026-12-02-s23): the matmul's SwiGLU forms (opt-in
-# ``DFLASH_SWIGLU=1``): call D, the two-K-group forms (4 `cuda` tests: hypothesis over
-# bits, dtypes and rows, Glimmer's MLP at 1 and 16 rows, the install probe and a
-# patched model's logits, all mlx's bits; 8 full-size layers bit-equal); call E, the
-# one-K-group forms (the 3 form tests again with ``DFLASH_QMM_TWO_K_GROUPS=0``).
-RAN_ON_THE_H200 |= {spec.name("cuda") for spec in tensor_qmm.SWIGLU_SPECS.values()}
-# Session 28 (docs/benchmarks/h200-2026-12-03-s28): the scaled-weight forms with one
-# lop3 a 4-bit pair and their group size a constant of each kernel. Calls A-A2: the 74
-# `cuda` matmul tests (hypothesis over both K-group forms against the rounded-weight
-# oracle, Glimmer's shapes at 1 / 16 / 32 rows and 8 bits), the gated-MLP tests and the
-# kernel patch's bitwise plain / classic / DFlash agreement; call D: each of the 24
-# plain scaled kernels once (`test_cuda_every_scaled_kernel_meets_the_oracle`) and the
-# two-K-group SwiGLU kernels of groups of 32 and 64 (silu(gate) * up of the plain
-# launches bit for bit); session 29 (docs/benchmarks/h200-2026-12-03-s29): those of
-# groups of 128, by the same test fixed to a 256-wide down projection (12 passed). The
-# sets are computed, so the names as they ran are pinned by a digest in the test below.
-SCALED_RAN = {spec.name("cuda") for spec in tensor_qmm.SCALED_SPECS.values()}
-SWIGLU_SCALED_RAN = {
-    spec.name("cuda")
-    for (groups, _, size), spec in tensor_qmm.SWIGLU_SCALED_SPECS.items()
-    if groups == 2
-}
-RAN_DIGESTS = {"scaled": "e38dd5e6c7d3245d", "swiglu_scaled_k2": "65aeaf5c64c0fede"}
-RAN_ON_THE_H200 |= SCALED_RAN | SWIGLU_SCALED_RAN
-# Not run on a GPU (README "What ran where" says so): the SwiGLU scaled kernels of one
-# K group (opt-in SwiGLU with DFLASH_QMM_TWO_K_GROUPS=0).
-NOT_RUN_SINCE_CHANGED |= {
-    spec.name("cuda")
-    for (groups, _, _), spec in tensor_qmm.SWIGLU_SCALED_SPECS.items()
-    if groups == 1
-}
+# The matmul forms' history: session 23 (docs/benchmarks/h200-2026-12-02-s23) ran the
+# SwiGLU forms, sessions 28-29 (h200-2026-12-03-s28, -s29) the scaled forms; the one-K-
+# group SwiGLU scaled forms had never run. Session 43 (h200-2026-12-04-s43) changed the
+# merge of every form (every split's load of an output in flight, then added in split
+# order: the same bits) and so renamed them all, and ran each: call B the matmul's
+# `cuda` tests with the default switches (75), each of the 24 scaled kernels once, and
+# with the scaled form off for two K groups, one K group and the folded offset (54
+# each), test_verify_kernels' 15; call C the gated-MLP `cuda` tests of the SwiGLU forms,
+# scaled and unscaled, with two and one K groups (16, 15, 15, 15: the one-K-group scaled
+# forms for the first time), the 16 bitwise kernel-patch tests, the traced layers' 2,
+# and 624 of 624 cases bit-identical to the loop merge the texts had before. The set is
+# computed, so the names as they ran are pinned by a digest in the test below.
+MATMUL_RAN = {spec.name("cuda") for spec in tensor_qmm.SPECS}
+RAN_DIGESTS = {"matmul": "4867b3f6b605882c"}
+RAN_ON_THE_H200 |= MATMUL_RAN
 
 # Session 40 (docs/benchmarks/h200-2026-12-04-s40): the fold holds up to FOLD_HELD
 # chunks' loads in registers, more in batches (same arithmetic, same order); the wide
@@ -359,8 +331,7 @@ def names_digest(names: set) -> str:
 
 def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
     # The computed sets are the texts that ran: a changed text changes its digest.
-    assert names_digest(SCALED_RAN) == RAN_DIGESTS["scaled"]
-    assert names_digest(SWIGLU_SCALED_RAN) == RAN_DIGESTS["swiglu_scaled_k2"]
+    assert names_digest(MATMUL_RAN) == RAN_DIGESTS["matmul"]
     shipped = {
         tensor_attention.attend_spec(128, layout).name("cuda")
         for layout in tensor_attention.LAYOUTS.values()

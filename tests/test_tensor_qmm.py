@@ -709,11 +709,15 @@ MUTANTS = {
             "y[i]",
         ),
     ),
-    # Merged split sum: the first split's partial left out of the sum.
+    # Merged split sum: the first split's partial left out of the sum, of up to 8
+    # splits (their loads unrolled) or of more (the loop).
     "first_split_dropped": _mutant(
-        "first_split_dropped",
-        "float sum = __ldcg(partial + e);",
-        "float sum = 0.0f * __ldcg(partial + e);",
+        "first_split_dropped", "sum = v[0];", "sum = 0.0f * v[0];"
+    ),
+    "first_split_dropped_past_eight": _mutant(
+        "first_split_dropped_past_eight",
+        "sum = __ldcg(partial + e);",
+        "sum = 0.0f * __ldcg(partial + e);",
     ),
 }
 
@@ -730,9 +734,10 @@ def _swiglu_wrong_half():
 SWIGLU_WRONG_HALF = _swiglu_wrong_half()
 
 # The unscaled two-K-group forms (the emulated fixture's) with another merge of the
-# same order: session 41's batched merge, session 42's with every split's load in flight.
+# same order: session 41's batched merge, and the loop shipped before session 43 (each
+# split's load waited for by its add; the shipped merge holds every split's in flight).
 MERGE_VARIANTS = {}
-for _name in ("batchedmerge", "mergeunrolled"):
+for _name in ("batchedmerge", "mergeloop"):
     with matmul_variants.variant(**matmul_variants.VARIANTS[_name]):
         MERGE_VARIANTS[_name] = dict(tensor_qmm.FORM_SPECS[(False, 2)])
 
@@ -819,10 +824,9 @@ def test_emulated_merge_variants_give_the_shipped_merge_bits(
     emulated, variant, case, late
 ) -> None:
     """matmul_variants' ``batchedmerge`` (session 41's try: a split's loads of 8 outputs
-    a thread in flight) and ``mergeunrolled`` (session 42's: every split's load of an
-    output in flight, the loop past 8 splits) sum a K split's partials in the shipped
-    merge's order, so every output keeps its bits (the emulated body, whatever the
-    split)."""
+    a thread in flight) and ``mergeloop`` (the merge before session 43: each split's load
+    waited for by its add) sum a K split's partials in the shipped merge's order, so
+    every output keeps its bits (the emulated body, whatever the split)."""
     emulated.late = late
     _assert_merge_variant_bits(emulated, variant, case)
 
@@ -853,12 +857,12 @@ def _assert_merge_variant_bits(emulated, variant: str, case) -> None:
 def test_emulated_unrolled_merge_keeps_bits_on_both_sides_of_eight_splits(
     emulated, chunks, splits
 ) -> None:
-    """``mergeunrolled`` holds up to 8 splits' loads unrolled and loops past that: both
-    paths give the shipped merge's bits (a 4-bit call of one column tile splits K into
-    one chunk a CTA)."""
+    """The shipped merge holds up to 8 splits' loads unrolled and loops past that: both
+    paths give the bits of the merge before it (``mergeloop``; a 4-bit call of one
+    column tile splits K into one chunk a CTA)."""
     case = _fixed_case(5, 256 * chunks, 100, 4, 64, mx.bfloat16, chunks)
     assert split_plan(256 * chunks, 100, 4, True)[1] == splits
-    _assert_merge_variant_bits(emulated, "mergeunrolled", case)
+    _assert_merge_variant_bits(emulated, "mergeloop", case)
 
 
 def test_emulated_fused_projections_give_each_member_its_columns(emulated) -> None:
@@ -1288,6 +1292,18 @@ def test_emulator_catches_merged_sum_slips(tensor_emulator, monkeypatch) -> None
     )
     assert not _close_to_matmul_oracle(
         case, _run_merged(tensor_emulator, MUTANTS["first_split_dropped"], case)
+    )
+    # Past 8 splits the merge loops: its own mutant, on a call of 10 splits.
+    case = _fixed_case(5, 256 * 10, 100, 4, 64, mx.bfloat16, 10)
+    assert split_plan(256 * 10, 100, 4)[1] == 10
+    good = _run_merged(tensor_emulator, tensor_qmm.MATMUL_SPECS[(4, 1)], case)
+    assert _close_to_matmul_oracle(case, good)
+    # (The unrolled path's mutant is not taken there: it keeps the good bits.)
+    unrolled_mutant = _run_merged(tensor_emulator, MUTANTS["first_split_dropped"], case)
+    assert np.array_equal(raw_bits(good), raw_bits(unrolled_mutant))
+    assert not _close_to_matmul_oracle(
+        case,
+        _run_merged(tensor_emulator, MUTANTS["first_split_dropped_past_eight"], case),
     )
 
 
