@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from . import kernel_files
 from .sources import CUDA, MAX_PLANES, METAL, KernelSpec, compact_text
 
 Kernel = Callable[..., list]
@@ -194,7 +195,9 @@ def make_kernel(backend: str, **fields: Any) -> Optional[Kernel]:
     """``mx.fast.metal_kernel`` or ``mx.fast.cuda_kernel`` for ``backend``.
 
     The source and header are handed over compacted (:func:`compact_text`: mlx hashes
-    them at every CUDA launch); the name, made from the full texts, stays.
+    them at every CUDA launch), and on CUDA as one ``#include`` line each where their
+    files can be written (:mod:`.kernel_files`); the name, made from the full texts,
+    stays.
 
     Args:
         backend: ``"metal"`` or ``"cuda"``.
@@ -206,6 +209,17 @@ def make_kernel(backend: str, **fields: Any) -> Optional[Kernel]:
     for text in ("source", "header"):
         if text in fields:
             fields[text] = compact_text(fields[text])
+    if backend == CUDA:
+        stubs = kernel_files.included_texts(
+            fields["name"],
+            fields["source"],
+            fields.get("header", ""),
+            fields.get("input_names", ()),
+        )
+        if stubs is not None:
+            fields["source"], header = stubs
+            if header:
+                fields["header"] = header
     try:
         if backend == METAL:
             return mx.fast.metal_kernel(**fields)

@@ -28,6 +28,7 @@ from dflash.metal import (
     backend,
     groups,
     heads,
+    kernel_files,
     norms,
     qmm,
     tensor_attention,
@@ -121,6 +122,8 @@ def test_compaction_splits_at_the_joins_mlx_sees() -> None:
 
 
 def test_make_kernel_hands_mlx_the_compacted_texts(monkeypatch) -> None:
+    # Inline (the included files hold the same texts: tests/test_kernel_files.py).
+    monkeypatch.setenv(kernel_files.INCLUDED_TEXTS_ENV, "0")
     seen = {}
 
     def fake_kernel(**fields):
