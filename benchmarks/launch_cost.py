@@ -41,7 +41,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import mlx.core as mx
 
 from dflash import prepared_heads
-from dflash.metal import backend, groups
+from dflash.metal import backend, groups, kernel_files
 from dflash.metal.attention import KeyPlane, small_query_attention
 from dflash.metal.heads import Prep, head_prep, reference_head_prep
 from dflash.metal.norms import reference_residual_norm, residual_norm
@@ -141,30 +141,45 @@ def norm_ops(x: mx.array, heads: int, kv_heads: int, dim: int) -> dict[str, Op]:
 
 
 # A one-element copy: what mlx's custom-kernel path costs a launch, apart from our
-# wrappers and the work. The padded form carries a comment as long as our tensor-core
-# bodies (mlx assembles the source at every call and hashes it at every evaluation).
+# wrappers and the work. The padded form carries statements as long as our tensor-core
+# bodies (mlx assembles the source at every call and hashes it at every evaluation;
+# comments would be compacted away), handed to mlx inline or, as the process's
+# switch says, as an ``#include`` line (``metal/kernel_files.py``).
 BARE_BODIES = {
     backend.CUDA: "int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
     "if (i < 1) { out[i] = a[i]; }\n",
     backend.METAL: "uint i = thread_position_in_grid.x;\nif (i < 1) { out[i] = a[i]; }\n",
 }
 BARE_PADDING = 12 * 1024
+_PAD = "(void)0;\n"
 
 
 def bare_kernel_ops(x: mx.array) -> dict[str, Op]:
-    """``custom kernel`` ops of a short and a padded source (none without a GPU)."""
+    """``custom kernel`` ops of a short and a padded source, the padded one also with
+    its text forced inline (none without a GPU)."""
     if backend.BACKEND not in BARE_BODIES:
         return {}
     ops = {}
-    for label, padding in (("short", 0), ("12 KB", BARE_PADDING)):
-        source = "// pad\n" * (padding // 7) + BARE_BODIES[backend.BACKEND]
-        kernel = backend.make_kernel(
-            backend.BACKEND,
-            name=f"dflash_bare_{padding}",
-            input_names=["a"],
-            output_names=["out"],
-            source=source,
-        )
+    arms = (("short", 0, None), ("12 KB", BARE_PADDING, None))
+    arms += (("12 KB inline", BARE_PADDING, "0"),)
+    for label, padding, switch in arms:
+        source = _PAD * (padding // len(_PAD)) + BARE_BODIES[backend.BACKEND]
+        saved = os.environ.get(kernel_files.INCLUDED_TEXTS_ENV)
+        if switch is not None:
+            os.environ[kernel_files.INCLUDED_TEXTS_ENV] = switch
+        try:
+            kernel = backend.make_kernel(
+                backend.BACKEND,
+                name=f"dflash_bare_{padding}_{label.replace(' ', '_')}",
+                input_names=["a"],
+                output_names=["out"],
+                source=source,
+            )
+        finally:
+            if saved is None:
+                os.environ.pop(kernel_files.INCLUDED_TEXTS_ENV, None)
+            else:
+                os.environ[kernel_files.INCLUDED_TEXTS_ENV] = saved
         ops[f"custom kernel {label} source"] = partial(_bare_launch, kernel, x)
     return ops
 

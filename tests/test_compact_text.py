@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
 from pathlib import Path
 from typing import List
 
@@ -215,18 +214,8 @@ def test_compacted_metal_bodies_compile(tmp_path: Path) -> None:
 def _ptx(workdir: Path) -> str:
     """The PTX of the translation unit :func:`group_emulator.check_cuda` wrote in
     ``workdir``, kernel-name digests masked (a name hashes its own text)."""
-    unit = workdir / "group_bodies.cu"
-    out = workdir / "group_bodies.ptx"
-    command = [
-        NVCC,
-        "-std=c++17",
-        "-arch=sm_90",
-        "-ptx",
-        "-I",
-        str(workdir / "include"),
-    ]
-    subprocess.run(command + ["-o", str(out), str(unit)], check=True)
-    return re.sub(r"_[0-9a-f]{10}_", "_digest_", out.read_text())
+    ptx = group_emulator.cuda_ptx(workdir / "group_bodies.cu", workdir, NVCC)
+    return re.sub(r"_[0-9a-f]{10}_", "_digest_", ptx)
 
 
 @needs_nvcc

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -196,17 +195,7 @@ def test_a_path_names_its_text(a, b) -> None:
 def _ptx(unit: str, workdir: Path, name: str) -> str:
     source = workdir / f"{name}.cu"
     source.write_text(unit)
-    out = workdir / f"{name}.ptx"
-    command = [
-        NVCC,
-        "-std=c++17",
-        "-arch=sm_90",
-        "-ptx",
-        "-I",
-        str(workdir / "include"),
-    ]
-    subprocess.run(command + ["-o", str(out), str(source)], check=True)
-    return out.read_text()
+    return group_emulator.cuda_ptx(source, workdir, NVCC)
 
 
 @needs_nvcc

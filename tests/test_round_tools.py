@@ -252,6 +252,34 @@ def test_launch_cost_times_every_op_and_refuses_an_unknown_one(tmp_path, capsys)
     assert [row["op"] for row in rows] == ["mlx add", "ours small_row_matmul 1 row"]
 
 
+def test_launch_costs_bare_kernels_are_included_or_forced_inline(monkeypatch, tmp_path):
+    """On a GPU backend the padded bare kernel is built twice: as the switch says
+    (an ``#include`` line by default) and forced inline; the switch is restored."""
+    from benchmarks import launch_cost
+    from dflash.metal import backend, kernel_files
+
+    handed = {}
+
+    def fake_kernel(**fields):
+        handed[fields["name"]] = fields["source"]
+        return lambda **launch: [mx.zeros((1,))]
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", fake_kernel)
+    monkeypatch.setattr(backend, "BACKEND", "cuda")
+    monkeypatch.setenv(kernel_files.TEXT_DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(kernel_files.INCLUDED_TEXTS_ENV, raising=False)
+    ops = launch_cost.bare_kernel_ops(mx.zeros((1, 4)))
+    assert sorted(ops) == [
+        "custom kernel 12 KB inline source",
+        "custom kernel 12 KB source",
+        "custom kernel short source",
+    ]
+    sources = sorted(handed.values(), key=len)
+    assert [s.startswith("#include") for s in sources] == [True, True, False]
+    assert len(sources[-1]) > 12000
+    assert kernel_files.INCLUDED_TEXTS_ENV not in os.environ
+
+
 def test_stubbed_launches_take_our_kernel_path_and_restore_everything():
     from benchmarks import launch_cost
     from dflash.metal import backend, groups

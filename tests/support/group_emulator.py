@@ -268,6 +268,16 @@ def check_metal(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str =
     return run_compiler(command, Path(workdir))
 
 
+def cuda_ptx(unit: Path, workdir: Path, compiler: str = "nvcc") -> str:
+    """The PTX nvcc makes of the CUDA file ``unit`` for sm_90, with the shim of mlx's
+    device headers that :func:`check_cuda` set up in ``workdir``."""
+    out = Path(unit).with_suffix(".ptx")
+    command = [compiler, "-std=c++17", "-arch=sm_90", "-ptx"]
+    command += ["-I", str(Path(workdir) / "include"), "-o", str(out), str(unit)]
+    subprocess.run(command, check=True)
+    return out.read_text()
+
+
 def check_cuda(
     specs: Sequence[GroupKernelSpec],
     workdir: Path,
