@@ -209,7 +209,8 @@ def make_kernel(backend: str, **fields: Any) -> Optional[Kernel]:
     for text in ("source", "header"):
         if text in fields:
             fields[text] = compact_text(fields[text])
-    if backend == CUDA:
+    switch = env_switch(kernel_files.INCLUDED_TEXTS_ENV)
+    if backend == CUDA and (kernel_files.INCLUDED_TEXTS if switch is None else switch):
         stubs = kernel_files.included_texts(
             fields["name"],
             fields["source"],

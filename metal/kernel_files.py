@@ -97,10 +97,10 @@ def included_texts(
     directory: Optional[Path] = None,
 ) -> Optional[tuple[str, str]]:
     """The ``(source, header)`` stubs that include kernel ``name``'s texts from files,
-    or None when they must stay inline: the switch is off, the directory's path
-    cannot be spelled inside an ``#include``, a file cannot be written, or the body
-    names an input's shape, strides or ndim (mlx looks for those names in the text
-    it is handed).
+    or None when they must stay inline: the path cannot be spelled inside an
+    ``#include``, a file cannot be written, or the body names an input's shape,
+    strides or ndim (mlx looks for those names in the text it is handed). The
+    switch (:data:`INCLUDED_TEXTS_ENV`) is the caller's: ``backend.make_kernel``.
 
     Args:
         name: The kernel's name (it already hashes its full text).
@@ -109,9 +109,6 @@ def included_texts(
         input_names: The kernel's input names.
         directory: Where to write (default :func:`text_dir`).
     """
-    switch = os.environ.get(INCLUDED_TEXTS_ENV, "").strip().lower()
-    if switch in {"0", "false", "off", "no"} or (not switch and not INCLUDED_TEXTS):
-        return None
     if any(n + suffix in source for n in input_names for suffix in _SHAPE_SUFFIXES):
         return None
     directory = text_dir() if directory is None else directory

@@ -232,3 +232,24 @@ def test_the_included_unit_compiles_to_the_inline_units_ptx(tmp_path: Path) -> N
             included = included.replace(header, stubs[1])
         assert len(included) < len(inline) - len(source) // 2
         assert _ptx(included, workdir, f"in{i}") == _ptx(inline, workdir, f"il{i}")
+
+
+def test_every_cuda_kernel_the_package_builds_is_included(tmp_path, monkeypatch):
+    """No shipped CUDA text names an input's shape (which would keep it inline, and
+    hashed at every launch): each gets its ``#include`` stubs."""
+    monkeypatch.delenv(kernel_files.INCLUDED_TEXTS_ENV, raising=False)
+    from support import compile_check
+    from test_compact_text import group_specs
+
+    plain = compile_check.check_specs()
+    texts = [(s.name(CUDA), s.source(CUDA), "", s.input_names) for s in plain]
+    texts += [
+        (s.name(CUDA), s.source(CUDA), s.header(CUDA), s.input_names)
+        for s in group_specs()
+        if CUDA in s.backends
+    ]
+    for name, source, header, inputs in texts:
+        source, header = compact_text(source), compact_text(header)
+        stubs = kernel_files.included_texts(name, source, header, inputs, tmp_path)
+        assert stubs is not None, name
+        assert stubs[0].startswith("#include") and (not header or stubs[1])
