@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from functools import partial
 from typing import Callable, Iterator, Optional, Sequence
+from unittest import mock
 
 import mlx.core as mx
 
@@ -160,14 +161,11 @@ def bare_kernel_ops(x: mx.array) -> dict[str, Op]:
     if backend.BACKEND not in BARE_BODIES:
         return {}
     ops = {}
-    arms = (("short", 0, None), ("12 KB", BARE_PADDING, None))
-    arms += (("12 KB inline", BARE_PADDING, "0"),)
-    for label, padding, switch in arms:
+    arms = (("short", 0, {}), ("12 KB", BARE_PADDING, {}))
+    arms += (("12 KB inline", BARE_PADDING, {kernel_files.INCLUDED_TEXTS_ENV: "0"}),)
+    for label, padding, environment in arms:
         source = _PAD * (padding // len(_PAD)) + BARE_BODIES[backend.BACKEND]
-        saved = os.environ.get(kernel_files.INCLUDED_TEXTS_ENV)
-        if switch is not None:
-            os.environ[kernel_files.INCLUDED_TEXTS_ENV] = switch
-        try:
+        with mock.patch.dict(os.environ, environment):
             kernel = backend.make_kernel(
                 backend.BACKEND,
                 name=f"dflash_bare_{padding}_{label.replace(' ', '_')}",
@@ -175,11 +173,6 @@ def bare_kernel_ops(x: mx.array) -> dict[str, Op]:
                 output_names=["out"],
                 source=source,
             )
-        finally:
-            if saved is None:
-                os.environ.pop(kernel_files.INCLUDED_TEXTS_ENV, None)
-            else:
-                os.environ[kernel_files.INCLUDED_TEXTS_ENV] = saved
         ops[f"custom kernel {label} source"] = partial(_bare_launch, kernel, x)
     return ops
 

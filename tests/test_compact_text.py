@@ -29,7 +29,6 @@ from dflash.metal import (
     heads,
     kernel_files,
     norms,
-    qmm,
     tensor_attention,
     tensor_qmm,
 )
@@ -53,23 +52,11 @@ def directives(text: str) -> List[str]:
     return [line for line in lines if line.startswith("#")]
 
 
-def group_specs() -> List[groups.GroupKernelSpec]:
-    """Every threadgroup kernel the package registers (the modules' ``SPECS``, the
-    two-K-group folded matmuls), and the attention chunk pass at head dim 128."""
-    specs = [*attention.SPECS, *heads.SPECS, *norms.SPECS, *qmm.SPECS]
-    specs += [*tensor_qmm.SPECS, *tensor_qmm.K2_FOLDED_SPECS.values()]
-    specs += [
-        tensor_attention.attend_spec(128, layout)
-        for layout in tensor_attention.LAYOUTS.values()
-    ]
-    return specs
-
-
 def every_text() -> List[str]:
     texts = []
     for spec in compile_check.check_specs():
         texts += [spec.source(name) for name in BACKENDS]
-    for spec in group_specs():
+    for spec in group_emulator.package_specs():
         for name in spec.backends:
             texts += [spec.header(name), spec.source(name)]
     return texts
@@ -103,7 +90,7 @@ def test_the_matmul_text_loses_a_quarter() -> None:
 def test_compaction_splits_at_the_joins_mlx_sees() -> None:
     # make_kernel compacts header = HEADERS + helpers and source = PROLOGUE + body;
     # the compile checks below compact helpers and body alone.
-    for spec in group_specs():
+    for spec in group_emulator.package_specs():
         for name in spec.backends:
             whole = compact_text(spec.header(name))
             assert whole == compact_text(groups.HEADERS[name]) + compact_text(
@@ -198,7 +185,9 @@ def test_text_compaction_cannot_keep_fails(text: str) -> None:
 
 @needs_gxx
 def test_compacted_metal_bodies_compile(tmp_path: Path) -> None:
-    specs = [compacted(s) for s in group_specs() if "metal" in s.backends]
+    specs = [
+        compacted(s) for s in group_emulator.package_specs() if "metal" in s.backends
+    ]
     for part in ("groups", "plain"):
         (tmp_path / part).mkdir()
     result = group_emulator.check_metal(specs, tmp_path / "groups", GXX)

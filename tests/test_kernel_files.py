@@ -239,13 +239,12 @@ def test_every_cuda_kernel_the_package_builds_is_included(tmp_path, monkeypatch)
     hashed at every launch): each gets its ``#include`` stubs."""
     monkeypatch.delenv(kernel_files.INCLUDED_TEXTS_ENV, raising=False)
     from support import compile_check
-    from test_compact_text import group_specs
 
     plain = compile_check.check_specs()
     texts = [(s.name(CUDA), s.source(CUDA), "", s.input_names) for s in plain]
     texts += [
         (s.name(CUDA), s.source(CUDA), s.header(CUDA), s.input_names)
-        for s in group_specs()
+        for s in group_emulator.package_specs()
         if CUDA in s.backends
     ]
     for name, source, header, inputs in texts:

@@ -268,6 +268,20 @@ def check_metal(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str =
     return run_compiler(command, Path(workdir))
 
 
+def package_specs() -> list[GroupKernelSpec]:
+    """Every threadgroup kernel the package registers (the modules' ``SPECS``, the
+    two-K-group folded matmuls), and the attention chunk pass at head dim 128."""
+    from dflash.metal import attention, heads, norms, qmm, tensor_attention, tensor_qmm
+
+    specs = [*attention.SPECS, *heads.SPECS, *norms.SPECS, *qmm.SPECS]
+    specs += [*tensor_qmm.SPECS, *tensor_qmm.K2_FOLDED_SPECS.values()]
+    specs += [
+        tensor_attention.attend_spec(128, layout)
+        for layout in tensor_attention.LAYOUTS.values()
+    ]
+    return specs
+
+
 def cuda_ptx(unit: Path, workdir: Path, compiler: str = "nvcc") -> str:
     """The PTX nvcc makes of the CUDA file ``unit`` for sm_90, with the shim of mlx's
     device headers that :func:`check_cuda` set up in ``workdir``."""
