@@ -35,7 +35,9 @@ shape and row count it reports the device time per call (CUPTI, through
 ``torch.profiler``), the kernels per call, the time over the
 bandwidth bound of the bytes read, and the largest difference from mlx's
 ``quantized_matmul`` (a variant that changes the K split changes the summation
-order, so its bits, within tolerance). mlx's own time is one row per shape.
+order, so its bits, within tolerance). mlx's own time is one row per shape. With
+``--dense`` the weights are dense bf16 (a bf16 target's and the drafter's projections)
+and mlx's row is its ``matmul`` (cuBLAS on CUDA).
 
 GPU (torch's interpreter, for CUPTI)::
 
@@ -109,6 +111,11 @@ VARIANTS = {
     "overhead3": {"overhead": 3},
     "overhead4": {"overhead": 4},
     "overhead20": {"overhead": 20},
+    # The same for dense weights (``--dense``): 2 chunks as shipped, 1, 4 or 8 (a dense
+    # chunk is 64 elements of K, a quarter of an affine one's).
+    "dense-overhead1": {"dense_overhead": 1},
+    "dense-overhead4": {"dense_overhead": 4},
+    "dense-overhead8": {"dense_overhead": 8},
     # A K split's merge with its loads batched (the same bits; tried in session 41).
     "batchedmerge": {"edits": ("batchedmerge",)},
     # The merge before session 43: each split's load waited for by its add (same bits).
@@ -311,6 +318,14 @@ SHAPES = {
         "mlp gate+up fused",
     )
 }
+# The drafter's own shapes (its MLP and q / o projections are the target's): 8 KV heads.
+SHAPES.update(
+    {
+        "drafter k / v": (6656, 1024),
+        "drafter q/k/v fused": (6656, 6144),
+        "drafter fc": (5 * 6656, 6656),
+    }
+)
 
 
 @contextlib.contextmanager
@@ -328,6 +343,7 @@ def variant(
     max_stages: Optional[int] = None,
     x_stride: Optional[int] = None,
     overhead: Optional[int] = None,
+    dense_overhead: Optional[int] = None,
     cluster: Optional[bool] = None,
     edits: Sequence[str] = (),
 ) -> Iterator[None]:
@@ -348,6 +364,7 @@ def variant(
         max_stages: ``MAX_STAGES`` (None: unchanged).
         x_stride: Bytes an x row takes in a stage (None: the layout's own).
         overhead: ``CTA_OVERHEAD_CHUNKS``, affine weights' (None: unchanged).
+        dense_overhead: ``DENSE_CTA_OVERHEAD_CHUNKS`` (None: unchanged).
         cluster: ``CLUSTER_SUM`` (None: unchanged).
         edits: Names of :data:`EDITS` to apply to the kernels' text.
     """
@@ -362,6 +379,7 @@ def variant(
         "SCALED_B": scaled,
         "MAX_STAGES": max_stages,
         "CTA_OVERHEAD_CHUNKS": overhead,
+        "DENSE_CTA_OVERHEAD_CHUNKS": dense_overhead,
         "CLUSTER_SUM": cluster,
     }
     texts = ("_HELPERS", "_BODY", "_SCALED_Q4_HELPER")
@@ -430,23 +448,22 @@ def run(args: argparse.Namespace) -> dict:
             "mlx": mx.__version__,
             "host": platform.node(),
             "argv": sys.argv[1:],
-            "bits": args.bits,
-            "group_size": 64,
+            "bits": None if args.dense else args.bits,
+            "group_size": None if args.dense else 64,
             "bandwidth": args.bandwidth,
         },
         "rows": [],
     }
     for shape in args.shapes:
         depth, columns = SHAPES[shape]
-        weight, scales, biases, nbytes = _weights(GLIMMER, depth, columns, args.bits)
+        bits = None if args.dense else args.bits
+        group_size = None if args.dense else 64
+        weight, scales, biases, nbytes = _weights(GLIMMER, depth, columns, bits)
         bound_us = 1e6 * nbytes / args.bandwidth
         for rows in args.rows:
             x = mx.random.normal((rows, depth)).astype(mx.bfloat16)
             mx.eval(x)
-            theirs = lambda: mx.quantized_matmul(  # noqa: E731
-                x, weight, scales, biases, transpose=True, group_size=64,
-                bits=args.bits,
-            )  # fmt: skip
+            theirs = lambda: mlx_matmul(x, weight, scales, biases, bits)  # noqa: E731
             expected = theirs().astype(mx.float32)
             timed = device_time(theirs, args.reps)
             _add(result, shape, rows, "mlx", timed, bound_us, 0.0)
@@ -455,8 +472,8 @@ def run(args: argparse.Namespace) -> dict:
                     with variant(**VARIANTS[name]):
                         # Bound once, as a patched layer runs it.
                         bound = bind_matmul(
-                            x.shape, x.dtype, weight, scales, biases, bits=args.bits,
-                            group_size=64, use_kernel=True,
+                            x.shape, x.dtype, weight, scales, biases, bits=bits,
+                            group_size=group_size, use_kernel=True,
                         )  # fmt: skip
                         ours = lambda: bound(x)  # noqa: E731
                         got = ours().astype(mx.float32)
@@ -471,6 +488,25 @@ def run(args: argparse.Namespace) -> dict:
                     with open(args.json, "w") as handle:
                         json.dump(result, handle, indent=1)
     return result
+
+
+def mlx_matmul(
+    x: mx.array,
+    weight: mx.array,
+    scales: Optional[mx.array],
+    biases: Optional[mx.array],
+    bits: Optional[int],
+) -> mx.array:
+    """mlx's own ``x @ W.T``: ``quantized_matmul`` (groups of 64) or, dense, ``matmul``.
+
+    Shapes:
+        x: ``(M, K)``; weight: ``(N, K)`` dense or packed; result ``(M, N)``.
+    """
+    if bits is None:
+        return x @ weight.T
+    return mx.quantized_matmul(
+        x, weight, scales, biases, transpose=True, group_size=64, bits=bits
+    )
 
 
 def _add(result, shape, rows, name, timed, bound_us, diff) -> None:
@@ -493,6 +529,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--json", help="write results here (after every variant)")
     parser.add_argument("--reps", type=int, default=20, help="timed calls per row")
     parser.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    parser.add_argument(
+        "--dense",
+        action="store_true",
+        help="dense bf16 weights (the bf16 target's and the drafter's) instead of --bits",
+    )
     parser.add_argument(
         "--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s"
     )

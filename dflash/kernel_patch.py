@@ -1114,6 +1114,16 @@ VERIFY_KERNELS_BY_DEFAULT: Dict[str, Tuple[str, ...]] = {"metal": (), "cuda": ()
 KERNELS_BY_QUANTIZATION: Dict[Tuple[str, str, int, int], Tuple[str, ...]] = {
     ("cuda", "muse_glimmer", 4, 64): VERIFY_KERNEL_PARTS,
 }
+# The same rule for a target whose every projection is dense in one dtype, by (backend,
+# architecture, dtype name). bf16 Muse Glimmer on an H200, tau = 6: DFlash decoding ran at
+# 4.04-4.50x mlx-lm's plain decoding with them against 3.00-3.64x without, 5 of 5 process
+# pairs at 4k over sessions 35, 40 and 44, and 4.33x against 3.50x at 32k; since session
+# 43's included texts our plain tokens take 1.02-1.08 of kernels-off (17.1 against 15.9-16.8
+# ms; 1.11-1.26 in session 35), the price of plain and speculative decoding sharing the
+# kernels and the bits (docs/benchmarks/h200-2026-12-04-s44).
+KERNELS_BY_DENSE_DTYPE: Dict[Tuple[str, str, str], Tuple[str, ...]] = {
+    ("cuda", "muse_glimmer", "bfloat16"): VERIFY_KERNEL_PARTS,
+}
 VERIFY_KERNELS_ENV = "DFLASH_VERIFY_KERNELS"
 
 
@@ -1136,6 +1146,28 @@ def quantized_form(model: nn.Module) -> Optional[Tuple[int, int]]:
         elif isinstance(module, nn.Linear):
             return None
     return forms.pop() if len(forms) == 1 else None
+
+
+def dense_dtype(model: nn.Module) -> Optional[str]:
+    """The one dtype of every projection's weight of a dense ``model``.
+
+    Args:
+        model: An mlx-lm model.
+
+    Returns:
+        The dtype's name (``"bfloat16"``) when every projection is an ``nn.Linear`` and
+        their weights share one dtype; None when some projection is quantized, the dtypes
+        differ, or there is none.
+    """
+    dtypes = set()
+    for module in model.modules():
+        if isinstance(module, nn.QuantizedLinear):
+            return None
+        if isinstance(module, nn.Linear):
+            dtypes.add(module.weight.dtype)
+    if len(dtypes) != 1:
+        return None
+    return str(dtypes.pop()).rsplit(".", 1)[-1]
 
 
 def _env_parts() -> Optional[Tuple[str, ...]]:
@@ -1176,8 +1208,9 @@ def wanted_parts(
         use_kernel: True (every part) / False (none) decide; None asks
             ``DFLASH_VERIFY_KERNELS``, then ``DFLASH_KERNELS=0`` (none), then (with
             the GPU as the default device) :data:`KERNELS_BY_QUANTIZATION` for a
-            target in a measured quantized form, else
-            :data:`VERIFY_KERNELS_BY_DEFAULT` for this backend.
+            target in a measured quantized form, :data:`KERNELS_BY_DENSE_DTYPE` for
+            a dense one in a measured dtype, else :data:`VERIFY_KERNELS_BY_DEFAULT`
+            for this backend.
 
     Returns:
         A sub-tuple of :data:`VERIFY_KERNEL_PARTS` (empty for an architecture
@@ -1204,6 +1237,10 @@ def wanted_parts(
     if form is not None:
         measured = (backend.BACKEND, architecture(model), *form)
         return KERNELS_BY_QUANTIZATION.get(measured, parts)
+    dtype = dense_dtype(model)
+    if dtype is not None:
+        measured_dense = (backend.BACKEND, architecture(model), dtype)
+        return KERNELS_BY_DENSE_DTYPE.get(measured_dense, parts)
     return parts
 
 

@@ -632,28 +632,37 @@ def test_default_table_and_dflash_kernels_switch(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "arch, bits, group, parts",
+    "arch, bits, group, dtype, parts",
     [
-        ("muse_glimmer", 4, 64, kernel_patch.VERIFY_KERNEL_PARTS),  # measured
-        ("muse_glimmer", 8, 64, ()),
-        ("muse_glimmer", 4, 32, ()),
-        ("muse_glimmer", None, None, ()),
-        ("qwen3", 4, 64, ()),  # not measured
+        ("muse_glimmer", 4, 64, None, kernel_patch.VERIFY_KERNEL_PARTS),  # measured
+        ("muse_glimmer", 8, 64, None, ()),
+        ("muse_glimmer", 4, 32, None, ()),
+        ("muse_glimmer", None, None, None, ()),  # float32
+        ("muse_glimmer", None, None, mx.bfloat16, kernel_patch.VERIFY_KERNEL_PARTS),
+        ("muse_glimmer", None, None, mx.float16, ()),
+        ("qwen3", 4, 64, None, ()),  # not measured
+        ("qwen3", None, None, mx.bfloat16, ()),
     ],
 )
 def test_kernels_default_on_only_where_measured(
-    monkeypatch, arch, bits, group, parts
+    monkeypatch, arch, bits, group, dtype, parts
 ) -> None:
-    """CUDA, 4-bit groups of 64, Muse Glimmer: plain, classic and DFlash decoding alike
-    (the generators ask the same question); nothing elsewhere, switched off, or on Metal.
+    """CUDA, Muse Glimmer in 4-bit groups of 64 or dense bf16: plain, classic and DFlash
+    decoding alike (the generators ask the same question); nothing elsewhere, switched
+    off, or on Metal.
     """
     _on_a_cuda_gpu(monkeypatch)
     target = tiny_model(arch, seed=27, window=16)
+    if dtype is not None:
+        target.set_dtype(dtype)
     if bits:
         nn.quantize(target, group_size=group, bits=bits)
         assert kernel_patch.quantized_form(target) == (bits, group)
+        assert kernel_patch.dense_dtype(target) is None
     else:
         assert kernel_patch.quantized_form(target) is None
+        expected = str(dtype or mx.float32).rsplit(".", 1)[-1]
+        assert kernel_patch.dense_dtype(target) == expected
     assert kernel_patch.wanted_parts(target) == parts
     monkeypatch.setenv(kernel_patch.VERIFY_KERNELS_ENV, "0")
     assert kernel_patch.wanted_parts(target) == ()
@@ -663,6 +672,24 @@ def test_kernels_default_on_only_where_measured(
     monkeypatch.setattr(kernel_patch.backend, "KERNELS_ENABLED", True)
     monkeypatch.setattr(kernel_patch.backend, "BACKEND", "metal")  # never run there
     assert kernel_patch.wanted_parts(target) == ()
+
+
+def test_dense_dtype_wants_every_projection_dense_in_one_dtype(monkeypatch) -> None:
+    """A bf16 target with one projection in another dtype, or one quantized, has no
+    dense form, so the bf16 default does not apply to it."""
+    _on_a_cuda_gpu(monkeypatch)
+    target = tiny_model("muse_glimmer", seed=29, window=16)
+    target.set_dtype(mx.bfloat16)
+    assert kernel_patch.dense_dtype(target) == "bfloat16"
+    target.layers[0].mlp.down_proj.set_dtype(mx.float16)
+    assert kernel_patch.dense_dtype(target) is None
+    assert kernel_patch.wanted_parts(target) == ()
+    partly = tiny_model("muse_glimmer", seed=29, window=16)
+    partly.set_dtype(mx.bfloat16)
+    nn.quantize(partly, 64, 4, class_predicate=lambda path, m: "layers.0.mlp" in path)
+    assert kernel_patch.dense_dtype(partly) is None
+    assert kernel_patch.quantized_form(partly) is None
+    assert kernel_patch.wanted_parts(partly) == ()
 
 
 def test_quantized_form_wants_every_projection_in_one_form() -> None:

@@ -285,6 +285,10 @@ def test_the_fixed_cost_of_a_cta_is_measured_per_form() -> None:
     with matmul_variants.variant(overhead=2):
         assert split_plan(6656, 39936, 4, waves=True) == (312, 3, 9)
         assert split_plan(6656, 39936, None, waves=True) == (312, 5, 21)
+    with matmul_variants.variant(dense_overhead=8):  # the dense knob moves dense only
+        assert split_plan(6656, 39936, 4, waves=True) == (312, 2, 13)
+        assert split_plan(6656, 39936, None, waves=True) == (312, 4, 26)
+    assert tensor_qmm.cta_overhead_chunks(None) == 2
     for depth, columns in GLIMMER + (LM_HEAD, (6656, 8704)):
         for bits in (4, 8):
             plan = split_plan(depth, columns, bits, waves=True)
@@ -383,6 +387,21 @@ def test_every_variant_applies_to_the_shipped_texts_and_is_undone() -> None:
         assert now == shipped, name
 
 
+def test_variants_benchmark_baseline_is_mlx_own_product() -> None:
+    """The benchmark's mlx row: ``x @ W.T`` dense, ``quantized_matmul`` quantized."""
+    x = mx.random.normal((3, 256), key=mx.random.key(1))
+    dense = mx.random.normal((8, 256), key=mx.random.key(2))
+    got = matmul_variants.mlx_matmul(x, dense, None, None, None)
+    assert np.array_equal(np.asarray(got), np.asarray(mx.matmul(x, dense.T)))
+    packed, scales, biases = mx.quantize(dense, group_size=64, bits=4)
+    got = matmul_variants.mlx_matmul(x, packed, scales, biases, 4)
+    want = mx.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=64)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+    assert not np.array_equal(
+        np.asarray(got), np.asarray(mx.matmul(x, dense.T))
+    )  # quantized: not the dense product
+
+
 def test_variants_benchmark_refuses_bad_flags_and_the_cpu(capsys) -> None:
     with pytest.raises(SystemExit):
         matmul_variants.parse_args(["--variants", "current,fastest"])
@@ -390,6 +409,8 @@ def test_variants_benchmark_refuses_bad_flags_and_the_cpu(capsys) -> None:
     with pytest.raises(SystemExit):
         matmul_variants.parse_args(["--rows", "0"])
     assert "--rows within 1..32" in capsys.readouterr().err
+    dense = matmul_variants.parse_args(["--dense", "--shapes", "drafter fc"])
+    assert dense.dense and dense.shapes == ["drafter fc"]
     if qmm.backend.BACKEND != "cuda":
         assert matmul_variants.main([]) == 1
         assert (

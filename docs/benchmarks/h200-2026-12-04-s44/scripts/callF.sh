@@ -1,0 +1,4 @@
+#!/bin/bash
+# session 44, call F (run inline as this command): session 29's drafter probe (full 4-bit pair, 4k) on this tree.
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1; mkdir -p $OUT
+timeout 150 python3 .sweep/s44/drafter_probe.py $OUT/F-drafter.json 20 > $OUT/F-drafter.txt 2>&1; echo probe rc=$?
