@@ -719,11 +719,12 @@ def test_quantized_form_wants_every_projection_in_one_form() -> None:
     assert kernel_patch.quantized_form(two) is None
 
 
+@pytest.mark.parametrize("form", ["4bit", "bf16"])
 def test_verify_kernels_installs_the_measured_default_with_or_without_a_drafter(
-    monkeypatch,
+    monkeypatch, form
 ) -> None:
     """Plain decoding (no drafter) and DFlash decoding get the same parts by default, the
-    drafter patched with the target when there is one."""
+    drafter patched with the target when there is one, for both measured forms."""
     _on_a_cuda_gpu(monkeypatch)
     installed = []
 
@@ -739,18 +740,23 @@ def test_verify_kernels_installs_the_measured_default_with_or_without_a_drafter(
 
     monkeypatch.setattr(kernel_patch, "KernelPatch", Recorder)
     target = tiny_model("muse_glimmer", seed=29, window=16)
-    nn.quantize(target, group_size=64, bits=4)
+    if form == "4bit":
+        nn.quantize(target, group_size=64, bits=4)
+    else:
+        target.set_dtype(mx.bfloat16)
     drafter = random_drafter(target, seed=12, block_size=8)
     for with_drafter in (None, drafter):
         with kernel_patch.verify_kernels(target, with_drafter) as patch:
             assert isinstance(patch, Recorder)
     every = dict(use_kernel=None, attention=True, matmul=True, projections=True)
     assert installed == [(None, every), (drafter, every)]
-    # A target outside the rule gets nothing, with or without a drafter.
-    dense = tiny_model("muse_glimmer", seed=29, window=16)
-    for with_drafter in (None, drafter):
-        with kernel_patch.verify_kernels(dense, with_drafter) as patch:
-            assert patch is None
+    # A target outside the rule (dense float32, float16) gets nothing, either way.
+    for dtype in (mx.float32, mx.float16):
+        other = tiny_model("muse_glimmer", seed=29, window=16)
+        other.set_dtype(dtype)
+        for with_drafter in (None, drafter):
+            with kernel_patch.verify_kernels(other, with_drafter) as patch:
+                assert patch is None
     assert len(installed) == 2
 
 
