@@ -1127,6 +1127,33 @@ KERNELS_BY_DENSE_DTYPE: Dict[Tuple[str, str, str], Tuple[str, ...]] = {
 VERIFY_KERNELS_ENV = "DFLASH_VERIFY_KERNELS"
 
 
+def projection_form(model: nn.Module) -> Optional[Tuple[Any, ...]]:
+    """The one form every projection (``nn.Linear`` / ``nn.QuantizedLinear``) of
+    ``model`` has, found in one walk of its modules.
+
+    Args:
+        model: An mlx-lm model.
+
+    Returns:
+        ``("affine", bits, group_size)`` when every projection is quantized in mlx's
+        affine mode with those bits and group size; ``("dense", dtype_name)`` when every
+        projection is dense with weights of that dtype (``"bfloat16"``); None when the
+        projections mix forms or dtypes, are quantized in another mode, or there is none.
+    """
+    forms = set()
+    for module in model.modules():
+        if isinstance(module, nn.QuantizedLinear):
+            mode = getattr(module, "mode", "affine")
+            forms.add(
+                ("affine", module.bits, module.group_size) if mode == "affine" else None
+            )
+        elif isinstance(module, nn.Linear):
+            forms.add(("dense", str(module.weight.dtype).rsplit(".", 1)[-1]))
+        if len(forms) > 1:
+            return None
+    return forms.pop() if forms else None
+
+
 def quantized_form(model: nn.Module) -> Optional[Tuple[int, int]]:
     """The one affine ``(bits, group_size)`` of every projection of ``model``.
 
@@ -1138,14 +1165,8 @@ def quantized_form(model: nn.Module) -> Optional[Tuple[int, int]]:
         model is quantized, in mlx's affine mode, with the same bits and group size;
         None when some projection is dense, the forms differ, or there is none.
     """
-    forms = set()
-    for module in model.modules():
-        if isinstance(module, nn.QuantizedLinear):
-            mode = getattr(module, "mode", "affine")
-            forms.add((module.bits, module.group_size) if mode == "affine" else None)
-        elif isinstance(module, nn.Linear):
-            return None
-    return forms.pop() if len(forms) == 1 else None
+    form = projection_form(model)
+    return form[1:] if form is not None and form[0] == "affine" else None
 
 
 def dense_dtype(model: nn.Module) -> Optional[str]:
@@ -1159,15 +1180,8 @@ def dense_dtype(model: nn.Module) -> Optional[str]:
         their weights share one dtype; None when some projection is quantized, the dtypes
         differ, or there is none.
     """
-    dtypes = set()
-    for module in model.modules():
-        if isinstance(module, nn.QuantizedLinear):
-            return None
-        if isinstance(module, nn.Linear):
-            dtypes.add(module.weight.dtype)
-    if len(dtypes) != 1:
-        return None
-    return str(dtypes.pop()).rsplit(".", 1)[-1]
+    form = projection_form(model)
+    return form[1] if form is not None and form[0] == "dense" else None
 
 
 def _env_parts() -> Optional[Tuple[str, ...]]:
@@ -1233,15 +1247,12 @@ def wanted_parts(
     ):
         return ()
     parts = VERIFY_KERNELS_BY_DEFAULT.get(backend.BACKEND, ())
-    form = quantized_form(model)
-    if form is not None:
-        measured = (backend.BACKEND, architecture(model), *form)
-        return KERNELS_BY_QUANTIZATION.get(measured, parts)
-    dtype = dense_dtype(model)
-    if dtype is not None:
-        measured_dense = (backend.BACKEND, architecture(model), dtype)
-        return KERNELS_BY_DENSE_DTYPE.get(measured_dense, parts)
-    return parts
+    form = projection_form(model)
+    if form is None:
+        return parts
+    measured = (backend.BACKEND, architecture(model), *form[1:])
+    table = KERNELS_BY_QUANTIZATION if form[0] == "affine" else KERNELS_BY_DENSE_DTYPE
+    return table.get(measured, parts)
 
 
 def wanted(model: nn.Module, use_kernel: Optional[bool] = None) -> bool:

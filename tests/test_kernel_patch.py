@@ -681,6 +681,7 @@ def test_dense_dtype_wants_every_projection_dense_in_one_dtype(monkeypatch) -> N
     target = tiny_model("muse_glimmer", seed=29, window=16)
     target.set_dtype(mx.bfloat16)
     assert kernel_patch.dense_dtype(target) == "bfloat16"
+    assert kernel_patch.projection_form(target) == ("dense", "bfloat16")
     target.layers[0].mlp.down_proj.set_dtype(mx.float16)
     assert kernel_patch.dense_dtype(target) is None
     assert kernel_patch.wanted_parts(target) == ()
@@ -689,6 +690,7 @@ def test_dense_dtype_wants_every_projection_dense_in_one_dtype(monkeypatch) -> N
     nn.quantize(partly, 64, 4, class_predicate=lambda path, m: "layers.0.mlp" in path)
     assert kernel_patch.dense_dtype(partly) is None
     assert kernel_patch.quantized_form(partly) is None
+    assert kernel_patch.projection_form(partly) is None
     assert kernel_patch.wanted_parts(partly) == ()
 
 
@@ -696,6 +698,7 @@ def test_quantized_form_wants_every_projection_in_one_form() -> None:
     target = tiny_model("muse_glimmer", seed=28, window=16)
     nn.quantize(target, group_size=64, bits=4)
     assert kernel_patch.quantized_form(target) == (4, 64)
+    assert kernel_patch.projection_form(target) == ("affine", 4, 64)
     # One dense MLP left (as a class predicate can leave it): no form.
     mixed = tiny_model("muse_glimmer", seed=28, window=16)
     nn.quantize(
