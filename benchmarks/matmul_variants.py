@@ -318,7 +318,9 @@ SHAPES = {
         "mlp gate+up fused",
     )
 }
-# The drafter's own shapes (its MLP and q / o projections are the target's): 8 KV heads.
+# The drafter's own shapes (its MLP and q / o projections are the target's): k / v of 8
+# KV heads; q/k/v as one launch, a what-if (the patch fuses only the drafter's MLPs: its
+# attention reads two inputs); its context projection fc.
 SHAPES.update(
     {
         "drafter k / v": (6656, 1024),
@@ -442,22 +444,22 @@ def _rebuild(constant_group: bool = True) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     """Every variant x shape x row count; rows are printed and kept in the result."""
+    bits = None if args.dense else args.bits
+    group_size = None if args.dense else 64
     result = {
         "meta": {
             "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "mlx": mx.__version__,
             "host": platform.node(),
             "argv": sys.argv[1:],
-            "bits": None if args.dense else args.bits,
-            "group_size": None if args.dense else 64,
+            "bits": bits,
+            "group_size": group_size,
             "bandwidth": args.bandwidth,
         },
         "rows": [],
     }
     for shape in args.shapes:
         depth, columns = SHAPES[shape]
-        bits = None if args.dense else args.bits
-        group_size = None if args.dense else 64
         weight, scales, biases, nbytes = _weights(GLIMMER, depth, columns, bits)
         bound_us = 1e6 * nbytes / args.bandwidth
         for rows in args.rows:
