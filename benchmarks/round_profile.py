@@ -24,6 +24,7 @@ Run (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import importlib
 import io
@@ -34,7 +35,7 @@ import pstats
 import statistics
 import time
 from collections import Counter
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -52,7 +53,12 @@ from dflash.gated_mlp import SWIGLU_ENV
 from dflash.generation import generate_step
 from dflash.greedy import greedy_reference, greedy_reference_with_margins
 from dflash.held_norms import HELD_NORMS_ENV
-from dflash.kernel_patch import COMPILED_BLOCKS_ENV, VERIFY_KERNELS_ENV
+from dflash.kernel_patch import (
+    COMPILED_BLOCKS_ENV,
+    DRAFTER_HEAD_PREP_ENV,
+    DRAFTER_QKV_ENV,
+    VERIFY_KERNELS_ENV,
+)
 from dflash.metal.backend import COMPILE_ENV
 from dflash.metal.tensor_qmm import (
     FOLDED_OFFSET_ENV,
@@ -205,6 +211,12 @@ KERNEL_ARMS = {
     "default-untraced": None,
     "all-traced": "1",
     "all-untraced": "1",
+    "default-drafterqkv": None,
+    "all-drafterqkv": "1",
+    "default-drafterheads": None,
+    "all-drafterheads": "1",
+    "default-drafter": None,
+    "all-drafter": "1",
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -249,17 +261,26 @@ ARM_SUFFIXES = {
     "unscaled": (SCALED_B_ENV, "0"),  # x · q then the group's scale and bias terms
     "traced": (TRACED_LAYERS_ENV, "1"),  # served layer calls as two compiled replays
     "untraced": (TRACED_LAYERS_ENV, "0"),  # the eager layers
+    "drafterqkv": (DRAFTER_QKV_ENV, "1"),  # the drafter's q / k / v as one stack
+    "drafterheads": (DRAFTER_HEAD_PREP_ENV, "1"),  # its q / k norms and RoPE: a launch
+}
+# Suffixes that set several switches (each pair as above).
+ARM_SUFFIX_SETS = {
+    "drafter": (ARM_SUFFIXES["drafterqkv"], ARM_SUFFIXES["drafterheads"]),
 }
 
 
 @contextmanager
 def kernel_arm(arm: str) -> Iterator[None]:
     """The environment of ``--kernels`` arm ``arm`` for the block."""
-    suffix = ARM_SUFFIXES.get(arm.rsplit("-", 1)[-1]) if "-" in arm else None
-    with (
-        env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[arm]),
-        env_value(*suffix) if suffix else nullcontext(),
-    ):
+    name = arm.rsplit("-", 1)[-1] if "-" in arm else None
+    pairs = ARM_SUFFIX_SETS.get(name) or (
+        (ARM_SUFFIXES[name],) if name in ARM_SUFFIXES else ()
+    )
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[arm]))
+        for pair in pairs:
+            stack.enter_context(env_value(*pair))
         yield
 
 

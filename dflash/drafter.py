@@ -650,19 +650,51 @@ class DraftAttention(nn.Module):
 
         Shapes: x (b, n, H) -> keys, values (b, n_kv, n, head_dim).
         """
-        batch, rows, _ = x.shape
-        keys = self.k_proj(x).reshape(batch, rows, self.n_kv_heads, self.head_dim)
-        values = self.v_proj(x).reshape(batch, rows, self.n_kv_heads, self.head_dim)
-        keys = rope(self.k_norm(keys).transpose(0, 2, 1, 3), offset=start)
+        keys = self._heads(self.k_proj, x, self.n_kv_heads)
+        values = self._heads(self.v_proj, x, self.n_kv_heads)
+        _, keys = self.rotate(None, keys, rope, start)
         return keys, values.transpose(0, 2, 1, 3)
+
+    def block_heads(
+        self, x: mx.array, rope: nn.Module, start: int
+    ) -> Tuple[mx.array, mx.array, mx.array]:
+        """A block's queries, keys and values, queries and keys normed and rotated.
+
+        Shapes: x (b, B, H) -> queries (b, n_heads, B, head_dim), keys and values
+        (b, n_kv, B, head_dim).
+        """
+        queries = self._heads(self.q_proj, x, self.n_heads)
+        keys = self._heads(self.k_proj, x, self.n_kv_heads)
+        values = self._heads(self.v_proj, x, self.n_kv_heads)
+        queries, keys = self.rotate(queries, keys, rope, start)
+        return queries, keys, values.transpose(0, 2, 1, 3)
+
+    def rotate(
+        self,
+        queries: Optional[mx.array],
+        keys: mx.array,
+        rope: nn.Module,
+        start: int,
+    ) -> Tuple[Optional[mx.array], mx.array]:
+        """RMS-norm each head (``q_norm`` / ``k_norm``), then RoPE from ``start``.
+
+        Shapes: queries (b, n, n_heads, head_dim) or None, keys (b, n, n_kv,
+        head_dim) -> (b, n_heads, n, head_dim) or None, (b, n_kv, n, head_dim).
+        """
+        keys = rope(self.k_norm(keys).transpose(0, 2, 1, 3), offset=start)
+        if queries is None:
+            return None, keys
+        return rope(self.q_norm(queries).transpose(0, 2, 1, 3), offset=start), keys
+
+    def _heads(self, projection: nn.Module, x: mx.array, count: int) -> mx.array:
+        """``projection(x)`` split into ``count`` heads: (b, n, H) -> (b, n, count, D)."""
+        return projection(x).reshape(x.shape[0], x.shape[1], count, self.head_dim)
 
     def __call__(
         self, x: mx.array, plane: _ContextPlane, rope: nn.Module, start: int
     ) -> mx.array:
         batch, block, _ = x.shape
-        queries = self.q_proj(x).reshape(batch, block, self.n_heads, self.head_dim)
-        queries = rope(self.q_norm(queries).transpose(0, 2, 1, 3), offset=start)
-        block_keys, block_values = self.project_kv(x, rope, start)
+        queries, block_keys, block_values = self.block_heads(x, rope, start)
         keys, values = plane.with_block(block_keys, block_values)
         mask = _block_mask(plane.rows, block, self.window, self.causal, keys.shape[2])
         out = mx.fast.scaled_dot_product_attention(

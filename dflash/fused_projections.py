@@ -20,7 +20,11 @@ cuBLAS call captured into a child graph, so the host saves four captures per lay
 At call time the first member to see an input computes every member's columns and keeps
 them until each member has taken its own; a member called with another input object
 computes alone. So a module that feeds its siblings different inputs stays correct (it
-only wastes the columns nobody takes). In the kernel form, results are a function of
+only wastes the columns nobody takes). A set built with ``tails=True`` computes only the
+columns from the calling member on: the drafter's attention projects its block through
+``q_proj`` / ``k_proj`` / ``v_proj`` but the committed context through ``k_proj`` /
+``v_proj`` alone, so one stack serves both as one launch each, and the context's launch
+reads no ``q_proj`` weight. In the kernel form, results are a function of
 the input rows and the stacked weights only: batch-invariant like
 :func:`~dflash.metal.qmm.small_row_matmul`, and the same in plain decoding and in a
 verify block. The mlx form is as batch-invariant as mlx's own matmuls (a one-row
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
@@ -96,19 +101,25 @@ class FusedProjections:
     Args:
         members: Linear layers of one signature (see :func:`sibling_sets`).
         form: ``"kernel"`` (:func:`small_row_matmul`) or ``"mlx"`` (mlx's own op).
+        tails: A member called with a new input computes the columns of itself and the
+            members after it only (False: every member's columns).
 
     Attributes:
         members: The layers, in column order.
         form: How the stacked product is computed.
+        tails: Whether a launch starts at its calling member's columns.
         bounds: ``(start, stop)`` columns of each member in the stacked output.
         weight, scales, biases: The stacked arrays (scales / biases None if dense).
         bits, group_size: Quantization (None for dense).
     """
 
-    def __init__(self, members: Sequence[nn.Module], form: str = "kernel") -> None:
+    def __init__(
+        self, members: Sequence[nn.Module], form: str = "kernel", tails: bool = False
+    ) -> None:
         if form not in FORMS:
             raise ValueError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
         self.form = form
+        self.tails = bool(tails)
         self.members = list(members)
         quantized = isinstance(self.members[0], nn.QuantizedLinear)
         names = ("weight", "scales", "biases") if quantized else ("weight",)
@@ -128,6 +139,10 @@ class FusedProjections:
         self.group_size = self.members[0].group_size if quantized else None
         self._source: Optional[mx.array] = None
         self._outputs: Dict[int, mx.array] = {}
+        # The stack's rows from member i on, by i (made on first use, as views).
+        self._tails: Dict[int, _Rows] = {
+            0: _Rows(self.weight, self.scales, self.biases, self.splits)
+        }
         # The kernel form's members' columns per input (shape, dtype, use_kernel),
         # planned once (compiled where backend.compile_bound says so).
         self._bound: Dict[tuple, Callable[[mx.array], List[mx.array]]] = {}
@@ -145,34 +160,52 @@ class FusedProjections:
         waiting = self._outputs if x is self._source else {}
         out = waiting.pop(index, None)
         if out is None:
-            waiting = self._project(x, use_kernel)
+            waiting = self._project(x, use_kernel, index if self.tails else 0)
             self._source, self._outputs = x, waiting
             out = waiting.pop(index)
         if not waiting:
             self.release()
         return out
 
-    def _project(self, x: mx.array, use_kernel: Optional[bool]) -> Dict[int, mx.array]:
-        """Every member's columns of ``x @ stack.T``, by member index (one launch)."""
+    def _project(
+        self, x: mx.array, use_kernel: Optional[bool], first: int = 0
+    ) -> Dict[int, mx.array]:
+        """Members ``first`` on: their columns of ``x @ stack.T``, by member index (one
+        launch)."""
+        rows = self._rows_from(first)
         if self.form == "mlx":
-            return dict(enumerate(mx.split(self._mlx_product(x), self.splits, axis=-1)))
-        key = (x.shape, x.dtype, use_kernel)
-        product = self._bound.get(key)
-        if product is None:
-            product = self._bound[key] = self._bind(x, use_kernel)
-        return dict(enumerate(product(x)))
+            product = mx.split(self._mlx_product(x, rows), rows.splits, axis=-1)
+        else:
+            key = (x.shape, x.dtype, use_kernel, first)
+            bound = self._bound.get(key)
+            if bound is None:
+                bound = self._bound[key] = self._bind(x, use_kernel, rows)
+            product = bound(x)
+        return dict(enumerate(product, start=first))
 
-    def _bind(self, x: mx.array, use_kernel: Optional[bool]):
-        """``x -> columns of x @ stack.T`` per member, for inputs of ``x``'s shape and
+    def _rows_from(self, first: int) -> "_Rows":
+        """The stack's rows of members ``first`` on (views, evaluated once: a trace
+        that captured a lazy slice would run it again at every replay)."""
+        rows = self._tails.get(first)
+        if rows is None:
+            start = self.bounds[first][0]
+            arrays = [a if a is None else a[start:] for a in self._tails[0].arrays()]
+            mx.eval([a for a in arrays if a is not None])
+            splits = [edge - start for edge in self.splits[first:]]
+            rows = self._tails[first] = _Rows(*arrays, splits)
+        return rows
+
+    def _bind(self, x: mx.array, use_kernel: Optional[bool], rows: "_Rows"):
+        """``x -> columns of x @ rows.T`` per member, for inputs of ``x``'s shape and
         dtype, planned once."""
         depth = x.shape[-1]
         lead = x.shape[:-1]
         matmul = bind_matmul(
-            (x.size // depth, depth), x.dtype, self.weight, self.scales, self.biases,
+            (x.size // depth, depth), x.dtype, rows.weight, rows.scales, rows.biases,
             bits=self.bits, group_size=self.group_size, use_kernel=use_kernel,
-            members=self.splits, lead=lead,
+            members=rows.splits, lead=lead,
         )  # fmt: skip
-        splits = self.splits
+        splits = rows.splits
         # Stored member by member (the tensor-core form): each member is a view.
         edges = getattr(matmul, "member_edges", ())
 
@@ -225,15 +258,15 @@ class FusedProjections:
         )  # fmt: skip
         return compile_around(matmul, matmul)
 
-    def _mlx_product(self, x: mx.array) -> mx.array:
-        """``x @ stack.T`` by mlx's own op, as each member's layer computes its own."""
-        if self.scales is None:
-            return x @ self.weight.T
+    def _mlx_product(self, x: mx.array, rows: "_Rows") -> mx.array:
+        """``x @ rows.T`` by mlx's own op, as each member's layer computes its own."""
+        if rows.scales is None:
+            return x @ rows.weight.T
         return mx.quantized_matmul(
             x,
-            self.weight,
-            scales=self.scales,
-            biases=self.biases,
+            rows.weight,
+            scales=rows.scales,
+            biases=rows.biases,
             transpose=True,
             group_size=self.group_size,
             bits=self.bits,
@@ -242,6 +275,19 @@ class FusedProjections:
     def release(self) -> None:
         """Drop the outputs still waiting for a member (and the input they came from)."""
         self._source, self._outputs = None, {}
+
+
+@dataclass(frozen=True, eq=False)
+class _Rows:
+    """A run of the stack's rows (whole members) and the members' splits inside it."""
+
+    weight: mx.array
+    scales: Optional[mx.array]
+    biases: Optional[mx.array]
+    splits: List[int]
+
+    def arrays(self) -> List[Optional[mx.array]]:
+        return [self.weight, self.scales, self.biases]
 
 
 # The stacks built so far, by their first member (weakly: a dropped model drops its

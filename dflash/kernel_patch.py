@@ -43,7 +43,10 @@
   calls of at most ``max_queries`` rows to the small-row matmul (prefill chunks
   keep mlx's). Tied embeddings used as the LM head (``as_linear``) are not routed.
   Sibling projections that read one input (q / k / v / gate, an MLP's gate / up) run
-  as one launch over their stacked weights (:mod:`dflash.fused_projections`).
+  as one launch over their stacked weights (:mod:`dflash.fused_projections`). With
+  ``drafter_qkv`` (or ``DFLASH_DRAFTER_FUSED_QKV=1``; off by default, not yet measured
+  on a GPU) the drafter's q / k / v share a stack too: its block is one launch and its
+  committed context's k / v another.
 * **MLP blocks** (``compile_blocks=True`` or ``DFLASH_COMPILED_BLOCKS=1``; off by
   default): with ``matmul``, each MLP whose projections are all routed runs as one
   ``mx.compile`` trace per input geometry.
@@ -90,7 +93,7 @@ from .fused_projections import (
     fuse_wanted,
     sibling_sets,
 )
-from .metal import backend, qmm
+from .metal import backend, heads, qmm
 from .metal.attention import KeyPlane, small_query_attention, visible_bounds
 from .metal.qmm import bind_matmul, compile_around
 from .taps import target_layers
@@ -118,6 +121,10 @@ _trace_epoch = object()
 # Switch for whole MLP blocks through mx.compile (default off: measured slower).
 COMPILED_BLOCKS_ENV = "DFLASH_COMPILED_BLOCKS"
 DRAFTER_DENSE_ENV = "DFLASH_DRAFTER_DENSE_KERNEL"
+# Switch for the drafter's q / k / v as one stack (default off: not measured on a GPU).
+DRAFTER_QKV_ENV = "DFLASH_DRAFTER_FUSED_QKV"
+# Switch for the drafter's q / k norms and RoPE as one launch (default off: likewise).
+DRAFTER_HEAD_PREP_ENV = "DFLASH_DRAFTER_HEAD_PREP"
 
 # The route of the attention call in progress (None: not a patched call).
 _ACTIVE: contextvars.ContextVar[Optional["AttentionRoute"]] = contextvars.ContextVar(
@@ -138,6 +145,8 @@ class AttentionRoute:
         kv_block: Prepared Glimmer attention has its head prep write the stacked K/V
             block a dflash plane stores.
         swiglu: Gated MLPs run their activation inside the fused gate / up launch.
+        draft_head_prep: The drafter's attention prepares its heads (q / k norms and
+            RoPE) in one launch.
     """
 
     use_kernel: Optional[bool] = None
@@ -146,6 +155,7 @@ class AttentionRoute:
     gate_epilogue: bool = True
     kv_block: bool = True
     swiglu: bool = False
+    draft_head_prep: bool = False
 
     def takes(self, cache: Any, count: int, mask: Any) -> bool:
         """Whether the route serves ``count`` queries over ``cache`` with ``mask``: a
@@ -310,14 +320,15 @@ def _unhook_module(name: str, folded_route: bool = False) -> None:
 _SUBCLASSES: Dict[tuple, type] = {}
 
 
-def _swapped_class(kind: str, base: type, call) -> type:
-    """The subclass of ``base`` whose ``__call__`` is ``call`` (built once per pair)."""
+def _swapped_class(kind: str, base: type, call, **methods: Callable) -> type:
+    """The subclass of ``base`` whose ``__call__`` is ``call`` (and whose ``methods``
+    are these), built once per pair."""
     key = (kind, base)
     if key not in _SUBCLASSES:
         _SUBCLASSES[key] = type(
             f"Kernel{base.__name__}",
             (base,),
-            {"__call__": call, _ORIGINAL_CLASS: base},
+            {"__call__": call, **methods, _ORIGINAL_CLASS: base},
         )
     return _SUBCLASSES[key]
 
@@ -405,8 +416,9 @@ def _traced_serves(route: "AttentionRoute", x: mx.array, mask: Any, cache: Any) 
 
 
 def _draft_class(base: type) -> type:
-    """A subclass of the drafter's attention that attends its planes in place."""
-    return _swapped_class("draft", base, _draft_attention)
+    """A subclass of the drafter's attention that attends its planes in place (and, as
+    the route asks, prepares its heads in one launch)."""
+    return _swapped_class("draft", base, _draft_attention, rotate=_draft_rotate)
 
 
 def _draft_attention(self, x: mx.array, plane, rope: nn.Module, start: int) -> mx.array:
@@ -415,14 +427,12 @@ def _draft_attention(self, x: mx.array, plane, rope: nn.Module, start: int) -> m
     Shapes: x ``(b, B, H)``; returns ``(b, B, H)``.
     """
     batch, block, _ = x.shape
-    queries = self.q_proj(x).reshape(batch, block, self.n_heads, self.head_dim)
-    queries = rope(self.q_norm(queries).transpose(0, 2, 1, 3), offset=start)
-    block_keys, block_values = self.project_kv(x, rope, start)
     route: AttentionRoute = self._dflash_route
     if block > route.max_queries:
         return getattr(type(self), _ORIGINAL_CLASS).__call__(
             self, x, plane, rope, start
         )
+    queries, block_keys, block_values = self.block_heads(x, rope, start)
     if plane.keys is None:
         context = KeyPlane(block_keys[:, :, :0], block_values[:, :, :0], 0, start, 0)
     else:
@@ -442,6 +452,73 @@ def _draft_attention(self, x: mx.array, plane, rope: nn.Module, start: int) -> m
         use_kernel=route.use_kernel,
     )
     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, block, -1))
+
+
+def _draft_rotate(
+    self,
+    queries: Optional[mx.array],
+    keys: mx.array,
+    rope: nn.Module,
+    start: int,
+) -> Tuple[Optional[mx.array], mx.array]:
+    """DraftAttention's q / k norms and RoPE as one :func:`~dflash.metal.heads.head_prep`
+    launch where :func:`_draft_prep` serves the call (with no queries, the keys go in
+    both slots), else the class's own ops.
+
+    Shapes: as ``DraftAttention.rotate``.
+    """
+    route: AttentionRoute = self._dflash_route
+    prep = _draft_prep(self, rope, queries, keys, route)
+    if prep is None:
+        own = getattr(type(self), _ORIGINAL_CLASS).rotate
+        return own(self, queries, keys, rope, start)
+    given = keys if queries is None else queries
+    prepared_queries, prepared_keys = heads.head_prep(
+        given, keys, **prep, start=start, use_kernel=route.use_kernel
+    )
+    prepared_keys = prepared_keys.transpose(0, 2, 1, 3)
+    if queries is None:
+        return None, prepared_keys
+    return prepared_queries.transpose(0, 2, 1, 3), prepared_keys
+
+
+def _draft_prep(
+    module: nn.Module,
+    rope: nn.Module,
+    queries: Optional[mx.array],
+    keys: mx.array,
+    route: AttentionRoute,
+) -> Optional[Dict[str, Any]]:
+    """:func:`~dflash.metal.heads.head_prep`'s norm and RoPE arguments for a draft
+    attention call, or None where it keeps its own ops: the route does not ask for it,
+    the call has more rows than the route serves (a prefill), or the norms are not
+    ``nn.RMSNorm`` with a weight in the heads' dtype, or RoPE is not mlx's default form
+    over the whole head."""
+    query_norm = module.k_norm if queries is None else module.q_norm
+    norms = (query_norm, module.k_norm)
+    dtypes = {keys.dtype} | ({queries.dtype} if queries is not None else set())
+    if not (
+        route.draft_head_prep
+        and keys.shape[1] <= route.max_queries
+        and len(dtypes) == 1
+        and type(rope) is nn.RoPE
+        and rope.dims == module.head_dim
+        and not rope.traditional
+        and rope.base is not None
+        and all(
+            type(norm) is nn.RMSNorm and norm.weight.dtype == keys.dtype
+            for norm in norms
+        )
+    ):
+        return None
+    return {
+        "eps": query_norm.eps,
+        "k_eps": module.k_norm.eps,
+        "q_weight": query_norm.weight,
+        "k_weight": module.k_norm.weight,
+        "rope_base": rope.base,
+        "rope_scale": rope.scale,
+    }
 
 
 def _matmul_class(base: type) -> type:
@@ -629,6 +706,31 @@ def drafter_dense_wanted(value: Optional[bool] = None) -> bool:
     return backend.env_switch(DRAFTER_DENSE_ENV) is not False
 
 
+def drafter_qkv_wanted(value: Optional[bool] = None) -> bool:
+    """Whether :class:`KernelPatch` stacks the drafter's q / k / v: ``value`` if given,
+    else ``DFLASH_DRAFTER_FUSED_QKV`` (``0`` / ``1``), else off (its draft time has not
+    been measured on a GPU with it; ``benchmarks/drafter_forward.py`` measures it).
+
+    Raises:
+        ValueError: ``DFLASH_DRAFTER_FUSED_QKV`` is set to something that is not a
+            switch value.
+    """
+    return backend.strict_switch(DRAFTER_QKV_ENV, value, default=False)
+
+
+def drafter_head_prep_wanted(value: Optional[bool] = None) -> bool:
+    """Whether :class:`KernelPatch` prepares the drafter's heads in one launch: ``value``
+    if given, else ``DFLASH_DRAFTER_HEAD_PREP`` (``0`` / ``1``), else off (its draft
+    time has not been measured on a GPU with it; ``benchmarks/drafter_forward.py``
+    measures it).
+
+    Raises:
+        ValueError: ``DFLASH_DRAFTER_HEAD_PREP`` is set to something that is not a
+            switch value.
+    """
+    return backend.strict_switch(DRAFTER_HEAD_PREP_ENV, value, default=False)
+
+
 def _matmul_args(layer: nn.Module, dtype: mx.Dtype):
     """``(weight, scales, biases, bits, group_size)`` of ``layer``, or None if unserved."""
     if dtype not in qmm.DTYPES:
@@ -788,6 +890,15 @@ class KernelPatch:
         drafter_dense: With ``matmul``, route the drafter's unquantized projections
             too (False: they keep mlx's matmul; the target's are always routed, for
             batch invariance). None: :func:`drafter_dense_wanted`.
+        drafter_qkv: With ``matmul`` and ``fuse``, stack each draft attention's q / k /
+            v (all routed): its block's projections become one launch, its context's
+            k / v another (a ``tails`` set of :mod:`dflash.fused_projections`). None:
+            :func:`drafter_qkv_wanted`.
+        drafter_head_prep: With ``attention`` and ``head_prep``, run each draft
+            attention's q / k norms and RoPE as one :func:`~dflash.metal.heads.head_prep`
+            launch (the block's queries and keys together, the context's keys alone)
+            for calls of at most ``max_queries`` rows. None:
+            :func:`drafter_head_prep_wanted`.
 
     Raises:
         ValueError: ``model``'s architecture is not one whose attention can be routed.
@@ -813,6 +924,8 @@ class KernelPatch:
         swiglu: Optional[bool] = None,
         traced_layers: Optional[bool] = None,
         drafter_dense: Optional[bool] = None,
+        drafter_qkv: Optional[bool] = None,
+        drafter_head_prep: Optional[bool] = None,
     ) -> None:
         if attention and not supports(model):
             raise ValueError(
@@ -824,6 +937,7 @@ class KernelPatch:
         self.model = model
         self.drafter = drafter
         self._gate_epilogue = prepared_heads.gate_epilogue_wanted(gate_epilogue)
+        self.head_prep = bool(attention) and prepared_heads.head_prep_wanted(head_prep)
         self.route = AttentionRoute(
             use_kernel,
             max_queries,
@@ -831,16 +945,17 @@ class KernelPatch:
             self._gate_epilogue,
             prepared_heads.kv_block_wanted(kv_block),
             gated_mlp.swiglu_wanted(swiglu),
+            self.head_prep and drafter_head_prep_wanted(drafter_head_prep),
         )
         self.attention = attention
         self.matmul = matmul
         self.fuse = fuse_wanted() if fuse is None else bool(fuse)
         self.drafter_dense = drafter_dense_wanted(drafter_dense)
+        self.drafter_qkv = drafter_qkv_wanted(drafter_qkv)
         self.projections = bool(projections) and not matmul
         self.compile_blocks = bool(matmul) and (
             compiled_blocks_wanted() if compile_blocks is None else bool(compile_blocks)
         )
-        self.head_prep = bool(attention) and prepared_heads.head_prep_wanted(head_prep)
         self.residual_norms = bool(attention) and residual_layers.residual_norms_wanted(
             residual_norms
         )
@@ -886,11 +1001,21 @@ class KernelPatch:
 
     def sibling_parents(self) -> List[nn.Module]:
         """Modules whose sibling projections may fuse: the target's attention and MLP
-        modules and the drafter's MLPs (its attention reads two inputs)."""
+        modules and the drafter's MLPs (its attention: :meth:`drafter_qkv_parents`)."""
         found = [
             getattr(layer, "self_attn", None) for layer in target_layers(self.model)
         ]
         return [m for m in found if isinstance(m, nn.Module)] + self._mlps()
+
+    def drafter_qkv_parents(self) -> List[nn.Module]:
+        """The drafter's attention modules whose q / k / v may share a stack (with
+        ``drafter_qkv``): it projects its block through all three, its committed context
+        through k / v alone, so their stack serves from the calling member on."""
+        if self.drafter is None or not self.drafter_qkv:
+            return []
+        from .drafter import DraftAttention
+
+        return [m for m in self.drafter.modules() if isinstance(m, DraftAttention)]
 
     def _mlps(self) -> List[nn.Module]:
         """The target's decoder-layer MLP modules and the drafter's."""
@@ -1057,6 +1182,8 @@ class KernelPatch:
             if self.matmul and self.fuse:
                 routed = {id(m) for m in matmul}
                 self._fuse_siblings(sibling_sets(self.sibling_parents()), routed)
+                drafter_sets = sibling_sets(self.drafter_qkv_parents())
+                self._fuse_siblings(drafter_sets, routed, tails=True)
             elif sets:
                 self._fuse_siblings(sets, {id(m) for m in members}, form="mlx")
             # After the fusion: the traces captured its views of the stacked weights.
@@ -1067,11 +1194,13 @@ class KernelPatch:
             raise
         return self
 
-    def _fuse_siblings(self, sets: list, routed: set, form: str = "kernel") -> None:
+    def _fuse_siblings(
+        self, sets: list, routed: set, form: str = "kernel", tails: bool = False
+    ) -> None:
         """Stack each sibling set whose members are all routed; mark the members."""
         for members in sets:
             if all(id(m) in routed for m in members):
-                group = FusedProjections(members, form)
+                group = FusedProjections(members, form, tails)
                 self._groups.append(group)
                 for index, member in enumerate(members):
                     setattr(member, _FUSED_SLOT, MemberSlot(group, index))

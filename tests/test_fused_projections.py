@@ -230,11 +230,11 @@ def test_a_failed_stack_leaves_nothing_installed(monkeypatch, part) -> None:
     built = []
 
     class Failing(FusedProjections):
-        def __init__(self, members, form):
+        def __init__(self, members, form, *options):
             if built:
                 raise MemoryError("no room for the stack")
             built.append(members)
-            super().__init__(members, form)
+            super().__init__(members, form, *options)
 
     monkeypatch.setattr(kernel_patch, "FusedProjections", Failing)
     matmul = part == "matmul"
@@ -257,8 +257,8 @@ def test_projections_part_keeps_mlx_lm_logits_and_prefill(bits) -> None:
         patch = KernelPatch(target, attention=False, matmul=False, projections=True)
         calls = []
         real = fused_projections.FusedProjections._mlx_product
-        fused_projections.FusedProjections._mlx_product = lambda self, x: (
-            calls.append(x.shape[-2]) or real(self, x)
+        fused_projections.FusedProjections._mlx_product = lambda self, x, rows: (
+            calls.append(x.shape[-2]) or real(self, x, rows)
         )
         try:
             with (
@@ -307,3 +307,51 @@ def test_a_member_given_a_new_weight_is_not_served_by_the_stale_stack(part) -> N
         np.asarray(after), 2 * np.asarray(before), rtol=1e-5, atol=1e-5
     )
     np.testing.assert_array_equal(np.asarray(k_after), np.asarray(k_before))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    widths=st.lists(st.integers(1, 4).map(lambda w: 32 * w), min_size=2, max_size=4),
+    first=st.integers(0, 3),
+    rows=st.integers(1, 20),
+    quant=st.sampled_from([(None, None), (4, 32), (8, 64)]),
+    form=st.sampled_from(fused_projections.FORMS),
+    tails=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_tails_set_reads_only_the_rows_from_its_calling_member_on(
+    widths, first, rows, quant, form, tails, seed
+):
+    """With ``tails``, a member called with a new input launches over its own and the
+    later members' stacked rows only (the earlier members' weights are not read), the
+    later members are served from that launch, and an earlier member called with the
+    same input launches again; without, one launch covers the whole stack and serves
+    the earlier members too. Every member gets exactly its own columns."""
+    first = first % len(widths)
+    bits, group_size = quant
+    layers = _linears(widths, 128, bits, group_size, mx.float32, seed)
+    x = mx.random.normal((1, rows, 128))
+    own = _alone if form == "kernel" else (lambda layer, x: layer(x))
+    want = [_np(own(layer, x)) for layer in layers]
+    group = FusedProjections(layers, form, tails=tails)
+    launches = []
+    real_rows = group._rows_from
+
+    def spy(start):
+        found = real_rows(start)
+        launches.append(found.weight.shape[0])
+        return found
+
+    group._rows_from = spy
+    got = {first: group.output(first, x, use_kernel=None)}
+    for index in range(first + 1, len(layers)):
+        got[index] = group.output(index, x, use_kernel=None)
+    assert launches == [sum(widths[first:]) if tails else sum(widths)]
+    # Nothing waits once the launched members are taken; unfused, the earlier ones do.
+    assert (group._source is None) == (tails or first == 0)
+    if first > 0:
+        got[first - 1] = group.output(first - 1, x, use_kernel=None)
+        assert launches[1:] == ([sum(widths[first - 1 :])] if tails else [])
+    for index, out in got.items():
+        assert out.shape == (1, rows, widths[index])
+        np.testing.assert_allclose(_np(out), want[index], rtol=1e-4, atol=1e-4)

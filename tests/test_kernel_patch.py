@@ -920,3 +920,218 @@ def test_drafter_dense_projections_can_keep_mlx_matmul(monkeypatch, setting) -> 
             for t, *_ in dflash_generate_step(prompt, target, drafter, max_tokens=12)
         ]
     assert got == want
+
+
+def _served_prefill_rows(drafter) -> list:
+    """Per draft layer that projects them through the patch, the rows of the 40-row
+    append :func:`_draft_after_appends` starts with: what the layer's plane keeps (a
+    sliding plane's last rows); a call of more than the route's 32 rows keeps mlx's
+    ops."""
+    limits = [plane.row_limit for plane in drafter.make_context().planes]
+    needed = 40 if None in limits else min(40, max(limits))
+    kept = [needed if limit is None else min(needed, limit) for limit in limits]
+    served = [rows for rows in kept if rows <= 32]
+    assert served and len(served) < len(kept)  # the tiny drafter has both kinds
+    return served
+
+
+def _draft_after_appends(target, drafter, taps, patch_options) -> tuple:
+    """The drafter's context planes and block hidden states after a long append (a
+    prefill: mlx's matmul), then rounds of short ones (served by the patch), each
+    followed by a block."""
+    width = drafter.config.block_size
+    block = mx.array([[7] + [drafter.config.mask_token_id] * (width - 1)])
+    context = drafter.make_context()
+    hidden = []
+    with KernelPatch(target, drafter, **patch_options) as patch:
+        drafter.append_context(context, taps[:, :40], 0)
+        hidden.append(drafter.hidden_states(block, context))
+        for start in range(40, taps.shape[1], 5):
+            drafter.append_context(context, taps[:, start : start + 5], start)
+            hidden.append(drafter.hidden_states(block, context))
+        groups = list(patch._groups)
+    planes = [(_f32(p.keys[..., p.begin : p.end, :]), p.end) for p in context.planes]
+    return [_f32(h) for h in hidden], planes, groups
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_drafter_qkv_stacks_launch_once_a_block_and_once_a_context_append(
+    monkeypatch, bits
+) -> None:
+    """With ``drafter_qkv``, each draft attention's q / k / v share one stack: a block
+    is one launch over all three, a committed context's k / v one launch over their
+    rows alone (q's weight is not read), and the planes and hidden states equal the
+    unstacked patch's (a one-row shift of the context's keys would not)."""
+    target = tiny_model("muse_glimmer", seed=31, window=16)
+    drafter = random_drafter(target, seed=32, block_size=8)
+    if bits:
+        nn.quantize(drafter, group_size=32, bits=bits)
+    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    taps = mx.random.normal((1, 60, width), key=mx.random.key(33))
+    unstacked = _draft_after_appends(target, drafter, taps, {"drafter_qkv": False})
+    launches = []
+    real = fused_projections.FusedProjections._project
+
+    def spy(self, x, use_kernel, first=0):
+        if self.tails:
+            launches.append(
+                (first, x.shape[-2], self._rows_from(first).weight.shape[0])
+            )
+        return real(self, x, use_kernel, first)
+
+    monkeypatch.setattr(fused_projections.FusedProjections, "_project", spy)
+    stacked = _draft_after_appends(target, drafter, taps, {"drafter_qkv": True})
+    attention = [m for m in drafter.modules() if isinstance(m, DraftAttention)]
+    tails = [g for g in stacked[2] if g.tails]
+    assert [g.members for g in tails] == [
+        [m.q_proj, m.k_proj, m.v_proj] for m in attention
+    ]
+    assert not any(g.tails for g in unstacked[2])
+    q_rows = attention[0].q_proj.weight.shape[0]
+    kv_rows = 2 * attention[0].k_proj.weight.shape[0]
+    block = drafter.config.block_size
+    layers = len(attention)
+    prefill = [(1, rows, kv_rows) for rows in _served_prefill_rows(drafter)]
+    # Then a round: every layer's context k / v over 5 rows, then the block's q / k / v.
+    rounds = [(1, 5, kv_rows)] * layers + [(0, block, q_rows + kv_rows)] * layers
+    assert launches == prefill + [(0, block, q_rows + kv_rows)] * layers + rounds * 4
+    for (got, got_end), (want, want_end) in zip(stacked[1], unstacked[1]):
+        assert got_end == want_end
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    for got, want in zip(stacked[0], unstacked[0]):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+DRAFTER_OPTIONS = [
+    {"drafter_qkv": True},
+    {"drafter_head_prep": True},
+    {"drafter_qkv": True, "drafter_head_prep": True},
+]
+
+
+@pytest.mark.parametrize("options", DRAFTER_OPTIONS)
+def test_drafter_options_keep_dflash_decoding_lossless(options) -> None:
+    """DFlash decoding with the drafter's stacked q / k / v or its heads prepared in one
+    launch is the target's greedy output, with the log-probabilities of the patch
+    without them."""
+    target = tiny_model("muse_glimmer", seed=36, window=16)
+    drafter = random_drafter(target, seed=37, block_size=8)
+    prompt = mx.random.randint(0, 250, (30,), key=mx.random.key(38))
+    want = [int(t) for t, *_ in mlx_generate_step(prompt, target, max_tokens=24)]
+    runs = {}
+    for asked_for in (False, True):
+        asked = options if asked_for else {name: False for name in options}
+        with KernelPatch(target, drafter, **asked) as patch:
+            assert any(g.tails for g in patch._groups) == (
+                asked_for and "drafter_qkv" in options
+            )
+            assert patch.route.draft_head_prep == (
+                asked_for and "drafter_head_prep" in options
+            )
+            runs[asked_for] = [
+                (int(t), _f32(lp))
+                for t, lp, _ in dflash_generate_step(
+                    prompt, target, drafter, max_tokens=24
+                )
+            ]
+    assert [t for t, _ in runs[True]] == want == [t for t, _ in runs[False]]
+    for (_, got), (_, expected) in zip(runs[True], runs[False]):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_drafter_head_prep_is_one_launch_a_block_and_a_context_append_with_own_bits(
+    monkeypatch, bits
+) -> None:
+    """With ``drafter_head_prep``, a draft attention's block prepares its queries and
+    keys in one ``head_prep`` call, and a context append its keys in one; the planes
+    and hidden states keep the drafter's own bits (the reference form is mlx's ops in
+    the drafter's order)."""
+    target = tiny_model("muse_glimmer", seed=39, window=16)
+    drafter = random_drafter(target, seed=40, block_size=8)
+    for index, layer in enumerate(drafter.layers):  # norms unlike each other and 1
+        for offset, norm in enumerate((layer.self_attn.q_norm, layer.self_attn.k_norm)):
+            key = mx.random.key(100 + 2 * index + offset)
+            norm.weight = 1 + mx.random.uniform(-0.5, 0.5, norm.weight.shape, key=key)
+    if bits:
+        nn.quantize(drafter, group_size=32, bits=bits)
+    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    taps = mx.random.normal((1, 60, width), key=mx.random.key(41))
+    own = _draft_after_appends(target, drafter, taps, {"drafter_head_prep": False})
+    calls = []
+    real = heads.head_prep
+
+    def spy(queries, keys, **kwargs):
+        calls.append((queries.shape[1], queries.shape[2], keys is queries))
+        return real(queries, keys, **kwargs)
+
+    monkeypatch.setattr(heads, "head_prep", spy)
+    prepared = _draft_after_appends(target, drafter, taps, {"drafter_head_prep": True})
+    layers = len(drafter.layers)
+    config, block = drafter.config, drafter.config.block_size
+    q_heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    # The 40-row append's served rows, then rounds of 5 rows and a block: a context
+    # call passes its keys as both heads.
+    prefill = [(rows, kv_heads, True) for rows in _served_prefill_rows(drafter)]
+    blocks = [(block, q_heads, False)] * layers
+    rounds = [(5, kv_heads, True)] * layers + blocks
+    assert calls == prefill + blocks + rounds * 4
+    for (got, got_end), (want, want_end) in zip(prepared[1], own[1]):
+        assert got_end == want_end
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(prepared[0], own[0]):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_drafter_head_prep_keeps_the_own_ops_where_it_does_not_serve(
+    monkeypatch,
+) -> None:
+    """A prefill-sized context call, a RoPE that is not mlx's default form, or a norm
+    weight in another dtype than the heads keep the drafter's own ops."""
+    target = tiny_model("muse_glimmer", seed=42, window=16)
+    drafter = random_drafter(target, seed=43, block_size=8)
+    calls = []
+    monkeypatch.setattr(heads, "head_prep", lambda *a, **k: calls.append(a))
+    attention = drafter.layers[0].self_attn
+    dim, kv = attention.head_dim, attention.n_kv_heads
+    keys = mx.random.normal((1, 40, kv, dim), key=mx.random.key(44))
+    with KernelPatch(target, drafter, drafter_head_prep=True, max_queries=32):
+        own = type(attention).__mro__[1].rotate
+        for case_keys, rope in (
+            (keys, drafter._rope),  # 40 rows: more than the route serves
+            (keys[:, :5], nn.RoPE(dim, traditional=True, base=10000.0)),
+            (keys[:, :5].astype(mx.bfloat16), drafter._rope),  # f32 norm weights
+        ):
+            _, got = attention.rotate(None, case_keys, rope, 3)
+            _, want = own(attention, None, case_keys, rope, 3)
+            np.testing.assert_array_equal(_f32(got), _f32(want))
+    assert calls == []
+
+
+def test_drafter_switches_are_off_by_default_and_read_from_the_environment(
+    monkeypatch,
+) -> None:
+    """Both opt-in (not measured on a GPU yet): ``DFLASH_DRAFTER_FUSED_QKV`` and
+    ``DFLASH_DRAFTER_HEAD_PREP`` turn them on, the argument wins, a value that is no
+    switch is refused by name, and head prep needs the head-prep part."""
+    target = tiny_model("muse_glimmer", seed=45, window=16)
+    drafter = random_drafter(target, seed=46, block_size=8)
+    for name in (kernel_patch.DRAFTER_QKV_ENV, kernel_patch.DRAFTER_HEAD_PREP_ENV):
+        monkeypatch.delenv(name, raising=False)
+    patch = KernelPatch(target, drafter)
+    assert not patch.drafter_qkv and not patch.route.draft_head_prep
+    assert patch.drafter_qkv_parents() == []
+    monkeypatch.setenv(kernel_patch.DRAFTER_QKV_ENV, "1")
+    monkeypatch.setenv(kernel_patch.DRAFTER_HEAD_PREP_ENV, "1")
+    patch = KernelPatch(target, drafter)
+    assert patch.drafter_qkv and patch.route.draft_head_prep
+    assert len(patch.drafter_qkv_parents()) == len(drafter.layers)
+    assert KernelPatch(target).drafter_qkv_parents() == []  # no drafter
+    assert not KernelPatch(target, drafter, head_prep=False).route.draft_head_prep
+    patch = KernelPatch(target, drafter, drafter_qkv=False, drafter_head_prep=False)
+    assert not patch.drafter_qkv and not patch.route.draft_head_prep
+    for name in (kernel_patch.DRAFTER_QKV_ENV, kernel_patch.DRAFTER_HEAD_PREP_ENV):
+        monkeypatch.setenv(name, "maybe")
+        with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
+            KernelPatch(target, drafter)
+        monkeypatch.delenv(name)

@@ -145,6 +145,24 @@ def test_unheld_arms_turn_the_held_norms_off_for_their_block(monkeypatch):
     assert tensor_qmm.scaled_b(4) and tensor_qmm.SCALED_B_ENV not in os.environ
 
 
+def test_drafter_arms_turn_on_their_drafter_switches_for_their_block(monkeypatch):
+    """``-drafterqkv`` / ``-drafterheads`` set one switch each, ``-drafter`` both; the
+    patch made inside the block takes them, and both are unset after it."""
+    switches = (kernel_patch.DRAFTER_QKV_ENV, kernel_patch.DRAFTER_HEAD_PREP_ENV)
+    for name in switches:
+        monkeypatch.delenv(name, raising=False)
+    for arm, qkv, heads in (
+        ("default-drafterqkv", True, False),
+        ("all-drafterheads", False, True),
+        ("default-drafter", True, True),
+        ("default", False, False),
+    ):
+        with round_profile.kernel_arm(arm):
+            assert kernel_patch.drafter_qkv_wanted() is qkv
+            assert kernel_patch.drafter_head_prep_wanted() is heads
+        assert not any(name in os.environ for name in switches)
+
+
 def test_round_profile_refuses_an_unknown_kernel_arm():
     with pytest.raises(argparse.ArgumentTypeError, match="qmm"):
         round_profile._kernel_arms("off,qmm")
