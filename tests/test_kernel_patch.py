@@ -922,6 +922,22 @@ def test_drafter_dense_projections_can_keep_mlx_matmul(monkeypatch, setting) -> 
     assert got == want
 
 
+def _drafter_case(seed: int, bits) -> tuple:
+    """A tiny target, its random drafter (quantized with ``bits``; q / k norm weights
+    random, unlike each other and 1) and 60 rows of random tapped features."""
+    target = tiny_model("muse_glimmer", seed=seed, window=16)
+    drafter = random_drafter(target, seed=seed + 1, block_size=8)
+    for index, layer in enumerate(drafter.layers):
+        for offset, norm in enumerate((layer.self_attn.q_norm, layer.self_attn.k_norm)):
+            key = mx.random.key(100 * seed + 2 * index + offset)
+            norm.weight = 1 + mx.random.uniform(-0.5, 0.5, norm.weight.shape, key=key)
+    if bits:
+        nn.quantize(drafter, group_size=32, bits=bits)
+    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    taps = mx.random.normal((1, 60, width), key=mx.random.key(seed + 2))
+    return target, drafter, taps
+
+
 def _served_prefill_rows(drafter) -> list:
     """Per draft layer that projects them through the patch, the rows of the 40-row
     append :func:`_draft_after_appends` starts with: what the layer's plane keeps (a
@@ -962,12 +978,7 @@ def test_drafter_qkv_stacks_launch_once_a_block_and_once_a_context_append(
     is one launch over all three, a committed context's k / v one launch over their
     rows alone (q's weight is not read), and the planes and hidden states equal the
     unstacked patch's (a one-row shift of the context's keys would not)."""
-    target = tiny_model("muse_glimmer", seed=31, window=16)
-    drafter = random_drafter(target, seed=32, block_size=8)
-    if bits:
-        nn.quantize(drafter, group_size=32, bits=bits)
-    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
-    taps = mx.random.normal((1, 60, width), key=mx.random.key(33))
+    target, drafter, taps = _drafter_case(31, bits)
     unstacked = _draft_after_appends(target, drafter, taps, {"drafter_qkv": False})
     launches = []
     real = fused_projections.FusedProjections._project
@@ -1047,16 +1058,7 @@ def test_drafter_head_prep_is_one_launch_a_block_and_a_context_append_with_own_b
     keys in one ``head_prep`` call, and a context append its keys in one; the planes
     and hidden states keep the drafter's own bits (the reference form is mlx's ops in
     the drafter's order)."""
-    target = tiny_model("muse_glimmer", seed=39, window=16)
-    drafter = random_drafter(target, seed=40, block_size=8)
-    for index, layer in enumerate(drafter.layers):  # norms unlike each other and 1
-        for offset, norm in enumerate((layer.self_attn.q_norm, layer.self_attn.k_norm)):
-            key = mx.random.key(100 + 2 * index + offset)
-            norm.weight = 1 + mx.random.uniform(-0.5, 0.5, norm.weight.shape, key=key)
-    if bits:
-        nn.quantize(drafter, group_size=32, bits=bits)
-    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
-    taps = mx.random.normal((1, 60, width), key=mx.random.key(41))
+    target, drafter, taps = _drafter_case(39, bits)
     own = _draft_after_appends(target, drafter, taps, {"drafter_head_prep": False})
     calls = []
     real = heads.head_prep
