@@ -14,6 +14,11 @@ times, after a prefill of ``--context`` tokens on the scale pair, synced, median
   ``--tau`` + 1 tapped rows, then every layer's k / v of them (what
   ``append_context`` computes before it writes the planes).
 
+With ``--device`` (a GPU, PyTorch in the interpreter for CUPTI) each arm also lists the
+device kernels of one call of each part: how many, the time in which one ran (``busy``),
+their summed time, the span from the first start to the last end (``span``: ``busy``
+plus the device's idle gaps), and the costliest kernel names.
+
 Each ``--kernels`` arm (:data:`benchmarks.round_profile.KERNEL_ARMS`) holds
 :func:`dflash.kernel_patch.verify_kernels` around its calls, as the loop does: ``off``,
 ``default``, and the drafter's opt-in parts ``default-drafterqkv`` (its q / k / v as one
@@ -44,10 +49,12 @@ from dflash.bench.report import environment
 from dflash.bench.scale import build_scale_pair, scale_prompts
 from dflash.bench.scale_target import QUANTS
 
-from .common import write_json
+from .common import busy_us, cupti_trace, write_json
 from .round_profile import _kernel_arms, kernel_arm
 
 PARTS = ("draft", "layers", "head", "layer0", "attention0", "mlp0", "context_kv")
+# Kernel names listed per part with ``--device`` (the costliest by summed time).
+TOP_KERNELS = 12
 
 
 def drafter_parts(
@@ -121,13 +128,40 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
                         times = timed_call(parts[part])
                         if rep >= args.warmup:
                             samples[arm][part].append(times)
+        device = {}
+        if args.device:
+            for arm in args.kernels:
+                with kernel_arm(arm), kernel_patch.verify_kernels(target, drafter):
+                    device[arm] = {part: device_kernels(parts[part]) for part in PARTS}
     report: Dict[str, Any] = {"environment": environment(command), "patch": patched}
+    if device:
+        report["device"] = device
     report["ms"] = {
         arm: {part: _medians(times) for part, times in by_part.items()}
         for arm, by_part in samples.items()
     }
     report["total_s"] = round(time.time() - began, 1)
     return report
+
+
+def device_kernels(call: Callable[[], Any]) -> Dict[str, Any]:
+    """The device kernels of one ``call`` (CUPTI): count, busy, summed and spanned
+    microseconds, and the :data:`TOP_KERNELS` costliest names with their counts."""
+    kernels = cupti_trace(lambda: mx.eval(call()))[0]
+    by_name: Dict[str, List[float]] = {}
+    for name, _, duration in kernels:
+        by_name.setdefault(name[:120], []).append(duration)
+    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:TOP_KERNELS]
+    span = 0.0
+    if kernels:
+        span = max(s + d for _, s, d in kernels) - min(s for _, s, _ in kernels)
+    return {
+        "kernels": len(kernels),
+        "busy_us": round(busy_us(kernels), 1),
+        "sum_us": round(sum(d for _, _, d in kernels), 1),
+        "span_us": round(span, 1),
+        "top": [[name, len(times), round(sum(times), 1)] for name, times in top],
+    }
 
 
 def _patch_summary(patch: Optional[kernel_patch.KernelPatch]) -> Dict[str, Any]:
@@ -162,6 +196,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--kernels", type=_kernel_arms, default=["off", "default"])
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--device", action="store_true", help="CUPTI kernels of each part, per arm"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     for name, least in (("context", 2), ("tau", 1), ("reps", 1), ("warmup", 0)):
@@ -181,6 +218,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for arm, by_part in report["ms"].items():
         walls = {part: times["wall_ms"] for part, times in by_part.items()}
         print(arm, patched_text(report["patch"][arm]), walls, flush=True)
+    for arm, by_part in report.get("device", {}).items():
+        counts = {
+            p: (k["kernels"], k["busy_us"], k["span_us"]) for p, k in by_part.items()
+        }
+        print(arm, "device (kernels, busy us, span us)", counts, flush=True)
 
 
 def patched_text(summary: Dict[str, Any]) -> str:

@@ -41,6 +41,34 @@ def test_every_part_is_timed_in_every_arm_under_the_arms_patch(tmp_path, capsys)
     assert [line.split()[0] for line in printed] == arms
 
 
+def test_device_lists_each_parts_kernels_per_arm(monkeypatch, tmp_path, capsys):
+    """``--device``: per arm and part, the kernels of one call (a stand-in CUPTI trace
+    whose kernels overlap, so busy, summed and spanned time differ)."""
+    trace = [("gemm", 0.0, 10.0), ("norm", 5.0, 10.0), ("gemm", 30.0, 4.0)]
+    calls = []
+
+    def fake_trace(run):
+        calls.append(run())
+        return trace, []
+
+    monkeypatch.setattr(drafter_forward, "cupti_trace", fake_trace)
+    out = tmp_path / "drafter.json"
+    arms = ["off", "all-drafter"]
+    argv = ["--kernels", ",".join(arms), "--reps", "1", "--warmup", "0", "--device"]
+    drafter_forward.main([*argv, "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert list(report["device"]) == arms
+    for by_part in report["device"].values():
+        assert list(by_part) == list(drafter_forward.PARTS)
+        for kernels in by_part.values():
+            assert kernels["kernels"] == 3
+            assert (kernels["busy_us"], kernels["sum_us"]) == (19.0, 24.0)
+            assert kernels["span_us"] == 34.0
+            assert kernels["top"] == [["gemm", 2, 14.0], ["norm", 1, 10.0]]
+    assert len(calls) == len(arms) * len(drafter_forward.PARTS)
+    assert "device (kernels, busy us, span us)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

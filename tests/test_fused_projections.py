@@ -355,3 +355,21 @@ def test_a_tails_set_reads_only_the_rows_from_its_calling_member_on(
     for index, out in got.items():
         assert out.shape == (1, rows, widths[index])
         np.testing.assert_allclose(_np(out), want[index], rtol=1e-4, atol=1e-4)
+
+
+def test_a_tail_of_the_stack_is_a_view_not_a_copy() -> None:
+    """The rows a tails launch reads (members 1 on) are a view of the stack: memory does
+    not grow by their bytes, and they hold the stack's values."""
+    layers = _linears([512, 512, 256], 512, 4, 64, mx.float32, seed=9)
+    group = FusedProjections(layers, tails=True)
+    gc.collect()
+    active = mx.get_active_memory()
+    rows = group._rows_from(1)
+    gc.collect()
+    tail_bytes = sum(a.nbytes for a in rows.arrays())
+    assert mx.get_active_memory() - active < 0.1 * tail_bytes, tail_bytes
+    assert rows.splits == [512]
+    for name, array in zip(("weight", "scales", "biases"), rows.arrays()):
+        np.testing.assert_array_equal(
+            np.asarray(array), np.asarray(group.__dict__[name][512:])
+        )
