@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import tiny_model
+from conftest import TINY_DFLASH2, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.generate import generate_step as mlx_generate_step
@@ -1020,13 +1020,16 @@ DRAFTER_OPTIONS = [
 ]
 
 
+@pytest.mark.parametrize("kind", ["assistant", "dflash2"])
 @pytest.mark.parametrize("options", DRAFTER_OPTIONS)
-def test_drafter_options_keep_dflash_decoding_lossless(options) -> None:
+def test_drafter_options_keep_dflash_decoding_lossless(options, kind) -> None:
     """DFlash decoding with the drafter's stacked q / k / v or its heads prepared in one
     launch is the target's greedy output, with the log-probabilities of the patch
-    without them."""
+    without them (both drafter architectures)."""
     target = tiny_model("muse_glimmer", seed=36, window=16)
-    drafter = random_drafter(target, seed=37, block_size=8)
+    extra = TINY_DFLASH2 if kind == "dflash2" else {}
+    drafter = random_drafter(target, seed=37, block_size=8, **extra)
+    assert any(isinstance(m, DraftAttention) for m in drafter.modules())
     prompt = mx.random.randint(0, 250, (30,), key=mx.random.key(38))
     want = [int(t) for t, *_ in mlx_generate_step(prompt, target, max_tokens=24)]
     runs = {}
