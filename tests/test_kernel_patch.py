@@ -951,20 +951,23 @@ def _served_prefill_rows(drafter) -> list:
     return served
 
 
-def _draft_after_appends(target, drafter, taps, patch_options) -> tuple:
-    """The drafter's context planes and block hidden states after a long append (a
-    prefill: mlx's matmul), then rounds of short ones (served by the patch), each
+def _draft_after_appends(
+    target, drafter, taps, patch_options, sizes=(40, 5, 5, 5, 5)
+) -> tuple:
+    """The drafter's context planes and block hidden states after appends of ``sizes``
+    rows of ``taps`` (by default a long one, a prefill keeping mlx's matmul where more
+    than 32 rows are projected, then rounds of short ones served by the patch), each
     followed by a block."""
     width = drafter.config.block_size
     block = mx.array([[7] + [drafter.config.mask_token_id] * (width - 1)])
     context = drafter.make_context()
     hidden = []
     with KernelPatch(target, drafter, **patch_options) as patch:
-        drafter.append_context(context, taps[:, :40], 0)
-        hidden.append(drafter.hidden_states(block, context))
-        for start in range(40, taps.shape[1], 5):
-            drafter.append_context(context, taps[:, start : start + 5], start)
+        start = 0
+        for size in sizes:
+            drafter.append_context(context, taps[:, start : start + size], start)
             hidden.append(drafter.hidden_states(block, context))
+            start += size
         groups = list(patch._groups)
     planes = [(_f32(p.keys[..., p.begin : p.end, :]), p.end) for p in context.planes]
     return [_f32(h) for h in hidden], planes, groups
@@ -1086,6 +1089,35 @@ def test_drafter_head_prep_is_one_launch_a_block_and_a_context_append_with_own_b
         np.testing.assert_array_equal(got, want)
     for got, want in zip(prepared[0], own[0]):
         np.testing.assert_array_equal(got, want)
+
+
+@settings(max_examples=8, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6))
+def test_drafter_options_keep_the_planes_and_drafts_over_any_appends(sizes) -> None:
+    """Over any sequence of context appends (one row to prefill-sized, across the
+    sliding plane's limit): with head prep alone the planes and block hidden states
+    are the drafter's own bits; with the stacked q / k / v too, its values."""
+    target, drafter, _ = _drafter_case(47, None)
+    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    taps = mx.random.normal((1, sum(sizes), width), key=mx.random.key(48))
+    runs = [
+        _draft_after_appends(target, drafter, taps, options, sizes)
+        for options in (
+            {"drafter_qkv": False, "drafter_head_prep": False},
+            {"drafter_qkv": False, "drafter_head_prep": True},
+            {"drafter_qkv": True, "drafter_head_prep": True},
+        )
+    ]
+    own, prepared, both = runs
+    for (want, end), (got, got_end), (close, close_end) in zip(
+        own[1], prepared[1], both[1]
+    ):
+        assert end == got_end == close_end
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(close, want, rtol=1e-4, atol=1e-4)
+    for want, got, close in zip(own[0], prepared[0], both[0]):
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(close, want, rtol=1e-4, atol=1e-4)
 
 
 def test_drafter_head_prep_keeps_the_own_ops_where_it_does_not_serve(
