@@ -143,8 +143,9 @@ class FusedProjections:
         self._tails: Dict[int, _Rows] = {
             0: _Rows(self.weight, self.scales, self.biases, self.splits)
         }
-        # The kernel form's members' columns per input (shape, dtype, use_kernel),
-        # planned once (compiled where backend.compile_bound says so).
+        # The kernel form's members' columns per input (shape, dtype, use_kernel) and
+        # first member launched, planned once (compiled where backend.compile_bound
+        # says so).
         self._bound: Dict[tuple, Callable[[mx.array], List[mx.array]]] = {}
 
     def serves(self, index: int, member: nn.Module) -> bool:
