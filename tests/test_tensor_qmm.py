@@ -958,6 +958,36 @@ def test_emulated_member_major_members_have_the_plain_bits(
     assert all(map(np.array_equal, results["1"], results["0"]))
 
 
+def test_emulated_tails_launch_reads_the_stack_from_its_calling_member(
+    emulated, monkeypatch
+) -> None:
+    """A tails set (the drafter's q / k / v) through the tensor-core body, emulated: a
+    call of member 1 launches once over members 1 and 2's rows (a view of the stack at
+    an offset, stored member by member), and each member matches the oracle of its own
+    weights; member 0 with the same input launches again, over the whole stack."""
+    layers = _member_layers((256, 128, 128), 512, 5)
+    x = mx.random.normal((5, 512)).astype(mx.bfloat16)
+    taken = []
+    edges_of = tensor_qmm.member_edges
+
+    def spy(edges, columns):
+        taken.append((tuple(edges), columns))
+        return edges_of(edges, columns)
+
+    monkeypatch.setattr(tensor_qmm, "member_edges", spy)
+    group = FusedProjections(layers, tails=True)
+    before = emulated.launches
+    outs = {index: group.output(index, x, use_kernel=True) for index in (1, 2)}
+    mx.eval(list(outs.values()))
+    once = emulated.launches - before
+    assert once > 0 and taken == [((128,), 256)]
+    outs[0] = group.output(0, x, use_kernel=True)
+    mx.eval(outs[0])
+    assert taken[1:] == [((256, 384), 512)] and emulated.launches > before + once
+    for index, layer in enumerate(layers):
+        assert _close_to_matmul_oracle(_member_case(x, layer), outs[index]), index
+
+
 @pytest.mark.parametrize("merged", [True, False])
 def test_emulated_matmul_with_a_leading_shape_launches_on_x_as_it_is(
     emulated, monkeypatch, merged
