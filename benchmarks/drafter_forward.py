@@ -22,8 +22,10 @@ plus the device's idle gaps), and the costliest kernel names.
 Each ``--kernels`` arm (:data:`benchmarks.round_profile.KERNEL_ARMS`) holds
 :func:`dflash.kernel_patch.verify_kernels` around its calls, as the loop does: ``off``,
 ``default``, and the drafter's opt-in parts ``default-drafterqkv`` (its q / k / v as one
-stack), ``default-drafterheads`` (its q / k norms and RoPE as one launch) and
-``default-drafter`` (both). Arms alternate part by part, the order reversed every other
+stack), ``default-drafterheads`` (its q / k norms and RoPE as one launch),
+``default-draftermlx`` (its bf16 projections on mlx's matmul, each sibling set one
+matmul over its stack), ``default-drafter`` (the first two) and ``default-drafterall``
+(all three). Arms alternate part by part, the order reversed every other
 repetition, so a host's drift reaches every arm alike.
 
 Run (from the repository root)::
@@ -174,6 +176,8 @@ def _patch_summary(patch: Optional[kernel_patch.KernelPatch]) -> Dict[str, Any]:
         "fused_sets": sum(not group.tails for group in patch._groups),
         "drafter_qkv_sets": sum(group.tails for group in patch._groups),
         "drafter_head_prep": patch.route.draft_head_prep,
+        "drafter_dense_kernel": patch.drafter_dense,
+        "drafter_mlx_sets": sum(group.form == "mlx" for group in patch._groups),
     }
 
 
@@ -230,8 +234,9 @@ def patched_text(summary: Dict[str, Any]) -> str:
     if not summary["installed"]:
         return "(no patch)"
     heads = ", drafter head prep" if summary["drafter_head_prep"] else ""
+    mlx = "" if summary["drafter_dense_kernel"] else ", drafter on mlx's matmul"
     sets, stacks = summary["fused_sets"], summary["drafter_qkv_sets"]
-    return f"(patch: {sets} sets, {stacks} drafter q/k/v stacks{heads})"
+    return f"(patch: {sets} sets, {stacks} drafter q/k/v stacks{heads}{mlx})"
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ from dflash.greedy import greedy_reference, greedy_reference_with_margins
 from dflash.held_norms import HELD_NORMS_ENV
 from dflash.kernel_patch import (
     COMPILED_BLOCKS_ENV,
+    DRAFTER_DENSE_ENV,
     DRAFTER_HEAD_PREP_ENV,
     DRAFTER_QKV_ENV,
     VERIFY_KERNELS_ENV,
@@ -217,6 +218,10 @@ KERNEL_ARMS = {
     "all-drafterheads": "1",
     "default-drafter": None,
     "all-drafter": "1",
+    "default-draftermlx": None,
+    "all-draftermlx": "1",
+    "default-drafterall": None,
+    "all-drafterall": "1",
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -263,10 +268,16 @@ ARM_SUFFIXES = {
     "untraced": (TRACED_LAYERS_ENV, "0"),  # the eager layers
     "drafterqkv": (DRAFTER_QKV_ENV, "1"),  # the drafter's q / k / v as one stack
     "drafterheads": (DRAFTER_HEAD_PREP_ENV, "1"),  # its q / k norms and RoPE: a launch
+    "draftermlx": (DRAFTER_DENSE_ENV, "0"),  # its bf16 projections on mlx's matmul
 }
 # Suffixes that set several switches (each pair as above).
 ARM_SUFFIX_SETS = {
     "drafter": (ARM_SUFFIXES["drafterqkv"], ARM_SUFFIXES["drafterheads"]),
+    "drafterall": (
+        ARM_SUFFIXES["drafterqkv"],
+        ARM_SUFFIXES["drafterheads"],
+        ARM_SUFFIXES["draftermlx"],
+    ),
 }
 
 

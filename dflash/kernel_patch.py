@@ -888,8 +888,9 @@ class KernelPatch:
             compiled replays a served call (takes precedence over
             ``residual_norms``). None: :func:`dflash.traced_layers.traced_layers_wanted`.
         drafter_dense: With ``matmul``, route the drafter's unquantized projections
-            too (False: they keep mlx's matmul; the target's are always routed, for
-            batch invariance). None: :func:`drafter_dense_wanted`.
+            too (False: they keep mlx's matmul, with ``fuse`` each sibling set of them
+            stacked as one mlx matmul; the target's are always routed, for batch
+            invariance). None: :func:`drafter_dense_wanted`.
         drafter_qkv: With ``matmul`` and ``fuse``, stack each draft attention's q / k /
             v (all routed): its block's projections become one launch, its context's
             k / v another (a ``tails`` set of :mod:`dflash.fused_projections`). None:
@@ -1017,6 +1018,23 @@ class KernelPatch:
 
         return [m for m in self.drafter.modules() if isinstance(m, DraftAttention)]
 
+    def drafter_mlx_sets(self, matmul: List[nn.Module]) -> List[Tuple[list, bool]]:
+        """The drafter's sibling sets that keep mlx's matmul (without ``drafter_dense``,
+        none of their members in ``matmul``), stacked as one mlx matmul each with
+        ``matmul`` and ``fuse``: its MLPs' gate / up, and with ``drafter_qkv`` its
+        attention's q / k / v (a tails set). Pairs ``(members, tails)``."""
+        if not (self.matmul and self.fuse and self.drafter is not None):
+            return []
+        if self.drafter_dense:
+            return []
+        from .drafter import DraftMLP
+
+        routed = {id(m) for m in matmul}
+        mlps = [m for m in self.drafter.modules() if isinstance(m, DraftMLP)]
+        found = [(s, False) for s in sibling_sets(mlps)]
+        found += [(s, True) for s in sibling_sets(self.drafter_qkv_parents())]
+        return [(s, tails) for s, tails in found if not {id(m) for m in s} & routed]
+
     def _mlps(self) -> List[nn.Module]:
         """The target's decoder-layer MLP modules and the drafter's."""
         found = [getattr(layer, "mlp", None) for layer in target_layers(self.model)]
@@ -1120,6 +1138,8 @@ class KernelPatch:
         matmul = self.matmul_modules() if self.matmul else []
         sets = sibling_sets(self.sibling_parents()) if self.projections else []
         members = [m for members in sets for m in members]
+        drafter_stacks = self.drafter_mlx_sets(matmul)
+        members += [m for stack, _ in drafter_stacks for m in stack]
         blocks = self.mlp_blocks(matmul) if self.compile_blocks else []
         layers = self.residual_layers()
         mlps = self.gated_mlps(blocks)
@@ -1184,6 +1204,9 @@ class KernelPatch:
                 self._fuse_siblings(sibling_sets(self.sibling_parents()), routed)
                 drafter_sets = sibling_sets(self.drafter_qkv_parents())
                 self._fuse_siblings(drafter_sets, routed, tails=True)
+                for stack, tails in drafter_stacks:
+                    ids = {id(m) for m in stack}
+                    self._fuse_siblings([stack], ids, form="mlx", tails=tails)
             elif sets:
                 self._fuse_siblings(sets, {id(m) for m in members}, form="mlx")
             # After the fusion: the traces captured its views of the stacked weights.

@@ -13,7 +13,7 @@ from dflash.kernel_patch import DRAFTER_QKV_ENV, VERIFY_KERNELS_ENV
 
 def test_every_part_is_timed_in_every_arm_under_the_arms_patch(tmp_path, capsys):
     out = tmp_path / "drafter.json"
-    arms = ["off", "all", "all-drafterqkv", "all-drafter"]
+    arms = ["off", "all", "all-drafterqkv", "all-drafter", "all-drafterall"]
     argv = ["--kernels", ",".join(arms), "--reps", "2", "--warmup", "1"]
     drafter_forward.main([*argv, "--json", str(out)])
     report = json.loads(out.read_text())
@@ -36,6 +36,11 @@ def test_every_part_is_timed_in_every_arm_under_the_arms_patch(tmp_path, capsys)
     assert not patch["all-drafterqkv"]["drafter_head_prep"]
     assert patch["all-drafter"]["drafter_qkv_sets"] == 2
     assert patch["all-drafter"]["drafter_head_prep"]
+    assert patch["all-drafter"]["drafter_dense_kernel"]
+    assert patch["all-drafter"]["drafter_mlx_sets"] == 0
+    # On mlx's matmul: each layer's MLP gate / up and q / k / v one mlx matmul.
+    assert not patch["all-drafterall"]["drafter_dense_kernel"]
+    assert patch["all-drafterall"]["drafter_mlx_sets"] == 4
     assert VERIFY_KERNELS_ENV not in os.environ and DRAFTER_QKV_ENV not in os.environ
     printed = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in printed] == arms

@@ -891,11 +891,14 @@ def test_an_mlp_block_runs_its_python_once_per_geometry_and_is_traced_again_for_
     assert [ref for ref in compiled if ref() is not None] == []
 
 
+@pytest.mark.parametrize("qkv", [False, True])
 @pytest.mark.parametrize("setting", ["arg-off", "env-off", "default"])
-def test_drafter_dense_projections_can_keep_mlx_matmul(monkeypatch, setting) -> None:
+def test_drafter_dense_projections_can_keep_mlx_matmul(monkeypatch, setting, qkv):
     """Off, the drafter's unquantized projections keep mlx's matmul while the target's
-    (which need batch invariance) and any quantized drafter layer stay routed; the
-    DFlash output is still the target's greedy output."""
+    (which need batch invariance) and any quantized drafter layer stay routed: each MLP's
+    gate / up (and with ``drafter_qkv`` each attention's q / k / v, a tails set) become
+    one mlx matmul over their stack, the rest keep their class. The DFlash output is
+    still the target's greedy output."""
     monkeypatch.delenv(kernel_patch.DRAFTER_DENSE_ENV, raising=False)
     if setting == "env-off":
         monkeypatch.setenv(kernel_patch.DRAFTER_DENSE_ENV, "0")
@@ -903,18 +906,37 @@ def test_drafter_dense_projections_can_keep_mlx_matmul(monkeypatch, setting) -> 
     drafter = random_drafter(target, seed=22, block_size=8)
     dense = [m for m in drafter.modules() if type(m) is nn.Linear]
     assert dense
-    patch = KernelPatch(
-        target, drafter, drafter_dense=False if setting == "arg-off" else None
-    )
+    dense_off = False if setting == "arg-off" else None
+    patch = KernelPatch(target, drafter, drafter_dense=dense_off, drafter_qkv=qkv)
     routed = {id(m) for m in patch.matmul_modules()}
     shared = {id(m) for m in target.modules() if isinstance(m, nn.Linear)}
     assert shared and shared <= routed
     kept = setting == "default"
     assert all((id(m) in routed) == kept for m in dense if id(m) not in shared)
+    stacked = [] if kept else [m for s, _ in patch.drafter_mlx_sets([]) for m in s]
+    layers = drafter.layers
+    want_stacked = [
+        m for layer in layers for m in (layer.mlp.gate_proj, layer.mlp.up_proj)
+    ]
+    if qkv:
+        attention = [layer.self_attn for layer in layers]
+        want_stacked += [m for a in attention for m in (a.q_proj, a.k_proj, a.v_proj)]
+    assert {id(m) for m in stacked} == (
+        set() if kept else {id(m) for m in want_stacked}
+    )
     prompt = mx.random.randint(0, 250, (24,))
     want = [int(t) for t, *_ in mlx_generate_step(prompt, target, max_tokens=12)]
     with patch:
-        assert all(type(m) is nn.Linear for m in dense) != kept
+        for module in dense:
+            plain = type(module) is nn.Linear
+            assert plain == (not kept and id(module) not in {id(m) for m in stacked})
+        mlx_groups = [g for g in patch._groups if g.form == "mlx"]
+        assert sorted(len(g.members) for g in mlx_groups) == sorted(
+            len(s) for s, _ in patch.drafter_mlx_sets([])
+        )
+        assert sum(g.tails for g in mlx_groups) == (
+            0 if kept or not qkv else len(layers)
+        )
         got = [
             int(t)
             for t, *_ in dflash_generate_step(prompt, target, drafter, max_tokens=12)

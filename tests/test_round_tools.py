@@ -146,20 +146,27 @@ def test_unheld_arms_turn_the_held_norms_off_for_their_block(monkeypatch):
 
 
 def test_drafter_arms_turn_on_their_drafter_switches_for_their_block(monkeypatch):
-    """``-drafterqkv`` / ``-drafterheads`` set one switch each, ``-drafter`` both; the
-    patch made inside the block takes them, and both are unset after it."""
-    switches = (kernel_patch.DRAFTER_QKV_ENV, kernel_patch.DRAFTER_HEAD_PREP_ENV)
+    """``-drafterqkv`` / ``-drafterheads`` / ``-draftermlx`` set one switch each,
+    ``-drafter`` the first two, ``-drafterall`` all three; each is unset after."""
+    switches = (
+        kernel_patch.DRAFTER_QKV_ENV,
+        kernel_patch.DRAFTER_HEAD_PREP_ENV,
+        kernel_patch.DRAFTER_DENSE_ENV,
+    )
     for name in switches:
         monkeypatch.delenv(name, raising=False)
-    for arm, qkv, heads in (
-        ("default-drafterqkv", True, False),
-        ("all-drafterheads", False, True),
-        ("default-drafter", True, True),
-        ("default", False, False),
+    for arm, qkv, heads, dense in (
+        ("default-drafterqkv", True, False, True),
+        ("all-drafterheads", False, True, True),
+        ("default-drafter", True, True, True),
+        ("all-draftermlx", False, False, False),
+        ("default-drafterall", True, True, False),
+        ("default", False, False, True),
     ):
         with round_profile.kernel_arm(arm):
             assert kernel_patch.drafter_qkv_wanted() is qkv
             assert kernel_patch.drafter_head_prep_wanted() is heads
+            assert kernel_patch.drafter_dense_wanted() is dense
         assert not any(name in os.environ for name in switches)
 
 
