@@ -37,7 +37,10 @@
   bits, a fraction of the host's Python).
 * **Drafter attention.** Each :class:`~dflash.drafter.DraftAttention` gets a
   subclass whose forward attends the context plane and the block's own keys in
-  place (the block is not copied into the plane's scratch rows).
+  place (the block is not copied into the plane's scratch rows). With
+  ``drafter_head_prep`` (or ``DFLASH_DRAFTER_HEAD_PREP=1``; off by default, not yet
+  measured on a GPU) its q / k norms and RoPE are one ``head_prep`` launch, with the
+  drafter's own bits.
 * **Matmuls.** Every ``nn.Linear`` and affine ``nn.QuantizedLinear`` (4 / 8 bits,
   groups 32 / 64 / 128) of the target and the drafter gets a subclass that sends
   calls of at most ``max_queries`` rows to the small-row matmul (prefill chunks
