@@ -24,8 +24,9 @@ Each ``--kernels`` arm (:data:`benchmarks.round_profile.KERNEL_ARMS`) holds
 ``default``, and the drafter's opt-in parts ``default-drafterqkv`` (its q / k / v as one
 stack), ``default-drafterheads`` (its q / k norms and RoPE as one launch),
 ``default-draftermlx`` (its bf16 projections on mlx's matmul, each sibling set one
-matmul over its stack), ``default-drafter`` (the first two) and ``default-drafterall``
-(all three). Arms alternate part by part, the order reversed every other
+matmul over its stack), ``default-draftertraced`` (its layers as two compiled replays
+around the attention, with the head prep), ``default-drafter`` (the q / k / v stack and
+the head prep) and ``default-drafterall`` (all four). Arms alternate part by part, the order reversed every other
 repetition, so a host's drift reaches every arm alike.
 
 Run (from the repository root)::
@@ -178,6 +179,7 @@ def _patch_summary(patch: Optional[kernel_patch.KernelPatch]) -> Dict[str, Any]:
         "drafter_head_prep": patch.route.draft_head_prep,
         "drafter_dense_kernel": patch.drafter_dense,
         "drafter_mlx_sets": sum(group.form == "mlx" for group in patch._groups),
+        "drafter_traced_layers": len(patch.traced_draft_modules()),
     }
 
 
@@ -235,6 +237,8 @@ def patched_text(summary: Dict[str, Any]) -> str:
         return "(no patch)"
     heads = ", drafter head prep" if summary["drafter_head_prep"] else ""
     mlx = "" if summary["drafter_dense_kernel"] else ", drafter on mlx's matmul"
+    traced = summary["drafter_traced_layers"]
+    mlx += f", {traced} traced drafter layers" if traced else ""
     sets, stacks = summary["fused_sets"], summary["drafter_qkv_sets"]
     return f"(patch: {sets} sets, {stacks} drafter q/k/v stacks{heads}{mlx})"
 

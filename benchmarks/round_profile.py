@@ -72,6 +72,7 @@ from dflash.metal.tensor_qmm import (
 from dflash.prepared_heads import GATE_EPILOGUE_ENV, HEAD_PREP_ENV, KV_BLOCK_ENV
 from dflash.residual_layers import RESIDUAL_NORMS_ENV
 from dflash.taps import TargetTaps
+from dflash.traced_drafts import DRAFTER_TRACED_ENV
 from dflash.traced_layers import TRACED_LAYERS_ENV
 
 from .common import busy_us, cupti_trace
@@ -222,6 +223,8 @@ KERNEL_ARMS = {
     "all-draftermlx": "1",
     "default-drafterall": None,
     "all-drafterall": "1",
+    "default-draftertraced": None,
+    "all-draftertraced": "1",
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -269,14 +272,18 @@ ARM_SUFFIXES = {
     "drafterqkv": (DRAFTER_QKV_ENV, "1"),  # the drafter's q / k / v as one stack
     "drafterheads": (DRAFTER_HEAD_PREP_ENV, "1"),  # its q / k norms and RoPE: a launch
     "draftermlx": (DRAFTER_DENSE_ENV, "0"),  # its bf16 projections on mlx's matmul
+    "drafterreplay": (DRAFTER_TRACED_ENV, "1"),  # its layers as compiled replays
 }
 # Suffixes that set several switches (each pair as above).
 ARM_SUFFIX_SETS = {
     "drafter": (ARM_SUFFIXES["drafterqkv"], ARM_SUFFIXES["drafterheads"]),
+    # The traced draft layers need the drafter's head prep.
+    "draftertraced": (ARM_SUFFIXES["drafterheads"], ARM_SUFFIXES["drafterreplay"]),
     "drafterall": (
         ARM_SUFFIXES["drafterqkv"],
         ARM_SUFFIXES["drafterheads"],
         ARM_SUFFIXES["draftermlx"],
+        ARM_SUFFIXES["drafterreplay"],
     ),
 }
 

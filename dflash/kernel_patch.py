@@ -87,6 +87,7 @@ from mlx.utils import tree_flatten
 
 from . import folded_attention as folded
 from . import gated_mlp, prepared_heads, residual_layers
+from . import traced_drafts
 from . import traced_layers as traced_layers_module
 from .cache.checkpoint import DEFERRED, RingPlaneCheckpoint
 from .cache.plane import KvPlane, RingPlane, kv_halves
@@ -436,24 +437,10 @@ def _draft_attention(self, x: mx.array, plane, rope: nn.Module, start: int) -> m
             self, x, plane, rope, start
         )
     queries, block_keys, block_values = self.block_heads(x, rope, start)
-    if plane.keys is None:
-        context = KeyPlane(block_keys[:, :, :0], block_values[:, :, :0], 0, start, 0)
-    else:
-        context = KeyPlane(
-            plane.keys, plane.values, plane.rows, start - plane.rows, plane.begin
-        )
-    out = small_query_attention(
-        queries,
-        context,
-        block_keys,
-        block_values,
-        scale=self.scale,
-        window=self.window,
-        causal=self.causal,
-        query_start=start,
-        chunk=route.chunk,
-        use_kernel=route.use_kernel,
-    )
+    out = traced_drafts.attend(
+        self, queries, block_keys, block_values, plane, start, route.chunk,
+        route.use_kernel,
+    )  # fmt: skip
     return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, block, -1))
 
 
@@ -465,13 +452,18 @@ def _draft_rotate(
     start: int,
 ) -> Tuple[Optional[mx.array], mx.array]:
     """DraftAttention's q / k norms and RoPE as one :func:`~dflash.metal.heads.head_prep`
-    launch where :func:`_draft_prep` serves the call (with no queries, the keys go in
-    both slots), else the class's own ops.
+    launch where the route asks for it and
+    :func:`~dflash.traced_drafts.prep_arguments` serves the call (with no queries, the
+    keys go in both slots), else the class's own ops.
 
     Shapes: as ``DraftAttention.rotate``.
     """
     route: AttentionRoute = self._dflash_route
-    prep = _draft_prep(self, rope, queries, keys, route)
+    prep = None
+    if route.draft_head_prep:
+        prep = traced_drafts.prep_arguments(
+            self, rope, queries, keys, route.max_queries
+        )
     if prep is None:
         own = getattr(type(self), _ORIGINAL_CLASS).rotate
         return own(self, queries, keys, rope, start)
@@ -485,43 +477,19 @@ def _draft_rotate(
     return prepared_queries.transpose(0, 2, 1, 3), prepared_keys
 
 
-def _draft_prep(
-    module: nn.Module,
-    rope: nn.Module,
-    queries: Optional[mx.array],
-    keys: mx.array,
-    route: AttentionRoute,
-) -> Optional[Dict[str, Any]]:
-    """:func:`~dflash.metal.heads.head_prep`'s norm and RoPE arguments for a draft
-    attention call, or None where it keeps its own ops: the route does not ask for it,
-    the call has more rows than the route serves (a prefill), or the norms are not
-    ``nn.RMSNorm`` with a weight in the heads' dtype, or RoPE is not mlx's default form
-    over the whole head."""
-    query_norm = module.k_norm if queries is None else module.q_norm
-    norms = (query_norm, module.k_norm)
-    dtypes = {keys.dtype} | ({queries.dtype} if queries is not None else set())
-    if not (
-        route.draft_head_prep
-        and keys.shape[1] <= route.max_queries
-        and len(dtypes) == 1
-        and type(rope) is nn.RoPE
-        and rope.dims == module.head_dim
-        and not rope.traditional
-        and rope.base is not None
-        and all(
-            type(norm) is nn.RMSNorm and norm.weight.dtype == keys.dtype
-            for norm in norms
+def _traced_draft_class(base: type) -> type:
+    """A subclass of a draft decoder layer whose served calls run as two compiled
+    replays around the attention (:mod:`dflash.traced_drafts`)."""
+
+    def __call__(self, h, plane, rope, start):
+        route: AttentionRoute = self._dflash_route
+        if not traced_drafts.takes(self, h, route.max_queries):
+            return base.__call__(self, h, plane, rope, start)
+        return traced_drafts.layer_forward(
+            self, h, plane, rope, start, route.chunk, route.use_kernel, _TRACES
         )
-    ):
-        return None
-    return {
-        "eps": query_norm.eps,
-        "k_eps": module.k_norm.eps,
-        "q_weight": query_norm.weight,
-        "k_weight": module.k_norm.weight,
-        "rope_base": rope.base,
-        "rope_scale": rope.scale,
-    }
+
+    return _swapped_class("traced_draft", base, __call__)
 
 
 def _matmul_class(base: type) -> type:
@@ -734,6 +702,18 @@ def drafter_head_prep_wanted(value: Optional[bool] = None) -> bool:
     return backend.strict_switch(DRAFTER_HEAD_PREP_ENV, value, default=False)
 
 
+def drafter_traced_wanted(value: Optional[bool] = None) -> bool:
+    """Whether :class:`KernelPatch` runs the drafter's layers as compiled replays:
+    ``value`` if given, else ``DFLASH_DRAFTER_TRACED`` (``0`` / ``1``), else off (not
+    measured on a GPU; ``benchmarks/drafter_forward.py`` measures it).
+
+    Raises:
+        ValueError: ``DFLASH_DRAFTER_TRACED`` is set to something that is not a switch
+            value.
+    """
+    return backend.strict_switch(traced_drafts.DRAFTER_TRACED_ENV, value, default=False)
+
+
 def _matmul_args(layer: nn.Module, dtype: mx.Dtype):
     """``(weight, scales, biases, bits, group_size)`` of ``layer``, or None if unserved."""
     if dtype not in qmm.DTYPES:
@@ -903,6 +883,9 @@ class KernelPatch:
             launch (the block's queries and keys together, the context's keys alone)
             for calls of at most ``max_queries`` rows. None:
             :func:`drafter_head_prep_wanted`.
+        drafter_traced: With the drafter's head prep, compile on and the kernel path,
+            run each draft layer :mod:`dflash.traced_drafts` serves as two compiled
+            replays around its attention. None: :func:`drafter_traced_wanted`.
 
     Raises:
         ValueError: ``model``'s architecture is not one whose attention can be routed.
@@ -930,6 +913,7 @@ class KernelPatch:
         drafter_dense: Optional[bool] = None,
         drafter_qkv: Optional[bool] = None,
         drafter_head_prep: Optional[bool] = None,
+        drafter_traced: Optional[bool] = None,
     ) -> None:
         if attention and not supports(model):
             raise ValueError(
@@ -956,6 +940,7 @@ class KernelPatch:
         self.fuse = fuse_wanted() if fuse is None else bool(fuse)
         self.drafter_dense = drafter_dense_wanted(drafter_dense)
         self.drafter_qkv = drafter_qkv_wanted(drafter_qkv)
+        self.drafter_traced = drafter_traced_wanted(drafter_traced)
         self.projections = bool(projections) and not matmul
         self.compile_blocks = bool(matmul) and (
             compiled_blocks_wanted() if compile_blocks is None else bool(compile_blocks)
@@ -1037,6 +1022,29 @@ class KernelPatch:
         found = [(s, False) for s in sibling_sets(mlps)]
         found += [(s, True) for s in sibling_sets(self.drafter_qkv_parents())]
         return [(s, tails) for s, tails in found if not {id(m) for m in s} & routed]
+
+    def traced_draft_modules(self) -> List[nn.Module]:
+        """The drafter's decoder layers :meth:`install` runs as compiled replays: with
+        ``drafter_traced``, the drafter's head prep, compile on and the kernel path,
+        the layers :func:`dflash.traced_drafts.serves` takes."""
+        route = self.route
+        if not (
+            self.drafter is not None
+            and self.drafter_traced
+            and route.draft_head_prep
+            and backend.compile_wanted()
+            and backend.use_kernel_path(route.use_kernel, True)
+        ):
+            return []
+        from .drafter import DraftDecoderLayer
+
+        rope = getattr(self.drafter, "_rope", None)
+        return [
+            layer
+            for layer in self.drafter.modules()
+            if isinstance(layer, DraftDecoderLayer)
+            and traced_drafts.serves(layer, rope)
+        ]
 
     def _mlps(self) -> List[nn.Module]:
         """The target's decoder-layer MLP modules and the drafter's."""
@@ -1146,9 +1154,10 @@ class KernelPatch:
         blocks = self.mlp_blocks(matmul) if self.compile_blocks else []
         layers = self.residual_layers()
         mlps = self.gated_mlps(blocks)
+        drafts = self.traced_draft_modules() if self.attention else []
         busy = [
             m
-            for m in attention + matmul + members + blocks + layers + mlps
+            for m in attention + matmul + members + blocks + layers + mlps + drafts
             if hasattr(type(m), _ORIGINAL_CLASS)
         ]
         if busy:
@@ -1196,6 +1205,7 @@ class KernelPatch:
             (layers, _residual_class),
             (traced, _traced_class),
             (mlps, _gated_mlp_class),
+            (drafts, _traced_draft_class),
         )
         for modules, subclass in swaps:
             for module in modules:
@@ -1213,7 +1223,7 @@ class KernelPatch:
             elif sets:
                 self._fuse_siblings(sets, {id(m) for m in members}, form="mlx")
             # After the fusion: the traces captured its views of the stacked weights.
-            for layer in traced:
+            for layer in traced + drafts:
                 _take_kept_traces(layer, self._trace_options)
         except BaseException:
             self.uninstall()  # all or nothing (members keep equal-valued views)

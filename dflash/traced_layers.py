@@ -286,7 +286,9 @@ class LayerTraces:
     post: Dict[int, _Replay] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, layer: nn.Module) -> "LayerTraces":
+    def of(cls, layer: nn.Module, kind: Optional[int] = None) -> "LayerTraces":
+        """The layer's arrays now, and no traces; ``kind`` None: the interned
+        :func:`_attention_kind` of its (Glimmer) attention."""
         every = layer.modules()
         held = [
             (module, name, value)
@@ -295,7 +297,8 @@ class LayerTraces:
             if isinstance(value, mx.array)
         ]
         modules, names, arrays = (list(column) for column in zip(*held))
-        kind = _interned(_KINDS, _attention_kind(layer.self_attn), MAX_MEMO)
+        if kind is None:
+            kind = _interned(_KINDS, _attention_kind(layer.self_attn), MAX_MEMO)
         return cls(modules, names, arrays, (every, list(map(len, every))), kind)
 
     def holds(self) -> bool:

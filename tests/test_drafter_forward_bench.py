@@ -41,6 +41,8 @@ def test_every_part_is_timed_in_every_arm_under_the_arms_patch(tmp_path, capsys)
     # On mlx's matmul: each layer's MLP gate / up and q / k / v one mlx matmul.
     assert not patch["all-drafterall"]["drafter_dense_kernel"]
     assert patch["all-drafterall"]["drafter_mlx_sets"] == 4
+    # The CPU does not compile by default, so no draft layer is traced here.
+    assert patch["all-drafterall"]["drafter_traced_layers"] == 0
     assert VERIFY_KERNELS_ENV not in os.environ and DRAFTER_QKV_ENV not in os.environ
     printed = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in printed] == arms

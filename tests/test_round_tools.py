@@ -20,6 +20,7 @@ from dflash.kernel_patch import COMPILED_BLOCKS_ENV, VERIFY_KERNELS_ENV
 from dflash.metal import tensor_qmm
 from dflash.prepared_heads import HEAD_PREP_ENV, head_prep_wanted
 from dflash.residual_layers import RESIDUAL_NORMS_ENV, residual_norms_wanted
+from dflash.traced_drafts import DRAFTER_TRACED_ENV
 
 
 def test_round_profile_times_every_phase_of_a_lossless_tiny_run(tmp_path):
@@ -147,26 +148,30 @@ def test_unheld_arms_turn_the_held_norms_off_for_their_block(monkeypatch):
 
 def test_drafter_arms_turn_on_their_drafter_switches_for_their_block(monkeypatch):
     """``-drafterqkv`` / ``-drafterheads`` / ``-draftermlx`` set one switch each,
-    ``-drafter`` the first two, ``-drafterall`` all three; each is unset after."""
+    ``-drafter`` the first two, ``-draftertraced`` the head prep and the traced layers,
+    ``-drafterall`` all four; each is unset after."""
     switches = (
         kernel_patch.DRAFTER_QKV_ENV,
         kernel_patch.DRAFTER_HEAD_PREP_ENV,
         kernel_patch.DRAFTER_DENSE_ENV,
+        DRAFTER_TRACED_ENV,
     )
     for name in switches:
         monkeypatch.delenv(name, raising=False)
-    for arm, qkv, heads, dense in (
-        ("default-drafterqkv", True, False, True),
-        ("all-drafterheads", False, True, True),
-        ("default-drafter", True, True, True),
-        ("all-draftermlx", False, False, False),
-        ("default-drafterall", True, True, False),
-        ("default", False, False, True),
+    for arm, qkv, heads, dense, traced in (
+        ("default-drafterqkv", True, False, True, False),
+        ("all-drafterheads", False, True, True, False),
+        ("default-drafter", True, True, True, False),
+        ("all-draftermlx", False, False, False, False),
+        ("default-draftertraced", False, True, True, True),
+        ("default-drafterall", True, True, False, True),
+        ("default", False, False, True, False),
     ):
         with round_profile.kernel_arm(arm):
             assert kernel_patch.drafter_qkv_wanted() is qkv
             assert kernel_patch.drafter_head_prep_wanted() is heads
             assert kernel_patch.drafter_dense_wanted() is dense
+            assert kernel_patch.drafter_traced_wanted() is traced
         assert not any(name in os.environ for name in switches)
 
 
