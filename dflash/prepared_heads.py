@@ -40,7 +40,7 @@ import mlx.nn as nn
 
 from .metal import backend
 from .metal.attention import KeyPlane, small_query_attention
-from .metal.heads import head_prep
+from .metal.heads import head_prep, rope_served
 
 HEAD_PREP_ENV = "DFLASH_HEAD_PREP"
 GATE_EPILOGUE_ENV = "DFLASH_GATE_EPILOGUE"
@@ -144,13 +144,7 @@ def serves(module: nn.Module) -> bool:
         return False
     if not module.use_rope:
         return True
-    rope = getattr(module, "rope", None)
-    return (
-        type(rope) is nn.RoPE
-        and rope.dims == module.head_dim
-        and not rope.traditional
-        and rope.base is not None
-    )
+    return rope_served(getattr(module, "rope", None), module.head_dim)
 
 
 def attention_forward(

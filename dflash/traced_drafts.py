@@ -74,15 +74,9 @@ def heads_served(module: nn.Module, rope: nn.Module, dtype: mx.Dtype) -> bool:
     """Whether a draft attention's heads of ``dtype`` can take the head prep: its q / k
     norms are ``nn.RMSNorm`` with a weight in ``dtype`` and its RoPE mlx's default
     form over the whole head."""
-    return (
-        type(rope) is nn.RoPE
-        and rope.dims == module.head_dim
-        and not rope.traditional
-        and rope.base is not None
-        and all(
-            type(norm) is nn.RMSNorm and norm.weight.dtype == dtype
-            for norm in (module.q_norm, module.k_norm)
-        )
+    return heads.rope_served(rope, module.head_dim) and all(
+        type(norm) is nn.RMSNorm and norm.weight.dtype == dtype
+        for norm in (module.q_norm, module.k_norm)
     )
 
 

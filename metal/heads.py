@@ -39,9 +39,10 @@ import ctypes.util
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from . import backend, groups
@@ -255,6 +256,17 @@ def kernel_serves(dim: int, dtype: mx.Dtype) -> bool:
     """Whether the kernel takes heads of ``dim`` elements of ``dtype``."""
     width = vector_width(dtype)
     return dim <= MAX_DIM and dim % width == 0 and dim // width <= MAX_VECTORS
+
+
+def rope_served(rope: Any, dim: int) -> bool:
+    """Whether ``rope`` is the RoPE the head prep computes: mlx's ``nn.RoPE`` in its
+    default (non-traditional) form over the whole head of ``dim`` elements."""
+    return (
+        type(rope) is nn.RoPE
+        and rope.dims == dim
+        and not rope.traditional
+        and rope.base is not None
+    )
 
 
 @dataclass(frozen=True, eq=False)
