@@ -650,8 +650,8 @@ class DraftAttention(nn.Module):
 
         Shapes: x (b, n, H) -> keys, values (b, n_kv, n, head_dim).
         """
-        keys = self._heads(self.k_proj, x, self.n_kv_heads)
-        values = self._heads(self.v_proj, x, self.n_kv_heads)
+        keys = self.split_heads(self.k_proj, x, self.n_kv_heads)
+        values = self.split_heads(self.v_proj, x, self.n_kv_heads)
         _, keys = self.rotate(None, keys, rope, start)
         return keys, values.transpose(0, 2, 1, 3)
 
@@ -663,9 +663,9 @@ class DraftAttention(nn.Module):
         Shapes: x (b, B, H) -> queries (b, n_heads, B, head_dim), keys and values
         (b, n_kv, B, head_dim).
         """
-        queries = self._heads(self.q_proj, x, self.n_heads)
-        keys = self._heads(self.k_proj, x, self.n_kv_heads)
-        values = self._heads(self.v_proj, x, self.n_kv_heads)
+        queries = self.split_heads(self.q_proj, x, self.n_heads)
+        keys = self.split_heads(self.k_proj, x, self.n_kv_heads)
+        values = self.split_heads(self.v_proj, x, self.n_kv_heads)
         queries, keys = self.rotate(queries, keys, rope, start)
         return queries, keys, values.transpose(0, 2, 1, 3)
 
@@ -686,7 +686,7 @@ class DraftAttention(nn.Module):
             return None, keys
         return rope(self.q_norm(queries).transpose(0, 2, 1, 3), offset=start), keys
 
-    def _heads(self, projection: nn.Module, x: mx.array, count: int) -> mx.array:
+    def split_heads(self, projection: nn.Module, x: mx.array, count: int) -> mx.array:
         """``projection(x)`` split into ``count`` heads: (b, n, H) -> (b, n, count, D)."""
         return projection(x).reshape(x.shape[0], x.shape[1], count, self.head_dim)
 

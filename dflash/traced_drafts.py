@@ -151,9 +151,9 @@ def _pre_attention(
     """
     attn = layer.self_attn
     x = layer.input_layernorm(h)
-    queries = attn._heads(attn.q_proj, x, attn.n_heads)
-    keys = attn._heads(attn.k_proj, x, attn.n_kv_heads)
-    values = attn._heads(attn.v_proj, x, attn.n_kv_heads)
+    queries = attn.split_heads(attn.q_proj, x, attn.n_heads)
+    keys = attn.split_heads(attn.k_proj, x, attn.n_kv_heads)
+    values = attn.split_heads(attn.v_proj, x, attn.n_kv_heads)
     queries, keys = heads.launch_head_prep(queries, keys, prep, prep_ints)
     return (
         queries.transpose(0, 2, 1, 3),
