@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_dflash_loop import random_drafter
 
-from dflash import kernel_patch, traced_drafts
+from dflash import dflash_generate_step, kernel_patch, traced_drafts
 from dflash.drafter import DraftDecoderLayer
 from dflash.kernel_patch import KernelPatch
 from dflash.metal import backend, heads
@@ -204,3 +204,27 @@ def test_uninstall_restores_the_layers_and_a_reinstall_takes_the_kept_traces(
     kept = layer.__dict__[kernel_patch._KEPT_TRACES][1]
     draft_rounds(target, drafter, True, [3])
     assert layer.__dict__[kernel_patch._KEPT_TRACES][1] is kept
+
+
+def test_the_dflash_loop_with_traced_draft_layers_keeps_its_tokens(
+    kernel_path_on_cpu,
+):
+    """Inside the real DFlash loop (proposals, context appends of each round's accepted
+    rows, rollbacks), the traced draft layers give the eager ones' tokens and
+    log-probabilities, round after round (every launch a stand-in: the target's
+    outputs are not a model's, but both runs see the same ones)."""
+    target, drafter = _pair(25)
+    prompt = mx.random.randint(0, 250, (24,), key=mx.random.key(26))
+    runs = {}
+    for traced in (False, True):
+        options = {"drafter_head_prep": True, "drafter_traced": traced}
+        with KernelPatch(target, drafter, **options):
+            runs[traced] = [
+                (int(token), logprobs)
+                for token, logprobs, _ in dflash_generate_step(
+                    prompt, target, drafter, max_tokens=20
+                )
+            ]
+    assert len(runs[True]) == len(runs[False]) == 20
+    for (token, logprobs), (want_token, want) in zip(runs[True], runs[False]):
+        assert token == want_token and mx.array_equal(logprobs, want).item()
