@@ -1132,6 +1132,8 @@ class KernelPatch:
         options."""
         parts = (self.attention, self.matmul, self.fuse, self.projections)
         parts += (self.compile_blocks, self.head_prep, self.residual_norms)
+        # The drafter's own parts (a traced draft layer captures their launches).
+        parts += (self.drafter_dense, self.drafter_qkv, self.drafter_traced)
         where = (backend.BACKEND, str(mx.default_device()))
         return (self.route, parts, where, dflash_settings(), _trace_epoch)
 

@@ -196,7 +196,8 @@ def test_uninstall_restores_the_layers_and_a_reinstall_takes_the_kept_traces(
     kernel_path_on_cpu,
 ):
     """Leaving the patch gives the layers their class back and keeps their traces; the
-    next install under the same options takes them back (no second trace)."""
+    next install under the same options takes them back (no second trace), one under
+    other drafter options does not."""
     target, drafter = _pair(23)
     draft_rounds(target, drafter, True, [2])
     layer = drafter.layers[0]
@@ -204,6 +205,9 @@ def test_uninstall_restores_the_layers_and_a_reinstall_takes_the_kept_traces(
     kept = layer.__dict__[kernel_patch._KEPT_TRACES][1]
     draft_rounds(target, drafter, True, [3])
     assert layer.__dict__[kernel_patch._KEPT_TRACES][1] is kept
+    # Under other drafter options (the q / k / v stacked) the kept traces are not taken.
+    draft_rounds(target, drafter, True, [3], qkv=True)
+    assert layer.__dict__[kernel_patch._KEPT_TRACES][1] is not kept
 
 
 def test_the_dflash_loop_with_traced_draft_layers_keeps_its_tokens(
