@@ -199,14 +199,15 @@ def test_uninstall_restores_the_layers_and_a_reinstall_takes_the_kept_traces(
     next install under the same options takes them back (no second trace), one under
     other drafter options does not."""
     target, drafter = _pair(23)
-    draft_rounds(target, drafter, True, [2])
+    draft_rounds(target, drafter, True, [2], qkv=True)
     layer = drafter.layers[0]
     assert type(layer) is DraftDecoderLayer
     kept = layer.__dict__[kernel_patch._KEPT_TRACES][1]
-    draft_rounds(target, drafter, True, [3])
-    assert layer.__dict__[kernel_patch._KEPT_TRACES][1] is kept
-    # Under other drafter options (the q / k / v stacked) the kept traces are not taken.
     draft_rounds(target, drafter, True, [3], qkv=True)
+    assert layer.__dict__[kernel_patch._KEPT_TRACES][1] is kept
+    # Without the stack (its views stay, so the layer's arrays are the same) the kept
+    # traces, which launch the stacked product, are not taken.
+    draft_rounds(target, drafter, True, [3], qkv=False)
     assert layer.__dict__[kernel_patch._KEPT_TRACES][1] is not kept
 
 
