@@ -60,9 +60,7 @@ PARTS = ("draft", "layers", "head", "layer0", "attention0", "mlp0", "context_kv"
 TOP_KERNELS = 12
 
 
-def drafter_parts(
-    target, drafter, context, anchor: int, tau: int
-) -> Dict[str, Callable]:
+def drafter_parts(drafter, context, anchor: int, tau: int) -> Dict[str, Callable]:
     """The timed calls over a filled ``context`` (each returns what it computes).
 
     Shapes: the block is ``(1, B)``, ``[anchor, mask, ...]``; the hidden states and the
@@ -118,7 +116,7 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     patched = {}
     with mx.stream(generation_stream):
         _, context = _prefill_dflash(target, drafter, prompt[:-1])
-        parts = drafter_parts(target, drafter, context, int(prompt[-1]), args.tau)
+        parts = drafter_parts(drafter, context, int(prompt[-1]), args.tau)
         for rep in range(args.warmup + args.reps):
             order = args.kernels if rep % 2 == 0 else args.kernels[::-1]
             for arm in order:

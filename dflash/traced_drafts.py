@@ -59,7 +59,16 @@ def prep_arguments(
         and heads_served(module, rope, keys.dtype)
     ):
         return None
-    query_norm = module.k_norm if queries is None else module.q_norm
+    return _norms_and_rope(
+        module, rope, module.k_norm if queries is None else module.q_norm
+    )
+
+
+def _norms_and_rope(
+    module: nn.Module, rope: nn.Module, query_norm: nn.Module
+) -> Dict[str, Any]:
+    """The head prep's keyword arguments: ``query_norm`` in the queries' slot, the
+    module's ``k_norm`` in the keys', and ``rope``'s base and scale."""
     return {
         "eps": query_norm.eps,
         "k_eps": module.k_norm.eps,
@@ -222,15 +231,7 @@ def layer_forward(
 
 def _prep_of(attn: nn.Module, rope: nn.Module, start: int) -> heads.Prep:
     """The head prep of a draft attention's block at position ``start``."""
-    return heads.Prep(
-        attn.q_norm.eps,
-        attn.k_norm.eps,
-        attn.q_norm.weight,
-        attn.k_norm.weight,
-        rope_base=rope.base,
-        rope_scale=rope.scale,
-        start=start,
-    )
+    return heads.Prep(**_norms_and_rope(attn, rope, attn.q_norm), start=start)
 
 
 def _draft_traces(layer: nn.Module, slot: str) -> LayerTraces:
