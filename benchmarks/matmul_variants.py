@@ -111,9 +111,11 @@ VARIANTS = {
     "overhead3": {"overhead": 3},
     "overhead4": {"overhead": 4},
     "overhead20": {"overhead": 20},
-    # The same for dense weights (``--dense``): 2 chunks as shipped, 1, 4 or 8 (a dense
-    # chunk is 64 elements of K, a quarter of an affine one's).
+    # The same for dense weights (``--dense``): 8 chunks as shipped since session 46
+    # (2 before), 1 or 4 (a dense chunk is 64 elements of K, a quarter of an affine
+    # one's).
     "dense-overhead1": {"dense_overhead": 1},
+    "dense-overhead2": {"dense_overhead": 2},
     "dense-overhead4": {"dense_overhead": 4},
     "dense-overhead8": {"dense_overhead": 8},
     # A K split's merge with its loads batched (the same bits; tried in session 41).

@@ -106,6 +106,9 @@ as 4 chunks (:func:`cta_overhead_chunks`) the fused gate/up takes 2 K splits, no
 (``docs/benchmarks/h200-2026-12-04-s42``): the split summed inside a thread-block
 cluster (:func:`cluster_spec`, the same bits) takes o_proj 18.0 -> 13.4 us with 16
 rows, but mlx's CUDA graphs lose its cluster shape, so it is off (:data:`CLUSTER_SUM`).
+Dense weights price a CTA at 8 chunks since session 46, from session 44's per-call
+times (``docs/benchmarks/h200-2026-12-04-s44``): the bf16 fused q/k/v/gate 44.9 -> 38.7
+us with 16 rows, every other bf16 shape of the target and drafter even.
 """
 
 from __future__ import annotations
@@ -144,10 +147,13 @@ TARGET_GROUPS = 264
 # epilogue (partials, their merge) measured ~6 us, ~2.5 chunks of a 16-row call,
 # beside the fill; of Glimmer's shapes only the fused gate / up changes (3 splits to
 # 2: 98.1 -> 85.9 us with 16 rows, 80.6 -> 73.6 with 1 at 4 bits; 151.6 -> 137.6 and
-# 131.6 -> 122.0 at 8). Dense weights (the drafter's) keep 2: not measured there.
+# 131.6 -> 122.0 at 8). Dense weights count 8 since session 46: session 44 timed
+# every bf16 Glimmer and drafter shape with 8 against 2 (same run) and only the fused
+# q/k/v/gate moved (68 x 7 CTAs to 68 x 3, one wave: 44.9 -> 38.7 us with 16 rows,
+# 37.2 -> 34.7 with 1); the gate / up's new plan (5 splits to 4) was even.
 RESIDENT_CTAS = 264
 CTA_OVERHEAD_CHUNKS = 4
-DENSE_CTA_OVERHEAD_CHUNKS = 2
+DENSE_CTA_OVERHEAD_CHUNKS = 8
 WAVE_SPLIT = True
 WAVE_SPLIT_ENV = "DFLASH_QMM_WAVE_SPLIT"
 SHARED_BUDGET = 113 * 1024

@@ -276,19 +276,29 @@ def test_wave_split_covers_k_and_finishes_no_later(depth, columns, bits) -> None
 def test_the_fixed_cost_of_a_cta_is_measured_per_form() -> None:
     """Affine weights count a CTA's fixed cost as 4 chunks since session 41 (the fused
     gate / up: 3 splits to 2, measured faster on the H200 at 4 and 8 bits); dense
-    weights keep 2, the rule they were measured under; no other Glimmer shape moves."""
+    weights 8 since session 46 (the bf16 fused q/k/v/gate: 7 splits to 3, one wave,
+    measured faster; the fused gate / up 5 to 4, even); no other shape of the default
+    (fused) bf16 target or drafter moves."""
     assert tensor_qmm.cta_overhead_chunks(4) == tensor_qmm.cta_overhead_chunks(8) == 4
-    assert tensor_qmm.cta_overhead_chunks(None) == 2
+    assert tensor_qmm.cta_overhead_chunks(None) == 8
     assert split_plan(6656, 39936, 4, waves=True) == (312, 2, 13)
     assert split_plan(6656, 39936, 8, waves=True) == (312, 2, 13)
-    assert split_plan(6656, 39936, None, waves=True) == (312, 5, 21)
+    assert split_plan(6656, 39936, None, waves=True) == (312, 4, 26)
+    assert split_plan(6656, 8704, None, waves=True) == (68, 3, 35)
     with matmul_variants.variant(overhead=2):
         assert split_plan(6656, 39936, 4, waves=True) == (312, 3, 9)
-        assert split_plan(6656, 39936, None, waves=True) == (312, 5, 21)
-    with matmul_variants.variant(dense_overhead=8):  # the dense knob moves dense only
-        assert split_plan(6656, 39936, 4, waves=True) == (312, 2, 13)
         assert split_plan(6656, 39936, None, waves=True) == (312, 4, 26)
-    assert tensor_qmm.cta_overhead_chunks(None) == 2
+    with matmul_variants.variant(dense_overhead=2):  # the dense knob moves dense only
+        assert split_plan(6656, 39936, 4, waves=True) == (312, 2, 13)
+        assert split_plan(6656, 39936, None, waves=True) == (312, 5, 21)
+        assert split_plan(6656, 8704, None, waves=True) == (68, 7, 15)
+        # The others, apart from the unfused gate or up (fusion off: 5 splits to 3,
+        # not timed), keep their plan under either.
+        for depth, columns in GLIMMER[:3] + GLIMMER[4:] + ((6656, 4608),):
+            plan = split_plan(depth, columns, None, waves=True)
+            with matmul_variants.variant(dense_overhead=8):
+                assert split_plan(depth, columns, None, waves=True) == plan
+    assert tensor_qmm.cta_overhead_chunks(None) == 8
     for depth, columns in GLIMMER + (LM_HEAD, (6656, 8704)):
         for bits in (4, 8):
             plan = split_plan(depth, columns, bits, waves=True)
@@ -884,6 +894,45 @@ def test_emulated_unrolled_merge_keeps_bits_on_both_sides_of_eight_splits(
     case = _fixed_case(5, 256 * chunks, 100, 4, 64, mx.bfloat16, chunks)
     assert split_plan(256 * chunks, 100, 4, True)[1] == splits
     _assert_merge_variant_bits(emulated, "mergeloop", case)
+
+
+# A bf16 target's fused projections whose plan the dense CTA cost of 8 chunks chose
+# (session 46): (K, N of the full call, rows).
+DENSE_GLIMMER_PLANS = [(6656, 8704, 16), (6656, 8704, 1), (6656, 39936, 16)]
+
+
+@pytest.mark.parametrize("depth, full_columns, rows", DENSE_GLIMMER_PLANS)
+def test_emulated_dense_glimmer_plans_match_the_oracle_row_by_row(
+    emulated, monkeypatch, depth, full_columns, rows
+) -> None:
+    """The K split a bf16 Glimmer call gets (the fused q/k/v/gate: 3 splits of 35, 35
+    and 34 chunks; the fused gate / up: 4 of 26), run on the emulator over two of its
+    column tiles at Glimmer's K: close to the oracle, each row with its batch bits."""
+    splits, per_split = split_plan(depth, full_columns, None, True)[1:]
+    shipped = tensor_qmm.split_plan
+
+    def glimmer_split(depth_, columns, bits, waves=None):
+        if (depth_, bits) == (depth, None):
+            return (-(-columns // tensor_qmm.COLUMNS), splits, per_split)
+        return shipped(depth_, columns, bits, waves)
+
+    grids, launch = [], emulated.launch
+
+    def recorded(spec, inputs, shapes, dtypes, groups, dtype):
+        grids.append(groups)
+        return launch(spec, inputs, shapes, dtypes, groups, dtype)
+
+    tensor_qmm.launch_plan.cache_clear()
+    monkeypatch.setattr(tensor_qmm, "split_plan", glimmer_split)
+    monkeypatch.setattr(qmm.groups, "launch_groups", recorded)
+    try:
+        case = _fixed_case(rows, depth, 2 * tensor_qmm.COLUMNS, None, None, HALF[0], 7)
+        assert _close_to_matmul_oracle(case, _kernel(case))
+        assert grids == [2 * splits]  # the plan ran, its sum merged in the launch
+        if rows > 1:
+            _assert_batch_invariant(case)
+    finally:
+        tensor_qmm.launch_plan.cache_clear()
 
 
 def test_emulated_fused_projections_give_each_member_its_columns(emulated) -> None:
