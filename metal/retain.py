@@ -15,11 +15,12 @@ kernel (one launch, but a fresh ``C``-row output per plane) runs with
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from . import backend
+from . import backend, first_use
 from .backend import max_planes, params, use_kernel_path
 from .layout import (
     RowGeometry,
@@ -115,7 +116,12 @@ def retain_rows(
     if n == 0:
         return mx.zeros(_block_shape(len(buffers), geom, 0), dtype=geom.dtype)
     if use_kernel_path(use_kernel, auto=True):
-        return _retain_rows_kernel(list(buffers), dests, geom)
+        return first_use.kernel_form(
+            use_kernel,
+            ("retain_rows", word_dtype(geom), len(buffers)),
+            partial(_retain_rows_kernel, list(buffers), dests, geom),
+            partial(_retain_rows_ops, buffers, dests, geom),
+        )
     return _retain_rows_ops(buffers, dests, geom)
 
 

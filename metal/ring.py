@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
-from . import backend
+from . import backend, first_use
 from .backend import kernel_for, params, use_kernel_path
 from .layout import (
     RowGeometry,
@@ -330,9 +331,15 @@ class ShadowStager:
         Returns:
             A new array holding the shadow.
         """
+        arguments = (buffer, rows, origin_physical, length, self.geom)
         if use_kernel_path(self.use_kernel, auto=backend.shadow_kernel_by_default()):
-            return _shadow_kernel(buffer, rows, origin_physical, length, self.geom)
-        return _shadow_ops(buffer, rows, origin_physical, length, self.geom)
+            return first_use.kernel_form(
+                self.use_kernel,
+                ("stage_shadow", word_dtype(self.geom)),
+                partial(_shadow_kernel, *arguments),
+                partial(_shadow_ops, *arguments),
+            )
+        return _shadow_ops(*arguments)
 
     def pair(
         self,
@@ -362,10 +369,14 @@ class ShadowStager:
         Returns:
             ``(shadow, block)``: the shadow and the chunk stacked as ``(2, ...)``.
         """
+        arguments = (kv, keys, values, origin_physical, length, self.geom)
         if length and use_kernel_path(
             self.use_kernel, auto=backend.shadow_kernel_by_default()
         ):
-            return _shadow_kv_kernel(
-                kv, keys, values, origin_physical, length, self.geom
+            return first_use.kernel_form(
+                self.use_kernel,
+                ("stage_shadow_kv", word_dtype(self.geom)),
+                partial(_shadow_kv_kernel, *arguments),
+                partial(_shadow_kv_ops, *arguments),
             )
-        return _shadow_kv_ops(kv, keys, values, origin_physical, length, self.geom)
+        return _shadow_kv_ops(*arguments)
