@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -332,14 +332,7 @@ class ShadowStager:
             A new array holding the shadow.
         """
         arguments = (buffer, rows, origin_physical, length, self.geom)
-        if use_kernel_path(self.use_kernel, auto=backend.shadow_kernel_by_default()):
-            return first_use.kernel_form(
-                self.use_kernel,
-                ("stage_shadow", word_dtype(self.geom)),
-                partial(_shadow_kernel, *arguments),
-                partial(_shadow_ops, *arguments),
-            )
-        return _shadow_ops(*arguments)
+        return self._staged("stage_shadow", _shadow_kernel, _shadow_ops, arguments)
 
     def pair(
         self,
@@ -370,13 +363,24 @@ class ShadowStager:
             ``(shadow, block)``: the shadow and the chunk stacked as ``(2, ...)``.
         """
         arguments = (kv, keys, values, origin_physical, length, self.geom)
-        if length and use_kernel_path(
+        if not length:  # the block alone: no live rows to un-rotate
+            return _shadow_kv_ops(*arguments)
+        return self._staged(
+            "stage_shadow_kv", _shadow_kv_kernel, _shadow_kv_ops, arguments
+        )
+
+    def _staged(
+        self, name: str, kernel: Callable, reference: Callable, arguments: tuple
+    ) -> Any:
+        """``kernel(*arguments)`` where this stager's switch takes the kernel (checked
+        at its first default use: :mod:`.first_use`), else ``reference(*arguments)``."""
+        if not use_kernel_path(
             self.use_kernel, auto=backend.shadow_kernel_by_default()
         ):
-            return first_use.kernel_form(
-                self.use_kernel,
-                ("stage_shadow_kv", word_dtype(self.geom)),
-                partial(_shadow_kv_kernel, *arguments),
-                partial(_shadow_kv_ops, *arguments),
-            )
-        return _shadow_kv_ops(*arguments)
+            return reference(*arguments)
+        return first_use.kernel_form(
+            self.use_kernel,
+            (name, word_dtype(self.geom)),
+            partial(kernel, *arguments),
+            partial(reference, *arguments),
+        )
