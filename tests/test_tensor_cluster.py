@@ -14,13 +14,17 @@ not fill its clusters.
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import cluster_bits
 from support.attention_cases import bits as raw_bits
 from support.compilers import GXX
 from support.tensor_emulator import TensorEmulator
@@ -333,3 +337,40 @@ def test_emulator_reports_cluster_slips(emulated, message):
     case = _case(9, 4, 200, seed=2)
     with pytest.raises(RuntimeError, match=message):
         _direct(emulated, SCHEDULER_SLIPS[message], case)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
+def test_cluster_sum_gives_the_merge_bits_on_the_device_with_graphs_off() -> None:
+    """On the GPU, in a process of its own with mlx's CUDA graphs off (the only way
+    the cluster sum is taken): every planned cluster launch gives the merge's bits
+    (``support/cluster_bits.py``; session 42 ran the same check as a script)."""
+    tests = Path(__file__).resolve().parent
+    path = os.pathsep.join(
+        [str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]
+    )
+    env = dict(os.environ, MLX_USE_CUDA_GRAPHS="0", PYTHONPATH=path)
+    done = subprocess.run(
+        [sys.executable, "-m", "support.cluster_bits"],
+        cwd=tests,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, (done.stdout[-4000:], done.stderr[-4000:])
+
+
+def test_the_device_check_compares_a_cluster_launch_with_the_merge(
+    emulated, monkeypatch
+) -> None:
+    """``support/cluster_bits``' own comparison, run on the emulator: a 3-way split
+    bound with the cluster sum launches its cluster form and gives the merge's bits."""
+    monkeypatch.setenv(tensor_qmm.CLUSTER_SUM_ENV, "0")  # restored after the script's
+    x, weight, scales, biases = _case(5, 3, 100, 0)
+    case = (4, x.shape[1], 5, x, weight, scales, biases)
+    merged, merge_specs = cluster_bits._bound(case, cluster=False)
+    clustered, cluster_specs = cluster_bits._bound(case, cluster=True)
+    assert not any(name.endswith("_c3") for name in merge_specs)
+    assert any(name.endswith("_c3") for name in cluster_specs)
+    assert np.array_equal(raw_bits(merged), raw_bits(clustered))
