@@ -294,7 +294,9 @@ def test_the_fixed_cost_of_a_cta_is_measured_per_form() -> None:
         assert split_plan(6656, 8704, None, waves=True) == (68, 7, 15)
         # The others, apart from the unfused gate or up (fusion off: 5 splits to 3,
         # not timed), keep their plan under either.
-        for depth, columns in GLIMMER[:3] + GLIMMER[4:] + ((6656, 4608),):
+        # The drafter's: q/k/v stacked, k / v, the k / v tail, fc.
+        drafter = ((6656, 6144), (6656, 1024), (6656, 2048), (5 * 6656, 6656))
+        for depth, columns in GLIMMER[:3] + GLIMMER[4:] + drafter:
             plan = split_plan(depth, columns, None, waves=True)
             with matmul_variants.variant(dense_overhead=8):
                 assert split_plan(depth, columns, None, waves=True) == plan
