@@ -306,7 +306,8 @@ EDITS = {
         "    if (n_rows > 32 && c + STAGES - 1 < c_end) {\n      issue(",
     ),
 }
-# Muse Glimmer's unfused projections, as verify_kernels names them.
+# Muse Glimmer's projections and LM head (the verify forward's and the drafter's: 16
+# rows a round each), as verify_kernels names them.
 SHAPES = {
     name: (depth, columns)
     for name, depth, columns in GLIMMER.projections
@@ -318,6 +319,7 @@ SHAPES = {
         "o_proj",
         "attn q/k/v/gate fused",
         "mlp gate+up fused",
+        "lm_head",
     )
 }
 # The drafter's own shapes (its MLP and q / o projections are the target's): k / v of 8
