@@ -124,6 +124,19 @@ def test_every_environment_switch_is_in_the_switch_table() -> None:
     assert read and read == listed, (read - listed, listed - read)
 
 
+def test_the_readme_names_only_switches_of_the_table() -> None:
+    """Every ``DFLASH_*`` switch the README names is a row of the switch table (its
+    summary of the defaults must not name a switch the package dropped)."""
+    root = Path(__file__).resolve().parent.parent
+    table = (root / "docs" / "verify-kernels.md").read_text()
+    section = table.split("## Switches", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(DFLASH_[A-Z0-9_]+)` \|", section, flags=re.M))
+    named = set(re.findall(r"DFLASH_[A-Z0-9_]+", (root / "README.md").read_text()))
+    # Variables of the bench and the tests' interop, not package switches.
+    others = {"DFLASH_PEER_SRC"}
+    assert named - others <= listed, named - others - listed
+
+
 @pytest.mark.parametrize("text, want", [(None, 5), ("", 5), ("12", 12), (" 7 ", 7)])
 def test_count_switch_reads_a_non_negative_integer(monkeypatch, text, want) -> None:
     from dflash.metal import backend
