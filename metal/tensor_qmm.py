@@ -150,7 +150,8 @@ TARGET_GROUPS = 264
 # 131.6 -> 122.0 at 8). Dense weights count 8 since session 46: session 44 timed
 # every bf16 Glimmer and drafter shape with 8 against 2 (same run) and only the fused
 # q/k/v/gate moved (68 x 7 CTAs to 68 x 3, one wave: 44.9 -> 38.7 us with 16 rows,
-# 37.2 -> 34.7 with 1); the gate / up's new plan (5 splits to 4) was even.
+# 37.2 -> 34.7 with 1); the gate / up's new plan (5 splits to 4) was even. Only an
+# unfused gate or up (fusion off) takes a plan not timed (5 splits to 3).
 RESIDENT_CTAS = 264
 CTA_OVERHEAD_CHUNKS = 4
 DENSE_CTA_OVERHEAD_CHUNKS = 8
