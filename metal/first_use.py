@@ -47,15 +47,20 @@ def verdict(key: Hashable) -> Union[bool, None]:
 
 
 def checked(
-    key: Hashable, kernel: Callable[[], Outputs], reference: Callable[[], Outputs]
+    key: Hashable,
+    kernel: Callable[..., Outputs],
+    reference: Callable[..., Outputs],
+    arguments: tuple,
 ) -> Outputs:
-    """``kernel()``, checked against ``reference()`` at the first call for ``key``.
+    """``kernel(*arguments)``, checked against ``reference(*arguments)`` at the first
+    call for ``key``.
 
     Args:
         key: What one verdict covers (the operation, its word type and the launch
             shapes that choose its kernels); the backend is added here.
         kernel: Builds the kernel form's outputs (an array or a tuple of arrays).
         reference: Builds the reference form's outputs, the same structure.
+        arguments: What both take.
 
     Returns:
         The kernel's outputs while its verdict is (or becomes) True, else the
@@ -65,12 +70,12 @@ def checked(
     key = (backend.BACKEND, key)
     kept = _VERDICTS.get(key)
     if kept is True or (kept is None and backend.tracing()):
-        return kernel()
+        return kernel(*arguments)
     if kept is False:
-        return reference()
-    expected = reference()
+        return reference(*arguments)
+    expected = reference(*arguments)
     try:
-        outputs = kernel()
+        outputs = kernel(*arguments)
         mx.eval(outputs, expected)
         problem = _difference(outputs, expected)
     except RuntimeError as error:  # mlx's refusal to build or run the kernel
@@ -79,7 +84,7 @@ def checked(
     if problem is None:
         # Built again, unevaluated, as every later call is: the caller's graph is the
         # same whether or not this call was the checked one.
-        return kernel()
+        return kernel(*arguments)
     warnings.warn(
         f"dflash: the {key[1][0]} kernel on {backend.BACKEND} did not pass its "
         f"first-use check ({problem}); this process runs the pure-MLX reference ops "
@@ -93,14 +98,15 @@ def checked(
 def kernel_form(
     use_kernel: Union[bool, None],
     key: Hashable,
-    kernel: Callable[[], Outputs],
-    reference: Callable[[], Outputs],
+    kernel: Callable[..., Outputs],
+    reference: Callable[..., Outputs],
+    arguments: tuple,
 ) -> Outputs:
     """The kernel form a wrapper chose: :func:`checked` when the default chose it
-    (``use_kernel`` None), else ``kernel()`` as it is (asked for by name)."""
+    (``use_kernel`` None), else ``kernel(*arguments)`` as it is (asked for by name)."""
     if use_kernel is None:
-        return checked(key, kernel, reference)
-    return kernel()
+        return checked(key, kernel, reference, arguments)
+    return kernel(*arguments)
 
 
 def _difference(outputs: Outputs, expected: Outputs) -> Union[str, None]:

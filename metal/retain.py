@@ -15,7 +15,6 @@ kernel (one launch, but a fresh ``C``-row output per plane) runs with
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -119,8 +118,9 @@ def retain_rows(
         return first_use.kernel_form(
             use_kernel,
             ("retain_rows", word_dtype(geom), len(buffers)),
-            partial(_retain_rows_kernel, list(buffers), dests, geom),
-            partial(_retain_rows_ops, buffers, dests, geom),
+            _retain_rows_kernel,
+            _retain_rows_ops,
+            (list(buffers), dests, geom),
         )
     return _retain_rows_ops(buffers, dests, geom)
 

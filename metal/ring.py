@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
@@ -379,8 +378,5 @@ class ShadowStager:
         ):
             return reference(*arguments)
         return first_use.kernel_form(
-            self.use_kernel,
-            (name, word_dtype(self.geom)),
-            partial(kernel, *arguments),
-            partial(reference, *arguments),
+            self.use_kernel, (name, word_dtype(self.geom)), kernel, reference, arguments
         )
