@@ -154,6 +154,8 @@ VARIANTS = {
     # The scaled-weight form (``tensor_qmm.SCALED_B``): s * q + b in x's dtype before
     # the mma, no sums of x, no per-group float32 step; the default since session 26
     # (with its launch bounds), "unscaled" the form before it.
+    # Dense weights loaded straight into registers (``--dense``; session 46, untimed).
+    "wdirect": {"edits": ("wdirect", "wdirect-load")},
     "scaled": {"scaled": True},
     "unscaled": {"scaled": False},
     "scaled-computeonly": {"scaled": True, "edits": ("computeonly",)},
@@ -300,6 +302,45 @@ EDITS = {
     # The scaled form's 4-bit pairs as session 26 ran them: mask and magic as C++
     # (NVRTC: two LOP3s a pair) instead of one lop3.
     "twolop": ("scaled_q4", "dfl_q4_lop3", "dfl_q4"),
+    # Dense weights straight from global memory into the fragment registers (session
+    # 46, not yet timed): one 16-byte load a lane, sub-chunk and column (the 4 lanes of
+    # a column read 64 contiguous bytes), no cp.async copy or shared-memory round trip;
+    # x still staged. The same operands in the same order, so the same bits. Affine
+    # forms keep their copies (the guards are compile-time constants of each form).
+    "wdirect": (
+        "body",
+        "      dfl_copy16(base + w_shared + W_STEP * i * SW, w_chunk + size_t(n) * "
+        "row_bytes, fast);\n",
+        "      if ({bits_per_element} != 16) {\n"
+        "        dfl_copy16(base + w_shared + W_STEP * i * SW, w_chunk + size_t(n) * "
+        "row_bytes, fast);\n      }\n",
+    ),
+    "wdirect-load": (
+        "body",
+        "        const unsigned char* col = wsm + (8 * t + gid) * SW;\n"
+        "        uint32_t b[4];\n{load_b}",
+        """        uint32_t b[4];
+        if ({bits_per_element} == 16) {
+          const int n_direct = col0 + warp * 32 + 8 * t + gid;
+          const unsigned char* source = reinterpret_cast<const unsigned char*>(weight) +
+              size_t(n_direct < n_cols ? n_direct : n_cols - 1) * row_bytes +
+              size_t(c) * CW + (SUB * sc + 8 * tig) * 2;
+          uint4 pieces;
+          if (fast) {
+            pieces = *reinterpret_cast<const uint4*>(source);
+          } else {  // 16-bit loads where some pointer is not 16-byte aligned
+            const unsigned short* halves = reinterpret_cast<const unsigned short*>(source);
+            unsigned short* into = reinterpret_cast<unsigned short*>(&pieces);
+            for (int e = 0; e < 8; ++e) {
+              into[e] = halves[e];
+            }
+          }
+          dfl_pairs(pieces, b);
+        } else {
+          const unsigned char* col = wsm + (8 * t + gid) * SW;
+{load_b}
+        }""",
+    ),
     "computeonly": (
         "body",
         "    if (c + STAGES - 1 < c_end) {\n      issue(",

@@ -115,6 +115,23 @@ def test_tensor_bodies_compile_for_sm90_without_spills(tmp_path: Path) -> None:
     assert reduce.ok, f"{reduce.command}\n{reduce.log}"
 
 
+@needs_nvcc
+def test_direct_dense_loads_compile_for_sm90_without_spills(tmp_path: Path) -> None:
+    """``wdirect``'s dense forms (one and two row tiles, two K groups) compile for
+    sm_90 with no spills: the weights' registers fit beside the accumulators."""
+    with matmul_variants.variant(**matmul_variants.VARIANTS["wdirect"]):
+        specs = [
+            spec
+            for (bits, _), spec in tensor_qmm.FORM_SPECS[(False, 2)].items()
+            if bits == 0
+        ]
+    assert len(specs) == 2
+    forms = check_cuda(specs, tmp_path, NVCC, dtypes=HALF, flags=("-Xptxas", "-v"))
+    assert forms.ok, f"{forms.command}\n{forms.log}"
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log)
+    assert spills and all(a == "0" and b == "0" for a, b in spills), forms.log
+
+
 # The two-K-group forms (the default since the H200 ran them in session 18): compiled,
 # emulated.
 K2_SPECS = tensor_qmm.K2_SPECS
@@ -773,6 +790,23 @@ MERGE_VARIANTS = {}
 for _name in ("batchedmerge", "mergeloop"):
     with matmul_variants.variant(**matmul_variants.VARIANTS[_name]):
         MERGE_VARIANTS[_name] = dict(tensor_qmm.FORM_SPECS[(False, 2)])
+# The same forms with the dense weights loaded straight into registers (session 46's
+# ``wdirect``); every variant here must keep the shipped bits.
+SAME_BITS_VARIANTS = dict(MERGE_VARIANTS)
+with matmul_variants.variant(**matmul_variants.VARIANTS["wdirect"]):
+    SAME_BITS_VARIANTS["wdirect"] = dict(tensor_qmm.FORM_SPECS[(False, 2)])
+# Its negative control: each lane loads its neighbour's 8 elements of the sub-chunk.
+SAME_BITS_VARIANTS["wdirect-crossed"] = {
+    key: dataclasses.replace(
+        spec,
+        base=spec.base + "_crossed",
+        body=spec.body.replace(
+            "size_t(c) * CW + (SUB * sc + 8 * tig) * 2;",
+            "size_t(c) * CW + (SUB * sc + 8 * (tig ^ 1)) * 2;",
+        ),
+    )
+    for key, spec in SAME_BITS_VARIANTS["wdirect"].items()
+}
 
 # Negative control of the scaled-weight form: the group's bias never reaches the weights.
 SCALED_G64 = tensor_qmm.SCALED_SPECS[(2, (4, 1), 64)]
@@ -797,7 +831,9 @@ def tensor_emulator(tmp_path_factory):
         + (K2_DROPPED, SWIGLU_WRONG_HALF)
         + tuple(tensor_qmm.SCALED_SPECS.values())
         + (SCALED_NO_BIAS,)
-        + tuple(spec for specs in MERGE_VARIANTS.values() for spec in specs.values())
+        + tuple(
+            spec for specs in SAME_BITS_VARIANTS.values() for spec in specs.values()
+        )
     )
     emulator = TensorEmulator(tmp_path_factory.mktemp("tensor_emulator"), specs, GXX)
     assert emulator.build.ok, emulator.build.log
@@ -865,9 +901,15 @@ def test_emulated_merge_variants_give_the_shipped_merge_bits(
 
 
 def _assert_merge_variant_bits(emulated, variant: str, case) -> None:
-    """The merge variant's output bits equal the shipped merge's for ``case``."""
+    """The variant's output bits (:data:`SAME_BITS_VARIANTS`) equal the shipped
+    form's for ``case``."""
     shipped = raw_bits(_kernel(case))
-    specs = MERGE_VARIANTS[variant]
+    assert np.array_equal(_variant_bits(emulated, variant, case), shipped)
+
+
+def _variant_bits(emulated, variant: str, case) -> np.ndarray:
+    """``case``'s output bits under the variant's forms (one of them launched)."""
+    specs = SAME_BITS_VARIANTS[variant]
     # The emulator holds the specs built at import (a spec is known by identity).
     with pytest.MonkeyPatch.context() as patch:
         for key, spec in specs.items():
@@ -880,10 +922,48 @@ def _assert_merge_variant_bits(emulated, variant: str, case) -> None:
             return emulated.launch(spec, *args, **kwargs)
 
         patch.setattr(qmm.groups, "launch_groups", launch)
-        merged = raw_bits(_kernel(case))
+        bits = raw_bits(_kernel(case))
         assert any(spec in specs.values() for spec in launched)
     tensor_qmm.launch_plan.cache_clear()
-    assert np.array_equal(merged, shipped)
+    return bits
+
+
+@settings(max_examples=16, deadline=None, suppress_health_check=_FIXTURES)
+@given(
+    case=served_cases(max_chunks=6, max_columns=200),
+    late=st.booleans(),
+    misaligned=st.booleans(),
+)
+def test_emulated_direct_dense_loads_give_the_shipped_bits(
+    emulated, case, late, misaligned
+) -> None:
+    """matmul_variants' ``wdirect``: dense weights loaded from global memory straight
+    into the fragment registers (16 bytes a lane, or 16-bit copies when a pointer is
+    not 16-byte aligned) feed the mma the same operands in the same order, so every
+    output keeps the shipped bits; affine forms keep their staged copies."""
+    emulated.late, emulated.misaligned = late, misaligned
+    try:
+        _assert_merge_variant_bits(emulated, "wdirect", case)
+    finally:
+        emulated.misaligned = False
+
+
+@pytest.mark.parametrize("rows", [1, 16, 32])
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_emulated_direct_dense_loads_on_fixed_dense_calls(
+    emulated, rows, misaligned
+) -> None:
+    """``wdirect`` on dense calls of one and two row tiles, K split or not: the
+    shipped bits; a form whose lanes load their neighbours' elements does not."""
+    emulated.misaligned = misaligned
+    try:
+        for depth, columns in ((64 * 5, 200), (64 * 40, 130)):
+            case = _fixed_case(rows, depth, columns, None, None, mx.bfloat16, rows)
+            _assert_merge_variant_bits(emulated, "wdirect", case)
+        crossed = _variant_bits(emulated, "wdirect-crossed", case)
+        assert not np.array_equal(crossed, raw_bits(_kernel(case)))
+    finally:
+        emulated.misaligned = False
 
 
 @pytest.mark.parametrize("chunks, splits", [(3, 3), (8, 8), (10, 10)])
