@@ -118,6 +118,9 @@ VARIANTS = {
     "dense-overhead2": {"dense_overhead": 2},
     "dense-overhead4": {"dense_overhead": 4},
     "dense-overhead8": {"dense_overhead": 8},
+    # Dense weights loaded straight into registers (``--dense``; session 46, untimed;
+    # affine forms unchanged): see EDITS["wdirect-load"].
+    "wdirect": {"edits": ("wdirect", "wdirect-load")},
     # A K split's merge with its loads batched (the same bits; tried in session 41).
     "batchedmerge": {"edits": ("batchedmerge",)},
     # The merge before session 43: each split's load waited for by its add (same bits).
@@ -154,8 +157,6 @@ VARIANTS = {
     # The scaled-weight form (``tensor_qmm.SCALED_B``): s * q + b in x's dtype before
     # the mma, no sums of x, no per-group float32 step; the default since session 26
     # (with its launch bounds), "unscaled" the form before it.
-    # Dense weights loaded straight into registers (``--dense``; session 46, untimed).
-    "wdirect": {"edits": ("wdirect", "wdirect-load")},
     "scaled": {"scaled": True},
     "unscaled": {"scaled": False},
     "scaled-computeonly": {"scaled": True, "edits": ("computeonly",)},
