@@ -121,6 +121,12 @@ VARIANTS = {
     # Dense weights loaded straight into registers (``--dense``; session 46, untimed;
     # affine forms unchanged): see EDITS["wdirect-load"].
     "wdirect": {"edits": ("wdirect", "wdirect-load")},
+    # The direct 4-bit form (tensor_qmm.DIRECT_Q4; session 47, untimed): each lane's
+    # weight words loaded from global memory into registers a chunk ahead, no staging;
+    # with one K group (a lane then holds both half chunks: 168-174 registers).
+    "direct4": {"direct": True},
+    "direct4-k1": {"direct": True, "k_groups": 1},
+    "direct4-cluster": {"direct": True, "cluster": True},
     # A K split's merge with its loads batched (the same bits; tried in session 41).
     "batchedmerge": {"edits": ("batchedmerge",)},
     # The merge before session 43: each split's load waited for by its add (same bits).
@@ -393,6 +399,7 @@ def variant(
     overhead: Optional[int] = None,
     dense_overhead: Optional[int] = None,
     cluster: Optional[bool] = None,
+    direct: Optional[bool] = None,
     edits: Sequence[str] = (),
 ) -> Iterator[None]:
     """Rebuild the tensor-core specs with the given knobs, restoring them after.
@@ -414,6 +421,8 @@ def variant(
         overhead: ``CTA_OVERHEAD_CHUNKS``, affine weights' (None: unchanged).
         dense_overhead: ``DENSE_CTA_OVERHEAD_CHUNKS`` (None: unchanged).
         cluster: ``CLUSTER_SUM`` (None: unchanged).
+        direct: ``DIRECT_Q4`` (None: unchanged); True also rebuilds the direct forms
+            with ``edits`` (an edit their text lacks raises).
         edits: Names of :data:`EDITS` to apply to the kernels' text.
     """
     knobs = {
@@ -429,11 +438,13 @@ def variant(
         "CTA_OVERHEAD_CHUNKS": overhead,
         "DENSE_CTA_OVERHEAD_CHUNKS": dense_overhead,
         "CLUSTER_SUM": cluster,
+        "DIRECT_Q4": direct,
     }
     texts = ("_HELPERS", "_BODY", "_SCALED_Q4_HELPER")
     saved = {name: getattr(tensor_qmm, name) for name in (*knobs, *texts)}
     tables = {form: dict(specs) for form, specs in tensor_qmm.FORM_SPECS.items()}
     scaled_specs = dict(tensor_qmm.SCALED_SPECS)
+    direct_specs = dict(tensor_qmm.DIRECT_SPECS)
     layout_x_stride = tensor_qmm.Layout.x_stride
     try:
         if x_stride is not None:
@@ -450,7 +461,7 @@ def variant(
             tensor_qmm._HELPERS = helpers
         for edit in edits:
             _edit(*EDITS[edit])
-        _rebuild(constant_group)
+        _rebuild(constant_group, direct=bool(direct))
         yield
     finally:
         tensor_qmm.Layout.x_stride = layout_x_stride
@@ -459,6 +470,7 @@ def variant(
         for form, specs in tables.items():
             tensor_qmm.FORM_SPECS[form].update(specs)
         tensor_qmm.SCALED_SPECS.update(scaled_specs)
+        tensor_qmm.DIRECT_SPECS.update(direct_specs)
         tensor_qmm.launch_plan.cache_clear()
         tensor_qmm._wave_split.cache_clear()
 
@@ -472,8 +484,16 @@ def _edit(part: str, old: str, new: str) -> None:
     setattr(tensor_qmm, name, text.replace(old, new))
 
 
-def _rebuild(constant_group: bool = True) -> None:
+def _rebuild(constant_group: bool = True, direct: bool = False) -> None:
     # In place: MATMUL_SPECS and the other names are these very dicts.
+    if direct:
+        for groups, size in tensor_qmm.DIRECT_SPECS:
+            tensor_qmm.DIRECT_SPECS[(groups, size)] = tensor_qmm._spec(
+                tensor_qmm.Layout(4, 1, direct=True),
+                k_groups=groups,
+                scaled=True,
+                group_size=size,
+            )
     for (folded, groups), specs in tensor_qmm.FORM_SPECS.items():
         specs.update(tensor_qmm.form_specs(folded, groups))
     for groups, key, size in tensor_qmm.SCALED_SPECS:

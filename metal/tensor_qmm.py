@@ -217,6 +217,19 @@ TWO_K_GROUPS_ENV = "DFLASH_QMM_TWO_K_GROUPS"
 # ``DFLASH_QMM_MEMBER_MAJOR=0`` keeps the plain layout; read at each bind.
 MEMBER_MAJOR = True
 MEMBER_MAJOR_ENV = "DFLASH_QMM_MEMBER_MAJOR"
+# The direct 4-bit form (session 47; compiled and emulated, not yet run on a GPU, so
+# off): each lane loads its own weight words from global memory straight into
+# registers, a chunk ahead, with no cp.async copy or shared-memory round trip for the
+# weights (the copies paced the staged form: session 25 timed them alone at 2.0-2.3x
+# the bound). A lane's words are contiguous (16 bytes a column and half chunk, the 4
+# lanes of a column 64 bytes), so sub-chunk ``4 h + s`` takes word ``16 h + 4 tig + s``
+# and x is staged in that order (:func:`direct_word`); each lane's 32 elements of a
+# half chunk lie in one group, so it takes its scale once a half chunk. Other sums than
+# the staged form (the mma adds other elements together), each row's still its own.
+# The scaled 4-bit forms only (others keep their staging); ``DFLASH_QMM_DIRECT_Q4``
+# (on/off) decides when set; read at each bind.
+DIRECT_Q4 = False
+DIRECT_Q4_ENV = "DFLASH_QMM_DIRECT_Q4"
 
 
 def merge_split_sum() -> bool:
@@ -306,6 +319,16 @@ def scaled_b(bits: Optional[int]) -> bool:
     return SCALED_B if switch is None else switch
 
 
+def direct_q4(bits: Optional[int]) -> bool:
+    """Whether a ``bits``-wide affine call bound now in the scaled-weight form takes
+    the direct form (see :data:`DIRECT_Q4`): ``DFLASH_QMM_DIRECT_Q4`` when set, else
+    the default; 4-bit only."""
+    if bits != 4:
+        return False
+    switch = backend.env_switch(DIRECT_Q4_ENV)
+    return DIRECT_Q4 if switch is None else switch
+
+
 def fold_q4_offset() -> bool:
     """Whether a 4-bit call bound now uses the folded-offset form (see
     :data:`FOLD_Q4_OFFSET`): ``DFLASH_QMM_FOLDED_OFFSET`` when set, else the default."""
@@ -320,10 +343,12 @@ class Layout:
     Attributes:
         bits: 4, 8, or 0 (dense weights in x's dtype).
         mtiles: 16-row m-tiles (1 for up to 16 rows, 2 for up to 32).
+        direct: The direct 4-bit form's stages: x rows, scales and biases only.
     """
 
     bits: int
     mtiles: int
+    direct: bool = False
 
     @property
     def chunk(self) -> int:
@@ -351,10 +376,16 @@ class Layout:
         return 16 * self.mtiles
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of a stage's weights (none in the direct form, whose lanes load their
+        words into registers: :data:`DIRECT_Q4`)."""
+        return 0 if self.direct else COLUMNS * self.w_stride
+
+    @property
     def stage_bytes(self) -> int:
         """Bytes of one pipeline stage: weights, x rows, scales and biases."""
         scales = 0 if self.bits == 0 else 2 * COLUMNS * 16
-        return COLUMNS * self.w_stride + self.rows * self.x_stride + scales
+        return self.weight_bytes + self.rows * self.x_stride + scales
 
     @property
     def stages(self) -> int:
@@ -366,6 +397,22 @@ class Layout:
     def shared_memory(self) -> int:
         """Dynamic shared memory of the launch."""
         return self.stages * self.stage_bytes
+
+
+def direct_word(sub_chunk: int, tig: int) -> int:
+    """The 32-bit word of a chunk's column (8 elements at 4 bits) that lane ``tig``
+    holds for ``sub_chunk`` in the direct form (:data:`DIRECT_Q4`): half chunk
+    ``h = sub_chunk // 4`` is the lane's 16 bytes at word ``16 h + 4 tig``, one word a
+    sub-chunk. The staged form's lane holds word ``4 sub_chunk + tig``; the direct form
+    stages x's 16-byte pieces so that slot ``4 sub_chunk + tig`` holds this word's
+    elements (``dfl_direct_slot``), and the lanes read x as before.
+
+    Returns:
+        The word ``0..31``.
+    """
+    if not (0 <= sub_chunk < 8 and 0 <= tig < 4):
+        raise ValueError(f"no word for sub-chunk {sub_chunk}, lane {tig}")
+    return 16 * (sub_chunk // 4) + 4 * tig + sub_chunk % 4
 
 
 def physical_k(step: int, logical: int, tig: int) -> int:
@@ -540,6 +587,143 @@ DFL_FN uint32_t dfl_scaled(uint32_t q, uint32_t s, uint32_t b, const __half*) {
   return q;
 }
 """
+
+# Helpers of the direct 4-bit form only (plain C++; see DIRECT_Q4).
+_DIRECT_HELPERS = r"""
+// x's 16-byte piece p of a chunk (elements 8 p .. 8 p + 7, those of weight word p) goes
+// to the slot a lane reads for it: word 16 h + 4 tig + s is slot 16 h + 4 s + tig.
+DFL_FN int dfl_direct_slot(int p) { return (p & 16) | ((p & 3) << 2) | ((p >> 2) & 3); }
+// A lane's 16 bytes of weight words: one load, or 16-bit loads when some pointer is not
+// 16-byte aligned (the same bytes).
+DFL_FN uint4 dfl_direct_load(const unsigned char* p, bool fast) {
+  uint4 v;
+  if (fast) {
+    v = *reinterpret_cast<const uint4*>(p);
+  } else {
+    const unsigned short* halves = reinterpret_cast<const unsigned short*>(p);
+    unsigned short* into = reinterpret_cast<unsigned short*>(&v);
+    for (int e = 0; e < 8; ++e) {
+      into[e] = halves[e];
+    }
+  }
+  return v;
+}
+// Word s (0..3) of a lane's 16 bytes; s is a constant where it is used (selects, never
+// an indexed register array, which would go to local memory).
+DFL_FN uint32_t dfl_direct_word(uint4 v, int s) {
+  return s == 0 ? v.x : s == 1 ? v.y : s == 2 ? v.z : v.w;
+}
+"""
+
+# The direct form as edits of a filled one-K-group scaled 4-bit text: (old, new).
+# ``{halves}`` is the half chunks a lane sums (1 with two K groups, else 2).
+_DIRECT_EDITS = (
+    # A stage holds x rows, scales and biases: no weights.
+    (
+        "  constexpr int SW = {w_stride};\n",
+        "",
+    ),
+    (
+        "  constexpr int X_OFF = COLUMNS * SW;\n",
+        "  constexpr int X_OFF = 0;\n",
+    ),
+    (
+        """  constexpr int W_PIECES = CW / 16;
+  constexpr int W_STEP = THREADS / W_PIECES;
+""",
+        "",
+    ),
+    (
+        """  const unsigned char* w_source =
+      reinterpret_cast<const unsigned char*>(weight) + (int(lid) % W_PIECES) * 16;
+  const int w_shared = (int(lid) / W_PIECES) * SW + (int(lid) % W_PIECES) * 16;
+""",
+        "",
+    ),
+    # x's pieces in the order the lanes' words take them (see dfl_direct_slot).
+    (
+        "  const int x_shared = X_OFF + x_first * SX + (int(lid) % X_PIECES) * 16;\n",
+        "  const int x_shared = X_OFF + x_first * SX + dfl_direct_slot(int(lid) % X_PIECES)"
+        " * 16;\n",
+    ),
+    # No weight copies.
+    (
+        """    const unsigned char* w_chunk = w_source + size_t(c) * CW;
+    #pragma unroll
+    for (int i = 0; i < COLUMNS / W_STEP; ++i) {
+      const int cl = int(lid) / W_PIECES + W_STEP * i;
+      // Columns past N repeat the last one (never stored).
+      const int n = col0 + cl < n_cols ? col0 + cl : n_cols - 1;
+      dfl_copy16(base + w_shared + W_STEP * i * SW, w_chunk + size_t(n) * row_bytes, fast);
+    }
+""",
+        "",
+    ),
+    # Each lane's words of its four columns (n8 tiles), the next chunk's loaded while
+    # this one is summed: two register buffers, taken in turn by an unrolled pair.
+    (
+        "  for (int i = 0; i < STAGES - 1; ++i) {\n",
+        """  constexpr int HALVES = {halves};
+  const int first_half = HALVES == 1 ? int(lid) / 128 : 0;
+  const int n_lane = col0 + warp * 32 + gid;
+  const unsigned char* w_lane =
+      reinterpret_cast<const unsigned char*>(weight) + 64 * first_half + 16 * tig;
+  uint4 wq[2][HALVES][4];
+  auto load_words = [&](int c, uint4 (&into)[HALVES][4]) {
+    #pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      // Columns past N repeat the last one (never stored).
+      const int n = n_lane + 8 * t < n_cols ? n_lane + 8 * t : n_cols - 1;
+      const unsigned char* column = w_lane + size_t(n) * row_bytes + size_t(c) * CW;
+      #pragma unroll
+      for (int h = 0; h < HALVES; ++h) {
+        into[h][t] = dfl_direct_load(column + 64 * h, fast);
+      }
+    }
+  };
+  if (c_begin < c_end) {
+    load_words(c_begin, wq[0]);
+  }
+  for (int i = 0; i < STAGES - 1; ++i) {
+""",
+    ),
+    (
+        "  for (int c = c_begin; c < c_end; ++c) {\n    const int i = c - c_begin;\n",
+        """  for (int c_pair = c_begin; c_pair < c_end; c_pair += 2) {
+  #pragma unroll
+  for (int pp = 0; pp < 2; ++pp) {
+    const int c = c_pair + pp;
+    if (c >= c_end) {
+      break;
+    }
+    const int i = c - c_begin;
+    if (c + 1 < c_end) {
+      load_words(c + 1, wq[pp ^ 1]);
+    }
+""",
+    ),
+    ("    const unsigned char* wsm = base + warp * 32 * SW;\n", ""),
+    ("        const unsigned char* col = wsm + (8 * t + gid) * SW;\n", ""),
+    (
+        "        const uint32_t w = *reinterpret_cast<const uint32_t*>(col + (4 * sc + tig)"
+        " * 4);\n",
+        "        const uint32_t w = dfl_direct_word(wq[pp][HALVES == 1 ? 0 : sc >> 2][t],"
+        " sc & 3);\n",
+    ),
+    # A lane's scale opens each half chunk: its 32 elements there lie in one group.
+    (
+        "      if (((SUB * sc) & (group_size - 1)) == 0) {\n"
+        "        const int gl = (SUB * sc) >> group_shift;\n",
+        "      if ((sc & 3) == 0) {\n"
+        "        const int gl = (4 * SUB * (sc >> 2) + SUB * tig) >> group_shift;\n",
+    ),
+    # The pair's loop closes with the chunks'.
+    (
+        "  }\n\n  // c0, c1: row gid, columns 2 tig, 2 tig + 1; c2, c3: row gid + 8.\n",
+        "  }\n  }\n\n  // c0, c1: row gid, columns 2 tig, 2 tig + 1; c2, c3: row gid + 8.\n",
+    ),
+)
+
 
 # The scaled form's 4-bit pair helper (benchmarks.matmul_variants swaps in dfl_q4).
 _SCALED_Q4_HELPER = "dfl_q4_lop3"
@@ -1015,9 +1199,18 @@ def _spec(
     the gated-MLP activation as its last step, see :data:`SWIGLU_HELPERS`; ``scaled``:
     the scaled-weight form of an affine layout, see :data:`SCALED_B`; ``group_size``:
     an affine kernel for that group size only, a compile-time constant, see
-    :func:`_constant_group`; None: any, read from the launch's parameters)."""
+    :func:`_constant_group`; None: any, read from the launch's parameters). A
+    ``layout.direct`` layout gives the direct form (:data:`DIRECT_Q4`): scaled 4-bit
+    with a constant group size, not SwiGLU."""
     if k_groups not in (1, 2):
         raise ValueError(f"k_groups must be 1 or 2, got {k_groups}")
+    if layout.direct and not (
+        layout.bits == 4 and scaled and group_size and not swiglu
+    ):
+        raise ValueError(
+            "the direct form is the scaled 4-bit form with a constant group size, "
+            "not SwiGLU"
+        )
     affine = layout.bits != 0
     if folded and layout.bits != 4:
         raise ValueError(f"the folded-offset form is 4-bit only, got {layout.bits}")
@@ -1070,6 +1263,13 @@ def _spec(
             "stage_bytes": layout.stage_bytes,
         },
     )
+    if layout.direct:
+        halves = {"halves": 1 if k_groups == 2 else 2}
+        for old, new in _DIRECT_EDITS:
+            old = _fill(old, {"w_stride": layout.w_stride})
+            if body.count(old) != 1:
+                raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
+            body = body.replace(old, _fill(new, halves))
     if k_groups == 2:
         body = _two_k_groups(body, affine)
     if swiglu:
@@ -1077,7 +1277,7 @@ def _spec(
     name = f"tensor_{'dense' if not affine else f'q{layout.bits}'}_m{layout.mtiles}"
     name += "_folded" * folded + "_scaled" * scaled
     name += f"_g{group_size}" if group_size else ""
-    name += "_k2" * (k_groups == 2) + "_swiglu" * swiglu
+    name += "_k2" * (k_groups == 2) + "_swiglu" * swiglu + "_direct" * layout.direct
     if affine:
         inputs = ("x", "weight", "scales", "biases", "params", "counters")
         types = ("T", "uint32", "T", "T", "int32", "int32")
@@ -1094,6 +1294,7 @@ def _spec(
         + _HELPERS
         + (_FOLDED_HELPERS if folded else "")
         + (_SCALED_HELPERS if scaled else "")
+        + (_DIRECT_HELPERS if layout.direct else "")
         + (SWIGLU_HELPERS if swiglu else ""),
         body=body,
         threads=THREADS * k_groups,
@@ -1427,6 +1628,16 @@ SWIGLU_SCALED_SPECS = {
     if key[0] != 0
     for size in GROUP_SIZES
 }
+# The direct 4-bit forms (:data:`DIRECT_Q4`) by (k_groups, group size), one m-tile (up
+# to 16 rows: with two, the two-K-group form spills past its 128 registers); not in
+# SPECS, as they have not run on a GPU.
+DIRECT_SPECS = {
+    (groups, size): _spec(
+        Layout(4, 1, direct=True), k_groups=groups, scaled=True, group_size=size
+    )
+    for groups in (1, 2)
+    for size in GROUP_SIZES
+}
 MATMUL_SPECS = FORM_SPECS[(False, 1)]
 FOLDED_SPECS = FORM_SPECS[(True, 1)]
 K2_SPECS = FORM_SPECS[(False, 2)]
@@ -1574,7 +1785,7 @@ def bind_tensor_core(
     plan = launch_plan(
         rows, depth, weight.shape[0], bits, group_size, merge_split_sum(),
         fold_q4_offset() and not swiglu and not scaled, wave_split(), k_groups(),
-        edges, swiglu, scaled, cluster_sum(),
+        edges, swiglu, scaled, cluster_sum(), scaled and direct_q4(bits),
     )  # fmt: skip
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)
@@ -1688,6 +1899,7 @@ def launch_plan(
     swiglu: bool = False,
     scaled: bool = False,
     cluster: bool = False,
+    direct: bool = False,
 ) -> LaunchPlan:
     """The launch plan of a validated call, built once per geometry (host time).
 
@@ -1701,7 +1913,8 @@ def launch_plan(
     affine call takes the scaled-weight form (:data:`SCALED_B`; not with ``folded``).
     ``cluster``: a split of 2 to :data:`MAX_CLUSTER` ways is summed inside a
     thread-block cluster (:func:`cluster_spec`), with no partials array and no
-    counters; a SwiGLU plan keeps its merge.
+    counters; a SwiGLU plan keeps its merge. ``direct``: a scaled 4-bit call of up
+    to 16 rows takes the direct form (:data:`DIRECT_Q4`; others keep their form).
 
     Raises:
         ValueError: ``swiglu`` for a call :func:`swiglu_serves` refuses.
@@ -1722,7 +1935,9 @@ def launch_plan(
             spec, rows, depth, columns, group_size,
             (tiles, splits, per_split),
         )  # fmt: skip
-    if scaled and bits is not None:
+    if direct and scaled and bits == 4 and key[1] == 1:
+        spec = DIRECT_SPECS[(k_groups, group_size)]
+    elif scaled and bits is not None:
         spec = SCALED_SPECS[(k_groups, key, group_size)]
     else:
         spec = FORM_SPECS[(folded and bits == 4, k_groups)][key]
