@@ -127,6 +127,14 @@ VARIANTS = {
     "direct4": {"direct": True},
     "direct4-k1": {"direct": True, "k_groups": 1},
     "direct4-cluster": {"direct": True, "cluster": True},
+    # Its words loaded at the top of the chunk that sums them (no register buffer
+    # ahead: fewer registers, the load's latency behind the x barrier only), and its
+    # loads as ld.global.nc with no L1 allocation (weights are read once). Same bits.
+    "direct4-noahead": {
+        "direct": True,
+        "edits": ("direct-noahead", "direct-noprologue"),
+    },
+    "direct4-nc": {"direct": True, "edits": ("direct-nc",)},
     # A K split's merge with its loads batched (the same bits; tried in session 41).
     "batchedmerge": {"edits": ("batchedmerge",)},
     # The merge before session 43: each split's load waited for by its add (same bits).
@@ -309,6 +317,24 @@ EDITS = {
     # The scaled form's 4-bit pairs as session 26 ran them: mask and magic as C++
     # (NVRTC: two LOP3s a pair) instead of one lop3.
     "twolop": ("scaled_q4", "dfl_q4_lop3", "dfl_q4"),
+    # The direct form (session 47): its words loaded at use, or through the
+    # non-coherent path without L1 allocation (see VARIANTS["direct4-noahead"]).
+    "direct-noahead": (
+        "direct",
+        "    if (c + 1 < c_end) {\n      load_words(c + 1, wq[pp ^ 1]);\n    }\n",
+        "    load_words(c, wq[pp]);\n",
+    ),
+    "direct-noprologue": (
+        "direct",
+        "  if (c_begin < c_end) {\n    load_words(c_begin, wq[0]);\n  }\n",
+        "",
+    ),
+    "direct-nc": (
+        "direct_helpers",
+        "    v = *reinterpret_cast<const uint4*>(p);\n",
+        '    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\\n"\n'
+        '        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));\n',
+    ),
     # Dense weights straight from global memory into the fragment registers (session
     # 46, not yet timed): one 16-byte load a lane, sub-chunk and column (the 4 lanes of
     # a column read 64 contiguous bytes), no cp.async copy or shared-memory round trip;
@@ -440,7 +466,9 @@ def variant(
         "CLUSTER_SUM": cluster,
         "DIRECT_Q4": direct,
     }
-    texts = ("_HELPERS", "_BODY", "_SCALED_Q4_HELPER")
+    texts = (
+        "_HELPERS", "_BODY", "_SCALED_Q4_HELPER", "_DIRECT_HELPERS", "_DIRECT_EDITS"
+    )  # fmt: skip
     saved = {name: getattr(tensor_qmm, name) for name in (*knobs, *texts)}
     tables = {form: dict(specs) for form, specs in tensor_qmm.FORM_SPECS.items()}
     scaled_specs = dict(tensor_qmm.SCALED_SPECS)
@@ -476,7 +504,20 @@ def variant(
 
 
 def _edit(part: str, old: str, new: str) -> None:
-    parts = {"helpers": "_HELPERS", "body": "_BODY", "scaled_q4": "_SCALED_Q4_HELPER"}
+    if part == "direct":  # the new texts of the direct form's edits
+        edits = tensor_qmm._DIRECT_EDITS
+        if not any(old in after for _, after in edits):
+            raise RuntimeError(f"the direct form's text has changed: {old[:60]!r}")
+        tensor_qmm._DIRECT_EDITS = tuple(
+            (before, after.replace(old, new)) for before, after in edits
+        )
+        return
+    parts = {
+        "helpers": "_HELPERS",
+        "body": "_BODY",
+        "scaled_q4": "_SCALED_Q4_HELPER",
+        "direct_helpers": "_DIRECT_HELPERS",
+    }
     name = parts[part]
     text = getattr(tensor_qmm, name)
     if old not in text:

@@ -36,6 +36,7 @@ from test_tensor_qmm import (
 )
 from test_verify_kernels import _scaled_oracle_close
 
+from benchmarks import matmul_variants
 from dflash.fused_projections import FusedProjections
 from dflash.metal import qmm, tensor_qmm
 from dflash.metal.groups import int_params
@@ -120,6 +121,14 @@ def test_direct_forms_compile_for_sm90_without_spills(tmp_path: Path) -> None:
     assert spills and all(a == "0" and b == "0" for a, b in spills), built.log
     frames = re.findall(r"(\d+) bytes stack frame", built.log)
     assert frames and all(frame == "0" for frame in frames), built.log
+    variants = list(NO_AHEAD.values()) + list(NON_COHERENT.values())
+    checked = check_cuda(
+        variants, tmp_path / "variants", NVCC, dtypes=HALF, flags=("-Xptxas", "-v")
+    )
+    assert checked.ok, f"{checked.command}\n{checked.log}"
+    assert "ld.global.nc.L1::no_allocate.v4.u32" in NON_COHERENT[(2, 64)].helpers
+    spills = re.findall(r"(\d+) bytes spill stores", checked.log)
+    assert spills and set(spills) == {"0"}, checked.log
     two_groups = [spec for (groups, _), spec in DIRECT_SPECS.items() if groups == 2]
     bounded = check_cuda(
         two_groups, tmp_path / "k2", NVCC, dtypes=HALF, flags=("-Xptxas", "-v")
@@ -231,6 +240,18 @@ CLUSTERS = {
 }
 
 
+def _variant_specs(name: str) -> dict:
+    """The direct forms under one of matmul_variants' variants (built at import)."""
+    with matmul_variants.variant(**matmul_variants.VARIANTS[name]):
+        return dict(DIRECT_SPECS)
+
+
+# Timing variants whose bits must be the direct form's: words loaded at use (no
+# register buffer ahead), and loaded through the non-coherent path (PTX: compiled only).
+NO_AHEAD = _variant_specs("direct4-noahead")
+NON_COHERENT = _variant_specs("direct4-nc")
+
+
 @pytest.fixture(scope="module")
 def direct_emulator(tmp_path_factory):
     if GXX is None:
@@ -239,6 +260,7 @@ def direct_emulator(tmp_path_factory):
         tuple(DIRECT_SPECS.values())
         + tuple(CLUSTERS.values())
         + tuple(MUTANTS.values())
+        + tuple(NO_AHEAD.values())
         + (tensor_qmm.REDUCE_SPEC,)
     )
     emulator = TensorEmulator(tmp_path_factory.mktemp("direct_emulator"), specs, GXX)
@@ -412,6 +434,29 @@ def _launch(emulator, spec, case) -> mx.array:
     )
     mx.eval(y)
     return y
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=_FIXTURES)
+@given(
+    case=direct_cases(),
+    group_count=st.sampled_from(["0", "1"]),
+    resident=st.sampled_from([1, tensor_qmm.RESIDENT_CTAS]),
+)
+def test_emulated_direct_loads_at_use_give_the_same_bits(
+    direct, monkeypatch, case, group_count, resident
+) -> None:
+    """``direct4-noahead`` (each chunk's words loaded at its own top, no register
+    buffer ahead) feeds the mma the same words in the same order: the same bits."""
+    monkeypatch.setenv(tensor_qmm.TWO_K_GROUPS_ENV, group_count)
+    _resident(monkeypatch, resident)
+    ahead = raw_bits(_kernel(case))
+    for key, spec in NO_AHEAD.items():
+        monkeypatch.setitem(DIRECT_SPECS, key, spec)
+    tensor_qmm.launch_plan.cache_clear()
+    before = len(direct.launched)
+    at_use = raw_bits(_kernel(case))
+    assert direct.launched[before] in {spec.base for spec in NO_AHEAD.values()}
+    assert np.array_equal(at_use, ahead)
 
 
 @pytest.mark.parametrize("slip", sorted(MUTANTS))

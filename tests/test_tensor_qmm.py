@@ -405,15 +405,27 @@ def test_every_variant_applies_to_the_shipped_texts_and_is_undone() -> None:
     """Each of matmul_variants' variants still finds the text it edits (a kernel
     change that moves it fails here, not on the GPU), a variant with text edits
     renames the shipped 4-bit scaled kernel (they took effect), and every name is back
-    afterwards."""
+    afterwards (the direct forms' variants: their kernel)."""
     key = (2, (4, 1), 64)
-    shipped = {k: spec.name("cuda") for k, spec in tensor_qmm.SCALED_SPECS.items()}
+
+    def names() -> dict:
+        tables = {"scaled": tensor_qmm.SCALED_SPECS, "direct": tensor_qmm.DIRECT_SPECS}
+        return {
+            (table, k): spec.name("cuda")
+            for table, specs in tables.items()
+            for k, spec in specs.items()
+        }
+
+    shipped = names()
     for name, knobs in matmul_variants.VARIANTS.items():
         with matmul_variants.variant(**knobs):
             if knobs.get("edits"):
-                assert tensor_qmm.SCALED_SPECS[key].name("cuda") != shipped[key], name
-        now = {k: spec.name("cuda") for k, spec in tensor_qmm.SCALED_SPECS.items()}
-        assert now == shipped, name
+                table, changed = ("direct", (2, 64)) if knobs.get("direct") else (
+                    "scaled", key
+                )  # fmt: skip
+                now = names()[(table, changed)]
+                assert now != shipped[(table, changed)], name
+        assert names() == shipped, name
 
 
 def test_variants_benchmark_baseline_is_mlx_own_product() -> None:
