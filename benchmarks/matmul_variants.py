@@ -121,9 +121,10 @@ VARIANTS = {
     # Dense weights loaded straight into registers (``--dense``; session 46, untimed;
     # affine forms unchanged): see EDITS["wdirect-load"].
     "wdirect": {"edits": ("wdirect", "wdirect-load")},
-    # The direct 4-bit form (tensor_qmm.DIRECT_Q4; session 47, untimed): each lane's
-    # weight words loaded from global memory into registers a chunk ahead, no staging;
-    # with one K group (a lane then holds both half chunks: 168-174 registers).
+    # The direct 4-bit form (tensor_qmm.DIRECT_Q4): each lane's weight words loaded from
+    # global memory into registers a chunk ahead, no staging; with one K group (a lane
+    # then holds both half chunks: 168-174 registers). Session 47 (16 rows): 11-41 %
+    # slower than current on every Glimmer shape; one row within 5 %.
     "direct4": {"direct": True},
     "direct4-k1": {"direct": True, "k_groups": 1},
     "direct4-cluster": {"direct": True, "cluster": True},

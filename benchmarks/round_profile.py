@@ -221,6 +221,8 @@ KERNEL_ARMS = {
     "all-drafter": "1",
     "default-draftermlx": None,
     "all-draftermlx": "1",
+    "default-drafterkernel": None,
+    "all-drafterkernel": "1",
     "default-drafterall": None,
     "all-drafterall": "1",
     "default-draftertraced": None,
@@ -272,6 +274,7 @@ ARM_SUFFIXES = {
     "drafterqkv": (DRAFTER_QKV_ENV, "1"),  # the drafter's q / k / v as one stack
     "drafterheads": (DRAFTER_HEAD_PREP_ENV, "1"),  # its q / k norms and RoPE: a launch
     "draftermlx": (DRAFTER_DENSE_ENV, "0"),  # its bf16 projections on mlx's matmul
+    "drafterkernel": (DRAFTER_DENSE_ENV, "1"),  # on our small-row kernel (before s47)
     "drafterreplay": (DRAFTER_TRACED_ENV, "1"),  # its layers as compiled replays
 }
 # Suffixes that set several switches (each pair as above).

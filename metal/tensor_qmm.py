@@ -217,11 +217,13 @@ TWO_K_GROUPS_ENV = "DFLASH_QMM_TWO_K_GROUPS"
 # ``DFLASH_QMM_MEMBER_MAJOR=0`` keeps the plain layout; read at each bind.
 MEMBER_MAJOR = True
 MEMBER_MAJOR_ENV = "DFLASH_QMM_MEMBER_MAJOR"
-# The direct 4-bit form (session 47; compiled and emulated, not yet run on a GPU, so
-# off): each lane loads its own weight words from global memory straight into
-# registers, a chunk ahead, with no cp.async copy or shared-memory round trip for the
-# weights (the copies paced the staged form: session 25 timed them alone at 2.0-2.3x
-# the bound). A lane's words are contiguous (16 bytes a column and half chunk, the 4
+# The direct 4-bit form (session 47; off: measured slower): each lane loads its own
+# weight words from global memory straight into registers, a chunk ahead, with no
+# cp.async copy or shared-memory round trip for the weights (session 25 had timed the
+# copies alone at 2.0-2.3x the bound). On the H200 its cuda tests pass, but with 16 rows
+# it took 11-41 % longer than the staged form on every Glimmer shape (the fused gate /
+# up 121.4 us against 86.2) and within 5 % with one row: the copies were not what held
+# the staged form back. A lane's words are contiguous (16 bytes a column and half chunk, the 4
 # lanes of a column 64 bytes), so sub-chunk ``4 h + s`` takes word ``16 h + 4 tig + s``
 # and x is staged in that order (:func:`direct_word`); each lane's 32 elements of a
 # half chunk lie in one group, so it takes its scale once a half chunk. Other sums than
@@ -1630,7 +1632,7 @@ SWIGLU_SCALED_SPECS = {
 }
 # The direct 4-bit forms (:data:`DIRECT_Q4`) by (k_groups, group size), one m-tile (up
 # to 16 rows: with two, the two-K-group form spills past its 128 registers); not in
-# SPECS, as they have not run on a GPU.
+# SPECS (the forms the default switches can take).
 DIRECT_SPECS = {
     (groups, size): _spec(
         Layout(4, 1, direct=True), k_groups=groups, scaled=True, group_size=size

@@ -13,7 +13,10 @@ from dflash.kernel_patch import DRAFTER_QKV_ENV, VERIFY_KERNELS_ENV
 
 def test_every_part_is_timed_in_every_arm_under_the_arms_patch(tmp_path, capsys):
     out = tmp_path / "drafter.json"
-    arms = ["off", "all", "all-drafterqkv", "all-drafter", "all-drafterall"]
+    arms = [
+        "off", "all", "all-drafterqkv", "all-drafter", "all-drafterkernel",
+        "all-drafterall",
+    ]  # fmt: skip
     argv = ["--kernels", ",".join(arms), "--reps", "2", "--warmup", "1"]
     drafter_forward.main([*argv, "--json", str(out)])
     report = json.loads(out.read_text())
@@ -36,8 +39,14 @@ def test_every_part_is_timed_in_every_arm_under_the_arms_patch(tmp_path, capsys)
     assert not patch["all-drafterqkv"]["drafter_head_prep"]
     assert patch["all-drafter"]["drafter_qkv_sets"] == 2
     assert patch["all-drafter"]["drafter_head_prep"]
-    assert patch["all-drafter"]["drafter_dense_kernel"]
-    assert patch["all-drafter"]["drafter_mlx_sets"] == 0
+    # The drafter's dense projections on mlx's matmul by default (session 47): each
+    # layer's MLP gate / up and, stacked, q / k / v one mlx matmul; on our kernel none.
+    assert not patch["all"]["drafter_dense_kernel"]
+    assert patch["all"]["drafter_mlx_sets"] == 2
+    assert not patch["all-drafter"]["drafter_dense_kernel"]
+    assert patch["all-drafter"]["drafter_mlx_sets"] == 4
+    assert patch["all-drafterkernel"]["drafter_dense_kernel"]
+    assert patch["all-drafterkernel"]["drafter_mlx_sets"] == 0
     # On mlx's matmul: each layer's MLP gate / up and q / k / v one mlx matmul.
     assert not patch["all-drafterall"]["drafter_dense_kernel"]
     assert patch["all-drafterall"]["drafter_mlx_sets"] == 4

@@ -862,7 +862,8 @@ def test_an_mlp_block_runs_its_python_once_per_geometry_and_is_traced_again_for_
     monkeypatch.setattr(kernel_patch.mx, "compile", spy)
     mlp = target.layers[0].mlp
     x = mx.random.normal((1, 3, mlp.down_proj.weight.shape[0]), key=mx.random.key(3))
-    with KernelPatch(target, drafter) as patch:
+    # The drafter's MLPs on the small-row kernel, so they are blocks too.
+    with KernelPatch(target, drafter, drafter_dense=True) as patch:
         blocks = patch.mlp_blocks(patch.matmul_modules())
         drafter_mlps = [
             m for m in drafter.modules() if type(m).__name__.endswith("DraftMLP")
@@ -892,26 +893,31 @@ def test_an_mlp_block_runs_its_python_once_per_geometry_and_is_traced_again_for_
 
 
 @pytest.mark.parametrize("qkv", [False, True])
-@pytest.mark.parametrize("setting", ["arg-off", "env-off", "default"])
+@pytest.mark.parametrize(
+    "setting", ["arg-off", "env-off", "default", "arg-on", "env-on"]
+)
 def test_drafter_dense_projections_can_keep_mlx_matmul(monkeypatch, setting, qkv):
-    """Off, the drafter's unquantized projections keep mlx's matmul while the target's
-    (which need batch invariance) and any quantized drafter layer stay routed: each MLP's
-    gate / up (and with ``drafter_qkv`` each attention's q / k / v, a tails set) become
-    one mlx matmul over their stack, the rest keep their class. The DFlash output is
-    still the target's greedy output."""
+    """Off (the default since session 47), the drafter's unquantized projections keep
+    mlx's matmul while the target's (which need batch invariance) and any quantized
+    drafter layer stay routed: each MLP's gate / up (and with ``drafter_qkv`` each
+    attention's q / k / v, a tails set) become one mlx matmul over their stack, the rest
+    keep their class. On, they take the small-row kernel. The DFlash output is the
+    target's greedy output either way."""
     monkeypatch.delenv(kernel_patch.DRAFTER_DENSE_ENV, raising=False)
-    if setting == "env-off":
-        monkeypatch.setenv(kernel_patch.DRAFTER_DENSE_ENV, "0")
+    if setting.startswith("env-"):
+        monkeypatch.setenv(
+            kernel_patch.DRAFTER_DENSE_ENV, "0" if "off" in setting else "1"
+        )
     target = tiny_model("muse_glimmer", seed=21, window=16)
     drafter = random_drafter(target, seed=22, block_size=8)
     dense = [m for m in drafter.modules() if type(m) is nn.Linear]
     assert dense
-    dense_off = False if setting == "arg-off" else None
-    patch = KernelPatch(target, drafter, drafter_dense=dense_off, drafter_qkv=qkv)
+    given = {"arg-off": False, "arg-on": True}.get(setting)
+    patch = KernelPatch(target, drafter, drafter_dense=given, drafter_qkv=qkv)
     routed = {id(m) for m in patch.matmul_modules()}
     shared = {id(m) for m in target.modules() if isinstance(m, nn.Linear)}
     assert shared and shared <= routed
-    kept = setting == "default"
+    kept = setting.endswith("-on")
     assert all((id(m) in routed) == kept for m in dense if id(m) not in shared)
     stacked = [] if kept else [m for s, _ in patch.drafter_mlx_sets([]) for m in s]
     layers = drafter.layers

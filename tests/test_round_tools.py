@@ -147,7 +147,8 @@ def test_unheld_arms_turn_the_held_norms_off_for_their_block(monkeypatch):
 
 
 def test_drafter_arms_turn_on_their_drafter_switches_for_their_block(monkeypatch):
-    """``-drafterqkv`` / ``-drafterheads`` / ``-draftermlx`` set one switch each,
+    """``-drafterqkv`` / ``-drafterheads`` / ``-draftermlx`` / ``-drafterkernel`` set
+    one switch each,
     ``-drafter`` the first two, ``-draftertraced`` the head prep and the traced layers,
     ``-drafterall`` all four; each is unset after."""
     switches = (
@@ -159,13 +160,14 @@ def test_drafter_arms_turn_on_their_drafter_switches_for_their_block(monkeypatch
     for name in switches:
         monkeypatch.delenv(name, raising=False)
     for arm, qkv, heads, dense, traced in (
-        ("default-drafterqkv", True, False, True, False),
-        ("all-drafterheads", False, True, True, False),
-        ("default-drafter", True, True, True, False),
+        ("default-drafterqkv", True, False, False, False),
+        ("all-drafterheads", False, True, False, False),
+        ("default-drafter", True, True, False, False),
         ("all-draftermlx", False, False, False, False),
-        ("default-draftertraced", False, True, True, True),
+        ("default-drafterkernel", False, False, True, False),
+        ("default-draftertraced", False, True, False, True),
         ("default-drafterall", True, True, False, True),
-        ("default", False, False, True, False),
+        ("default", False, False, False, False),
     ):
         with round_profile.kernel_arm(arm):
             assert kernel_patch.drafter_qkv_wanted() is qkv

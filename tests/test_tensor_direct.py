@@ -1,4 +1,5 @@
-"""The direct 4-bit matmul form (``tensor_qmm.DIRECT_Q4``, session 47; off).
+"""The direct 4-bit matmul form (``tensor_qmm.DIRECT_Q4``, session 47; off: on the H200
+its ``cuda`` tests below passed, but it measured slower than the staged form).
 
 Each lane loads its own weight words from global memory into registers a chunk ahead,
 so the weights skip the ``cp.async`` staging and the shared-memory round trip. A
@@ -7,7 +8,7 @@ lane's words are contiguous (``tensor_qmm.direct_word``), x is staged in their o
 the word map, the slot helper's C++ text, the compiled forms' registers, the plan's
 choice, and the body text itself on the CPU emulator: the rounded-weight oracle,
 batch invariance, misaligned inputs, a K split summed three ways, fused members;
-each planted slip misses the oracle. The ``cuda`` tests are for the next H200 lease.
+each planted slip misses the oracle.
 """
 
 from __future__ import annotations
