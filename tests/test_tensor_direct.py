@@ -19,7 +19,6 @@ import subprocess
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -30,6 +29,7 @@ from support.group_emulator import check_cuda
 from support.tensor_emulator import TensorEmulator
 from test_tensor_qmm import (
     _assert_batch_invariant,
+    _assert_members_meet_their_oracles,
     _close_on_columns,
     _fixed_case,
     _glimmer_case,
@@ -38,7 +38,6 @@ from test_tensor_qmm import (
 from test_verify_kernels import _scaled_oracle_close
 
 from benchmarks import matmul_variants
-from dflash.fused_projections import FusedProjections
 from dflash.metal import qmm, tensor_qmm
 from dflash.metal.groups import int_params
 from dflash.metal.tensor_qmm import DIRECT_SPECS, Layout, direct_word, split_plan
@@ -400,19 +399,7 @@ def test_emulated_direct_fused_members_meet_their_own_oracles(direct) -> None:
     member's result within its own rounded-weight oracle."""
     rng = np.random.default_rng(21)
     x = mx.array(rng.standard_normal((11, 1024)).astype(np.float32)).astype(mx.bfloat16)
-    layers = []
-    for width in (128, 256):
-        linear = nn.Linear(1024, width, bias=False)
-        linear.set_dtype(mx.bfloat16)
-        layers.append(nn.QuantizedLinear.from_linear(linear, group_size=64, bits=4))
-    mx.eval([layer.parameters() for layer in layers])
-    group = FusedProjections(layers)
-    for index, layer in enumerate(layers):
-        out = group.output(index, x, use_kernel=True)
-        mx.eval(out)
-        assert direct.launched[-1].endswith("_direct")
-        member = (x, layer["weight"], layer["scales"], layer["biases"], 4, 64)
-        assert _scaled_oracle_close(member, out), index
+    _assert_members_meet_their_oracles(x, direct.launched, "_direct")
 
 
 def _launch(emulator, spec, case) -> mx.array:

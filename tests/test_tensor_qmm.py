@@ -2196,9 +2196,16 @@ def test_emulated_scaled_form_fused_members_and_merged_split(scaled) -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(tensor_qmm, "MERGE_SPLIT_SUM", False)
         assert np.array_equal(raw_bits(merged), raw_bits(_kernel(case)))
+    _assert_members_meet_their_oracles(x, scaled.launched, "_scaled")
+
+
+def _assert_members_meet_their_oracles(x, launched: list, marker: str) -> None:
+    """Two fused 4-bit siblings (128 and 256 columns, group 64) over ``x``: each
+    member's result, from a launch whose name holds ``marker``, within its own
+    rounded-weight oracle."""
     layers = []
     for width in (128, 256):
-        linear = nn.Linear(depth, width, bias=False)
+        linear = nn.Linear(x.shape[-1], width, bias=False)
         linear.set_dtype(mx.bfloat16)
         layers.append(nn.QuantizedLinear.from_linear(linear, group_size=64, bits=4))
     mx.eval([layer.parameters() for layer in layers])
@@ -2206,9 +2213,9 @@ def test_emulated_scaled_form_fused_members_and_merged_split(scaled) -> None:
     for index, layer in enumerate(layers):
         out = group.output(index, x, use_kernel=True)
         mx.eval(out)
+        assert marker in launched[-1]
         member = (x, layer["weight"], layer["scales"], layer["biases"], 4, 64)
         assert _scaled_oracle_close(member, out), index
-    assert "_scaled" in scaled.launched[-1]
 
 
 def test_emulated_scaled_swiglu_form_matches_its_gate_and_up(scaled) -> None:
