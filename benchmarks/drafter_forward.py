@@ -24,11 +24,12 @@ Each ``--kernels`` arm (:data:`benchmarks.round_profile.KERNEL_ARMS`) holds
 ``default``, and the drafter's opt-in parts ``default-drafterqkv`` (its q / k / v as one
 stack), ``default-drafterheads`` (its q / k norms and RoPE as one launch),
 ``default-draftermlx`` (its bf16 projections on mlx's matmul, each sibling set one
-matmul over its stack: the default since session 47), ``default-drafterkernel`` (on our
-small-row kernel instead, the default before), ``default-draftertraced`` (its layers as two compiled replays
-around the attention, with the head prep), ``default-drafter`` (the q / k / v stack and
-the head prep) and ``default-drafterall`` (all four). Arms alternate part by part, the order reversed every other
-repetition, so a host's drift reaches every arm alike.
+matmul over its stack: the default since session 47), ``default-drafterkernel`` (on
+our small-row kernel instead, the default before), ``default-draftertraced`` (its
+layers as two compiled replays around the attention, with the head prep),
+``default-drafter`` (the q / k / v stack and the head prep) and ``default-drafterall``
+(all four). Arms alternate part by part, the order reversed every other repetition, so
+a host's drift reaches every arm alike.
 
 Run (from the repository root)::
 

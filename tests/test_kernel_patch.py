@@ -892,6 +892,17 @@ def test_an_mlp_block_runs_its_python_once_per_geometry_and_is_traced_again_for_
     assert [ref for ref in compiled if ref() is not None] == []
 
 
+def test_a_bad_drafter_dense_switch_fails_closed(monkeypatch) -> None:
+    """``DFLASH_DRAFTER_DENSE_KERNEL`` set to a word that is not a switch value is an
+    error naming it, not a silent default; an argument overrides the variable."""
+    monkeypatch.setenv(kernel_patch.DRAFTER_DENSE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="DFLASH_DRAFTER_DENSE_KERNEL"):
+        kernel_patch.drafter_dense_wanted()
+    assert kernel_patch.drafter_dense_wanted(True) is True
+    monkeypatch.delenv(kernel_patch.DRAFTER_DENSE_ENV)
+    assert kernel_patch.drafter_dense_wanted() is False
+
+
 @pytest.mark.parametrize("qkv", [False, True])
 @pytest.mark.parametrize(
     "setting", ["arg-off", "env-off", "default", "arg-on", "env-on"]
