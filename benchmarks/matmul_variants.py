@@ -136,6 +136,18 @@ VARIANTS = {
         "edits": ("direct-noahead", "direct-noprologue"),
     },
     "direct4-nc": {"direct": True, "edits": ("direct-nc",)},
+    # The direct form with nothing staged (session 47, untimed): x's pieces and the
+    # scales also read by each lane from global memory (L2) where it uses them, so the
+    # chunk loop has no cp.async wait and no CTA barrier; the same bits as direct4. With
+    # two K groups ptxas spills 48 bytes at the 128-register cap (one K group: 208, none).
+    "direct4-nobarrier": {
+        "direct": True,
+        "edits": (
+            "direct-nostage-prologue", "direct-nostage-loop", "direct-nostage-issue",
+            "direct-nostage-index", "direct-nostage-base", "direct-x-global",
+            "direct-scales-global", "direct-x-helper",
+        ),
+    },  # fmt: skip
     # A K split's merge with its loads batched (the same bits; tried in session 41).
     "batchedmerge": {"edits": ("batchedmerge",)},
     # The merge before session 43: each split's load waited for by its add (same bits).
@@ -330,6 +342,74 @@ EDITS = {
         "  if (c_begin < c_end) {\n    load_words(c_begin, wq[0]);\n  }\n",
         "",
     ),
+    # direct4-nobarrier: edits after the direct form's own (``direct_extra``).
+    "direct-nostage-prologue": (
+        "direct_extra",
+        "  for (int i = 0; i < STAGES - 1; ++i) {\n    if (c_begin + i < c_end) {\n"
+        "      issue(c_begin + i, i);\n    }\n    dfl_commit();\n  }\n",
+        "  issue(-1, 0);  // nothing: x and the scales are read where they are used\n",
+    ),
+    "direct-nostage-issue": (
+        "direct_extra",
+        "  auto issue = [&](int c, int buf) {\n",
+        "  auto issue = [&](int c, int buf) {\n    if (c < 0) {\n      return;\n    }\n",
+    ),
+    "direct-nostage-index": ("direct_extra", "    const int i = c - c_begin;\n", ""),
+    "direct-nostage-base": (
+        "direct_extra",
+        "    const unsigned char* base = smem + (i % STAGES) * STAGE_BYTES;\n"
+        "    (void)base;\n",
+        "",
+    ),
+    "direct-nostage-loop": (
+        "direct_extra",
+        "    dfl_wait<STAGES - 2>();\n    DFL_BARRIER();\n"
+        "    // The buffer refilled here was read in the previous round (all threads are"
+        " past it).\n    if (c + STAGES - 1 < c_end) {\n"
+        "      issue(c + STAGES - 1, (i + STAGES - 1) % STAGES);\n    }\n"
+        "    dfl_commit();\n",
+        "",
+    ),
+    "direct-x-global": (
+        "direct_extra",
+        "        const unsigned char* row = base + X_OFF + (16 * mt + gid) * SX + (SUB * sc"
+        " + 8 * tig) * 2;\n"
+        "        dfl_pairs(*reinterpret_cast<const uint4*>(row), lo[mt]);\n"
+        "        dfl_pairs(*reinterpret_cast<const uint4*>(row + 8 * SX), hi[mt]);\n",
+        "        const size_t at = size_t(c) * CHUNK + 8 * (16 * (sc >> 2) + 4 * tig + (sc"
+        " & 3));\n"
+        "        dfl_pairs(dfl_x_piece(x, 16 * mt + gid, n_rows, depth, at, fast), lo[mt]);"
+        "\n"
+        "        dfl_pairs(dfl_x_piece(x, 16 * mt + gid + 8, n_rows, depth, at, fast),"
+        " hi[mt]);\n",
+    ),
+    "direct-scales-global": (
+        "direct_extra",
+        "          const uint32_t s = *reinterpret_cast<const unsigned short*>(base + S_OFF"
+        " + cl * 16 + 2 * gl);\n"
+        "          const uint32_t bias = *reinterpret_cast<const unsigned short*>(base +"
+        " B_OFF + cl * 16 + 2 * gl);\n",
+        "          const int n_group = col0 + cl < n_cols ? col0 + cl : n_cols - 1;\n"
+        "          const size_t g_at = size_t(n_group) * size_t(groups_k) + size_t(c) *"
+        " per_chunk + gl;\n"
+        "          const uint32_t s = *reinterpret_cast<const unsigned short*>(scales +"
+        " g_at);\n"
+        "          const uint32_t bias = *reinterpret_cast<const unsigned short*>(biases +"
+        " g_at);\n",
+    ),
+    "direct-x-helper": (
+        "direct_helpers",
+        "// Word s (0..3) of a lane's 16 bytes;",
+        "// x's 16 bytes at element e of row r (zeros past the call's rows).\n"
+        "template <typename X>\n"
+        "DFL_FN uint4 dfl_x_piece(const X* x, int r, int rows, int depth, size_t e, bool"
+        " fast) {\n"
+        "  if (r >= rows) {\n    uint4 zeros = {0u, 0u, 0u, 0u};\n    return zeros;\n"
+        "  }\n"
+        "  return dfl_direct_load(reinterpret_cast<const unsigned char*>(x + size_t(r) *"
+        " size_t(depth) + e), fast);\n}\n"
+        "// Word s (0..3) of a lane's 16 bytes;",
+    ),
     "direct-nc": (
         "direct_helpers",
         "    v = *reinterpret_cast<const uint4*>(p);\n",
@@ -505,6 +585,9 @@ def variant(
 
 
 def _edit(part: str, old: str, new: str) -> None:
+    if part == "direct_extra":  # one more edit after the direct form's own
+        tensor_qmm._DIRECT_EDITS = tensor_qmm._DIRECT_EDITS + ((old, new),)
+        return
     if part == "direct":  # the new texts of the direct form's edits
         edits = tensor_qmm._DIRECT_EDITS
         if not any(old in after for _, after in edits):

@@ -129,6 +129,15 @@ def test_direct_forms_compile_for_sm90_without_spills(tmp_path: Path) -> None:
     assert "ld.global.nc.L1::no_allocate.v4.u32" in NON_COHERENT[(2, 64)].helpers
     spills = re.findall(r"(\d+) bytes spill stores", checked.log)
     assert spills and set(spills) == {"0"}, checked.log
+    # Nothing staged: x's loads held ahead cost registers; two K groups spill a little
+    # at the cap (a what-if to time, not a form a switch takes).
+    unstaged = check_cuda(
+        list(NO_BARRIER.values()), tmp_path / "nobarrier", NVCC, dtypes=HALF,
+        flags=("-Xptxas", "-v"),
+    )  # fmt: skip
+    assert unstaged.ok, f"{unstaged.command}\n{unstaged.log}"
+    spilled = re.findall(r"(\d+) bytes spill stores", unstaged.log)
+    assert spilled and max(int(n) for n in spilled) <= 64, unstaged.log
     two_groups = [spec for (groups, _), spec in DIRECT_SPECS.items() if groups == 2]
     bounded = check_cuda(
         two_groups, tmp_path / "k2", NVCC, dtypes=HALF, flags=("-Xptxas", "-v")
@@ -250,6 +259,9 @@ def _variant_specs(name: str) -> dict:
 # register buffer ahead), and loaded through the non-coherent path (PTX: compiled only).
 NO_AHEAD = _variant_specs("direct4-noahead")
 NON_COHERENT = _variant_specs("direct4-nc")
+# x and the scales read from global memory where they are used: no stage, no barrier.
+NO_BARRIER = _variant_specs("direct4-nobarrier")
+SAME_BITS = {"direct4-noahead": NO_AHEAD, "direct4-nobarrier": NO_BARRIER}
 
 
 @pytest.fixture(scope="module")
@@ -261,6 +273,7 @@ def direct_emulator(tmp_path_factory):
         + tuple(CLUSTERS.values())
         + tuple(MUTANTS.values())
         + tuple(NO_AHEAD.values())
+        + tuple(NO_BARRIER.values())
         + (tensor_qmm.REDUCE_SPEC,)
     )
     emulator = TensorEmulator(tmp_path_factory.mktemp("direct_emulator"), specs, GXX)
@@ -424,27 +437,33 @@ def _launch(emulator, spec, case) -> mx.array:
     return y
 
 
+@pytest.mark.parametrize("variant", sorted(SAME_BITS))
 @settings(max_examples=6, deadline=None, suppress_health_check=_FIXTURES)
 @given(
     case=direct_cases(),
     group_count=st.sampled_from(["0", "1"]),
     resident=st.sampled_from([1, tensor_qmm.RESIDENT_CTAS]),
+    misaligned=st.booleans(),
 )
-def test_emulated_direct_loads_at_use_give_the_same_bits(
-    direct, monkeypatch, case, group_count, resident
+def test_emulated_direct_variants_give_the_same_bits(
+    direct, monkeypatch, variant, case, group_count, resident, misaligned
 ) -> None:
     """``direct4-noahead`` (each chunk's words loaded at its own top, no register
-    buffer ahead) feeds the mma the same words in the same order: the same bits."""
+    buffer ahead) and ``direct4-nobarrier`` (x and the scales read from global memory
+    where they are used, nothing staged) feed the mma the same operands in the same
+    order: the direct form's bits, inputs aligned or not."""
     monkeypatch.setenv(tensor_qmm.TWO_K_GROUPS_ENV, group_count)
     _resident(monkeypatch, resident)
-    ahead = raw_bits(_kernel(case))
-    for key, spec in NO_AHEAD.items():
+    direct.misaligned = misaligned
+    shipped = raw_bits(_kernel(case))
+    specs = SAME_BITS[variant]
+    for key, spec in specs.items():
         monkeypatch.setitem(DIRECT_SPECS, key, spec)
     tensor_qmm.launch_plan.cache_clear()
     before = len(direct.launched)
-    at_use = raw_bits(_kernel(case))
-    assert direct.launched[before] in {spec.base for spec in NO_AHEAD.values()}
-    assert np.array_equal(at_use, ahead)
+    got = raw_bits(_kernel(case))
+    assert direct.launched[before] in {spec.base for spec in specs.values()}
+    assert np.array_equal(got, shipped)
 
 
 @pytest.mark.parametrize("slip", sorted(MUTANTS))
