@@ -128,9 +128,11 @@ COMPILED_BLOCKS_ENV = "DFLASH_COMPILED_BLOCKS"
 # (off since session 47: on mlx's matmul the H200 ran the draft in 12 % less device
 # time, its host share 38 % lower; ``DFLASH_DRAFTER_DENSE_KERNEL=1`` takes the kernel).
 DRAFTER_DENSE_ENV = "DFLASH_DRAFTER_DENSE_KERNEL"
-# Switch for the drafter's q / k / v as one stack (default off: not measured on a GPU).
+# Switch for the drafter's q / k / v as one stack (default off: the H200 measured the
+# draft's device time 2 % lower with it in session 47, within what one run separates).
 DRAFTER_QKV_ENV = "DFLASH_DRAFTER_FUSED_QKV"
-# Switch for the drafter's q / k norms and RoPE as one launch (default off: likewise).
+# Switch for the drafter's q / k norms and RoPE as one launch (default off: likewise,
+# 2.4 % lower).
 DRAFTER_HEAD_PREP_ENV = "DFLASH_DRAFTER_HEAD_PREP"
 
 # The route of the attention call in progress (None: not a patched call).
@@ -688,8 +690,9 @@ def drafter_dense_wanted(value: Optional[bool] = None) -> bool:
 
 def drafter_qkv_wanted(value: Optional[bool] = None) -> bool:
     """Whether :class:`KernelPatch` stacks the drafter's q / k / v: ``value`` if given,
-    else ``DFLASH_DRAFTER_FUSED_QKV`` (``0`` / ``1``), else off (its draft time has not
-    been measured on a GPU with it; ``benchmarks/drafter_forward.py`` measures it).
+    else ``DFLASH_DRAFTER_FUSED_QKV`` (``0`` / ``1``), else off (the H200 measured the
+    draft's device time 2 % lower with it in session 47, too little to separate from
+    one run's noise; ``benchmarks/drafter_forward.py`` measures it).
 
     Raises:
         ValueError: ``DFLASH_DRAFTER_FUSED_QKV`` is set to something that is not a
@@ -700,9 +703,9 @@ def drafter_qkv_wanted(value: Optional[bool] = None) -> bool:
 
 def drafter_head_prep_wanted(value: Optional[bool] = None) -> bool:
     """Whether :class:`KernelPatch` prepares the drafter's heads in one launch: ``value``
-    if given, else ``DFLASH_DRAFTER_HEAD_PREP`` (``0`` / ``1``), else off (its draft
-    time has not been measured on a GPU with it; ``benchmarks/drafter_forward.py``
-    measures it).
+    if given, else ``DFLASH_DRAFTER_HEAD_PREP`` (``0`` / ``1``), else off (the H200
+    measured the draft's device time 2.4 % lower with it in session 47, too little to
+    separate from one run's noise; ``benchmarks/drafter_forward.py`` measures it).
 
     Raises:
         ValueError: ``DFLASH_DRAFTER_HEAD_PREP`` is set to something that is not a

@@ -20,7 +20,9 @@ Each trace is ``mx.compile`` of the Python the eager patched layer runs (with th
 drafter's head prep), so it makes the same launches with the same inputs. Served:
 layers without DFlash2's dynamic convolutions, blocks of at most the route's rows,
 heads :func:`prep_arguments` serves. Off unless asked (``DFLASH_DRAFTER_TRACED=1`` or
-``KernelPatch(drafter_traced=True)``): not measured on a GPU yet.
+``KernelPatch(drafter_traced=True)``): on the H200 (session 47) the draft's device
+time with it and the head prep was 2.09 ms against 2.10 without either, so it stays
+opt-in.
 """
 
 from __future__ import annotations

@@ -223,11 +223,12 @@ MEMBER_MAJOR_ENV = "DFLASH_QMM_MEMBER_MAJOR"
 # copies alone at 2.0-2.3x the bound). On the H200 its cuda tests pass, but with 16 rows
 # it took 11-41 % longer than the staged form on every Glimmer shape (the fused gate /
 # up 121.4 us against 86.2) and within 5 % with one row: the copies were not what held
-# the staged form back. A lane's words are contiguous (16 bytes a column and half chunk, the 4
-# lanes of a column 64 bytes), so sub-chunk ``4 h + s`` takes word ``16 h + 4 tig + s``
-# and x is staged in that order (:func:`direct_word`); each lane's 32 elements of a
-# half chunk lie in one group, so it takes its scale once a half chunk. Other sums than
-# the staged form (the mma adds other elements together), each row's still its own.
+# the staged form back. A lane's words are contiguous (16 bytes a column and half
+# chunk, the 4 lanes of a column 64 bytes), so sub-chunk ``4 h + s`` takes word
+# ``16 h + 4 tig + s`` and x is staged in that order (:func:`direct_word`); each lane's
+# 32 elements of a half chunk lie in one group, so it takes its scale once a half
+# chunk. Other sums than the staged form (the mma adds other elements together), each
+# row's still its own.
 # The scaled 4-bit forms only (others keep their staging); ``DFLASH_QMM_DIRECT_Q4``
 # (on/off) decides when set; read at each bind.
 DIRECT_Q4 = False
