@@ -183,6 +183,12 @@ MAX_CLUSTER = 4
 # than in a second launch: the same bits, half the launches of a split call. On since
 # the H200 ran it (session 13); ``DFLASH_MERGED_SPLIT_SUM=0`` keeps the reduce launch.
 MERGE_SPLIT_SUM = True
+# Which merge a K split's last CTA runs (see ``_MERGE_BLOCK``): the vector merge once
+# its `cuda` tests have run on the H200 with it, the merge before it until then.
+# ``DFLASH_QMM_VECTOR_MERGE=1`` / ``=0`` picks one for the process (read at import:
+# the forms' texts are built then).
+VECTOR_MERGE_DEFAULT = False
+VECTOR_MERGE_ENV = "DFLASH_QMM_VECTOR_MERGE"
 MERGED_SPLIT_SUM_ENV = "DFLASH_MERGED_SPLIT_SUM"
 # 4-bit bfloat16: feed the mma ``128 + q`` (the bits the magic-number load makes) and fold
 # the offset into the group's bias (``bias - 128 * scale``), dropping a pair fma per two
@@ -1086,31 +1092,65 @@ _BODY = r"""
     if (*last) {
       __threadfence();
       const size_t total = size_t(n_rows) * size_t(n_cols);
-      // Every split's load of an output is issued before the first add (up to 8
-      // splits; a loop past that), then added in split order: the same sum.
-      for (int p = int(lid); p < n_rows * COLUMNS; p += THREADS) {
-        const int n = col0 + p % COLUMNS;
-        if (n < n_cols) {
-          const size_t e = size_t(p / COLUMNS) * size_t(n_cols) + size_t(n);
-          float sum;
-          if (splits <= 8) {
-            float v[8];
+      if ((n_cols & 3) == 0 && splits <= 8 && (size_t(partial) & 15) == 0) {
+        // 4 consecutive outputs of a row a thread (each split's rows start 16-byte
+        // aligned as N is a multiple of 4): every split's 16-byte load in flight at
+        // once, then each output summed in split order (the same sums as below, with
+        // 4x fewer round trips to L2: 2 at 16 rows, against 8).
+        const float4 none = {0.0f, 0.0f, 0.0f, 0.0f};
+        auto lane4 = [](const float4& v, int i) {
+          return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+        };
+        const size_t split_step = total / 4;
+        for (int p = int(lid); p < n_rows * (COLUMNS / 4); p += THREADS) {
+          const int r = p / (COLUMNS / 4);
+          const int n = col0 + 4 * (p % (COLUMNS / 4));
+          if (n < n_cols) {
+            const float4* source = reinterpret_cast<const float4*>(
+                partial + size_t(r) * size_t(n_cols) + size_t(n));
+            float4 v[8];
             #pragma unroll
             for (int k = 0; k < 8; ++k) {
-              v[k] = k < splits ? __ldcg(partial + size_t(k) * total + e) : 0.0f;
+              v[k] = k < splits ? __ldcg(source + size_t(k) * split_step) : none;
             }
-            sum = v[0];
             #pragma unroll
-            for (int k = 1; k < 8; ++k) {
-              sum = k < splits ? __fadd_rn(sum, v[k]) : sum;
-            }
-          } else {
-            sum = __ldcg(partial + e);
-            for (int k = 1; k < splits; ++k) {
-              sum = __fadd_rn(sum, __ldcg(partial + size_t(k) * total + e));
+            for (int j = 0; j < 4; ++j) {
+              float sum = lane4(v[0], j);
+              #pragma unroll
+              for (int k = 1; k < 8; ++k) {
+                sum = k < splits ? __fadd_rn(sum, lane4(v[k], j)) : sum;
+              }
+              y[out_base + size_t(r) * out_width + (n + j - out_lo)] = T(sum);
             }
           }
-          y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)] = T(sum);
+        }
+      } else {
+        // Every split's load of an output is issued before the first add (up to 8
+        // splits; a loop past that), then added in split order: the same sum.
+        for (int p = int(lid); p < n_rows * COLUMNS; p += THREADS) {
+          const int n = col0 + p % COLUMNS;
+          if (n < n_cols) {
+            const size_t e = size_t(p / COLUMNS) * size_t(n_cols) + size_t(n);
+            float sum;
+            if (splits <= 8) {
+              float v[8];
+              #pragma unroll
+              for (int k = 0; k < 8; ++k) {
+                v[k] = k < splits ? __ldcg(partial + size_t(k) * total + e) : 0.0f;
+              }
+              sum = v[0];
+              #pragma unroll
+              for (int k = 1; k < 8; ++k) {
+                sum = k < splits ? __fadd_rn(sum, v[k]) : sum;
+              }
+            } else {
+              sum = __ldcg(partial + e);
+              for (int k = 1; k < splits; ++k) {
+                sum = __fadd_rn(sum, __ldcg(partial + size_t(k) * total + e));
+              }
+            }
+            y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)] = T(sum);
+          }
         }
       }
       // Dead (each launch's counters are fresh) but kept: without this store ptxas
@@ -1121,6 +1161,41 @@ _BODY = r"""
     }
   }
 """
+
+# The K split's merge (the last CTA of a column tile sums the partials): the vector
+# merge of session 48 (4 outputs of a row a thread, every split's 16-byte load in
+# flight: 2 round trips to L2 at 16 rows) and the merge before it (one output a thread,
+# every split's load of it in flight: one round trip per 256 outputs, 8 at 16 rows).
+# The same sums in the same order, so the same bits (emulated; on the H200 in session
+# 48 on every Glimmer shape, 4-bit and bf16, 1 and 16 rows). The vector merge measured
+# 5-9 % faster with 16 rows (the fused gate / up 86.0 -> 81.0 us, o_proj 16.5 -> 15.0)
+# and even with one; :data:`VECTOR_MERGE` says which one the forms carry. The direct
+# form always keeps the merge before (the vector one spills its two-K-group kernels 4
+# bytes at the 128-register cap).
+_MERGE_BLOCK = _BODY[
+    _BODY.index("      if ((n_cols & 3) == 0 && splits <= 8") : _BODY.index(
+        "      // Dead (each launch's counters are fresh)"
+    )
+]
+_SCALAR_MERGE = "\n".join(
+    line[2:] if line.startswith("  ") else line
+    for line in _MERGE_BLOCK[
+        _MERGE_BLOCK.index("      } else {\n")
+        + len("      } else {\n") : -len("      }\n")
+    ].split("\n")
+)
+VECTOR_MERGE = backend.strict_switch(VECTOR_MERGE_ENV, None, VECTOR_MERGE_DEFAULT)
+
+
+def merge_body(vector: bool) -> str:
+    """The matmul body with the vector merge or the merge before it (see
+    :data:`VECTOR_MERGE`)."""
+    body = _BODY_VECTOR_MERGE
+    return body if vector else body.replace(_MERGE_BLOCK, _SCALAR_MERGE)
+
+
+_BODY_VECTOR_MERGE = _BODY
+_BODY = merge_body(VECTOR_MERGE)
 
 _REDUCE = r"""
   // y = the split partials summed in split order, rounded once, stored in the
@@ -1234,7 +1309,7 @@ def _spec(
             "bias_args": ", s, tag" * folded,
         },
     )
-    body = _BODY
+    body = _BODY.replace(_MERGE_BLOCK, _SCALAR_MERGE) if layout.direct else _BODY
     edits = (_SCALED_EDITS if scaled else ()) + (
         _constant_group(group_size) if group_size else ()
     )
@@ -1411,7 +1486,8 @@ _SWIGLU_PASS = """
       y[size_t(r) * size_t(n_cols / 2) + size_t(col0 / 2 + j)] = DFL_SWIGLU(g, u);
     }
 """
-# Edits of a form's text (one or two K groups) into its SwiGLU form: (old, new, count).
+# Edits of a form's text (one or two K groups) into its SwiGLU form: (old, new, count);
+# count None: one or more, 0: none or one.
 _SWIGLU_EDITS = (
     # Tile t's first half is gate columns, its second half the matching up columns.
     (
@@ -1439,14 +1515,22 @@ _SWIGLU_EDITS = (
         "  if (splits > 1 && merged) {\n",
         1,
     ),
+    # The merge's sums go to the stage (either path), and the pass follows it.
     (
-        "          y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)] = T(sum);\n"
-        "        }\n"
-        "      }\n",
-        "          dfl_stage[p] = T(sum);\n"
-        "        }\n"
-        "      }\n"
-        "      DFL_BARRIER();\n" + _SWIGLU_PASS,
+        "y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)] = T(sum);\n",
+        "dfl_stage[p] = T(sum);\n",
+        1,
+    ),
+    (  # the vector merge's store (0: the merge before it)
+        "y[out_base + size_t(r) * out_width + (n + j - out_lo)] = T(sum);\n",
+        "dfl_stage[r * COLUMNS + (n + j - col0)] = T(sum);\n",
+        0,
+    ),
+    (
+        "      // Dead (each launch's counters are fresh)",
+        "      DFL_BARRIER();\n"
+        + _SWIGLU_PASS
+        + "      // Dead (each launch's counters are fresh)",
         1,
     ),
 )
@@ -1456,7 +1540,7 @@ def _swiglu(body: str) -> str:
     """A matmul body (either K-group form) as its SwiGLU form (:data:`SWIGLU_HELPERS`)."""
     for old, new, count in _SWIGLU_EDITS:
         found = body.count(old)
-        if found == 0 or (count is not None and found != count):
+        if (found == 0 and count != 0) or (count and found != count):
             raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
         body = body.replace(old, new)
     return body
@@ -1474,6 +1558,10 @@ def _two_k_groups(body: str, affine: bool) -> str:
     return body
 
 
+_MERGE_TAIL = "  if (splits > 1 && merged) {\n"
+_MERGE_TAILS = tuple(
+    body[body.index(_MERGE_TAIL) :] for body in (merge_body(True), merge_body(False))
+)
 # A matmul form's text (one or two K groups, not SwiGLU) as its cluster-sum form (see
 # :data:`CLUSTER_SUM`): (old, new). ``{cluster}`` is the cluster's size.
 _CLUSTER_EDITS = (
@@ -1500,7 +1588,7 @@ _CLUSTER_EDITS = (
         "            dfl_part[r * PART + (n - col0)] = acc[mt][t][i];\n",
     ),
     (
-        _BODY[_BODY.index("  if (splits > 1 && merged) {\n") :],
+        _MERGE_TAIL,  # from the merge's test to the body's end, whichever merge
         r"""  if (splits > 1) {
     // Each CTA sums its share of the tile's outputs over the cluster's partials in
     // split order (the merge's arithmetic, so its bits), reading them where they lie.
@@ -1547,6 +1635,8 @@ def _cluster_sum(body: str, cluster: int) -> str:
         "settle": "" if settled else "  dfl_wait<0>();\n  DFL_BARRIER();\n",
     }
     for old, new in _CLUSTER_EDITS:
+        if old is _MERGE_TAIL:  # the merge of either text, to the body's end
+            old = next((t for t in _MERGE_TAILS if body.endswith(t)), _MERGE_TAILS[0])
         if body.count(old) != 1:
             raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
         body = body.replace(old, _fill(new, values))

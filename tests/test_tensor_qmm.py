@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -130,6 +132,19 @@ def test_direct_dense_loads_compile_for_sm90_without_spills(tmp_path: Path) -> N
     assert forms.ok, f"{forms.command}\n{forms.log}"
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log)
     assert spills and all(a == "0" and b == "0" for a, b in spills), forms.log
+
+
+@needs_nvcc
+def test_denormal_decode_compiles_for_sm90_within_the_bounds(tmp_path: Path) -> None:
+    """``denorm4``'s 4-bit scaled forms compile for sm_90 within their launch bounds'
+    128 registers, with no spills."""
+    specs = list(DENORM_SPECS.values())
+    forms = check_cuda(specs, tmp_path, NVCC, dtypes=HALF, flags=("-Xptxas", "-v"))
+    assert forms.ok, f"{forms.command}\n{forms.log}"
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log)
+    assert spills and all(a == "0" and b == "0" for a, b in spills), forms.log
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", forms.log)]
+    assert len(registers) >= 2 * len(specs) and max(registers) <= 128, forms.log
 
 
 # The two-K-group forms (the default since the H200 ran them in session 18): compiled,
@@ -363,6 +378,47 @@ def test_the_merged_split_sum_switch_is_read_at_each_bind(monkeypatch) -> None:
     assert tensor_qmm.MERGED_SPLIT_SUM_ENV not in os.environ
 
 
+def test_variant_same_bits_column_compares_every_bit_with_current() -> None:
+    """benchmarks.matmul_variants' same-bits column: None before a ``current`` row,
+    True only for an identical output (a one-ulp change in one element is False)."""
+    shipped = mx.array([[1.0, -2.5, 3.25]], dtype=mx.bfloat16)
+    assert matmul_variants.same_bits(shipped, None) is None
+    assert matmul_variants.same_bits(mx.array(shipped), shipped) is True
+    bits = np.array(shipped.view(mx.uint16)).copy()
+    bits[0, 2] += 1  # the next bfloat16 above 3.25
+    nudged = mx.array(bits).view(mx.bfloat16)
+    assert matmul_variants.same_bits(nudged, shipped) is False
+
+
+def test_vector_merge_switch_picks_the_merge_text_at_import() -> None:
+    """``DFLASH_QMM_VECTOR_MERGE`` (read at import) decides which merge the forms carry:
+    off by default until its `cuda` tests run on the H200, so the shipped texts are the
+    ones that ran; the vector text is the shipped one with only the merge replaced; a
+    bad value fails the import with the switch's name; the direct form never takes it.
+    """
+    assert tensor_qmm.VECTOR_MERGE is tensor_qmm.VECTOR_MERGE_DEFAULT is False
+    assert tensor_qmm._BODY == tensor_qmm.merge_body(False)
+    vector, scalar = tensor_qmm.merge_body(True), tensor_qmm.merge_body(False)
+    assert "float4" in vector and "float4" not in scalar
+    assert vector.replace(tensor_qmm._MERGE_BLOCK, tensor_qmm._SCALAR_MERGE) == scalar
+    assert all("float4" not in spec.body for spec in tensor_qmm.DIRECT_SPECS.values())
+    code = (
+        "import dflash.metal.tensor_qmm as t; "
+        "print(t.VECTOR_MERGE, 'float4' in t.SCALED_SPECS[(2, (4, 1), 64)].body)"
+    )
+    for value, expected in (("1", "True True"), ("0", "False False")):
+        env = dict(os.environ, DFLASH_QMM_VECTOR_MERGE=value)
+        done = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0 and done.stdout.split() == expected.split()
+    env = dict(os.environ, DFLASH_QMM_VECTOR_MERGE="yes please")
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert done.returncode != 0 and "DFLASH_QMM_VECTOR_MERGE" in done.stderr
+
+
 def test_variant_knobs_apply_inside_and_are_restored_after() -> None:
     """benchmarks.matmul_variants: a variant's knobs reach the plan, the layouts and
     the mma helper's text while it runs, and everything is as before afterwards (also
@@ -419,7 +475,10 @@ def test_every_variant_applies_to_the_shipped_texts_and_is_undone() -> None:
     shipped = names()
     for name, knobs in matmul_variants.VARIANTS.items():
         with matmul_variants.variant(**knobs):
-            if knobs.get("edits"):
+            # (vecmerge is the shipped text itself when the switch took it at import.)
+            if knobs.get("edits") and not (
+                name == "vecmerge" and tensor_qmm.VECTOR_MERGE
+            ):
                 table, changed = ("direct", (2, 64)) if knobs.get("direct") else (
                     "scaled", key
                 )  # fmt: skip
@@ -757,8 +816,10 @@ MUTANTS = {
             "y[out_base + size_t(r) * out_width + (n - out_lo)]",
             "y[size_t(r) * n_cols + n]",
         )
+        .replace("y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)]", "y[e]")
         .replace(
-            "y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)]", "y[e]"
+            "y[out_base + size_t(r) * out_width + (n + j - out_lo)]",
+            "y[size_t(r) * n_cols + n + j]",
         ),
     ),
     # Member-major store: the separate split sum writes the plain layout.
@@ -772,9 +833,15 @@ MUTANTS = {
         ),
     ),
     # Merged split sum: the first split's partial left out of the sum, of up to 8
-    # splits (their loads unrolled) or of more (the loop).
-    "first_split_dropped": _mutant(
-        "first_split_dropped", "sum = v[0];", "sum = 0.0f * v[0];"
+    # splits (their loads unrolled: 4 outputs a thread, or one where N is not a
+    # multiple of 4) or of more (the loop).
+    "first_split_dropped": dataclasses.replace(
+        _mutant("first_split_dropped", "sum = v[0];", "sum = 0.0f * v[0];"),
+        body=_mutant(
+            "first_split_dropped", "sum = v[0];", "sum = 0.0f * v[0];"
+        ).body.replace(
+            "float sum = lane4(v[0], j);", "float sum = 0.0f * lane4(v[0], j);"
+        ),
     ),
     "first_split_dropped_past_eight": _mutant(
         "first_split_dropped_past_eight",
@@ -799,7 +866,7 @@ SWIGLU_WRONG_HALF = _swiglu_wrong_half()
 # same order: session 41's batched merge, and the loop shipped before session 43 (each
 # split's load waited for by its add; the shipped merge holds every split's in flight).
 MERGE_VARIANTS = {}
-for _name in ("batchedmerge", "mergeloop"):
+for _name in ("batchedmerge", "mergeloop", "vecmerge"):
     with matmul_variants.variant(**matmul_variants.VARIANTS[_name]):
         MERGE_VARIANTS[_name] = dict(tensor_qmm.FORM_SPECS[(False, 2)])
 # The same forms with the dense weights loaded straight into registers (session 46's
@@ -819,6 +886,41 @@ SAME_BITS_VARIANTS["wdirect-crossed"] = {
     )
     for key, spec in SAME_BITS_VARIANTS["wdirect"].items()
 }
+
+# The vector merge's negative control: its 16-byte path sums the splits in reverse
+# order (the same terms, so only the rounding tells it from the shipped merge).
+_VEC_SUM = """              float sum = lane4(v[0], j);
+              #pragma unroll
+              for (int k = 1; k < 8; ++k) {
+                sum = k < splits ? __fadd_rn(sum, lane4(v[k], j)) : sum;
+              }
+"""
+_VEC_SUM_REVERSED = """              float sum = lane4(v[splits - 1], j);
+              for (int k = splits - 2; k >= 0; --k) {
+                sum = __fadd_rn(sum, lane4(v[k], j));
+              }
+"""
+SAME_BITS_VARIANTS["merge-reversed"] = {
+    key: dataclasses.replace(
+        spec,
+        base=spec.base + "_reversed",
+        body=spec.body.replace(_VEC_SUM, _VEC_SUM_REVERSED),
+    )
+    for key, spec in SAME_BITS_VARIANTS["vecmerge"].items()
+}
+assert all(
+    _VEC_SUM_REVERSED in spec.body
+    for spec in SAME_BITS_VARIANTS["merge-reversed"].values()
+)
+
+# matmul_variants' ``denorm4`` (each nibble decoded as a subnormal, the scale's exponent
+# raised): the 4-bit scaled forms, one and two m-tiles, every group size.
+with matmul_variants.variant(**matmul_variants.VARIANTS["denorm4"]):
+    DENORM_SPECS = {
+        key: spec
+        for key, spec in tensor_qmm.SCALED_SPECS.items()
+        if key[1][0] == 4 and key[0] == 2
+    }
 
 # Negative control of the scaled-weight form: the group's bias never reaches the weights.
 SCALED_G64 = tensor_qmm.SCALED_SPECS[(2, (4, 1), 64)]
@@ -843,6 +945,7 @@ def tensor_emulator(tmp_path_factory):
         + (K2_DROPPED, SWIGLU_WRONG_HALF)
         + tuple(tensor_qmm.SCALED_SPECS.values())
         + (SCALED_NO_BIAS,)
+        + tuple(DENORM_SPECS.values())
         + tuple(
             spec for specs in SAME_BITS_VARIANTS.values() for spec in specs.values()
         )
@@ -988,6 +1091,43 @@ def test_emulated_unrolled_merge_keeps_bits_on_both_sides_of_eight_splits(
     case = _fixed_case(5, 256 * chunks, 100, 4, 64, mx.bfloat16, chunks)
     assert split_plan(256 * chunks, 100, 4, True)[1] == splits
     _assert_merge_variant_bits(emulated, "mergeloop", case)
+
+
+def _cancelling_case(rows: int, columns: int, seed: int):
+    """A 4-bit call of three chunks whose K split (one chunk a split) leaves partials
+    P, -P and a small Q: x's second chunk is the first one negated (x 1e6 times the
+    third's scale) over the same weights, so split order shows in bfloat16 ((P - P) + Q
+    is Q; (Q - P) + P keeps a few of Q's bits)."""
+    rng = np.random.default_rng(seed)
+    big = rng.standard_normal((rows, 256)).astype(np.float32) * 1e6
+    x = np.concatenate([big, -big, rng.standard_normal((rows, 256))], axis=1)
+    first = rng.standard_normal((columns, 256)).astype(np.float32)
+    dense = np.concatenate([first, first, rng.standard_normal((columns, 256))], axis=1)
+    x = mx.array(x.astype(np.float32)).astype(mx.bfloat16)
+    weight, scales, biases = mx.quantize(
+        mx.array(dense.astype(np.float32)).astype(mx.bfloat16), group_size=64, bits=4
+    )
+    return x, weight, scales, biases, 4, 64
+
+
+@pytest.mark.parametrize("rows", [1, 16, 32])
+def test_emulated_vector_merge_keeps_bits_on_every_path(emulated, rows) -> None:
+    """The vector merge (``vecmerge``, tensor_qmm.VECTOR_MERGE: 4 outputs of a row a
+    thread, every split's 16-byte load in flight) gives the shipped merge's bits (one
+    output a thread) on its 16-byte path (N a multiple of 4) and its fallbacks (N not
+    a multiple of 4; more than 8 splits). Negative control: on partials that cancel,
+    the 16-byte path summing the splits in reverse changes bits (so it ran, in
+    order)."""
+    for chunks, columns in ((3, 128), (3, 100), (3, 130), (10, 100)):
+        case = _fixed_case(rows, 256 * chunks, columns, 4, 64, mx.bfloat16, chunks)
+        assert split_plan(256 * chunks, columns, 4, True)[1] == chunks
+        _assert_merge_variant_bits(emulated, "vecmerge", case)
+    for columns in (128, 100):
+        case = _cancelling_case(rows, columns, columns)
+        assert split_plan(3 * 256, columns, 4, True)[1] == 3
+        _assert_merge_variant_bits(emulated, "vecmerge", case)
+        reversed_bits = _variant_bits(emulated, "merge-reversed", case)
+        assert not np.array_equal(reversed_bits, raw_bits(_kernel(case)))
 
 
 # A bf16 target's fused projections whose plan the dense CTA cost of 8 chunks chose
@@ -1579,8 +1719,8 @@ def _run_spec(emulator, spec, case) -> mx.array:
     chunks = x.shape[1] // Layout(4, 1).chunk
     shift = group.bit_length() - 1
     ints = mx.array(
-        [x.shape[0], weight.shape[0], x.shape[1], group, tiles, 1, chunks, shift, 0],
-        mx.int32,
+        [x.shape[0], weight.shape[0], x.shape[1], group, tiles, 1, chunks, shift, 0, 0],
+        mx.int32,  # ..., merged, member edges (none)
     )
     y, _ = emulator.launch(
         spec,
@@ -2066,6 +2206,40 @@ def test_emulated_scaled_form_needs_its_bias(tensor_emulator) -> None:
         assert _scaled_oracle_close(case, good)
         bad = _run_spec(tensor_emulator, SCALED_NO_BIAS, case)
         assert not _scaled_oracle_close(case, bad)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=_FIXTURES)
+@given(
+    rows=st.sampled_from([1, 5, 16]),
+    dtype=st.sampled_from(HALF),
+    size=st.sampled_from(tensor_qmm.GROUP_SIZES),
+    seed=st.integers(0, 2**16),
+)
+def test_emulated_denormal_decode_gives_the_scaled_form_bits(
+    tensor_emulator, rows, dtype, size, seed
+) -> None:
+    """matmul_variants' ``denorm4``: while every scale is a normal number below 0.25
+    (weights of ~0.1, as in a model), decoding each nibble as a subnormal with the
+    scale's exponent raised gives the shipped scaled form's bits exactly (one fma a
+    pair instead of two); with scales of 0.25 and more it does not (negative control:
+    the raised exponent no longer fits)."""
+    rng = np.random.default_rng(seed)
+    dense = rng.standard_normal((200, 512)).astype(np.float32)
+    x = mx.array(rng.standard_normal((rows, 512)).astype(np.float32)).astype(dtype)
+    spec = DENORM_SPECS[(2, (4, 1), size)]
+    shipped = tensor_qmm.SCALED_SPECS[(2, (4, 1), size)]
+    for weight_scale, exact in ((0.1, True), (4.0, False)):
+        weights = mx.quantize(
+            mx.array(dense * weight_scale).astype(dtype), group_size=size, bits=4
+        )
+        scales = np.abs(np.array(weights[1].astype(mx.float32)))
+        assert bool(scales.max() < 0.25) is exact and scales.min() > 2**-14
+        case = (x, *weights, 4, size)
+        same = np.array_equal(
+            raw_bits(_run_spec(tensor_emulator, spec, case)),
+            raw_bits(_run_spec(tensor_emulator, shipped, case)),
+        )
+        assert same is exact
 
 
 def test_emulated_scaled_form_is_built_for_its_group_size(tensor_emulator) -> None:

@@ -136,6 +136,7 @@ inline void __syncthreads() {
 
 struct uint4 { uint32_t x, y, z, w; };
 struct uint2 { uint32_t x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
 
 typedef _Float16 __half;
 // The Metal shim's bfloat16 (round to nearest even, as __float2bfloat16).
@@ -489,6 +490,11 @@ inline int atomicAdd(int* address, int value) {
   return old;
 }
 inline float __ldcg(const float* p) { return *p; }
+// A 16-byte load (CUDA faults on a misaligned one: so does this).
+inline float4 __ldcg(const float4* p) {
+  if ((reinterpret_cast<size_t>(p) & 15) != 0) std::abort();
+  return *p;
+}
 inline void dfl_pairs(uint4 v, uint32_t* r) {
   r[0] = __byte_perm(v.x, v.z, 0x5410);
   r[1] = __byte_perm(v.x, v.z, 0x7632);
