@@ -167,7 +167,8 @@ VARIANTS = {
     # are ~0.005): the same bits as current there (the same-bits column checks that the
     # device keeps subnormal operands). 4-bit only: its scale edit also reaches the
     # 8-bit forms, whose results are then wrong. On the H200 (session 48): the shipped
-    # bits on every Glimmer shape, 3-6 % faster with one row, 2-5 % with 16.
+    # bits on every Glimmer shape, 3-6 % faster with one row, 2-5 % with 16. The same
+    # kernel body as tensor_qmm.DENORMAL_SPECS (DFLASH_QMM_DENORMAL_Q4), built after.
     "denorm4": {"edits": ("denorm-helpers", "denorm-q4", "denorm-scale")},
     # The merge before session 43: each split's load waited for by its add (same bits).
     "mergeloop": {"edits": ("mergeloop",)},
@@ -329,26 +330,10 @@ EDITS = {
     "denorm-helpers": (
         "scaled_helpers",
         _SCALED_TAIL,
-        _SCALED_TAIL
-        + """// A nibble pair (bits 0-3, 16-19) as subnormals: q 2^-130 in bfloat16, q 2^-18 in
-// float16 (the top of the mantissa), exact; the scale carries 2^130 / 2^18.
-DFL_FN uint32_t dfl_q4_denorm(uint32_t v, const __nv_bfloat16*) {
-  return (v << 3) & 0x00780078u;
-}
-DFL_FN uint32_t dfl_q4_denorm(uint32_t v, const __half*) {
-  return (v << 6) & 0x03C003C0u;
-}
-// A scale pair's exponents raised by 130 (bfloat16) or 18 (float16): s 2^130, s 2^18.
-DFL_FN uint32_t dfl_denorm_scale(uint32_t s, const __nv_bfloat16*) { return s + 0x41004100u; }
-DFL_FN uint32_t dfl_denorm_scale(uint32_t s, const __half*) { return s + 0x48004800u; }
-""",
+        _SCALED_TAIL + tensor_qmm._DENORMAL_HELPERS,
     ),
     "denorm-q4": ("scaled_q4", "dfl_q4_lop3", "dfl_q4_denorm"),
-    "denorm-scale": (
-        "open_scaled",
-        "s2[t] = __byte_perm(s, s, 0x1010);",
-        "s2[t] = dfl_denorm_scale(__byte_perm(s, s, 0x1010), tag);",
-    ),
+    "denorm-scale": ("open_scaled", *tensor_qmm._DENORMAL_SCALE),
     "mergeloop": ("body", _MERGE, _MERGE_LOOP),
     # The epilogue taken apart: no CTA counts itself last (no merge), no fences.
     "nolast": (

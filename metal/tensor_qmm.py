@@ -239,6 +239,23 @@ MEMBER_MAJOR_ENV = "DFLASH_QMM_MEMBER_MAJOR"
 # (on/off) decides when set; read at each bind.
 DIRECT_Q4 = False
 DIRECT_Q4_ENV = "DFLASH_QMM_DIRECT_Q4"
+# The denormal 4-bit decode (session 48; ``DFLASH_QMM_DENORMAL_Q4=1``, read at each
+# bind): each nibble at the top of the mantissa with a zero exponent is the subnormal
+# q 2^-130 in bfloat16 (q 2^-18 in float16, at bits 6-9), exactly, and the group's scale
+# with its exponent raised by 130 (18) is s 2^130, so one fma a pair, fma(q 2^-130,
+# s 2^130, b), rounds q s + b once: the scaled form's weights, bit for bit, with one
+# fma a pair fewer (12 instructions a weight word instead of 15). Exact only while every
+# scale is a normal number below DENORMAL_SCALE_LIMIT (the raised exponent must fit), so
+# a call binds it only when its weight's scales all are (one reduction at bind); others
+# keep the scaled form, with the same bits. On the H200 (session 48, as
+# ``matmul_variants``' ``denorm4``): the scaled form's bits on every Glimmer shape, 3-6 %
+# less device time with one row, 2-5 % with 16. Off until its `cuda` tests have run.
+DENORMAL_Q4 = False
+DENORMAL_Q4_ENV = "DFLASH_QMM_DENORMAL_Q4"
+DENORMAL_SCALE_LIMIT = 0.25
+# The smallest normal number of each half type (a subnormal scale's exponent cannot be
+# raised by an integer add).
+_SMALLEST_NORMAL = {mx.bfloat16: 2.0**-126, mx.float16: 2.0**-14}
 
 
 def merge_split_sum() -> bool:
@@ -336,6 +353,33 @@ def direct_q4(bits: Optional[int]) -> bool:
         return False
     switch = backend.env_switch(DIRECT_Q4_ENV)
     return DIRECT_Q4 if switch is None else switch
+
+
+def denormal_q4(bits: Optional[int]) -> bool:
+    """Whether a ``bits``-wide affine call bound now in the scaled-weight form may take
+    the denormal decode (see :data:`DENORMAL_Q4`): ``DFLASH_QMM_DENORMAL_Q4`` when set,
+    else the default; 4-bit only."""
+    if bits != 4:
+        return False
+    return backend.strict_switch(DENORMAL_Q4_ENV, None, DENORMAL_Q4)
+
+
+def denormal_scales(scales: mx.array) -> bool:
+    """Whether the denormal decode is exact for these scales: every one a normal number
+    of magnitude below :data:`DENORMAL_SCALE_LIMIT` (evaluates one reduction).
+
+    Shapes: scales ``(N, K / group_size)`` in bfloat16 or float16.
+    """
+    if scales.dtype not in _SMALLEST_NORMAL:
+        return False
+    magnitude = mx.abs(scales.astype(mx.float32))
+    fits = (magnitude >= _SMALLEST_NORMAL[scales.dtype]) & (
+        magnitude < DENORMAL_SCALE_LIMIT
+    )
+    try:
+        return bool(mx.all(fits).item())
+    except ValueError:  # scales being traced (mx.compile): cannot tell, so not exact
+        return False
 
 
 def fold_q4_offset() -> bool:
@@ -596,6 +640,30 @@ DFL_FN uint32_t dfl_scaled(uint32_t q, uint32_t s, uint32_t b, const __half*) {
   return q;
 }
 """
+
+# Helpers of the denormal 4-bit decode only (plain C++; see DENORMAL_Q4).
+_DENORMAL_HELPERS = r"""
+// A nibble pair (bits 0-3, 16-19 of v) as subnormals at the top of the mantissa, zero
+// exponent: q 2^-130 in bfloat16 (bits 3-6), q 2^-18 in float16 (bits 6-9), exact.
+DFL_FN uint32_t dfl_q4_denorm(uint32_t v, const __nv_bfloat16*) {
+  return (v << 3) & 0x00780078u;
+}
+DFL_FN uint32_t dfl_q4_denorm(uint32_t v, const __half*) {
+  return (v << 6) & 0x03C003C0u;
+}
+// A (normal, below 0.25) scale pair's exponents raised by 130 (bfloat16) or 18
+// (float16): s 2^130, s 2^18, exact.
+DFL_FN uint32_t dfl_denorm_scale(uint32_t s, const __nv_bfloat16*) {
+  return s + 0x41004100u;
+}
+DFL_FN uint32_t dfl_denorm_scale(uint32_t s, const __half*) {
+  return s + 0x48004800u;
+}
+"""
+_DENORMAL_SCALE = (
+    "s2[t] = __byte_perm(s, s, 0x1010);",
+    "s2[t] = dfl_denorm_scale(__byte_perm(s, s, 0x1010), tag);",
+)
 
 # Helpers of the direct 4-bit form only (plain C++; see DIRECT_Q4).
 _DIRECT_HELPERS = r"""
@@ -1271,6 +1339,7 @@ def _spec(
     swiglu: bool = False,
     scaled: bool = False,
     group_size: Optional[int] = None,
+    denormal: bool = False,
 ) -> GroupKernelSpec:
     """The matmul kernel of ``layout`` (``folded``: the folded-offset 4-bit form;
     ``k_groups``: warp groups splitting K in a CTA, see :data:`K_GROUPS`; ``swiglu``:
@@ -1279,7 +1348,8 @@ def _spec(
     an affine kernel for that group size only, a compile-time constant, see
     :func:`_constant_group`; None: any, read from the launch's parameters). A
     ``layout.direct`` layout gives the direct form (:data:`DIRECT_Q4`): scaled 4-bit
-    with a constant group size, not SwiGLU."""
+    with a constant group size, not SwiGLU. ``denormal``: the scaled 4-bit form with
+    the denormal decode (:data:`DENORMAL_Q4`), not direct."""
     if k_groups not in (1, 2):
         raise ValueError(f"k_groups must be 1 or 2, got {k_groups}")
     if layout.direct and not (
@@ -1289,6 +1359,8 @@ def _spec(
             "the direct form is the scaled 4-bit form with a constant group size, "
             "not SwiGLU"
         )
+    if denormal and not (layout.bits == 4 and scaled and not layout.direct):
+        raise ValueError("the denormal decode is the scaled 4-bit form's, not direct")
     affine = layout.bits != 0
     if folded and layout.bits != 4:
         raise ValueError(f"the folded-offset form is 4-bit only, got {layout.bits}")
@@ -1300,7 +1372,9 @@ def _spec(
     if folded:
         load_b = load_b.replace("dfl_q4(", "dfl_q4_offset(")
     if scaled:
-        load_b = load_b.replace("dfl_q4(", _SCALED_Q4_HELPER + "(")
+        helper = "dfl_q4_denorm" if denormal else _SCALED_Q4_HELPER
+        load_b = load_b.replace("dfl_q4(", helper + "(")
+    open_scaled = _OPEN_SCALED.replace(*_DENORMAL_SCALE) if denormal else _OPEN_SCALED
     close = _CLOSE_AFFINE if affine else _CLOSE_DENSE
     close = _fill(
         close,
@@ -1321,7 +1395,7 @@ def _spec(
         body,
         {
             "issue_scales": _ISSUE_SCALES if affine else "",
-            "xsum": (_OPEN_SCALED if scaled else _XSUM) if affine else "",
+            "xsum": (open_scaled if scaled else _XSUM) if affine else "",
             "declare_xs": (
                 (_DECLARE_SCALED if scaled else _DECLARE_XS) if affine else ""
             ),
@@ -1356,6 +1430,7 @@ def _spec(
     name += "_folded" * folded + "_scaled" * scaled
     name += f"_g{group_size}" if group_size else ""
     name += "_k2" * (k_groups == 2) + "_swiglu" * swiglu + "_direct" * layout.direct
+    name += "_denorm" * denormal
     if affine:
         inputs = ("x", "weight", "scales", "biases", "params", "counters")
         types = ("T", "uint32", "T", "T", "int32", "int32")
@@ -1373,6 +1448,7 @@ def _spec(
         + (_FOLDED_HELPERS if folded else "")
         + (_SCALED_HELPERS if scaled else "")
         + (_DIRECT_HELPERS if layout.direct else "")
+        + (_DENORMAL_HELPERS if denormal else "")
         + (SWIGLU_HELPERS if swiglu else ""),
         body=body,
         threads=THREADS * k_groups,
@@ -1731,6 +1807,20 @@ DIRECT_SPECS = {
     for groups in (1, 2)
     for size in GROUP_SIZES
 }
+# The denormal decode's forms (scaled 4-bit; see DENORMAL_Q4), by (K groups, layout
+# key, group size) as SCALED_SPECS.
+DENORMAL_SPECS = {
+    (groups, (4, mtiles), size): _spec(
+        LAYOUTS[(4, mtiles)],
+        k_groups=groups,
+        scaled=True,
+        group_size=size,
+        denormal=True,
+    )
+    for groups in (1, 2)
+    for mtiles in (1, 2)
+    for size in GROUP_SIZES
+}
 MATMUL_SPECS = FORM_SPECS[(False, 1)]
 FOLDED_SPECS = FORM_SPECS[(True, 1)]
 K2_SPECS = FORM_SPECS[(False, 2)]
@@ -1875,10 +1965,11 @@ def bind_tensor_core(
     lead = leading_shape(rows, lead)
     edges = () if swiglu else member_edges(members, weight.shape[0])
     scaled = scaled_b(bits)
+    denormal = scaled and not swiglu and denormal_q4(bits) and denormal_scales(scales)
     plan = launch_plan(
         rows, depth, weight.shape[0], bits, group_size, merge_split_sum(),
         fold_q4_offset() and not swiglu and not scaled, wave_split(), k_groups(),
-        edges, swiglu, scaled, cluster_sum(), scaled and direct_q4(bits),
+        edges, swiglu, scaled, cluster_sum(), scaled and direct_q4(bits), denormal,
     )  # fmt: skip
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)
@@ -1993,6 +2084,7 @@ def launch_plan(
     scaled: bool = False,
     cluster: bool = False,
     direct: bool = False,
+    denormal: bool = False,
 ) -> LaunchPlan:
     """The launch plan of a validated call, built once per geometry (host time).
 
@@ -2008,6 +2100,8 @@ def launch_plan(
     thread-block cluster (:func:`cluster_spec`), with no partials array and no
     counters; a SwiGLU plan keeps its merge. ``direct``: a scaled 4-bit call of up
     to 16 rows takes the direct form (:data:`DIRECT_Q4`; others keep their form).
+    ``denormal``: a scaled 4-bit call (not direct) takes the denormal decode
+    (:data:`DENORMAL_Q4`; the caller has checked :func:`denormal_scales`).
 
     Raises:
         ValueError: ``swiglu`` for a call :func:`swiglu_serves` refuses.
@@ -2030,6 +2124,8 @@ def launch_plan(
         )  # fmt: skip
     if direct and scaled and bits == 4 and key[1] == 1:
         spec = DIRECT_SPECS[(k_groups, group_size)]
+    elif denormal and scaled and bits == 4:
+        spec = DENORMAL_SPECS[(k_groups, key, group_size)]
     elif scaled and bits is not None:
         spec = SCALED_SPECS[(k_groups, key, group_size)]
     else:

@@ -136,9 +136,15 @@ def test_direct_dense_loads_compile_for_sm90_without_spills(tmp_path: Path) -> N
 
 @needs_nvcc
 def test_denormal_decode_compiles_for_sm90_within_the_bounds(tmp_path: Path) -> None:
-    """``denorm4``'s 4-bit scaled forms compile for sm_90 within their launch bounds'
-    128 registers, with no spills."""
+    """The denormal decode's forms compile for sm_90 with no spills, the two-K-group
+    ones within their launch bounds' 128 registers."""
     specs = list(DENORM_SPECS.values())
+    one_group = [s for k, s in tensor_qmm.DENORMAL_SPECS.items() if k[0] == 1]
+    single = check_cuda(
+        one_group, tmp_path / "k1", NVCC, dtypes=HALF, flags=("-Xptxas", "-v")
+    )
+    assert single.ok and "bytes spill stores" in single.log, single.log
+    assert not re.search(r"[1-9]\d* bytes spill stores", single.log), single.log
     forms = check_cuda(specs, tmp_path, NVCC, dtypes=HALF, flags=("-Xptxas", "-v"))
     assert forms.ok, f"{forms.command}\n{forms.log}"
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log)
@@ -913,14 +919,11 @@ assert all(
     for spec in SAME_BITS_VARIANTS["merge-reversed"].values()
 )
 
-# matmul_variants' ``denorm4`` (each nibble decoded as a subnormal, the scale's exponent
-# raised): the 4-bit scaled forms, one and two m-tiles, every group size.
-with matmul_variants.variant(**matmul_variants.VARIANTS["denorm4"]):
-    DENORM_SPECS = {
-        key: spec
-        for key, spec in tensor_qmm.SCALED_SPECS.items()
-        if key[1][0] == 4 and key[0] == 2
-    }
+# The denormal decode's two-K-group forms (tensor_qmm.DENORMAL_Q4: each nibble decoded
+# as a subnormal, the scale's exponent raised), one and two m-tiles, every group size.
+DENORM_SPECS = {
+    key: spec for key, spec in tensor_qmm.DENORMAL_SPECS.items() if key[0] == 2
+}
 
 # Negative control of the scaled-weight form: the group's bias never reaches the weights.
 SCALED_G64 = tensor_qmm.SCALED_SPECS[(2, (4, 1), 64)]
@@ -2218,7 +2221,8 @@ def test_emulated_scaled_form_needs_its_bias(tensor_emulator) -> None:
 def test_emulated_denormal_decode_gives_the_scaled_form_bits(
     tensor_emulator, rows, dtype, size, seed
 ) -> None:
-    """matmul_variants' ``denorm4``: while every scale is a normal number below 0.25
+    """The denormal decode (``DENORMAL_SPECS``, as ``matmul_variants``' ``denorm4``
+    ran on the H200): while every scale is a normal number below 0.25
     (weights of ~0.1, as in a model), decoding each nibble as a subnormal with the
     scale's exponent raised gives the shipped scaled form's bits exactly (one fma a
     pair instead of two); with scales of 0.25 and more it does not (negative control:
@@ -2240,6 +2244,62 @@ def test_emulated_denormal_decode_gives_the_scaled_form_bits(
             raw_bits(_run_spec(tensor_emulator, shipped, case)),
         )
         assert same is exact
+
+
+def test_denormal_decode_is_bound_only_where_it_is_exact(monkeypatch) -> None:
+    """``DFLASH_QMM_DENORMAL_Q4`` (read at each bind) takes the denormal form for a
+    scaled 4-bit call whose scales are all normal numbers below 0.25; scales at or
+    above it, a subnormal or zero scale, 8 bits, SwiGLU and the switch off keep the
+    scaled form; a bad value names the switch."""
+    monkeypatch.delenv(tensor_qmm.DENORMAL_Q4_ENV, raising=False)
+    assert not tensor_qmm.DENORMAL_Q4 and not tensor_qmm.denormal_q4(4)
+    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "1")
+    assert tensor_qmm.denormal_q4(4) and not tensor_qmm.denormal_q4(8)
+    for dtype in HALF:
+        good = mx.array([[0.01, -0.2], [2**-10, 0.249]]).astype(dtype)
+        assert tensor_qmm.denormal_scales(good)
+        for bad in (0.25, -0.3, 0.0, 2**-130 if dtype == mx.bfloat16 else 2**-20):
+            scales = mx.array([[0.01, bad]]).astype(dtype)
+            assert not tensor_qmm.denormal_scales(scales), (dtype, bad)
+    assert not tensor_qmm.denormal_scales(mx.array([[0.01]], dtype=mx.float32))
+    # Scales traced by mx.compile cannot be checked: the scaled form, not an error.
+    traced = mx.compile(lambda s: mx.array(tensor_qmm.denormal_scales(s)))
+    assert not traced(mx.array([[0.01]]).astype(mx.bfloat16)).item()
+    for rows, mtiles in ((16, 1), (32, 2)):
+        plan = tensor_qmm.launch_plan(
+            rows, 1024, 300, 4, 64, True, False, True, 2, scaled=True, denormal=True
+        )
+        assert plan.spec is tensor_qmm.DENORMAL_SPECS[(2, (4, mtiles), 64)]
+        plan = tensor_qmm.launch_plan(
+            rows, 1024, 300, 8, 64, True, False, True, 2, scaled=True, denormal=True
+        )
+        assert plan.spec is tensor_qmm.SCALED_SPECS[(2, (8, mtiles), 64)]
+    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "sometimes")
+    with pytest.raises(ValueError, match=tensor_qmm.DENORMAL_Q4_ENV):
+        tensor_qmm.denormal_q4(4)
+    with pytest.raises(ValueError, match="denormal"):
+        tensor_qmm._spec(Layout(8, 1), scaled=True, group_size=64, denormal=True)
+
+
+@pytest.mark.parametrize("weight_scale, taken", [(0.1, True), (4.0, False)])
+def test_emulated_denormal_switch_keeps_the_bits_through_bind(
+    scaled, monkeypatch, weight_scale, taken
+) -> None:
+    """Through ``small_row_matmul`` on the emulator: with the switch on, a 4-bit call
+    whose scales allow it launches the denormal form, and one whose scales do not
+    keeps the scaled form; either way the output has the switch-off bits."""
+    monkeypatch.setenv(tensor_qmm.TWO_K_GROUPS_ENV, "1")
+    rng = np.random.default_rng(5)
+    dense = mx.array(rng.standard_normal((200, 512)).astype(np.float32) * weight_scale)
+    x = mx.array(rng.standard_normal((16, 512)).astype(np.float32)).astype(mx.bfloat16)
+    case = (x, *mx.quantize(dense.astype(mx.bfloat16), group_size=64, bits=4), 4, 64)
+    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "0")
+    off = raw_bits(_kernel(case))
+    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "1")
+    before = len(scaled.launched)
+    on = raw_bits(_kernel(case))
+    assert ("_denorm" in scaled.launched[before]) is taken
+    assert np.array_equal(on, off)
 
 
 def test_emulated_scaled_form_is_built_for_its_group_size(tensor_emulator) -> None:
@@ -2351,6 +2411,33 @@ def test_cuda_scaled_form_glimmer_shapes(monkeypatch, shape, rows, bits) -> None
     case = _glimmer_case(*shape, rows, bits)
     out = _kernel(case)
     assert _scaled_oracle_close(case, out, slack=4.0)
+    assert np.array_equal(raw_bits(_kernel(case, slice(0, 1))), raw_bits(out[0:1]))
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("shape", GLIMMER)
+@pytest.mark.parametrize("rows", [1, 16, 32])
+def test_cuda_denormal_form_gives_the_scaled_bits(monkeypatch, shape, rows) -> None:
+    """Every 4-bit Glimmer projection with ``DFLASH_QMM_DENORMAL_Q4=1``: the denormal
+    form is bound (the weights' scales allow it) and gives the scaled form's bits, so
+    the device keeps subnormal fma operands; row 0 alone has its batch bits."""
+    monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1")
+    case = _glimmer_case(*shape, rows, 4)
+    assert tensor_qmm.denormal_scales(case[2])
+    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "0")
+    scaled_bits = raw_bits(_kernel(case))
+    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "1")
+    planned, plan = [], tensor_qmm.launch_plan
+
+    def recorded(*args, **kwargs):
+        planned.append(plan(*args, **kwargs).spec.base)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(tensor_qmm, "launch_plan", recorded)
+    out = _kernel(case)
+    assert planned and all(base.endswith("_denorm") for base in planned)
+    assert np.array_equal(raw_bits(out), scaled_bits)
     assert np.array_equal(raw_bits(_kernel(case, slice(0, 1))), raw_bits(out[0:1]))
 
 
