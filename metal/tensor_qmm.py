@@ -1252,7 +1252,23 @@ _SCALAR_MERGE = "\n".join(
         + len("      } else {\n") : -len("      }\n")
     ].split("\n")
 )
-VECTOR_MERGE = backend.strict_switch(VECTOR_MERGE_ENV, None, VECTOR_MERGE_DEFAULT)
+# Read at import, where a bad value cannot fail closed without breaking the import:
+# it is the default there, and the next bind raises on it (vector_merge()).
+_VECTOR_MERGE_SWITCH = backend.env_switch(VECTOR_MERGE_ENV)
+VECTOR_MERGE = (
+    VECTOR_MERGE_DEFAULT if _VECTOR_MERGE_SWITCH is None else _VECTOR_MERGE_SWITCH
+)
+
+
+def vector_merge() -> bool:
+    """Which merge the forms carry (:data:`VECTOR_MERGE`, taken at import).
+
+    Raises:
+        ValueError: ``DFLASH_QMM_VECTOR_MERGE`` is set to something that is not an
+            on/off word.
+    """
+    backend.strict_switch(VECTOR_MERGE_ENV, None)
+    return VECTOR_MERGE
 
 
 def merge_body(vector: bool) -> str:
@@ -1964,6 +1980,7 @@ def bind_tensor_core(
     """
     lead = leading_shape(rows, lead)
     edges = () if swiglu else member_edges(members, weight.shape[0])
+    vector_merge()  # a bad switch value fails the bind that would use the forms
     scaled = scaled_b(bits)
     denormal = scaled and not swiglu and denormal_q4(bits) and denormal_scales(scales)
     plan = launch_plan(

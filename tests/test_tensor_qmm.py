@@ -400,8 +400,8 @@ def test_vector_merge_switch_picks_the_merge_text_at_import() -> None:
     """``DFLASH_QMM_VECTOR_MERGE`` (read at import) decides which merge the forms carry:
     off by default until its `cuda` tests run on the H200, so the shipped texts are the
     ones that ran; the vector text is the shipped one with only the merge replaced; a
-    bad value fails the import with the switch's name; the direct form never takes it.
-    """
+    bad value leaves the import working and fails the next bind with the switch's
+    name; the direct form never takes it."""
     assert tensor_qmm.VECTOR_MERGE is tensor_qmm.VECTOR_MERGE_DEFAULT is False
     assert tensor_qmm._BODY == tensor_qmm.merge_body(False)
     vector, scalar = tensor_qmm.merge_body(True), tensor_qmm.merge_body(False)
@@ -418,11 +418,14 @@ def test_vector_merge_switch_picks_the_merge_text_at_import() -> None:
             [sys.executable, "-c", code], env=env, capture_output=True, text=True
         )
         assert done.returncode == 0 and done.stdout.split() == expected.split()
+    # A bad value: the import keeps the default; binding a matmul raises, naming it.
+    code += "; t.vector_merge()"
     env = dict(os.environ, DFLASH_QMM_VECTOR_MERGE="yes please")
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True
     )
-    assert done.returncode != 0 and "DFLASH_QMM_VECTOR_MERGE" in done.stderr
+    assert done.stdout.split() == ["False", "False"] and done.returncode != 0
+    assert "DFLASH_QMM_VECTOR_MERGE must be 0 or 1" in done.stderr
 
 
 def test_variant_knobs_apply_inside_and_are_restored_after() -> None:
