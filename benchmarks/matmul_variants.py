@@ -36,7 +36,8 @@ shape and row count it reports the device time per call (CUPTI, through
 bandwidth bound of the bytes read, the largest difference from mlx's
 ``quantized_matmul`` (a variant that changes the K split changes the summation
 order, so its bits, within tolerance), and whether its output has ``current``'s bits
-(when ``current`` ran first: a same-bits variant's claim checked on the device). mlx's own time is one row per shape. With
+(when ``current`` ran first: a same-bits variant's claim checked on the device).
+mlx's own time is one row per shape. With
 ``--dense`` the weights are dense bf16 (a bf16 target's and the drafter's projections)
 and mlx's row is its ``matmul`` (cuBLAS on CUDA).
 
@@ -155,7 +156,8 @@ VARIANTS = {
     # thread, every split's 16-byte load in flight (2 round trips to L2 at 16 rows with
     # two K groups, where the merge before makes one per 256 outputs: 8), then each
     # output summed in split order (the same bits). On the H200 in session 48 (16
-    # rows): 5-9 % faster on the 4-bit Glimmer shapes, 2-13 % on the bf16 ones.
+    # rows): 4-10 % faster on the four 4-bit Glimmer projections (the LM head even),
+    # 2-13 % on the six bf16 ones.
     "vecmerge": {"edits": ("vecmerge",)},
     # The scaled 4-bit form decoding each nibble as a subnormal (session 48):
     # q at the mantissa's top bits with a zero exponent is q 2^-130 in bfloat16 (q 2^-18
@@ -167,7 +169,7 @@ VARIANTS = {
     # are ~0.005): the same bits as current there (the same-bits column checks that the
     # device keeps subnormal operands). 4-bit only: its scale edit also reaches the
     # 8-bit forms, whose results are then wrong. On the H200 (session 48): the shipped
-    # bits on every Glimmer shape, 3-6 % faster with one row, 2-5 % with 16. The same
+    # bits on every Glimmer shape, 4-6 % faster with one row, 3-5 % with 16. The same
     # kernel body as tensor_qmm.DENORMAL_SPECS (DFLASH_QMM_DENORMAL_Q4), built after.
     "denorm4": {"edits": ("denorm-helpers", "denorm-q4", "denorm-scale")},
     # The merge before session 43: each split's load waited for by its add (same bits).

@@ -248,8 +248,8 @@ DIRECT_Q4_ENV = "DFLASH_QMM_DIRECT_Q4"
 # scale is a normal number below DENORMAL_SCALE_LIMIT (the raised exponent must fit), so
 # a call binds it only when its weight's scales all are (one reduction at bind); others
 # keep the scaled form, with the same bits. On the H200 (session 48, as
-# ``matmul_variants``' ``denorm4``): the scaled form's bits on every Glimmer shape, 3-6 %
-# less device time with one row, 2-5 % with 16. Off until its `cuda` tests have run.
+# ``matmul_variants``' ``denorm4``): the scaled form's bits on every Glimmer shape, 4-6 %
+# less device time with one row, 3-5 % with 16. Off until its `cuda` tests have run.
 DENORMAL_Q4 = False
 DENORMAL_Q4_ENV = "DFLASH_QMM_DENORMAL_Q4"
 DENORMAL_SCALE_LIMIT = 0.25
@@ -1236,7 +1236,7 @@ _BODY = r"""
 # every split's load of it in flight: one round trip per 256 outputs, 8 at 16 rows).
 # The same sums in the same order, so the same bits (emulated; on the H200 in session
 # 48 on every Glimmer shape, 4-bit and bf16, 1 and 16 rows). The vector merge measured
-# 5-9 % faster with 16 rows (the fused gate / up 86.0 -> 81.0 us, o_proj 16.5 -> 15.0)
+# 4-10 % faster with 16 rows (the fused gate / up 86.0 -> 81.0 us, o_proj 16.5 -> 15.0)
 # and even with one; :data:`VECTOR_MERGE` says which one the forms carry. The direct
 # form always keeps the merge before (the vector one spills its two-K-group kernels 4
 # bytes at the 128-register cap).
@@ -1399,7 +1399,7 @@ def _spec(
             "bias_args": ", s, tag" * folded,
         },
     )
-    body = _BODY.replace(_MERGE_BLOCK, _SCALAR_MERGE) if layout.direct else _BODY
+    body = merge_body(False) if layout.direct else _BODY
     edits = (_SCALED_EDITS if scaled else ()) + (
         _constant_group(group_size) if group_size else ()
     )
