@@ -172,6 +172,12 @@ VARIANTS = {
     # bits on every Glimmer shape, 4-6 % faster with one row, 3-5 % with 16. The same
     # kernel body as tensor_qmm.DENORMAL_SPECS (DFLASH_QMM_DENORMAL_Q4), built after.
     "denorm4": {"edits": ("denorm-helpers", "denorm-q4", "denorm-scale")},
+    # The paired stage (tensor_qmm.PAIRED_STAGE; session 49): each thread rewrites the
+    # x pieces (and, with a constant group of 64 or 128, the scales and biases) it
+    # copied into the order the lanes read them, before the chunk's barrier, so the
+    # chunk loop needs no permutes. Same bits. With DFLASH_QMM_DENORMAL_Q4=1 in the
+    # environment, "current" and this both take the denormal forms.
+    "paired": {"paired": True},
     # The merge before session 43: each split's load waited for by its add (same bits).
     "mergeloop": {"edits": ("mergeloop",)},
     # Diagnostics of the epilogue (results wrong): no merge; no merge and no fences.
@@ -543,6 +549,7 @@ def variant(
     dense_overhead: Optional[int] = None,
     cluster: Optional[bool] = None,
     direct: Optional[bool] = None,
+    paired: Optional[bool] = None,
     edits: Sequence[str] = (),
 ) -> Iterator[None]:
     """Rebuild the tensor-core specs with the given knobs, restoring them after.
@@ -566,6 +573,8 @@ def variant(
         cluster: ``CLUSTER_SUM`` (None: unchanged).
         direct: ``DIRECT_Q4`` (None: unchanged); True also rebuilds the direct forms
             with ``edits`` (an edit their text lacks raises).
+        paired: ``PAIRED_STAGE`` (None: unchanged); the denormal forms are rebuilt
+            with it too.
         edits: Names of :data:`EDITS` to apply to the kernels' text.
     """
     knobs = {
@@ -582,6 +591,7 @@ def variant(
         "DENSE_CTA_OVERHEAD_CHUNKS": dense_overhead,
         "CLUSTER_SUM": cluster,
         "DIRECT_Q4": direct,
+        "PAIRED_STAGE": paired,
     }
     texts = (
         "_HELPERS", "_BODY", "_SCALED_Q4_HELPER", "_DIRECT_HELPERS", "_DIRECT_EDITS",
@@ -591,6 +601,7 @@ def variant(
     tables = {form: dict(specs) for form, specs in tensor_qmm.FORM_SPECS.items()}
     scaled_specs = dict(tensor_qmm.SCALED_SPECS)
     direct_specs = dict(tensor_qmm.DIRECT_SPECS)
+    denormal_specs = dict(tensor_qmm.DENORMAL_SPECS)
     layout_x_stride = tensor_qmm.Layout.x_stride
     try:
         if x_stride is not None:
@@ -617,6 +628,7 @@ def variant(
             tensor_qmm.FORM_SPECS[form].update(specs)
         tensor_qmm.SCALED_SPECS.update(scaled_specs)
         tensor_qmm.DIRECT_SPECS.update(direct_specs)
+        tensor_qmm.DENORMAL_SPECS.update(denormal_specs)
         tensor_qmm.launch_plan.cache_clear()
         tensor_qmm._wave_split.cache_clear()
 
@@ -667,6 +679,14 @@ def _rebuild(constant_group: bool = True, direct: bool = False) -> None:
             k_groups=groups,
             scaled=True,
             group_size=size if constant_group else None,
+        )
+    for groups, key, size in tensor_qmm.DENORMAL_SPECS:
+        tensor_qmm.DENORMAL_SPECS[(groups, key, size)] = tensor_qmm._spec(
+            tensor_qmm.LAYOUTS[key],
+            k_groups=groups,
+            scaled=True,
+            group_size=size,
+            denormal=True,
         )
     tensor_qmm.launch_plan.cache_clear()
     tensor_qmm._wave_split.cache_clear()

@@ -118,6 +118,7 @@ import functools
 import math
 import os
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -183,11 +184,11 @@ MAX_CLUSTER = 4
 # than in a second launch: the same bits, half the launches of a split call. On since
 # the H200 ran it (session 13); ``DFLASH_MERGED_SPLIT_SUM=0`` keeps the reduce launch.
 MERGE_SPLIT_SUM = True
-# Which merge a K split's last CTA runs (see ``_MERGE_BLOCK``): the vector merge once
-# its `cuda` tests have run on the H200 with it, the merge before it until then.
-# ``DFLASH_QMM_VECTOR_MERGE=1`` / ``=0`` picks one for the process (read at import:
-# the forms' texts are built then).
-VECTOR_MERGE_DEFAULT = False
+# Which merge a K split's last CTA runs (see ``_MERGE_BLOCK``): the vector merge, on
+# since session 49 ran every `cuda` test with it (on an H100; none failed;
+# docs/benchmarks/h100-2026-12-05-s49). ``DFLASH_QMM_VECTOR_MERGE=0`` / ``=1`` picks
+# one for the process (read at import: the forms' texts are built then).
+VECTOR_MERGE_DEFAULT = True
 VECTOR_MERGE_ENV = "DFLASH_QMM_VECTOR_MERGE"
 MERGED_SPLIT_SUM_ENV = "DFLASH_MERGED_SPLIT_SUM"
 # 4-bit bfloat16: feed the mma ``128 + q`` (the bits the magic-number load makes) and fold
@@ -364,22 +365,40 @@ def denormal_q4(bits: Optional[int]) -> bool:
     return backend.strict_switch(DENORMAL_Q4_ENV, None, DENORMAL_Q4)
 
 
+# denormal_scales' verdicts by the id of the scales array, while it lives (an mlx array
+# never changes, so its verdict does not): a caller of small_row_matmul binds at every
+# call, and each verdict costs a reduction and a host sync.
+_SCALE_VERDICTS: dict = {}
+
+
 def denormal_scales(scales: mx.array) -> bool:
     """Whether the denormal decode is exact for these scales: every one a normal number
-    of magnitude below :data:`DENORMAL_SCALE_LIMIT` (evaluates one reduction).
+    of magnitude below :data:`DENORMAL_SCALE_LIMIT` (one reduction, the first time an
+    array is asked about; its verdict is kept while the array lives).
 
     Shapes: scales ``(N, K / group_size)`` in bfloat16 or float16.
     """
     if scales.dtype not in _SMALLEST_NORMAL:
         return False
+    key = id(scales)
+    kept = _SCALE_VERDICTS.get(key)
+    if kept is not None and kept[0]() is scales:
+        return kept[1]
     magnitude = mx.abs(scales.astype(mx.float32))
     fits = (magnitude >= _SMALLEST_NORMAL[scales.dtype]) & (
         magnitude < DENORMAL_SCALE_LIMIT
     )
     try:
-        return bool(mx.all(fits).item())
+        verdict = bool(mx.all(fits).item())
     except ValueError:  # scales being traced (mx.compile): cannot tell, so not exact
         return False
+
+    def forget(ref: weakref.ref) -> None:
+        if _SCALE_VERDICTS.get(key, (None,))[0] is ref:
+            del _SCALE_VERDICTS[key]
+
+    _SCALE_VERDICTS[key] = (weakref.ref(scales, forget), verdict)
+    return verdict
 
 
 def fold_q4_offset() -> bool:
@@ -1271,6 +1290,39 @@ def vector_merge() -> bool:
     return VECTOR_MERGE
 
 
+# The paired stage (session 49; ``DFLASH_QMM_PAIRED_STAGE=1``, read at import: the forms'
+# texts are built then; off): after a chunk's copies land, each thread rewrites the
+# pieces it copied itself into the order the lanes read them, before the barrier that
+# publishes the stage (its own cp.async copies are the ones its wait covered), so the
+# chunk loop's reads need no permutes:
+# * x's 16-byte pieces as the lanes' pairs (e_p, e_{p+4}): 2 pieces a thread a chunk
+#   at 16 rows with two K groups, where every warp permuted 8 pieces' worth a chunk;
+# * with a constant group of 64 or 128 (the scaled forms), each column's scales and
+#   biases as the pairs (s, s), (b, b) of a group side by side, so a lane takes both
+#   with one 8-byte load when a group opens (with the denormal decode's exponent
+#   raised there too), where it made two 16-bit loads and two permutes.
+# Session 48's profile counted 48 of the 4-bit form's ~496 instructions a warp a chunk
+# as these permutes (32 for x, 16 for the scales). The same values reach the mma, so
+# the same bits. Not the direct form (its own staging).
+PAIRED_STAGE_DEFAULT = False
+PAIRED_STAGE_ENV = "DFLASH_QMM_PAIRED_STAGE"
+_PAIRED_STAGE_SWITCH = backend.env_switch(PAIRED_STAGE_ENV)
+PAIRED_STAGE = (
+    PAIRED_STAGE_DEFAULT if _PAIRED_STAGE_SWITCH is None else _PAIRED_STAGE_SWITCH
+)
+
+
+def paired_stage() -> bool:
+    """Whether the forms carry the paired stage (:data:`PAIRED_STAGE`, taken at import).
+
+    Raises:
+        ValueError: ``DFLASH_QMM_PAIRED_STAGE`` is set to something that is not an
+            on/off word.
+    """
+    backend.strict_switch(PAIRED_STAGE_ENV, None)
+    return PAIRED_STAGE
+
+
 def merge_body(vector: bool) -> str:
     """The matmul body with the vector merge or the merge before it (see
     :data:`VECTOR_MERGE`)."""
@@ -1348,6 +1400,99 @@ _SCALED_EDITS = (
 )
 
 
+# The paired stage (see PAIRED_STAGE): helpers, and edits of the body (old, new).
+_PAIRED_HELPERS = r"""
+// A 16-byte piece of eight 16-bit elements as the lanes' pairs (dfl_pairs' registers).
+DFL_FN uint4 dfl_paired(uint4 v) {
+  uint32_t r[4];
+  dfl_pairs(v, r);
+  const uint4 out = {r[0], r[1], r[2], r[3]};
+  return out;
+}
+// A paired piece's registers.
+DFL_FN void dfl_paired_load(const unsigned char* p, uint32_t* r) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  r[0] = v.x;
+  r[1] = v.y;
+  r[2] = v.z;
+  r[3] = v.w;
+}
+"""
+_PAIRED_WAIT = "    dfl_wait<STAGES - 2>();\n    DFL_BARRIER();\n"
+_PAIRED_X = """    dfl_wait<STAGES - 2>();
+    {
+      // This thread's own x pieces of the chunk (the copies its wait covered) as the
+      // lanes' pairs; the barrier below publishes them.
+      unsigned char* pieces = smem + (i % STAGES) * STAGE_BYTES + x_shared;
+      for (int r = x_first; r < n_rows; r += X_STEP) {
+        uint4* piece = reinterpret_cast<uint4*>(pieces + (r - x_first) * SX);
+        *piece = dfl_paired(*piece);
+      }
+    }
+{pair_scales}    DFL_BARRIER();
+"""
+_PAIRED_X_READS = (
+    (
+        "        dfl_pairs(*reinterpret_cast<const uint4*>(row), lo[mt]);\n",
+        "        dfl_paired_load(row, lo[mt]);\n",
+    ),
+    (
+        "        dfl_pairs(*reinterpret_cast<const uint4*>(row + 8 * SX), hi[mt]);\n",
+        "        dfl_paired_load(row + 8 * SX, hi[mt]);\n",
+    ),
+)
+# A column's (s, s), (b, b) pairs of group g at byte 8 g of the column's 32 bytes of
+# scales and biases rooms (groups 0-1 in the scales', 2-3 in the biases'): up to 4
+# groups a chunk, so a constant group of 64 or 128.
+_PAIR_SCALES = """    if (int(lid) < COLUMNS) {
+      // This thread's column's scales and biases of the chunk (its own copies) as the
+      // pairs (s, s), (b, b) of each group side by side.
+      unsigned char* column = smem + (i % STAGES) * STAGE_BYTES + int(lid) * 16;
+      static_assert(CHUNK / group_size <= 4, "a chunk's pairs fill its rooms");
+      uint32_t s[4];
+      uint32_t b[4];
+      #pragma unroll
+      for (int g = 0; g < CHUNK / group_size; ++g) {
+        s[g] = *reinterpret_cast<const unsigned short*>(column + S_OFF + 2 * g);
+        b[g] = *reinterpret_cast<const unsigned short*>(column + B_OFF + 2 * g);
+      }
+      #pragma unroll
+      for (int g = 0; g < CHUNK / group_size; ++g) {
+        const uint2 pair = {{pair_scale}, __byte_perm(b[g], b[g], 0x1010)};
+        *reinterpret_cast<uint2*>(column + (g < 2 ? S_OFF : B_OFF) + (g & 1) * 8) = pair;
+      }
+    }
+"""
+_PAIR_SCALE = "__byte_perm(s[g], s[g], 0x1010)"
+_OPEN_PAIRED = """
+      if (((SUB * sc) & (group_size - 1)) == 0) {
+        const int gl = (SUB * sc) >> group_shift;
+        const unsigned char* pairs = base + (gl < 2 ? S_OFF : B_OFF) + (gl & 1) * 8;
+        #pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const uint2 pair = *reinterpret_cast<const uint2*>(pairs + (warp * 32 + 8 * t + gid) * 16);
+          s2[t] = pair.x;
+          b2[t] = pair.y;
+        }
+      }
+"""
+
+
+def _paired(body: str, scales: Optional[str]) -> str:
+    """A non-direct form's body with the paired stage (:data:`PAIRED_STAGE`);
+    ``scales``: the scale pair's expression where the scales are paired too (None:
+    x only)."""
+    if body.count(_PAIRED_WAIT) != 1:
+        raise RuntimeError("the matmul body has changed: its chunk wait")
+    pair_scales = "" if scales is None else _PAIR_SCALES.replace("{pair_scale}", scales)
+    body = body.replace(_PAIRED_WAIT, _PAIRED_X.replace("{pair_scales}", pair_scales))
+    for old, new in _PAIRED_X_READS:
+        if body.count(old) != 1:
+            raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
+        body = body.replace(old, new)
+    return body
+
+
 def _spec(
     layout: Layout,
     folded: bool = False,
@@ -1391,6 +1536,11 @@ def _spec(
         helper = "dfl_q4_denorm" if denormal else _SCALED_Q4_HELPER
         load_b = load_b.replace("dfl_q4(", helper + "(")
     open_scaled = _OPEN_SCALED.replace(*_DENORMAL_SCALE) if denormal else _OPEN_SCALED
+    # (Not 8-bit: its two-row-tile forms sit at the register cap and spill with it.)
+    paired = PAIRED_STAGE and not layout.direct and layout.bits != 8
+    pair_scales = paired and scaled and group_size in (64, 128)
+    if pair_scales:
+        open_scaled = _OPEN_PAIRED
     close = _CLOSE_AFFINE if affine else _CLOSE_DENSE
     close = _fill(
         close,
@@ -1400,6 +1550,11 @@ def _spec(
         },
     )
     body = merge_body(False) if layout.direct else _BODY
+    if paired:
+        scale = _PAIR_SCALE
+        if denormal:
+            scale = f"dfl_denorm_scale({scale}, tag)"
+        body = _paired(body, scale if pair_scales else None)
     edits = (_SCALED_EDITS if scaled else ()) + (
         _constant_group(group_size) if group_size else ()
     )
@@ -1464,6 +1619,7 @@ def _spec(
         + (_FOLDED_HELPERS if folded else "")
         + (_SCALED_HELPERS if scaled else "")
         + (_DIRECT_HELPERS if layout.direct else "")
+        + (_PAIRED_HELPERS if paired else "")
         + (_DENORMAL_HELPERS if denormal else "")
         + (SWIGLU_HELPERS if swiglu else ""),
         body=body,
@@ -1981,6 +2137,7 @@ def bind_tensor_core(
     lead = leading_shape(rows, lead)
     edges = () if swiglu else member_edges(members, weight.shape[0])
     vector_merge()  # a bad switch value fails the bind that would use the forms
+    paired_stage()
     scaled = scaled_b(bits)
     denormal = scaled and not swiglu and denormal_q4(bits) and denormal_scales(scales)
     plan = launch_plan(

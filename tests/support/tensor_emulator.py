@@ -73,9 +73,8 @@ GUARD_BYTES = 256
 # Slots of the shim's per-thread state: a cluster of 8 CTAs of 256 threads.
 MAX_SLOTS = 2048
 # The helper texts (inline PTX) the shim below emulates; cut out of a spec's helpers.
-EMULATED_HELPERS = tuple(
-    {spec.helpers for spec in tensor_qmm.MATMUL_SPECS.values()}
-) + (
+EMULATED_HELPERS = (
+    tensor_qmm._HELPERS,
     tensor_attention.TENSOR_HELPERS,
     tensor_qmm._SCALED_HELPERS,
     tensor_qmm.launch_bounds(128),
