@@ -178,6 +178,12 @@ VARIANTS = {
     # chunk loop needs no permutes. Same bits. With DFLASH_QMM_DENORMAL_Q4=1 in the
     # environment, "current" and this both take the denormal forms.
     "paired": {"paired": True},
+    # The lean issue (tensor_qmm.LEAN_ISSUE; session 49): each weight row's source
+    # worked out once, 32-bit shared addresses, one aligned-copy branch a chunk, the
+    # ring's slots as counters (session 48's profile: ~9 instructions a 16-byte copy).
+    # Same bits.
+    "lean": {"lean": True},
+    "paired-lean": {"paired": True, "lean": True},
     # The merge before session 43: each split's load waited for by its add (same bits).
     "mergeloop": {"edits": ("mergeloop",)},
     # Diagnostics of the epilogue (results wrong): no merge; no merge and no fences.
@@ -550,6 +556,7 @@ def variant(
     cluster: Optional[bool] = None,
     direct: Optional[bool] = None,
     paired: Optional[bool] = None,
+    lean: Optional[bool] = None,
     edits: Sequence[str] = (),
 ) -> Iterator[None]:
     """Rebuild the tensor-core specs with the given knobs, restoring them after.
@@ -573,8 +580,10 @@ def variant(
         cluster: ``CLUSTER_SUM`` (None: unchanged).
         direct: ``DIRECT_Q4`` (None: unchanged); True also rebuilds the direct forms
             with ``edits`` (an edit their text lacks raises).
-        paired: ``PAIRED_STAGE`` (None: unchanged); the denormal forms are rebuilt
-            with it too.
+        paired: ``PAIRED_STAGE`` (None: unchanged; off where ``edits`` are given,
+            as they are written against the shipped texts); the denormal forms are
+            rebuilt with it too.
+        lean: ``LEAN_ISSUE`` (None: unchanged; off where ``edits`` are given).
         edits: Names of :data:`EDITS` to apply to the kernels' text.
     """
     knobs = {
@@ -591,7 +600,8 @@ def variant(
         "DENSE_CTA_OVERHEAD_CHUNKS": dense_overhead,
         "CLUSTER_SUM": cluster,
         "DIRECT_Q4": direct,
-        "PAIRED_STAGE": paired,
+        "PAIRED_STAGE": False if edits and paired is None else paired,
+        "LEAN_ISSUE": False if edits and lean is None else lean,
     }
     texts = (
         "_HELPERS", "_BODY", "_SCALED_Q4_HELPER", "_DIRECT_HELPERS", "_DIRECT_EDITS",

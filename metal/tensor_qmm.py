@@ -1323,6 +1323,34 @@ def paired_stage() -> bool:
     return PAIRED_STAGE
 
 
+# The lean issue (session 49; ``DFLASH_QMM_LEAN_ISSUE=1``, read at import; off): the
+# copy issue's work a chunk cut to the copies. Session 48's per-instruction profile of
+# the 4-bit form showed each 16-byte copy taking ~9 instructions: the source built from
+# the weight's base, the row's offset and the chunk's (two 64-bit adds), the shared
+# address as a 64-bit generic pointer converted back, a branch on the aligned-copy test
+# and a move; the ring's slots found by a division by STAGES twice a chunk. Here each
+# weight row's source pointer is worked out once, the shared addresses are 32-bit from
+# one conversion, the aligned test is taken once a chunk around all copies, x's rows
+# advance by a step, and the ring's read and write slots are counters. The same copies
+# of the same bytes, so the same bits. Not the direct form (its own staging), not 8-bit,
+# not two row tiles (17-32 rows) with the paired stage: those spill at 128 registers.
+LEAN_ISSUE_DEFAULT = False
+LEAN_ISSUE_ENV = "DFLASH_QMM_LEAN_ISSUE"
+_LEAN_ISSUE_SWITCH = backend.env_switch(LEAN_ISSUE_ENV)
+LEAN_ISSUE = LEAN_ISSUE_DEFAULT if _LEAN_ISSUE_SWITCH is None else _LEAN_ISSUE_SWITCH
+
+
+def lean_issue() -> bool:
+    """Whether the forms carry the lean issue (:data:`LEAN_ISSUE`, taken at import).
+
+    Raises:
+        ValueError: ``DFLASH_QMM_LEAN_ISSUE`` is set to something that is not an
+            on/off word.
+    """
+    backend.strict_switch(LEAN_ISSUE_ENV, None)
+    return LEAN_ISSUE
+
+
 def merge_body(vector: bool) -> str:
     """The matmul body with the vector merge or the merge before it (see
     :data:`VECTOR_MERGE`)."""
@@ -1478,6 +1506,95 @@ _OPEN_PAIRED = """
 """
 
 
+# The lean issue (see LEAN_ISSUE): helpers and edits of the body (old, new).
+_LEAN_HELPERS = r"""
+// 16 bytes into shared memory at a shared-state-space address (cp.async; the caller
+// has checked that every pointer is 16-byte aligned).
+DFL_FN void dfl_cp16(uint32_t dst, const unsigned char* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(dst), "l"(src) : "memory");
+}
+"""
+_LEAN_ISSUE_OLD = """  auto issue = [&](int c, int buf) {
+    unsigned char* base = smem + buf * STAGE_BYTES;
+    const unsigned char* w_chunk = w_source + size_t(c) * CW;
+    #pragma unroll
+    for (int i = 0; i < COLUMNS / W_STEP; ++i) {
+      const int cl = int(lid) / W_PIECES + W_STEP * i;
+      // Columns past N repeat the last one (never stored).
+      const int n = col0 + cl < n_cols ? col0 + cl : n_cols - 1;
+      dfl_copy16(base + w_shared + W_STEP * i * SW, w_chunk + size_t(n) * row_bytes, fast);
+    }
+    const unsigned char* x_chunk = x_source + size_t(c) * CHUNK * 2;
+    for (int r = x_first; r < n_rows; r += X_STEP) {
+      dfl_copy16(base + x_shared + (r - x_first) * SX, x_chunk + size_t(r) * x_row_bytes, fast);
+    }
+"""
+_LEAN_ISSUE_NEW = """  // Each weight row's source and x's first row, worked out once (columns past N
+  // repeat the last one, never stored); shared addresses from one conversion.
+  const unsigned char* w_rows[COLUMNS / W_STEP];
+  #pragma unroll
+  for (int i = 0; i < COLUMNS / W_STEP; ++i) {
+    const int cl = int(lid) / W_PIECES + W_STEP * i;
+    const int n = col0 + cl < n_cols ? col0 + cl : n_cols - 1;
+    w_rows[i] = w_source + size_t(n) * row_bytes;
+  }
+  const unsigned char* x_rows = x_source + size_t(x_first) * x_row_bytes;
+  const size_t x_step = size_t(X_STEP) * x_row_bytes;
+  const uint32_t smem_at = dfl_shared_address(smem);
+  auto issue = [&](int c, int buf) {
+    unsigned char* base = smem + buf * STAGE_BYTES;
+    const unsigned char* x_row = x_rows + size_t(c) * CHUNK * 2;
+    if (fast) {
+      const uint32_t at = smem_at + uint32_t(buf * STAGE_BYTES);
+      #pragma unroll
+      for (int i = 0; i < COLUMNS / W_STEP; ++i) {
+        dfl_cp16(at + w_shared + W_STEP * i * SW, w_rows[i] + size_t(c) * CW);
+      }
+      for (int r = x_first; r < n_rows; r += X_STEP, x_row += x_step) {
+        dfl_cp16(at + x_shared + (r - x_first) * SX, x_row);
+      }
+    } else {
+      #pragma unroll
+      for (int i = 0; i < COLUMNS / W_STEP; ++i) {
+        dfl_copy_plain(base + w_shared + W_STEP * i * SW, w_rows[i] + size_t(c) * CW, 8);
+      }
+      for (int r = x_first; r < n_rows; r += X_STEP, x_row += x_step) {
+        dfl_copy_plain(base + x_shared + (r - x_first) * SX, x_row, 8);
+      }
+    }
+"""
+# The ring's slots as counters, not divisions by STAGES.
+_LEAN_RING = (
+    (
+        "  for (int c = c_begin; c < c_end; ++c) {\n    const int i = c - c_begin;\n",
+        "  int read_slot = 0;\n  int write_slot = STAGES - 1;\n"
+        "  for (int c = c_begin; c < c_end; ++c) {\n    const int i = c - c_begin;\n"
+        "    (void)i;\n",
+    ),
+    (
+        "      issue(c + STAGES - 1, (i + STAGES - 1) % STAGES);\n",
+        "      issue(c + STAGES - 1, write_slot);\n",
+    ),
+    ("smem + (i % STAGES) * STAGE_BYTES", "smem + read_slot * STAGE_BYTES"),
+)
+_LEAN_RING_ADVANCE = (
+    "{close}\n    }\n  }\n",
+    "{close}\n    }\n"
+    "    read_slot = read_slot == STAGES - 1 ? 0 : read_slot + 1;\n"
+    "    write_slot = write_slot == STAGES - 1 ? 0 : write_slot + 1;\n  }\n",
+)
+
+
+def _lean(body: str) -> str:
+    """A non-direct form's unfilled body with the lean issue (:data:`LEAN_ISSUE`)."""
+    edits = ((_LEAN_ISSUE_OLD, _LEAN_ISSUE_NEW), _LEAN_RING_ADVANCE)
+    for old, new in edits + _LEAN_RING:
+        if old not in body or (old != _LEAN_RING[2][0] and body.count(old) != 1):
+            raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
+        body = body.replace(old, new)
+    return body
+
+
 def _paired(body: str, scales: Optional[str]) -> str:
     """A non-direct form's body with the paired stage (:data:`PAIRED_STAGE`);
     ``scales``: the scale pair's expression where the scales are paired too (None:
@@ -1555,6 +1672,11 @@ def _spec(
         if denormal:
             scale = f"dfl_denorm_scale({scale}, tag)"
         body = _paired(body, scale if pair_scales else None)
+    # (Not 8-bit either, nor two row tiles with the paired stage: those spill.)
+    lean = LEAN_ISSUE and not layout.direct and layout.bits != 8
+    lean = lean and not (paired and layout.mtiles == 2)
+    if lean:  # (after the paired stage: its slot arithmetic is made a counter too)
+        body = _lean(body)
     edits = (_SCALED_EDITS if scaled else ()) + (
         _constant_group(group_size) if group_size else ()
     )
@@ -1620,6 +1742,7 @@ def _spec(
         + (_SCALED_HELPERS if scaled else "")
         + (_DIRECT_HELPERS if layout.direct else "")
         + (_PAIRED_HELPERS if paired else "")
+        + (_LEAN_HELPERS if lean else "")
         + (_DENORMAL_HELPERS if denormal else "")
         + (SWIGLU_HELPERS if swiglu else ""),
         body=body,
@@ -2138,6 +2261,7 @@ def bind_tensor_core(
     edges = () if swiglu else member_edges(members, weight.shape[0])
     vector_merge()  # a bad switch value fails the bind that would use the forms
     paired_stage()
+    lean_issue()
     scaled = scaled_b(bits)
     denormal = scaled and not swiglu and denormal_q4(bits) and denormal_scales(scales)
     plan = launch_plan(

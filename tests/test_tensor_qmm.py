@@ -155,14 +155,18 @@ def test_denormal_decode_compiles_for_sm90_within_the_bounds(tmp_path: Path) -> 
 
 
 @needs_nvcc
-def test_paired_stage_compiles_for_sm90_within_the_bounds(tmp_path: Path) -> None:
-    """The paired stage's two-K-group forms (dense and 4-bit: unscaled, scaled,
-    denormal) compile for sm_90 with no spills, the scaled ones within their launch
-    bounds' 128 registers (no SwiGLU form is compiled here: its text has unused
-    variables, which -Werror refuses; NVRTC builds it)."""
+@pytest.mark.parametrize("variant", ["paired", "lean", "paired-lean"])
+def test_staging_variants_compile_for_sm90_within_the_bounds(
+    tmp_path: Path, variant: str
+) -> None:
+    """The paired stage's, the lean issue's and both's two-K-group forms (dense and
+    4-bit: unscaled, scaled, denormal) compile for sm_90 with no spills, the scaled
+    ones within their launch bounds' 128 registers (no SwiGLU form is compiled here:
+    its text has unused variables, which -Werror refuses; NVRTC builds it)."""
+    tables = STAGING[variant]
     for name, specs, cap in (
-        ("unscaled", list(PAIRED["form"].values()), 255),
-        ("scaled", [*PAIRED["scaled"].values(), *PAIRED["denormal"].values()], 128),
+        ("unscaled", list(tables["form"].values()), 255),
+        ("scaled", [*tables["scaled"].values(), *tables["denormal"].values()], 128),
     ):
         forms = check_cuda(
             specs, tmp_path / name, NVCC, dtypes=HALF, flags=("-Xptxas", "-v")
@@ -790,15 +794,17 @@ def test_model_rounding_is_no_better_than_exact_sums() -> None:
 
 # Deliberate slips, each caught by one landing mode of the emulated cp.async.
 _WAIT = "dfl_wait<STAGES - 2>();"
-_ISSUE_AFTER_BARRIER = """    DFL_BARRIER();
+# (The ring's write slot as the lean issue names it, DFLASH_QMM_LEAN_ISSUE=1.)
+_SLOT = "write_slot" if tensor_qmm.LEAN_ISSUE else "(i + STAGES - 1) % STAGES"
+_ISSUE_AFTER_BARRIER = f"""    DFL_BARRIER();
     // The buffer refilled here was read in the previous round (all threads are past it).
-    if (c + STAGES - 1 < c_end) {
-      issue(c + STAGES - 1, (i + STAGES - 1) % STAGES);
-    }
+    if (c + STAGES - 1 < c_end) {{
+      issue(c + STAGES - 1, {_SLOT});
+    }}
 """
-_ISSUE_BEFORE_BARRIER = """    if (c + STAGES - 1 < c_end) {
-      issue(c + STAGES - 1, (i + STAGES - 1) % STAGES);
-    }
+_ISSUE_BEFORE_BARRIER = f"""    if (c + STAGES - 1 < c_end) {{
+      issue(c + STAGES - 1, {_SLOT});
+    }}
     DFL_BARRIER();
 """
 _A_STEP0 = "lo[mt][0], hi[mt][0], lo[mt][1], hi[mt][1], b[0], b[1]"
@@ -950,23 +956,40 @@ DENORM_SPECS = {
     key: spec for key, spec in tensor_qmm.DENORMAL_SPECS.items() if key[0] == 2
 }
 
+
 # The paired stage (tensor_qmm.PAIRED_STAGE, matmul_variants' ``paired``): the default
 # (two-K-group) 4-bit and dense forms, scaled (scales paired at groups of 64 and 128,
 # x only at 32), denormal and unscaled, each built with it; and its negative controls:
 # x's pieces left unpaired, and the scale pair read as the bias pair.
-PAIRED = {}
-with matmul_variants.variant(**matmul_variants.VARIANTS["paired"]):
-    PAIRED["form"] = {
-        key: spec for key, spec in tensor_qmm.FORM_SPECS[(False, 2)].items()
-        if key[0] != 8
-    }  # fmt: skip
-    for _table, _specs in (
-        ("scaled", tensor_qmm.SCALED_SPECS),
-        ("denormal", tensor_qmm.DENORMAL_SPECS),
-    ):
-        PAIRED[_table] = {
-            key: spec for key, spec in _specs.items() if key[:2] in ((2, (4, 1)), (2, (4, 2)))
-        }  # fmt: skip
+def _staging_tables(name: str) -> dict:
+    """The default (two-K-group) dense and 4-bit forms, unscaled, scaled and denormal,
+    built under a ``matmul_variants`` variant: table name to {key: spec}."""
+    with matmul_variants.variant(**matmul_variants.VARIANTS[name]):
+        tables = {
+            "form": {
+                key: spec
+                for key, spec in tensor_qmm.FORM_SPECS[(False, 2)].items()
+                if key[0] != 8
+            }
+        }
+        for table, specs in (
+            ("scaled", tensor_qmm.SCALED_SPECS),
+            ("denormal", tensor_qmm.DENORMAL_SPECS),
+        ):
+            tables[table] = {
+                key: spec
+                for key, spec in specs.items()
+                if key[:2] in ((2, (4, 1)), (2, (4, 2)))
+            }
+    return tables
+
+
+# The staging variants of session 49, each the shipped bits: the paired stage
+# (tensor_qmm.PAIRED_STAGE; scales paired at groups of 64 and 128, x only at 32), the
+# lean issue (tensor_qmm.LEAN_ISSUE) and both; and their negative controls: x's pieces
+# left unpaired, the scale and bias pairs crossed, the ring's read slot never advanced.
+STAGING = {name: _staging_tables(name) for name in ("paired", "lean", "paired-lean")}
+PAIRED = STAGING["paired"]
 _PAIRED_SLIPS = {
     "unpaired-x": ("*piece = dfl_paired(*piece);", "(void)piece;"),
     "crossed-scales": ("s2[t] = pair.x;\n          b2[t] = pair.y;", "s2[t] = pair.y;\n          b2[t] = pair.x;"),
@@ -981,9 +1004,24 @@ PAIRED_SLIPS = {
     }
     for name, (old, new) in _PAIRED_SLIPS.items()
 }
+_READ_ADVANCE = "    read_slot = read_slot == STAGES - 1 ? 0 : read_slot + 1;\n"
+PAIRED_SLIPS["stuck-ring"] = {
+    key: dataclasses.replace(
+        spec,
+        base=spec.base + "_stuck_ring",
+        body=spec.body.replace(_READ_ADVANCE, ""),
+    )
+    for key, spec in STAGING["lean"]["scaled"].items()
+    if key[2] == 64 and _READ_ADVANCE in spec.body  # (lean: not everywhere)
+}
+assert PAIRED_SLIPS["stuck-ring"]
 assert all(
-    spec.body != PAIRED["scaled"][key].body
-    for slips in PAIRED_SLIPS.values()
+    spec.body != STAGING[name]["scaled"][key].body
+    for name, slips in (
+        ("paired", PAIRED_SLIPS["unpaired-x"]),
+        ("paired", PAIRED_SLIPS["crossed-scales"]),
+        ("lean", PAIRED_SLIPS["stuck-ring"]),
+    )
     for key, spec in slips.items()
 )
 
@@ -1017,7 +1055,12 @@ def tensor_emulator(tmp_path_factory):
         + tuple(
             spec for specs in SAME_BITS_VARIANTS.values() for spec in specs.values()
         )
-        + tuple(spec for specs in PAIRED.values() for spec in specs.values())
+        + tuple(
+            spec
+            for tables in STAGING.values()
+            for specs in tables.values()
+            for spec in specs.values()
+        )
         + tuple(spec for specs in PAIRED_SLIPS.values() for spec in specs.values())
     )
     emulator = TensorEmulator(tmp_path_factory.mktemp("tensor_emulator"), specs, GXX)
@@ -2421,18 +2464,25 @@ def _paired_bits(emulated, case, tables: dict) -> np.ndarray:
 
 @pytest.mark.parametrize("rows", [1, 16, 32])
 @pytest.mark.parametrize("form", ["scaled", "denormal", "unscaled", "dense"])
-def test_emulated_paired_stage_gives_the_shipped_bits(
-    emulated, monkeypatch, rows, form
+@pytest.mark.parametrize("variant", ["paired", "lean", "paired-lean"])
+def test_emulated_staging_variants_give_the_shipped_bits(
+    emulated, monkeypatch, variant, rows, form
 ) -> None:
     """The paired stage (:data:`tensor_qmm.PAIRED_STAGE`: each thread rewrites the x
     pieces, and scales and biases, that it copied into the lanes' order before the
-    chunk's barrier) feeds the mma the same operands: every output keeps the shipped
+    chunk's barrier) and the lean issue (:data:`tensor_qmm.LEAN_ISSUE`: the copies'
+    sources worked out once, 32-bit shared addresses, the ring's slots as counters),
+    alone and together, feed the mma the same operands: every output keeps the shipped
     bits, K split or not, at every group size (scales paired at 64 and 128, x only at
-    32), one or two m-tiles, copies landing early or late. Negative controls: x left
-    unpaired, and the scale and bias pairs crossed, change the bits."""
+    32), one or two m-tiles, copies landing early or late, and misaligned inputs taking
+    the plain copies. Negative controls: x left unpaired, the scale and bias pairs
+    crossed, the ring's read slot never advanced: each changes the bits."""
     monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "0" if form == "unscaled" else "1")
     monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "1" if form == "denormal" else "0")
     emulated.late = rows == 16  # copies landing at their wait, or at their issue
+    # The plain copies (every input 2 bytes off a 16-byte boundary); restored after.
+    monkeypatch.setattr(emulated, "misaligned", rows == 32)
+    tables = STAGING[variant]
     rng = np.random.default_rng(rows)
     bits = None if form == "dense" else 4
     for chunks, columns, group in ((3, 200, 64), (2, 130, 128), (1, 100, 32)):
@@ -2446,53 +2496,82 @@ def test_emulated_paired_stage_gives_the_shipped_bits(
             case = (x, *mx.quantize(dense, group_size=group, bits=4), 4, group)
         shipped = raw_bits(_kernel(case))
         table = "form" if form in ("unscaled", "dense") else form
+        got = _paired_bits(emulated, case, {table: tables[table]})
+        assert np.array_equal(got, shipped)
+    monkeypatch.setattr(emulated, "misaligned", False)
+    slips = {"paired": ("unpaired-x", "crossed-scales"), "lean": ("stuck-ring",)}
+    if form == "scaled" and variant in slips:
+        # One launch, K unsplit: 5 chunks through a ring of fewer stages.
+        case = _fixed_case(rows, 1280, 200, 4, 64, mx.bfloat16, rows)
+        key = (2, (4, 1 if rows <= 16 else 2), 64)
+        shipped = raw_bits(_run_spec(emulated, tables["scaled"][key], case))
         assert np.array_equal(
-            _paired_bits(emulated, case, {table: PAIRED[table]}), shipped
+            shipped, raw_bits(_run_spec(emulated, tensor_qmm.SCALED_SPECS[key], case))
         )
-    if form == "scaled":
-        case = _fixed_case(rows, 512, 200, 4, 64, mx.bfloat16, rows)
-        shipped = raw_bits(_kernel(case))
-        for slips in PAIRED_SLIPS.values():
-            assert not np.array_equal(
-                _paired_bits(emulated, case, {"scaled": slips}), shipped
-            )
+        for slip in slips[variant]:
+            if key not in PAIRED_SLIPS[slip]:  # (a form the variant leaves alone)
+                continue
+            got = raw_bits(_run_spec(emulated, PAIRED_SLIPS[slip][key], case))
+            assert not np.array_equal(got, shipped), slip
 
 
-def test_paired_stage_switch_builds_the_texts_at_import() -> None:
-    """``DFLASH_QMM_PAIRED_STAGE`` (read at import; off by default) builds every
-    non-direct, non-8-bit form with the paired stage, and only those; a bad value
-    keeps the import working and fails the switch's check with its name."""
+def test_staging_switches_build_the_texts_at_import() -> None:
+    """``DFLASH_QMM_PAIRED_STAGE`` and ``DFLASH_QMM_LEAN_ISSUE`` (read at import; off
+    by default) build the forms they serve with their edits, and only those (not
+    8-bit, not direct; the lean issue not on two row tiles with the paired stage); a
+    bad value keeps the import working and fails the switch's check with its name."""
     assert tensor_qmm.PAIRED_STAGE is tensor_qmm.PAIRED_STAGE_DEFAULT is False
-    assert all("dfl_paired" not in spec.body for spec in tensor_qmm.SPECS)
+    assert tensor_qmm.LEAN_ISSUE is tensor_qmm.LEAN_ISSUE_DEFAULT is False
+    assert not any(
+        "dfl_paired" in spec.body or "dfl_cp16" in spec.body
+        for spec in tensor_qmm.SPECS
+    )
+    probes = (
+        "'dfl_paired_load' in t.SCALED_SPECS[(2, (4, 1), 64)].body",
+        "'pair.y' in t.DENORMAL_SPECS[(2, (4, 1), 64)].body",
+        "'pair.y' in t.SCALED_SPECS[(2, (4, 1), 32)].body",
+        "'dfl_paired' in t.SCALED_SPECS[(2, (8, 1), 64)].body",
+        "'dfl_paired' in t.DIRECT_SPECS[(2, 64)].body",
+        "'dfl_paired_load' in t.K2_SPECS[(0, 1)].body",
+        "'dfl_cp16' in t.SCALED_SPECS[(2, (4, 1), 64)].body",
+        "'dfl_cp16' in t.SCALED_SPECS[(2, (4, 2), 64)].body",
+        "'dfl_cp16' in t.SCALED_SPECS[(2, (8, 1), 64)].body",
+        "'dfl_cp16' in t.DIRECT_SPECS[(2, 64)].body",
+        "'dfl_cp16' in t.K2_SPECS[(0, 2)].body",
+    )
     code = (
         "import dflash.metal.tensor_qmm as t; "
-        "print(t.PAIRED_STAGE, "
-        "'dfl_paired_load' in t.SCALED_SPECS[(2, (4, 1), 64)].body, "
-        "'pair.y' in t.DENORMAL_SPECS[(2, (4, 1), 64)].body, "
-        "'pair.y' in t.SCALED_SPECS[(2, (4, 1), 32)].body, "
-        "'dfl_paired' in t.SCALED_SPECS[(2, (8, 1), 64)].body, "
-        "'dfl_paired' in t.DIRECT_SPECS[(2, 64)].body, "
-        "'dfl_paired_load' in t.K2_SPECS[(0, 1)].body)"
+        f"print(t.PAIRED_STAGE, t.LEAN_ISSUE, {', '.join(probes)})"
     )
-    for value, expected in (
-        ("1", "True True True False False False True"),
-        ("0", "False False False False False False False"),
-    ):
-        env = dict(os.environ, DFLASH_QMM_PAIRED_STAGE=value)
+    cases = {
+        ("1", "0"): "True False True True False False False True" + " False" * 5,
+        ("0", "1"): "False True" + " False" * 6 + " True True False False True",
+        ("1", "1"): "True True True True False False False True"
+        + " True False False False False",
+        ("0", "0"): "False False" + " False" * 11,
+    }
+    for (paired, lean), expected in cases.items():
+        env = dict(
+            os.environ, DFLASH_QMM_PAIRED_STAGE=paired, DFLASH_QMM_LEAN_ISSUE=lean
+        )
         done = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True
         )
         assert done.returncode == 0, done.stderr
-        assert done.stdout.split() == expected.split()
-    env = dict(os.environ, DFLASH_QMM_PAIRED_STAGE="maybe")
-    done = subprocess.run(
-        [sys.executable, "-c", code + "; t.paired_stage()"],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert done.stdout.split()[0] == "False" and done.returncode != 0
-    assert "DFLASH_QMM_PAIRED_STAGE must be 0 or 1" in done.stderr
+        assert done.stdout.split() == expected.split(), (paired, lean)
+    for switch, check in (
+        ("DFLASH_QMM_PAIRED_STAGE", "t.paired_stage()"),
+        ("DFLASH_QMM_LEAN_ISSUE", "t.lean_issue()"),
+    ):
+        env = dict(os.environ, **{switch: "maybe"})
+        done = subprocess.run(
+            [sys.executable, "-c", code + "; " + check],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert done.stdout.split()[:2] == ["False", "False"] and done.returncode != 0
+        assert f"{switch} must be 0 or 1" in done.stderr
 
 
 def test_emulated_scaled_form_is_built_for_its_group_size(tensor_emulator) -> None:

@@ -75,6 +75,7 @@ MAX_SLOTS = 2048
 # The helper texts (inline PTX) the shim below emulates; cut out of a spec's helpers.
 EMULATED_HELPERS = (
     tensor_qmm._HELPERS,
+    tensor_qmm._LEAN_HELPERS,
     tensor_attention.TENSOR_HELPERS,
     tensor_qmm._SCALED_HELPERS,
     tensor_qmm.launch_bounds(128),
@@ -414,6 +415,20 @@ inline void dfl_copy16(unsigned char* dst, const unsigned char* src, bool fast) 
     std::abort();  // cp.async would fault on a misaligned source
   }
   dfl_queue(dst, src, 16, true);
+}
+// The lean issue's (tensor_qmm.LEAN_ISSUE): a shared-state-space address is the offset
+// into the running CTA's shared memory; its 16-byte cp.async faults on a misaligned source.
+inline uint32_t dfl_shared_address(const void* p) {
+  return uint32_t(static_cast<const unsigned char*>(p) - dfl_shared_now());
+}
+inline void dfl_cp16(uint32_t dst, const unsigned char* src) {
+  if (reinterpret_cast<size_t>(src) & 15) std::abort();
+  dfl_queue(dfl_shared_now() + dst, src, 16, true);
+}
+// Its copies where a pointer is not 16-byte aligned: plain 16-bit loads and stores.
+inline void dfl_copy_plain(unsigned char* dst, const unsigned char* src, int n) {
+  dfl_check_shared(dst, 2 * n);
+  std::memcpy(dst, src, 2 * n);
 }
 inline void dfl_copy_small(unsigned char* dst, const unsigned char* src, int bytes, bool fast) {
   if (bytes != 4 && bytes != 8 && bytes != 16) std::abort();  // no such cp.async size

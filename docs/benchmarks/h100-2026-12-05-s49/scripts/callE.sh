@@ -1,9 +1,10 @@
 #!/bin/bash
 # session 49, call E: the matmul's `cuda` tests with the session-49 switches as given in the environment
-# (DFLASH_QMM_DENORMAL_Q4=1, and DFLASH_QMM_PAIRED_STAGE as call D decided), in parallel processes.
+# (DFLASH_QMM_DENORMAL_Q4=1, and DFLASH_QMM_PAIRED_STAGE / DFLASH_QMM_LEAN_ISSUE as call D decided), in parallel
+# processes.
 set -u
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 DFLASH_QMM_DENORMAL_Q4=1
-echo "paired=${DFLASH_QMM_PAIRED_STAGE:-unset} denormal=$DFLASH_QMM_DENORMAL_Q4"
+echo "paired=${DFLASH_QMM_PAIRED_STAGE:-unset} lean=${DFLASH_QMM_LEAN_ISSUE:-unset} denormal=$DFLASH_QMM_DENORMAL_Q4"
 mkdir -p $OUT/E
 P="python3 -m pytest -q -p no:cacheprovider -rf"
 Q=tests/test_tensor_qmm.py
