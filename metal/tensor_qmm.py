@@ -1271,23 +1271,33 @@ _SCALAR_MERGE = "\n".join(
         + len("      } else {\n") : -len("      }\n")
     ].split("\n")
 )
-# Read at import, where a bad value cannot fail closed without breaking the import:
-# it is the default there, and the next bind raises on it (vector_merge()).
-_VECTOR_MERGE_SWITCH = backend.env_switch(VECTOR_MERGE_ENV)
-VECTOR_MERGE = (
-    VECTOR_MERGE_DEFAULT if _VECTOR_MERGE_SWITCH is None else _VECTOR_MERGE_SWITCH
-)
+
+
+def _import_switch(name: str, default: bool) -> bool:
+    """A switch read at import (the forms' texts are built then), where a bad value
+    cannot fail closed without breaking the import: it is ``default`` there, and the
+    next bind raises on it (:func:`_checked_import_switch`)."""
+    value = backend.env_switch(name)
+    return default if value is None else value
+
+
+def _checked_import_switch(name: str, value: bool) -> bool:
+    """``value`` (a switch taken at import) once ``name``'s setting is an on/off word.
+
+    Raises:
+        ValueError: ``name`` is set to something that is not an on/off word.
+    """
+    backend.strict_switch(name, None)
+    return value
+
+
+VECTOR_MERGE = _import_switch(VECTOR_MERGE_ENV, VECTOR_MERGE_DEFAULT)
 
 
 def vector_merge() -> bool:
-    """Which merge the forms carry (:data:`VECTOR_MERGE`, taken at import).
-
-    Raises:
-        ValueError: ``DFLASH_QMM_VECTOR_MERGE`` is set to something that is not an
-            on/off word.
-    """
-    backend.strict_switch(VECTOR_MERGE_ENV, None)
-    return VECTOR_MERGE
+    """Which merge the forms carry (:data:`VECTOR_MERGE`, taken at import; raises on a
+    bad ``DFLASH_QMM_VECTOR_MERGE``)."""
+    return _checked_import_switch(VECTOR_MERGE_ENV, VECTOR_MERGE)
 
 
 # The paired stage (session 49; ``DFLASH_QMM_PAIRED_STAGE=1``, read at import: the forms'
@@ -1306,21 +1316,13 @@ def vector_merge() -> bool:
 # the same bits. Not the direct form (its own staging).
 PAIRED_STAGE_DEFAULT = False
 PAIRED_STAGE_ENV = "DFLASH_QMM_PAIRED_STAGE"
-_PAIRED_STAGE_SWITCH = backend.env_switch(PAIRED_STAGE_ENV)
-PAIRED_STAGE = (
-    PAIRED_STAGE_DEFAULT if _PAIRED_STAGE_SWITCH is None else _PAIRED_STAGE_SWITCH
-)
+PAIRED_STAGE = _import_switch(PAIRED_STAGE_ENV, PAIRED_STAGE_DEFAULT)
 
 
 def paired_stage() -> bool:
-    """Whether the forms carry the paired stage (:data:`PAIRED_STAGE`, taken at import).
-
-    Raises:
-        ValueError: ``DFLASH_QMM_PAIRED_STAGE`` is set to something that is not an
-            on/off word.
-    """
-    backend.strict_switch(PAIRED_STAGE_ENV, None)
-    return PAIRED_STAGE
+    """Whether the forms carry the paired stage (:data:`PAIRED_STAGE`, taken at import;
+    raises on a bad ``DFLASH_QMM_PAIRED_STAGE``)."""
+    return _checked_import_switch(PAIRED_STAGE_ENV, PAIRED_STAGE)
 
 
 # The lean issue (session 49; ``DFLASH_QMM_LEAN_ISSUE=1``, read at import; off): the
@@ -1336,19 +1338,13 @@ def paired_stage() -> bool:
 # not two row tiles (17-32 rows) with the paired stage: those spill at 128 registers.
 LEAN_ISSUE_DEFAULT = False
 LEAN_ISSUE_ENV = "DFLASH_QMM_LEAN_ISSUE"
-_LEAN_ISSUE_SWITCH = backend.env_switch(LEAN_ISSUE_ENV)
-LEAN_ISSUE = LEAN_ISSUE_DEFAULT if _LEAN_ISSUE_SWITCH is None else _LEAN_ISSUE_SWITCH
+LEAN_ISSUE = _import_switch(LEAN_ISSUE_ENV, LEAN_ISSUE_DEFAULT)
 
 
 def lean_issue() -> bool:
-    """Whether the forms carry the lean issue (:data:`LEAN_ISSUE`, taken at import).
-
-    Raises:
-        ValueError: ``DFLASH_QMM_LEAN_ISSUE`` is set to something that is not an
-            on/off word.
-    """
-    backend.strict_switch(LEAN_ISSUE_ENV, None)
-    return LEAN_ISSUE
+    """Whether the forms carry the lean issue (:data:`LEAN_ISSUE`, taken at import;
+    raises on a bad ``DFLASH_QMM_LEAN_ISSUE``)."""
+    return _checked_import_switch(LEAN_ISSUE_ENV, LEAN_ISSUE)
 
 
 def merge_body(vector: bool) -> str:

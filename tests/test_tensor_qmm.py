@@ -1137,23 +1137,7 @@ def _assert_merge_variant_bits(emulated, variant: str, case) -> None:
 
 def _variant_bits(emulated, variant: str, case) -> np.ndarray:
     """``case``'s output bits under the variant's forms (one of them launched)."""
-    specs = SAME_BITS_VARIANTS[variant]
-    # The emulator holds the specs built at import (a spec is known by identity).
-    with pytest.MonkeyPatch.context() as patch:
-        for key, spec in specs.items():
-            patch.setitem(tensor_qmm.FORM_SPECS[(False, 2)], key, spec)
-        tensor_qmm.launch_plan.cache_clear()
-        launched = []
-
-        def launch(spec, *args, **kwargs):
-            launched.append(spec)
-            return emulated.launch(spec, *args, **kwargs)
-
-        patch.setattr(qmm.groups, "launch_groups", launch)
-        bits = raw_bits(_kernel(case))
-        assert any(spec in specs.values() for spec in launched)
-    tensor_qmm.launch_plan.cache_clear()
-    return bits
+    return _bits_with_specs(emulated, case, {"form": SAME_BITS_VARIANTS[variant]})
 
 
 @settings(max_examples=16, deadline=None, suppress_health_check=_FIXTURES)
@@ -2435,9 +2419,10 @@ def test_emulated_denormal_switch_keeps_the_bits_through_bind(
     assert np.array_equal(on, off)
 
 
-def _paired_bits(emulated, case, tables: dict) -> np.ndarray:
+def _bits_with_specs(emulated, case, tables: dict) -> np.ndarray:
     """``case``'s output bits with the given specs in place of the shipped ones
-    (``tables``: table name to {key: spec}); asserts that one of them launched."""
+    (``tables``: table name to {key: spec}); asserts that one of them launched. The
+    emulator holds the specs built at import (a spec is known by identity)."""
     shipped = {
         "form": tensor_qmm.FORM_SPECS[(False, 2)],
         "scaled": tensor_qmm.SCALED_SPECS,
@@ -2496,7 +2481,7 @@ def test_emulated_staging_variants_give_the_shipped_bits(
             case = (x, *mx.quantize(dense, group_size=group, bits=4), 4, group)
         shipped = raw_bits(_kernel(case))
         table = "form" if form in ("unscaled", "dense") else form
-        got = _paired_bits(emulated, case, {table: tables[table]})
+        got = _bits_with_specs(emulated, case, {table: tables[table]})
         assert np.array_equal(got, shipped)
     monkeypatch.setattr(emulated, "misaligned", False)
     slips = {"paired": ("unpaired-x", "crossed-scales"), "lean": ("stuck-ring",)}
