@@ -309,8 +309,8 @@ RAN_ON_THE_H200 |= {
 # computed, so the names as they ran are pinned by a digest in the test below.
 # Session 49 (docs/benchmarks/h100-2026-12-05-s49, call A, on an H100) made the vector
 # merge the default, which renamed every form but the split sum, and ran the `cuda`
-# tests with the default switches in parallel processes: the matmul's (every scaled
-# kernel of one and two K groups, the dense and scaled forms on every Glimmer shape,
+# tests with the default switches (and DFLASH_QMM_DENORMAL_Q4=1) in parallel
+# processes: the matmul's (every scaled kernel of one and two K groups, the dense and scaled forms on every Glimmer shape,
 # member-major, leading shapes, the merged split), the scaled SwiGLU forms' 16, the
 # cluster form's, test_verify_kernels', the traced layers', the wired cache's and the
 # 20 bitwise kernel-patch tests: 238 passed, and none failed but the denormal decode's
