@@ -1301,20 +1301,27 @@ def vector_merge() -> bool:
     return _checked_import_switch(VECTOR_MERGE_ENV, VECTOR_MERGE)
 
 
-# The paired stage (session 49; ``DFLASH_QMM_PAIRED_STAGE=1``, read at import: the forms'
-# texts are built then; off): after a chunk's copies land, each thread rewrites the
-# pieces it copied itself into the order the lanes read them, before the barrier that
-# publishes the stage (its own cp.async copies are the ones its wait covered), so the
-# chunk loop's reads need no permutes:
-# * x's 16-byte pieces as the lanes' pairs (e_p, e_{p+4}): 2 pieces a thread a chunk
-#   at 16 rows with two K groups, where every warp permuted 8 pieces' worth a chunk;
+# The paired stage (sessions 49-50; ``DFLASH_QMM_PAIRED_STAGE=1``, read at import: the
+# forms' texts are built then; off): after a chunk's copies land, each thread rewrites
+# the pieces it copied itself into the order the lanes read them, before the barrier
+# that publishes the stage (its own cp.async copies are the ones its wait covered), so
+# the chunk loop's reads need no permutes:
+# * x: a thread copies the same piece of rows r and r + 8 of an m-tile (4-bit: 32
+#   pieces a row, so 4 or 8 rows between a thread's copies); it writes the lanes' pairs
+#   (e_p, e_{p+4}) of both as the mma's A operands, (p0, q0, p1, q1) at row r's place
+#   and (p2, q2, p3, q3) at row r + 8's, so a lane reads each mma's four operand
+#   registers with one 16-byte load. (Session 49's first version kept each row's pairs
+#   in its own place: nvcc then paid ~105 register moves a chunk to put them in the
+#   operands' order, more than the 48 permutes it removed; benchmarks.sass_census.)
 # * with a constant group of 64 or 128 (the scaled forms), each column's scales and
 #   biases as the pairs (s, s), (b, b) of a group side by side, so a lane takes both
 #   with one 8-byte load when a group opens (with the denormal decode's exponent
 #   raised there too), where it made two 16-bit loads and two permutes.
-# Session 48's profile counted 48 of the 4-bit form's ~496 instructions a warp a chunk
-# as these permutes (32 for x, 16 for the scales). The same values reach the mma, so
-# the same bits. Not the direct form (its own staging).
+# A high row past the call's rows is not copied: its place takes the low row's pairs
+# (its own zeros are then never read), so the zeros written at the start are followed
+# by a barrier. The same values reach the mma, so the same bits. 4-bit only (the dense
+# forms' rows r and r + 8 are copied by threads of different warps), not the direct
+# form (its own staging).
 PAIRED_STAGE_DEFAULT = False
 PAIRED_STAGE_ENV = "DFLASH_QMM_PAIRED_STAGE"
 PAIRED_STAGE = _import_switch(PAIRED_STAGE_ENV, PAIRED_STAGE_DEFAULT)
@@ -1335,8 +1342,8 @@ def paired_stage() -> bool:
 # weight row's source pointer is worked out once, the shared addresses are 32-bit from
 # one conversion, the aligned test is taken once a chunk around all copies, x's rows
 # advance by a step, and the ring's read and write slots are counters. The same copies
-# of the same bytes, so the same bits. Not the direct form (its own staging), not 8-bit,
-# not two row tiles (17-32 rows) with the paired stage: those spill at 128 registers.
+# of the same bytes, so the same bits. Not the direct form (its own staging), not 8-bit
+# (its two-row-tile forms spill at 128 registers).
 LEAN_ISSUE_DEFAULT = False
 LEAN_ISSUE_ENV = "DFLASH_QMM_LEAN_ISSUE"
 LEAN_ISSUE = _import_switch(LEAN_ISSUE_ENV, LEAN_ISSUE_DEFAULT)
@@ -1427,43 +1434,68 @@ _SCALED_EDITS = (
 
 # The paired stage (see PAIRED_STAGE): helpers, and edits of the body (old, new).
 _PAIRED_HELPERS = r"""
-// A 16-byte piece of eight 16-bit elements as the lanes' pairs (dfl_pairs' registers).
-DFL_FN uint4 dfl_paired(uint4 v) {
-  uint32_t r[4];
-  dfl_pairs(v, r);
-  const uint4 out = {r[0], r[1], r[2], r[3]};
-  return out;
+// A thread's own pieces of x rows r (low) and r + 8 (high) of an m-tile rewritten as
+// the mma's A operands: with p, q the lanes' pairs of each (dfl_pairs), (p0, q0, p1, q1)
+// at the low row's place and (p2, q2, p3, q3) at the high row's. A high row past the
+// call's rows is zeros (its place is not read: it may hold an earlier chunk's pairs).
+DFL_FN void dfl_interleave(unsigned char* low, unsigned char* high, bool has_high) {
+  uint32_t p[4];
+  uint32_t q[4] = {0u, 0u, 0u, 0u};
+  dfl_pairs(*reinterpret_cast<const uint4*>(low), p);
+  if (has_high) {
+    dfl_pairs(*reinterpret_cast<const uint4*>(high), q);
+  }
+  const uint4 a = {p[0], q[0], p[1], q[1]};
+  const uint4 b = {p[2], q[2], p[3], q[3]};
+  *reinterpret_cast<uint4*>(low) = a;
+  *reinterpret_cast<uint4*>(high) = b;
 }
-// A paired piece's registers.
-DFL_FN void dfl_paired_load(const unsigned char* p, uint32_t* r) {
-  const uint4 v = *reinterpret_cast<const uint4*>(p);
-  r[0] = v.x;
-  r[1] = v.y;
-  r[2] = v.z;
-  r[3] = v.w;
+// A lane's x operands of an m-tile from the interleaved rows (one 16-byte load each).
+DFL_FN void dfl_interleaved_load(const unsigned char* low, const unsigned char* high,
+                                 uint32_t* lo, uint32_t* hi) {
+  const uint4 a = *reinterpret_cast<const uint4*>(low);
+  const uint4 b = *reinterpret_cast<const uint4*>(high);
+  lo[0] = a.x;
+  hi[0] = a.y;
+  lo[1] = a.z;
+  hi[1] = a.w;
+  lo[2] = b.x;
+  hi[2] = b.y;
+  lo[3] = b.z;
+  hi[3] = b.w;
 }
 """
 _PAIRED_WAIT = "    dfl_wait<STAGES - 2>();\n    DFL_BARRIER();\n"
 _PAIRED_X = """    dfl_wait<STAGES - 2>();
     {
-      // This thread's own x pieces of the chunk (the copies its wait covered) as the
-      // lanes' pairs; the barrier below publishes them.
+      // This thread's own x pieces of the chunk (the copies its wait covered; it copies
+      // rows r and r + 8 of a tile both) as the mma's operands; the barrier below
+      // publishes them.
+      static_assert(8 % X_STEP == 0, "a thread copies rows r and r + 8 both");
       unsigned char* pieces = smem + (i % STAGES) * STAGE_BYTES + x_shared;
-      for (int r = x_first; r < n_rows; r += X_STEP) {
-        uint4* piece = reinterpret_cast<uint4*>(pieces + (r - x_first) * SX);
-        *piece = dfl_paired(*piece);
+      #pragma unroll 1
+      for (int k = 0; k < XROWS / X_STEP; ++k) {
+        const int r = x_first + k * X_STEP;
+        if ((r & 8) == 0 && r < n_rows) {
+          unsigned char* low = pieces + k * X_STEP * SX;
+          dfl_interleave(low, low + 8 * SX, r + 8 < n_rows);
+        }
       }
     }
 {pair_scales}    DFL_BARRIER();
 """
-_PAIRED_X_READS = (
+_PAIRED_EDITS = (
     (
-        "        dfl_pairs(*reinterpret_cast<const uint4*>(row), lo[mt]);\n",
-        "        dfl_paired_load(row, lo[mt]);\n",
+        "        dfl_pairs(*reinterpret_cast<const uint4*>(row), lo[mt]);\n"
+        "        dfl_pairs(*reinterpret_cast<const uint4*>(row + 8 * SX), hi[mt]);\n",
+        "        dfl_interleaved_load(row, row + 8 * SX, lo[mt], hi[mt]);\n",
     ),
     (
-        "        dfl_pairs(*reinterpret_cast<const uint4*>(row + 8 * SX), hi[mt]);\n",
-        "        dfl_paired_load(row + 8 * SX, hi[mt]);\n",
+        # A high row past the call's rows takes its low row's pairs at the first chunk:
+        # every thread's zeros must be down before (they would overwrite them).
+        "                              (p % X_PIECES) * 16) = zeros;\n  }\n",
+        "                              (p % X_PIECES) * 16) = zeros;\n  }\n"
+        "  DFL_BARRIER();\n",
     ),
 )
 # A column's (s, s), (b, b) pairs of group g at byte 8 g of the column's 32 bytes of
@@ -1606,7 +1638,7 @@ def _paired(body: str, scales: Optional[str]) -> str:
         raise RuntimeError("the matmul body has changed: its chunk wait")
     pair_scales = "" if scales is None else _PAIR_SCALES.replace("{pair_scale}", scales)
     body = body.replace(_PAIRED_WAIT, _PAIRED_X.replace("{pair_scales}", pair_scales))
-    for old, new in _PAIRED_X_READS:
+    for old, new in _PAIRED_EDITS:
         if body.count(old) != 1:
             raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
         body = body.replace(old, new)
@@ -1656,8 +1688,8 @@ def _spec(
         helper = "dfl_q4_denorm" if denormal else _SCALED_Q4_HELPER
         load_b = load_b.replace("dfl_q4(", helper + "(")
     open_scaled = _OPEN_SCALED.replace(*_DENORMAL_SCALE) if denormal else _OPEN_SCALED
-    # (Not 8-bit: its two-row-tile forms sit at the register cap and spill with it.)
-    paired = PAIRED_STAGE and not layout.direct and layout.bits != 8
+    # (4-bit only: there a thread copies rows r and r + 8 of a tile both.)
+    paired = PAIRED_STAGE and not layout.direct and layout.bits == 4
     pair_scales = paired and scaled and group_size in (64, 128)
     if pair_scales:
         open_scaled = _OPEN_PAIRED
@@ -1675,9 +1707,8 @@ def _spec(
         if denormal:
             scale = f"dfl_denorm_scale({scale}, tag)"
         body = _paired(body, scale if pair_scales else None)
-    # (Not 8-bit either, nor two row tiles with the paired stage: those spill.)
+    # (Not 8-bit either: its two-row-tile forms spill with it.)
     lean = LEAN_ISSUE and not layout.direct and layout.bits != 8
-    lean = lean and not (paired and layout.mtiles == 2)
     if lean:  # (after the paired stage: its slot arithmetic is made a counter too)
         body = _lean(body)
     edits = (_SCALED_EDITS if scaled else ()) + (

@@ -991,7 +991,7 @@ def _staging_tables(name: str) -> dict:
 STAGING = {name: _staging_tables(name) for name in ("paired", "lean", "paired-lean")}
 PAIRED = STAGING["paired"]
 _PAIRED_SLIPS = {
-    "unpaired-x": ("*piece = dfl_paired(*piece);", "(void)piece;"),
+    "unpaired-x": ("dfl_interleave(low, low + 8 * SX, r + 8 < n_rows);", "(void)low;"),
     "crossed-scales": ("s2[t] = pair.x;\n          b2[t] = pair.y;", "s2[t] = pair.y;\n          b2[t] = pair.x;"),
 }  # fmt: skip
 PAIRED_SLIPS = {
@@ -2502,22 +2502,22 @@ def test_emulated_staging_variants_give_the_shipped_bits(
 
 def test_staging_switches_build_the_texts_at_import() -> None:
     """``DFLASH_QMM_PAIRED_STAGE`` and ``DFLASH_QMM_LEAN_ISSUE`` (read at import; off
-    by default) build the forms they serve with their edits, and only those (not
-    8-bit, not direct; the lean issue not on two row tiles with the paired stage); a
+    by default) build the forms they serve with their edits, and only those (the
+    paired stage 4-bit only, the lean issue not 8-bit, neither direct); a
     bad value keeps the import working and fails the switch's check with its name."""
     assert tensor_qmm.PAIRED_STAGE is tensor_qmm.PAIRED_STAGE_DEFAULT is False
     assert tensor_qmm.LEAN_ISSUE is tensor_qmm.LEAN_ISSUE_DEFAULT is False
     assert not any(
-        "dfl_paired" in spec.body or "dfl_cp16" in spec.body
+        "dfl_interleave" in spec.body or "dfl_cp16" in spec.body
         for spec in tensor_qmm.SPECS
     )
     probes = (
-        "'dfl_paired_load' in t.SCALED_SPECS[(2, (4, 1), 64)].body",
+        "'dfl_interleaved_load' in t.SCALED_SPECS[(2, (4, 1), 64)].body",
         "'pair.y' in t.DENORMAL_SPECS[(2, (4, 1), 64)].body",
         "'pair.y' in t.SCALED_SPECS[(2, (4, 1), 32)].body",
-        "'dfl_paired' in t.SCALED_SPECS[(2, (8, 1), 64)].body",
-        "'dfl_paired' in t.DIRECT_SPECS[(2, 64)].body",
-        "'dfl_paired_load' in t.K2_SPECS[(0, 1)].body",
+        "'dfl_interleave' in t.SCALED_SPECS[(2, (8, 1), 64)].body",
+        "'dfl_interleave' in t.DIRECT_SPECS[(2, 64)].body",
+        "'dfl_interleave' in t.K2_SPECS[(0, 1)].body",
         "'dfl_cp16' in t.SCALED_SPECS[(2, (4, 1), 64)].body",
         "'dfl_cp16' in t.SCALED_SPECS[(2, (4, 2), 64)].body",
         "'dfl_cp16' in t.SCALED_SPECS[(2, (8, 1), 64)].body",
@@ -2529,10 +2529,10 @@ def test_staging_switches_build_the_texts_at_import() -> None:
         f"print(t.PAIRED_STAGE, t.LEAN_ISSUE, {', '.join(probes)})"
     )
     cases = {
-        ("1", "0"): "True False True True False False False True" + " False" * 5,
+        ("1", "0"): "True False True True False False False False" + " False" * 5,
         ("0", "1"): "False True" + " False" * 6 + " True True False False True",
-        ("1", "1"): "True True True True False False False True"
-        + " True False False False False",
+        ("1", "1"): "True True True True False False False False"
+        + " True True False False True",
         ("0", "0"): "False False" + " False" * 11,
     }
     for (paired, lean), expected in cases.items():
