@@ -613,6 +613,7 @@ def variant(
     scaled_specs = dict(tensor_qmm.SCALED_SPECS)
     direct_specs = dict(tensor_qmm.DIRECT_SPECS)
     denormal_specs = dict(tensor_qmm.DENORMAL_SPECS)
+    swiglu_specs = dict(tensor_qmm.SWIGLU_SCALED_SPECS)
     layout_x_stride = tensor_qmm.Layout.x_stride
     try:
         if x_stride is not None:
@@ -640,6 +641,7 @@ def variant(
         tensor_qmm.SCALED_SPECS.update(scaled_specs)
         tensor_qmm.DIRECT_SPECS.update(direct_specs)
         tensor_qmm.DENORMAL_SPECS.update(denormal_specs)
+        tensor_qmm.SWIGLU_SCALED_SPECS.update(swiglu_specs)
         tensor_qmm.launch_plan.cache_clear()
         tensor_qmm._wave_split.cache_clear()
 
@@ -690,6 +692,14 @@ def _rebuild(constant_group: bool = True, direct: bool = False) -> None:
             k_groups=groups,
             scaled=True,
             group_size=size if constant_group else None,
+        )
+    for groups, key, size in tensor_qmm.SWIGLU_SCALED_SPECS:
+        tensor_qmm.SWIGLU_SCALED_SPECS[(groups, key, size)] = tensor_qmm._spec(
+            tensor_qmm.LAYOUTS[key],
+            k_groups=groups,
+            swiglu=True,
+            scaled=True,
+            group_size=size,
         )
     for groups, key, size in tensor_qmm.DENORMAL_SPECS:
         tensor_qmm.DENORMAL_SPECS[(groups, key, size)] = tensor_qmm._spec(

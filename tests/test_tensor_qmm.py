@@ -962,8 +962,9 @@ DENORM_SPECS = {
 # x only at 32), denormal and unscaled, each built with it; and its negative controls:
 # x's pieces left unpaired, and the scale pair read as the bias pair.
 def _staging_tables(name: str) -> dict:
-    """The default (two-K-group) dense and 4-bit forms, unscaled, scaled and denormal,
-    built under a ``matmul_variants`` variant: table name to {key: spec}."""
+    """The default (two-K-group) dense and 4-bit forms, unscaled, scaled, denormal and
+    scaled SwiGLU, built under a ``matmul_variants`` variant: table name to
+    {key: spec}."""
     with matmul_variants.variant(**matmul_variants.VARIANTS[name]):
         tables = {
             "form": {
@@ -975,6 +976,7 @@ def _staging_tables(name: str) -> dict:
         for table, specs in (
             ("scaled", tensor_qmm.SCALED_SPECS),
             ("denormal", tensor_qmm.DENORMAL_SPECS),
+            ("swiglu", tensor_qmm.SWIGLU_SCALED_SPECS),
         ):
             tables[table] = {
                 key: spec
@@ -1015,6 +1017,18 @@ PAIRED_SLIPS["stuck-ring"] = {
     if key[2] == 64 and _READ_ADVANCE in spec.body  # (lean: not everywhere)
 }
 assert PAIRED_SLIPS["stuck-ring"]
+# The same slip in the paired SwiGLU forms: x's pieces left as copied.
+SWIGLU_UNPAIRED = {
+    key: dataclasses.replace(
+        spec,
+        base=spec.base + "_unpaired_x",
+        body=spec.body.replace(*_PAIRED_SLIPS["unpaired-x"]),
+    )
+    for key, spec in PAIRED["swiglu"].items()
+}
+assert all(
+    spec.body != PAIRED["swiglu"][key].body for key, spec in SWIGLU_UNPAIRED.items()
+)
 assert all(
     spec.body != STAGING[name]["scaled"][key].body
     for name, slips in (
@@ -1062,6 +1076,7 @@ def tensor_emulator(tmp_path_factory):
             for spec in specs.values()
         )
         + tuple(spec for specs in PAIRED_SLIPS.values() for spec in specs.values())
+        + tuple(SWIGLU_UNPAIRED.values())
     )
     emulator = TensorEmulator(tmp_path_factory.mktemp("tensor_emulator"), specs, GXX)
     assert emulator.build.ok, emulator.build.log
@@ -2498,6 +2513,55 @@ def test_emulated_staging_variants_give_the_shipped_bits(
                 continue
             got = raw_bits(_run_spec(emulated, PAIRED_SLIPS[slip][key], case))
             assert not np.array_equal(got, shipped), slip
+
+
+@pytest.mark.parametrize("rows", [1, 16, 32])
+@pytest.mark.parametrize("variant", ["paired", "lean", "paired-lean"])
+def test_emulated_staging_variants_give_the_shipped_swiglu_bits(
+    scaled, variant, rows
+) -> None:
+    """The scaled SwiGLU forms (``DFLASH_SWIGLU``, opt-in) take the staging variants
+    too (the switches are read when the forms are built): with them, the activation
+    keeps the shipped bits at one and two m-tiles, with a merged K split or none, at
+    every group size; copies landing late at 16 rows. Negative control (paired): x's
+    pieces left as copied change the bits."""
+    scaled.late = rows == 16
+    rng = np.random.default_rng(100 + rows)
+    slips = {"paired": SWIGLU_UNPAIRED}.get(variant)
+    for staged in (STAGING[variant]["swiglu"], slips):
+        if staged is not None:
+            _check_staged_swiglu(scaled, rng, rows, staged, same=staged is not slips)
+
+
+def _check_staged_swiglu(scaled, rng, rows: int, staged: dict, same: bool) -> None:
+    """Three SwiGLU calls with ``staged`` in place of the shipped forms: their bits
+    equal the shipped ones (``same``) or differ from them."""
+    for chunks, group in ((3, 64), (1, 128), (2, 32)):
+        depth = chunks * 256
+        x = rng.standard_normal((rows, depth)).astype(np.float32)
+        dense = rng.standard_normal((2 * tensor_qmm.COLUMNS, depth)) * 0.05
+        x = mx.array(x).astype(mx.bfloat16)
+        dense = mx.array(dense.astype(np.float32)).astype(mx.bfloat16)
+        case = (x, *mx.quantize(dense, group_size=group, bits=4), 4, group)
+        shipped = raw_bits(_bound(case, swiglu=True))
+        launched = []
+
+        def launch(spec, *args, **kwargs):
+            launched.append(spec)
+            return scaled.launch(spec, *args, **kwargs)
+
+        with pytest.MonkeyPatch.context() as patch:
+            for key, spec in staged.items():
+                patch.setitem(tensor_qmm.SWIGLU_SCALED_SPECS, key, spec)
+            patch.setattr(qmm.groups, "launch_groups", launch)
+            tensor_qmm.launch_plan.cache_clear()
+            got = raw_bits(_bound(case, swiglu=True))
+        tensor_qmm.launch_plan.cache_clear()
+        assert any(spec in staged.values() for spec in launched)
+        assert all(
+            spec not in tensor_qmm.SWIGLU_SCALED_SPECS.values() for spec in launched
+        )
+        assert np.array_equal(got, shipped) == same, (chunks, group)
 
 
 def test_staging_switches_build_the_texts_at_import() -> None:
