@@ -31,7 +31,8 @@ Run (from the repository root; needs nvcc)::
 
 Each variant is one of ``benchmarks.matmul_variants.VARIANTS``; ``--forms`` picks the
 kernel forms (default: :data:`DEFAULT_FORMS`, the 4-bit forms at group 64 with one and
-two row tiles, scaled, denormal, unscaled and folded, and the dense bfloat16 forms).
+two row tiles, scaled, denormal, unscaled, folded and SwiGLU, and the dense bfloat16
+forms).
 Each form is compiled alone, as NVRTC compiles it (nvcc's code for a unit changes with
 the other units in its file).
 """
@@ -384,9 +385,10 @@ def compile_spec(spec, workdir: Path) -> Kernel:
 
     if NVCC is None:
         raise RuntimeError("nvcc not found: the census compiles the kernels with it")
-    result = check_cuda(
-        [spec], workdir, NVCC, dtypes=[mx.bfloat16], flags=("-Xptxas", "-v")
-    )
+    # (-w: the SwiGLU forms' unused variables would stop nvcc's -Werror; NVRTC takes
+    # them.)
+    flags = ("-Xptxas", "-v", "-w")
+    result = check_cuda([spec], workdir, NVCC, dtypes=[mx.bfloat16], flags=flags)
     if not result.ok:
         raise RuntimeError(f"nvcc failed: {result.log[-2000:]}")
     words = kernel_words((workdir / "group_bodies.cubin").read_bytes())
@@ -415,6 +417,8 @@ def _forms() -> dict[str, Callable[[], object]]:
         "q4-m1-g64-folded": lambda: tensor_qmm._spec(
             tensor_qmm.LAYOUTS[(4, 1)], folded=True, k_groups=2, group_size=64
         ),
+        "q4-m1-g64-swiglu": lambda: tensor_qmm.SWIGLU_SCALED_SPECS[(2, (4, 1), 64)],
+        "q4-m2-g64-swiglu": lambda: tensor_qmm.SWIGLU_SCALED_SPECS[(2, (4, 2), 64)],
         "dense-m1": lambda: tensor_qmm.FORM_SPECS[(False, 2)][(0, 1)],
         "dense-m2": lambda: tensor_qmm.FORM_SPECS[(False, 2)][(0, 2)],
     }
@@ -427,6 +431,8 @@ DEFAULT_FORMS = (
     "q4-m2-g64-denormal",
     "q4-m1-g64-unscaled",
     "q4-m1-g64-folded",
+    "q4-m1-g64-swiglu",
+    "q4-m2-g64-swiglu",
     "dense-m1",
     "dense-m2",
 )

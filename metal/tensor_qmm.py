@@ -1311,8 +1311,10 @@ def vector_merge() -> bool:
 #   (e_p, e_{p+4}) of both as the mma's A operands, (p0, q0, p1, q1) at row r's place
 #   and (p2, q2, p3, q3) at row r + 8's, so a lane reads each mma's four operand
 #   registers with one 16-byte load. (Session 49's first version kept each row's pairs
-#   in its own place: nvcc then paid ~105 register moves a chunk to put them in the
+#   in its own place: nvcc then paid ~109 register moves a chunk to put them in the
 #   operands' order, more than the 48 permutes it removed; benchmarks.sass_census.)
+#   The loop over a thread's rows is not unrolled: unrolled, the two-row-tile forms
+#   spill.
 # * with a constant group of 64 or 128 (the scaled forms), each column's scales and
 #   biases as the pairs (s, s), (b, b) of a group side by side, so a lane takes both
 #   with one 8-byte load when a group opens (with the denormal decode's exponent
