@@ -126,6 +126,7 @@ WORD_BYTES = 16
 BRANCH = 0x147
 CALL = 0x144
 ALWAYS = 0x7  # the predicate field's PT, not negated
+NEVER = 0xF  # !PT
 
 # What each instruction is for, as session 48's profile grouped them.
 KINDS = {
@@ -154,6 +155,8 @@ class Instruction:
         mnemonic: The opcode's name (``"?0x..."`` when not in :data:`OPCODES`).
         target: A branch's target index (None for other instructions).
         conditional: Whether a predicate guards it (bits 12-15 other than ``PT``).
+        never: Its predicate is ``!PT``: it issues and does nothing (ptxas puts three
+            ``@!PT LDS RZ, [RZ]`` before each ``LDGSTS``).
     """
 
     index: int
@@ -161,6 +164,7 @@ class Instruction:
     mnemonic: str
     target: Optional[int]
     conditional: bool = False
+    never: bool = False
 
 
 def kernel_words(cubin: bytes) -> dict[str, list[int]]:
@@ -226,8 +230,12 @@ def decode(words: Sequence[int]) -> list[Instruction]:
                 raise ValueError(f"branch at {index} has an unaligned offset {offset}")
             target = index + 1 + offset // WORD_BYTES
         mnemonic = OPCODES.get(opcode, f"?{opcode:#05x}")
-        conditional = (word >> 12) & 0xF != ALWAYS
-        instructions.append(Instruction(index, opcode, mnemonic, target, conditional))
+        predicate = (word >> 12) & 0xF
+        instructions.append(
+            Instruction(
+                index, opcode, mnemonic, target, predicate != ALWAYS, predicate == NEVER
+            )
+        )
     return instructions
 
 
@@ -314,9 +322,10 @@ def census(instructions: Sequence[Instruction]) -> dict:
 
     Returns:
         ``kernel`` (words in the kernel), ``loop`` (head, tail, end), ``tail`` and
-        ``head`` (counts by mnemonic; the head's hot paths, :func:`hot_indices`), ``tail_kinds``
-        (the tail grouped as :data:`KINDS`, address work and other), ``mma`` (``HMMA``
-        in the tail) and their totals.
+        ``head`` (counts by mnemonic; the head's hot paths, :func:`hot_indices`),
+        ``head_never`` (the head's ``@!PT`` instructions: issued, never executed),
+        ``tail_kinds`` (the tail grouped as :data:`KINDS`, address work and other),
+        ``mma`` (``HMMA`` in the tail) and their totals.
     """
     loop = chunk_loop(instructions)
     tail = Counter(i.mnemonic for i in instructions[loop.tail : loop.end + 1])
@@ -330,6 +339,7 @@ def census(instructions: Sequence[Instruction]) -> dict:
     return {
         "kernel": len(instructions),
         "loop": {"head": loop.head, "tail": loop.tail, "end": loop.end},
+        "head_never": sum(instructions[i].never for i in hot),
         "tail_total": sum(tail.values()),
         "head_total": sum(head.values()),
         "head_cold": loop.tail - loop.head - len(hot),
@@ -473,7 +483,7 @@ def _table(rows: Sequence[dict]) -> str:
     lines = [
         f"{'form':<20} {'variant':<14} {'tail':>5} {'head':>5} {'mma':>4} "
         f"{'arith':>5} {'perm':>5} {'lds':>4} {'addr':>5} {'other':>5} {'regs':>4} "
-        f"{'spill':>5}"
+        f"{'spill':>5} {'!PT':>4}"
     ]
     for row in rows:
         kinds = row["tail_kinds"]
@@ -482,7 +492,7 @@ def _table(rows: Sequence[dict]) -> str:
             f"{row['head_total']:>5} {row['mma']:>4} {kinds.get('arithmetic', 0):>5} "
             f"{kinds.get('permute', 0):>5} {kinds.get('shared load', 0):>4} "
             f"{kinds.get('address', 0):>5} {kinds.get('other', 0):>5} "
-            f"{row['registers']:>4} {row['spilled']:>5}"
+            f"{row['registers']:>4} {row['spilled']:>5} {row['head_never']:>4}"
         )
     return "\n".join(lines)
 

@@ -133,8 +133,13 @@ def test_census_of_the_listed_form_agrees_with_the_device_listing(tmp_path) -> N
     theirs = Counter(i.mnemonic for i in listed)
     assert {m: ours[m] for m in STABLE} == {m: theirs[m] for m in STABLE}
     assert not [i for i in kernel.instructions if i.mnemonic.startswith("?")]
+    # ptxas's three never-executed `@!PT LDS RZ, [RZ]` before each LDGSTS, both sides.
+    with gzip.open(LISTING, "rt") as f:
+        listed_never = sum("@!PT" in row[1] for row in list(csv.reader(f))[2:])
+    assert sum(i.never for i in kernel.instructions) == listed_never == 86
 
     mine, device = census(kernel.instructions), census(listed)
+    assert mine["head_never"] == 3 * mine["head"]["LDGSTS"]
     kinds = ("HMMA", "HFMA2", "LOP3", "SHF", "PRMT", "LDS")
     assert {k: mine["tail"][k] for k in kinds} == {k: device["tail"][k] for k in kinds}
     assert mine["mma"] == 32  # 2 sub-chunks x 4 column tiles x 2 halves x 2 K groups
