@@ -693,22 +693,19 @@ def _rebuild(constant_group: bool = True, direct: bool = False) -> None:
             scaled=True,
             group_size=size if constant_group else None,
         )
-    for groups, key, size in tensor_qmm.SWIGLU_SCALED_SPECS:
-        tensor_qmm.SWIGLU_SCALED_SPECS[(groups, key, size)] = tensor_qmm._spec(
-            tensor_qmm.LAYOUTS[key],
-            k_groups=groups,
-            swiglu=True,
-            scaled=True,
-            group_size=size,
-        )
-    for groups, key, size in tensor_qmm.DENORMAL_SPECS:
-        tensor_qmm.DENORMAL_SPECS[(groups, key, size)] = tensor_qmm._spec(
-            tensor_qmm.LAYOUTS[key],
-            k_groups=groups,
-            scaled=True,
-            group_size=size,
-            denormal=True,
-        )
+    # The scaled SwiGLU and denormal forms, keyed (K groups, layout key, group size).
+    for table, form in (
+        (tensor_qmm.SWIGLU_SCALED_SPECS, {"swiglu": True}),
+        (tensor_qmm.DENORMAL_SPECS, {"denormal": True}),
+    ):
+        for groups, key, size in table:
+            table[(groups, key, size)] = tensor_qmm._spec(
+                tensor_qmm.LAYOUTS[key],
+                k_groups=groups,
+                scaled=True,
+                group_size=size,
+                **form,
+            )
     tensor_qmm.launch_plan.cache_clear()
     tensor_qmm._wave_split.cache_clear()
 
