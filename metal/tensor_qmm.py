@@ -1313,7 +1313,7 @@ def vector_merge() -> bool:
 #   registers with one 16-byte load. (Session 49's first version kept each row's pairs
 #   in its own place: nvcc then paid ~109 register moves a chunk to put them in the
 #   operands' order, more than the 48 permutes it removed; benchmarks.sass_census.)
-#   The loop over a thread's rows is not unrolled: unrolled, the two-row-tile forms
+#   The loop over a thread's m-tiles is not unrolled: unrolled, the two-row-tile forms
 #   spill.
 # * with a constant group of 64 or 128 (the scaled forms), each column's scales and
 #   biases as the pairs (s, s), (b, b) of a group side by side, so a lane takes both
@@ -1476,11 +1476,14 @@ _PAIRED_X = """    dfl_wait<STAGES - 2>();
       static_assert(8 % X_STEP == 0, "a thread copies rows r and r + 8 both");
       unsigned char* pieces = smem + (i % STAGES) * STAGE_BYTES + x_shared;
       #pragma unroll 1
-      for (int k = 0; k < XROWS / X_STEP; ++k) {
-        const int r = x_first + k * X_STEP;
-        if ((r & 8) == 0 && r < n_rows) {
-          unsigned char* low = pieces + k * X_STEP * SX;
-          dfl_interleave(low, low + 8 * SX, r + 8 < n_rows);
+      for (int t = 0; t < MT; ++t) {
+        #pragma unroll
+        for (int j = 0; j < 8 / X_STEP; ++j) {
+          const int r = 16 * t + x_first + j * X_STEP;  // a low row of tile t
+          if (r < n_rows) {
+            unsigned char* low = pieces + (16 * t + j * X_STEP) * SX;
+            dfl_interleave(low, low + 8 * SX, r + 8 < n_rows);
+          }
         }
       }
     }
