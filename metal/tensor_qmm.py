@@ -1342,10 +1342,12 @@ def paired_stage() -> bool:
 # address as a 64-bit generic pointer converted back, a branch on the aligned-copy test
 # and a move; the ring's slots found by a division by STAGES twice a chunk. Here each
 # weight row's source pointer is worked out once, the shared addresses are 32-bit from
-# one conversion, the aligned test is taken once a chunk around all copies, x's rows
-# advance by a step, and the ring's read and write slots are counters. The same copies
-# of the same bytes, so the same bits. Not the direct form (its own staging), not 8-bit
-# (its two-row-tile forms spill at 128 registers).
+# one conversion, the aligned test is taken once a chunk around all copies, x's copies
+# are a loop of compile-time bound, each predicated (no loop to set up; nvcc then puts
+# a chunk's copies in one run, so ptxas's three never-executed `@!PT LDS` come once a
+# run, not once a copy), and the ring's read and write slots are counters. The same
+# copies of the same bytes, so the same bits. Not the direct form (its own staging),
+# not 8-bit (its two-row-tile forms spill at 128 registers).
 LEAN_ISSUE_DEFAULT = False
 LEAN_ISSUE_ENV = "DFLASH_QMM_LEAN_ISSUE"
 LEAN_ISSUE = _import_switch(LEAN_ISSUE_ENV, LEAN_ISSUE_DEFAULT)
@@ -1584,8 +1586,12 @@ _LEAN_ISSUE_NEW = """  // Each weight row's source and x's first row, worked out
       for (int i = 0; i < COLUMNS / W_STEP; ++i) {
         dfl_cp16(at + w_shared + W_STEP * i * SW, w_rows[i] + size_t(c) * CW);
       }
-      for (int r = x_first; r < n_rows; r += X_STEP, x_row += x_step) {
-        dfl_cp16(at + x_shared + (r - x_first) * SX, x_row);
+      // A bound known at compile time, each copy predicated: no loop to set up.
+      #pragma unroll
+      for (int k = 0; k < (XROWS + X_STEP - 1) / X_STEP; ++k, x_row += x_step) {
+        if (x_first + k * X_STEP < n_rows) {
+          dfl_cp16(at + x_shared + k * X_STEP * SX, x_row);
+        }
       }
     } else {
       #pragma unroll
