@@ -170,14 +170,15 @@ VARIANTS = {
     # device keeps subnormal operands). 4-bit only: its scale edit also reaches the
     # 8-bit forms, whose results are then wrong. On the H200 (session 48): the shipped
     # bits on every Glimmer shape, 4-6 % faster with one row, 3-5 % with 16. The same
-    # kernel body as tensor_qmm.DENORMAL_SPECS (DFLASH_QMM_DENORMAL_Q4), built after.
+    # kernel body as tensor_qmm.DENORMAL_SPECS (DFLASH_QMM_DENORMAL_Q4), built after;
+    # the default since session 51, so "current" takes it too unless the switch is 0.
     "denorm4": {"edits": ("denorm-helpers", "denorm-q4", "denorm-scale")},
     # The paired stage (tensor_qmm.PAIRED_STAGE; sessions 49-50; 4-bit forms): each
     # thread rewrites the x pieces of rows r and r + 8 (and, with a constant group of
     # 64 or 128, the scales and biases) it copied into the mma's operand order, before
     # the chunk's barrier, so the chunk loop needs no permutes. Same bits. With
-    # DFLASH_QMM_DENORMAL_Q4=1 in the environment, "current" and this both take the
-    # denormal forms.
+    # With the denormal decode on (the default since session 51), "current" and
+    # this both take the denormal forms.
     "paired": {"paired": True},
     # The lean issue (tensor_qmm.LEAN_ISSUE; session 49): each weight row's source
     # worked out once, 32-bit shared addresses, one aligned-copy branch a chunk, the

@@ -548,6 +548,8 @@ def per_unit(run: Callable[[int], int], short: int, long: int) -> Dict[str, Any]
     their host µs: a graph that fails to update is instantiated again. ``api_top`` is
     the twelve CUDA runtime / driver calls with the most host µs per unit, and
     ``api_host_ms`` the host time of all of them (what the host spends inside CUDA).
+    ``top`` is the thirty kernel names launched most per unit and ``top_us`` the
+    thirty with the most device µs per unit (where a switch's time went).
     """
     units_short, short_events, short_api = profiled(lambda: run(short))
     units_long, long_events, long_api = profiled(lambda: run(long))
@@ -555,6 +557,10 @@ def per_unit(run: Callable[[int], int], short: int, long: int) -> Dict[str, Any]
     names = Counter(name[:90] for name, _, _ in long_events)
     names.subtract(name[:90] for name, _, _ in short_events)
     kernel_us = sum(d for *_, d in long_events) - sum(d for *_, d in short_events)
+    device_us: Counter = Counter()
+    for events, sign in ((long_events, 1), (short_events, -1)):
+        for name, _, duration in events:
+            device_us[name[:90]] += sign * duration
     api_calls: Dict[str, List[float]] = {}
     for events, sign in ((long_api, 1), (short_api, -1)):
         for name, _, duration in events:
@@ -577,6 +583,7 @@ def per_unit(run: Callable[[int], int], short: int, long: int) -> Dict[str, Any]
         "api_top": {name: per_call[name] for name in by_host[:12]},
         "api_host_ms": round(sum(row["host_us"] for row in per_call.values()) / 1e3, 3),
         "top": {n: round(c / units, 2) for n, c in names.most_common(30)},
+        "top_us": {n: round(us / units, 1) for n, us in device_us.most_common(30)},
     }
 
 

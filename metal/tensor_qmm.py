@@ -186,7 +186,8 @@ MAX_CLUSTER = 4
 MERGE_SPLIT_SUM = True
 # Which merge a K split's last CTA runs (see ``_MERGE_BLOCK``): the vector merge, on
 # since session 49 ran the `cuda` tests with it (an H100: 238 passed; the 15 failures
-# were the opt-in denormal decode's test fixture; docs/benchmarks/h100-2026-12-05-s49).
+# were the test fixture of the denormal decode, then opt-in; see
+# docs/benchmarks/h100-2026-12-05-s49).
 # ``DFLASH_QMM_VECTOR_MERGE=0`` / ``=1`` picks one for the process (read at import:
 # the forms' texts are built then).
 VECTOR_MERGE_DEFAULT = True
@@ -251,8 +252,10 @@ DIRECT_Q4_ENV = "DFLASH_QMM_DIRECT_Q4"
 # a call binds it only when its weight's scales all are (one reduction at bind); others
 # keep the scaled form, with the same bits. On the H200 (session 48, as
 # ``matmul_variants``' ``denorm4``): the scaled form's bits on every Glimmer shape, 4-6 %
-# less device time with one row, 3-5 % with 16. Off until its `cuda` tests have run.
-DENORMAL_Q4 = False
+# less device time with one row, 3-5 % with 16; on an H100 (session 49) a tau = 6
+# round's device time 15.36 -> 14.81 ms. On since session 51, when its `cuda` tests
+# passed on an H100; ``DFLASH_QMM_DENORMAL_Q4=0`` keeps the scaled form.
+DENORMAL_Q4 = True
 DENORMAL_Q4_ENV = "DFLASH_QMM_DENORMAL_Q4"
 DENORMAL_SCALE_LIMIT = 0.25
 # The smallest normal number of each half type (a subnormal scale's exponent cannot be
@@ -1323,7 +1326,8 @@ def vector_merge() -> bool:
 # (its own zeros are then never read), so the zeros written at the start are followed
 # by a barrier. The same values reach the mma, so the same bits. 4-bit only (the dense
 # forms' rows r and r + 8 are copied by threads of different warps), not the direct
-# form (its own staging).
+# form (its own staging). Session 51 (an H100): its `cuda` tests pass and a call is
+# 0-4 % faster, but whole rounds had ~6 % more device time with it, so it stays off.
 PAIRED_STAGE_DEFAULT = False
 PAIRED_STAGE_ENV = "DFLASH_QMM_PAIRED_STAGE"
 PAIRED_STAGE = _import_switch(PAIRED_STAGE_ENV, PAIRED_STAGE_DEFAULT)
@@ -1347,7 +1351,8 @@ def paired_stage() -> bool:
 # a chunk's copies in one run, so ptxas's three never-executed `@!PT LDS` come once a
 # run, not once a copy), and the ring's read and write slots are counters. The same
 # copies of the same bytes, so the same bits. Not the direct form (its own staging),
-# not 8-bit (its two-row-tile forms spill at 128 registers).
+# not 8-bit (its two-row-tile forms spill at 128 registers). Session 51: off for the
+# paired stage's reason (its `cuda` tests pass; whole rounds were slower with it).
 LEAN_ISSUE_DEFAULT = False
 LEAN_ISSUE_ENV = "DFLASH_QMM_LEAN_ISSUE"
 LEAN_ISSUE = _import_switch(LEAN_ISSUE_ENV, LEAN_ISSUE_DEFAULT)
@@ -2182,6 +2187,7 @@ SPECS = (
     + tuple(K2_SPECS.values())
     + tuple(SWIGLU_SPECS.values())
     + tuple(SCALED_SPECS.values())
+    + tuple(DENORMAL_SPECS.values())
     + tuple(SWIGLU_SCALED_SPECS.values())
     + (REDUCE_SPEC,)
 )

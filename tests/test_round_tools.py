@@ -249,6 +249,9 @@ def test_per_unit_is_the_steady_state_difference_of_two_runs(monkeypatch):
     assert row["kernels"] == 2.0
     assert row["busy_ms"] == 0.004 and row["kernel_ms"] == 0.004
     assert row["top"] == {"matmul": 1.0, "norm": 1.0, "prefill": 0.0}
+    # Device time per unit by kernel, most first; the prefill cancels.
+    assert row["top_us"] == {"matmul": 3.0, "norm": 1.0, "prefill": 0.0}
+    assert list(row["top_us"]) == ["matmul", "norm", "prefill"]
     assert row["graph_api"] == {
         "cudaGraphInstantiate": {"calls": 0.5, "host_us": 20.0},
         "cudaGraphLaunch": {"calls": 1.0, "host_us": 2.0},

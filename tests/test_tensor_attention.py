@@ -319,13 +319,23 @@ RAN_ON_THE_H200 |= {
 # opt-in forms they do not launch (unscaled affine, folded offset, one-K-group dense,
 # unscaled and one-K-group SwiGLU) ran with the merge before (session 43) and wait for
 # a GPU with the vector merge's texts.
+# Session 51 (docs/benchmarks/h100-2026-12-05-s51, on an H100) made the denormal decode
+# the default. Its form for up to 16 rows, two K groups and groups of 64 (the one a
+# Glimmer 4-bit verify and decode step take) ran in this text in whole DFlash rounds
+# at full size (sessions 49 and 51, five processes, lossless, our plain output equal to
+# mlx-lm's); its other forms ran only in the paired-stage / lean-issue texts (call E:
+# the denormal decode's own `cuda` test, 1 / 16 / 32 rows on every Glimmer shape), so
+# they stay recorded as not run in this text. Call F ran the opt-in forms (unscaled,
+# folded offset, one K group, unscaled SwiGLU) with the vector merge, also in the
+# paired-stage / lean-issue texts.
 _DEFAULT_LAUNCHED = (
     [tensor_qmm.K2_SPECS[(0, 1)], tensor_qmm.K2_SPECS[(0, 2)]]
     + list(tensor_qmm.SCALED_SPECS.values())
     + [s for k, s in tensor_qmm.SWIGLU_SCALED_SPECS.items() if k[0] == 2]
+    + [tensor_qmm.DENORMAL_SPECS[(2, (4, 1), 64)]]
 )
 MATMUL_RAN = {spec.name("cuda") for spec in _DEFAULT_LAUNCHED}
-RAN_DIGESTS = {"matmul": "dd9ab3311b5ad6bb"}
+RAN_DIGESTS = {"matmul": "0f93f5e2f4aa5c83"}
 RAN_ON_THE_H200 |= MATMUL_RAN
 NOT_RUN_SINCE_CHANGED |= (
     {spec.name("cuda") for spec in tensor_qmm.SPECS}
@@ -380,4 +390,8 @@ def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
     )
     scaled = {spec.name("cuda") for spec in tensor_qmm.SCALED_SPECS.values()}
     assert scaled <= RAN_ON_THE_H200 and tensor_qmm.SCALED_B
+    # The form a Glimmer 4-bit verify or decode step takes by default ran in its text.
+    assert tensor_qmm.DENORMAL_Q4 and not tensor_qmm.PAIRED_STAGE
+    verify_form = tensor_qmm.DENORMAL_SPECS[(2, (4, 1), 64)].name("cuda")
+    assert verify_form in RAN_ON_THE_H200
     assert not tensor_qmm.FOLD_Q4_OFFSET

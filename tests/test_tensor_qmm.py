@@ -2384,7 +2384,9 @@ def test_denormal_decode_is_bound_only_where_it_is_exact(monkeypatch) -> None:
     above it, a subnormal or zero scale, 8 bits, SwiGLU and the switch off keep the
     scaled form; a bad value names the switch."""
     monkeypatch.delenv(tensor_qmm.DENORMAL_Q4_ENV, raising=False)
-    assert not tensor_qmm.DENORMAL_Q4 and not tensor_qmm.denormal_q4(4)
+    assert tensor_qmm.DENORMAL_Q4 and tensor_qmm.denormal_q4(4)
+    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "0")
+    assert not tensor_qmm.denormal_q4(4)
     monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "1")
     assert tensor_qmm.denormal_q4(4) and not tensor_qmm.denormal_q4(8)
     for dtype in HALF:
