@@ -63,8 +63,10 @@ from dflash.kernel_patch import (
 from dflash.metal.backend import COMPILE_ENV
 from dflash.metal.tensor_qmm import (
     FOLDED_OFFSET_ENV,
+    LEAN_ISSUE_ENV,
     MEMBER_MAJOR_ENV,
     MERGED_SPLIT_SUM_ENV,
+    PAIRED_STAGE_ENV,
     SCALED_B_ENV,
     TWO_K_GROUPS_ENV,
     WAVE_SPLIT_ENV,
@@ -75,6 +77,7 @@ from dflash.taps import TargetTaps
 from dflash.traced_drafts import DRAFTER_TRACED_ENV
 from dflash.traced_layers import TRACED_LAYERS_ENV
 
+from . import matmul_variants
 from .common import busy_us, cupti_trace
 
 PHASES = (
@@ -227,6 +230,9 @@ KERNEL_ARMS = {
     "all-drafterall": "1",
     "default-draftertraced": None,
     "all-draftertraced": "1",
+    "default-paired": None,
+    "default-lean": None,
+    "default-pairedlean": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -291,6 +297,17 @@ ARM_SUFFIX_SETS = {
 }
 
 
+# Suffixes whose matmul forms are rebuilt for the arm's block (switches read at import,
+# made in-process as matmul_variants does, so one process can alternate them): knobs of
+# ``matmul_variants.variant`` and the switches set beside them (a kept trace is keyed by
+# the DFLASH_* settings, so the arm's traces are its own).
+ARM_MATMUL_FORMS = {
+    "paired": ({"paired": True}, (PAIRED_STAGE_ENV,)),
+    "lean": ({"lean": True}, (LEAN_ISSUE_ENV,)),
+    "pairedlean": ({"paired": True, "lean": True}, (PAIRED_STAGE_ENV, LEAN_ISSUE_ENV)),
+}
+
+
 @contextmanager
 def kernel_arm(arm: str) -> Iterator[None]:
     """The environment of ``--kernels`` arm ``arm`` for the block."""
@@ -302,6 +319,11 @@ def kernel_arm(arm: str) -> Iterator[None]:
         stack.enter_context(env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[arm]))
         for pair in pairs:
             stack.enter_context(env_value(*pair))
+        if name in ARM_MATMUL_FORMS:
+            knobs, switches = ARM_MATMUL_FORMS[name]
+            for switch in switches:
+                stack.enter_context(env_value(switch, "1"))
+            stack.enter_context(matmul_variants.variant(**knobs))
         yield
 
 

@@ -146,6 +146,41 @@ def test_unheld_arms_turn_the_held_norms_off_for_their_block(monkeypatch):
     assert tensor_qmm.scaled_b(4) and tensor_qmm.SCALED_B_ENV not in os.environ
 
 
+def test_matmul_form_arms_rebuild_the_forms_for_their_block_only(monkeypatch):
+    """``-paired`` / ``-lean`` / ``-pairedlean`` rebuild the matmul's forms with the
+    paired stage and / or the lean issue for the block (what a bind plans is then
+    those texts), set their switches so kept traces are the arm's own, and leave the
+    shipped spec objects and environment as they were."""
+    for name in (tensor_qmm.PAIRED_STAGE_ENV, tensor_qmm.LEAN_ISSUE_ENV):
+        monkeypatch.delenv(name, raising=False)
+    key = (2, (4, 1), 64)
+    shipped = dict(tensor_qmm.DENORMAL_SPECS)
+    settings = kernel_patch.dflash_settings()
+    for arm, paired, lean in (
+        ("default-paired", True, False),
+        ("default-lean", False, True),
+        ("default-pairedlean", True, True),
+        ("default", False, False),
+    ):
+        with round_profile.kernel_arm(arm):
+            assert tensor_qmm.PAIRED_STAGE is paired and tensor_qmm.LEAN_ISSUE is lean
+            plan = tensor_qmm.launch_plan(
+                16, 4096, 6656, 4, 64, True, False, True, 2, scaled=True, denormal=True
+            )
+            assert plan.spec is tensor_qmm.DENORMAL_SPECS[key]
+            assert ("dfl_interleaved_load" in plan.spec.body) is paired
+            assert ("dfl_cp16" in plan.spec.body) is lean
+            assert (kernel_patch.dflash_settings() != settings) is (paired or lean)
+        assert not tensor_qmm.PAIRED_STAGE and not tensor_qmm.LEAN_ISSUE
+        assert tensor_qmm.DENORMAL_SPECS == shipped
+        assert all(tensor_qmm.DENORMAL_SPECS[k] is v for k, v in shipped.items())
+        assert kernel_patch.dflash_settings() == settings
+    plan = tensor_qmm.launch_plan(
+        16, 4096, 6656, 4, 64, True, False, True, 2, scaled=True, denormal=True
+    )
+    assert plan.spec is shipped[key] and "dfl_cp16" not in plan.spec.body
+
+
 def test_drafter_arms_turn_on_their_drafter_switches_for_their_block(monkeypatch):
     """``-drafterqkv`` / ``-drafterheads`` / ``-draftermlx`` / ``-drafterkernel`` set
     one switch each,
