@@ -955,6 +955,24 @@ assert all(
 DENORM_SPECS = {
     key: spec for key, spec in tensor_qmm.DENORMAL_SPECS.items() if key[0] == 2
 }
+# matmul_variants' ``denorm04`` (session 51): the denormal decode with its nibble pairs
+# left in place (bfloat16: q 2^-133 and q 2^-129, the scale raised twice); one m-tile
+# at every group size and two at 64. Its negative control: the high pairs take the low
+# pairs' scale (16 times too large in bfloat16; float16 raises both alike).
+with matmul_variants.variant(**matmul_variants.VARIANTS["denorm04"]):
+    DENORM04_SPECS = {
+        key: tensor_qmm.DENORMAL_SPECS[key]
+        for key in [(2, (4, 1), size) for size in tensor_qmm.GROUP_SIZES]
+        + [(2, (4, 2), 64)]
+    }
+DENORM04_ONE_SCALE = dataclasses.replace(
+    DENORM04_SPECS[(2, (4, 1), 64)],
+    base=DENORM04_SPECS[(2, (4, 1), 64)].base + "_onescale",
+    body=DENORM04_SPECS[(2, (4, 1), 64)].body.replace(
+        "(p & 1) ? s2h[t] : s2[t]", "s2[t]"
+    ),
+)
+assert DENORM04_ONE_SCALE.body != DENORM04_SPECS[(2, (4, 1), 64)].body
 
 
 # The paired stage (tensor_qmm.PAIRED_STAGE, matmul_variants' ``paired``): the default
@@ -1066,6 +1084,8 @@ def tensor_emulator(tmp_path_factory):
         + tuple(tensor_qmm.SCALED_SPECS.values())
         + (SCALED_NO_BIAS,)
         + tuple(DENORM_SPECS.values())
+        + tuple(DENORM04_SPECS.values())
+        + (DENORM04_ONE_SCALE,)
         + tuple(
             spec for specs in SAME_BITS_VARIANTS.values() for spec in specs.values()
         )
@@ -2355,6 +2375,66 @@ def test_emulated_denormal_decode_gives_the_scaled_form_bits(
             raw_bits(_run_spec(tensor_emulator, shipped, case)),
         )
         assert same is exact
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.sampled_from([1, 5, 16, 32]),
+    dtype=st.sampled_from(HALF),
+    size=st.sampled_from(tensor_qmm.GROUP_SIZES),
+    seed=st.integers(0, 2**16),
+)
+def test_emulated_denormal_pairs_in_place_give_the_scaled_form_bits(
+    tensor_emulator, rows, dtype, size, seed
+) -> None:
+    """``denorm04`` (the denormal decode with the nibble pairs left where they lie):
+    the shipped scaled form's bits while every scale is a normal number below 2^-5 in
+    bfloat16 (s 2^133 fits) or below 0.25 in float16 (its pairs keep the denormal
+    decode's place); past those limits, not (the raised exponent overflows). The
+    negative control, the high pairs on the low pairs' scale, fails in bfloat16."""
+    if rows > 16:
+        size = 64  # the two-m-tile form is built at groups of 64
+    spec = DENORM04_SPECS[(2, (4, 1 if rows <= 16 else 2), size)]
+    shipped = tensor_qmm.SCALED_SPECS[(2, (4, 1 if rows <= 16 else 2), size)]
+    limit = 2.0**-5 if dtype == mx.bfloat16 else 0.25
+    rng = np.random.default_rng(seed)
+    dense = rng.standard_normal((200, 512)).astype(np.float32)
+    x = mx.array(rng.standard_normal((rows, 512)).astype(np.float32)).astype(dtype)
+    for weight_scale in (0.02, 0.1, 4.0):
+        weights = mx.quantize(
+            mx.array(dense * weight_scale).astype(dtype), group_size=size, bits=4
+        )
+        scales = np.abs(np.array(weights[1].astype(mx.float32)))
+        exact = bool(scales.max() < limit)
+        assert scales.min() > 2**-14 and exact is (weight_scale < limit)
+        case = (x, *weights, 4, size)
+        expected = raw_bits(_run_spec(tensor_emulator, shipped, case))
+        same = np.array_equal(
+            raw_bits(_run_spec(tensor_emulator, spec, case)), expected
+        )
+        assert same is exact, (weight_scale, dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_emulated_denormal_pairs_in_place_need_both_scales(
+    tensor_emulator, dtype
+) -> None:
+    """The negative control of ``denorm04``: with the high pairs on the low pairs'
+    scale, bfloat16 loses the shipped bits (those weights come out 16 times too
+    large); float16 raises both alike, so it keeps them."""
+    rng = np.random.default_rng(51)
+    dense = mx.array(rng.standard_normal((200, 512)).astype(np.float32) * 0.02)
+    x = mx.array(rng.standard_normal((16, 512)).astype(np.float32)).astype(dtype)
+    case = (x, *mx.quantize(dense.astype(dtype), group_size=64, bits=4), 4, 64)
+    expected = raw_bits(
+        _run_spec(tensor_emulator, tensor_qmm.SCALED_SPECS[(2, (4, 1), 64)], case)
+    )
+    in_place = raw_bits(
+        _run_spec(tensor_emulator, DENORM04_SPECS[(2, (4, 1), 64)], case)
+    )
+    one_scale = raw_bits(_run_spec(tensor_emulator, DENORM04_ONE_SCALE, case))
+    assert np.array_equal(in_place, expected)
+    assert np.array_equal(one_scale, expected) is (dtype == mx.float16)
 
 
 def test_denormal_scale_verdict_is_kept_while_the_array_lives(monkeypatch) -> None:
