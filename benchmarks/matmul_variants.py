@@ -173,26 +173,12 @@ VARIANTS = {
     # kernel body as tensor_qmm.DENORMAL_SPECS (DFLASH_QMM_DENORMAL_Q4), built after;
     # the default since session 51, so "current" takes it too unless the switch is 0.
     "denorm4": {"edits": ("denorm-helpers", "denorm-q4", "denorm-scale")},
-    # The denormal decode without its shifts (session 51, not yet run on a GPU): a
-    # float's value is linear in its bits while the exponent field is 0 or 1, so in
-    # bfloat16 a nibble pair left in place at bits 0-3 of each half is q 2^-133 and
-    # one at bits 4-7 is q 2^-129. A weight word's four pairs are then two masks of
-    # the word and two of the word shifted by 8 (4 LOP3 + 1 SHF, against 4 + 4), with
-    # the group's scale raised twice (by 133 for the low pairs, 129 for the high ones;
-    # a second scale register per n8 tile). Exact only while every scale is a normal
-    # number below 2^-5 in bfloat16 (s 2^133 must fit); float16 keeps the denormal
-    # decode's place (bits 6-9, q 2^-18: its limit stays 0.25). Scaled 4-bit forms
-    # only: its scale edits reach the 8-bit and its weight loads the unscaled 4-bit
-    # forms, whose results are then wrong.
-    "denorm04": {
-        "edits": (
-            "denorm04-helpers",
-            "denorm04-load",
-            "denorm04-scale",
-            "denorm04-registers",
-            "denorm04-fma",
-        )
-    },
+    # The denormal decode with its nibble pairs in place (tensor_qmm.DENORMAL_IN_PLACE;
+    # session 51, not yet run on a GPU): in bfloat16 a pair left where it lies is
+    # q 2^-133 or q 2^-129, so a weight word's four pairs are 4 masks and one shift,
+    # against 4 and 4, with the group's scale raised twice. Bound where every scale is
+    # below 2^-5 (the benchmark weights' are ~0.005); the same bits as current.
+    "denorm04": {"in_place": True},
     # The paired stage (tensor_qmm.PAIRED_STAGE; sessions 49-50; 4-bit forms): each
     # thread rewrites the x pieces of rows r and r + 8 (and, with a constant group of
     # 64 or 128, the scales and biases) it copied into the mma's operand order, before
@@ -335,34 +321,6 @@ _SCALED_TAIL = tensor_qmm._SCALED_HELPERS[
     ) :
 ]
 
-# The denorm04 variant's helpers: nibble pairs left in place, and the scale raised for
-# each place (see VARIANTS["denorm04"]).
-_DENORM04_HELPERS = r"""
-// Pairs (bits 0-3, 16-19) and (bits 4-7, 20-23) of v as they lie: in bfloat16 q 2^-133
-// and q 2^-129 (exponent field 0 or 1: the value is the bits times 2^-133), exact; in
-// float16 each moved to bits 6-9, q 2^-18, as the denormal decode has it.
-DFL_FN uint32_t dfl_q4_low(uint32_t v, const __nv_bfloat16*) { return v & 0x000F000Fu; }
-DFL_FN uint32_t dfl_q4_high(uint32_t v, const __nv_bfloat16*) { return v & 0x00F000F0u; }
-DFL_FN uint32_t dfl_q4_low(uint32_t v, const __half*) { return (v << 6) & 0x03C003C0u; }
-DFL_FN uint32_t dfl_q4_high(uint32_t v, const __half*) { return (v << 2) & 0x03C003C0u; }
-// A scale pair's exponents raised to match: bfloat16 by 133 (low) and 129 (high),
-// float16 by 18 for both.
-DFL_FN uint32_t dfl_scale_low(uint32_t s, const __nv_bfloat16*) { return s + 0x42804280u; }
-DFL_FN uint32_t dfl_scale_high(uint32_t s, const __nv_bfloat16*) { return s + 0x40804080u; }
-DFL_FN uint32_t dfl_scale_low(uint32_t s, const __half*) { return s + 0x48004800u; }
-DFL_FN uint32_t dfl_scale_high(uint32_t s, const __half*) { return s + 0x48004800u; }
-"""
-_Q4_PAIRS_SHIFTED = """        b[0] = dfl_q4(w, tag);
-        b[1] = dfl_q4(w >> 4, tag);
-        b[2] = dfl_q4(w >> 8, tag);
-        b[3] = dfl_q4(w >> 12, tag);
-"""
-_Q4_PAIRS_IN_PLACE = """        b[0] = dfl_q4_low(w, tag);
-        b[1] = dfl_q4_high(w, tag);
-        b[2] = dfl_q4_low(w >> 8, tag);
-        b[3] = dfl_q4_high(w >> 8, tag);
-"""
-
 # Text edits of the kernels by name: (``"helpers"`` or ``"body"``, old, new).
 EDITS = {
     "bounds2": _bounds(2),
@@ -398,28 +356,6 @@ EDITS = {
     ),
     "denorm-q4": ("scaled_q4", "dfl_q4_lop3", "dfl_q4_denorm"),
     "denorm-scale": ("open_scaled", *tensor_qmm._DENORMAL_SCALE),
-    "denorm04-helpers": (
-        "scaled_helpers",
-        _SCALED_TAIL,
-        _SCALED_TAIL + _DENORM04_HELPERS,
-    ),
-    "denorm04-load": ("load_b4", _Q4_PAIRS_SHIFTED, _Q4_PAIRS_IN_PLACE),
-    "denorm04-scale": (
-        "open_scaled",
-        "s2[t] = __byte_perm(s, s, 0x1010);",
-        "s2[t] = dfl_scale_low(__byte_perm(s, s, 0x1010), tag);\n"
-        "          s2h[t] = dfl_scale_high(__byte_perm(s, s, 0x1010), tag);",
-    ),
-    "denorm04-registers": (
-        "declare_scaled",
-        "  uint32_t s2[4];\n",
-        "  uint32_t s2[4];\n  uint32_t s2h[4];\n",
-    ),
-    "denorm04-fma": (
-        "scaled_load",
-        "b[p] = dfl_scaled(b[p], s2[t], b2[t], tag);",
-        "b[p] = dfl_scaled(b[p], (p & 1) ? s2h[t] : s2[t], b2[t], tag);",
-    ),
     "mergeloop": ("body", _MERGE, _MERGE_LOOP),
     # The epilogue taken apart: no CTA counts itself last (no merge), no fences.
     "nolast": (
@@ -629,6 +565,7 @@ def variant(
     direct: Optional[bool] = None,
     paired: Optional[bool] = None,
     lean: Optional[bool] = None,
+    in_place: Optional[bool] = None,
     edits: Sequence[str] = (),
 ) -> Iterator[None]:
     """Rebuild the tensor-core specs with the given knobs, restoring them after.
@@ -656,6 +593,7 @@ def variant(
             as they are written against the shipped texts); the denormal forms are
             rebuilt with it too.
         lean: ``LEAN_ISSUE`` (None: unchanged; off where ``edits`` are given).
+        in_place: ``DENORMAL_IN_PLACE`` (None: unchanged): bound where the scales allow.
         edits: Names of :data:`EDITS` to apply to the kernels' text.
     """
     knobs = {
@@ -674,17 +612,18 @@ def variant(
         "DIRECT_Q4": direct,
         "PAIRED_STAGE": False if edits and paired is None else paired,
         "LEAN_ISSUE": False if edits and lean is None else lean,
+        "DENORMAL_IN_PLACE": in_place,
     }
     texts = (
         "_HELPERS", "_BODY", "_SCALED_Q4_HELPER", "_DIRECT_HELPERS", "_DIRECT_EDITS",
-        "_SCALED_HELPERS", "_OPEN_SCALED", "_DECLARE_SCALED", "_SCALED_LOAD",
+        "_SCALED_HELPERS", "_OPEN_SCALED",
     )  # fmt: skip
     saved = {name: getattr(tensor_qmm, name) for name in (*knobs, *texts)}
-    load_b = dict(tensor_qmm._LOAD_B)
     tables = {form: dict(specs) for form, specs in tensor_qmm.FORM_SPECS.items()}
     scaled_specs = dict(tensor_qmm.SCALED_SPECS)
     direct_specs = dict(tensor_qmm.DIRECT_SPECS)
     denormal_specs = dict(tensor_qmm.DENORMAL_SPECS)
+    in_place_specs = dict(tensor_qmm.IN_PLACE_SPECS)
     swiglu_specs = dict(tensor_qmm.SWIGLU_SCALED_SPECS)
     layout_x_stride = tensor_qmm.Layout.x_stride
     try:
@@ -702,18 +641,18 @@ def variant(
             tensor_qmm._HELPERS = helpers
         for edit in edits:
             _edit(*EDITS[edit])
-        _rebuild(constant_group, direct=bool(direct))
+        _rebuild(constant_group, direct=bool(direct), in_place=not edits)
         yield
     finally:
         tensor_qmm.Layout.x_stride = layout_x_stride
         for name, value in saved.items():
             setattr(tensor_qmm, name, value)
-        tensor_qmm._LOAD_B.update(load_b)
         for form, specs in tables.items():
             tensor_qmm.FORM_SPECS[form].update(specs)
         tensor_qmm.SCALED_SPECS.update(scaled_specs)
         tensor_qmm.DIRECT_SPECS.update(direct_specs)
         tensor_qmm.DENORMAL_SPECS.update(denormal_specs)
+        tensor_qmm.IN_PLACE_SPECS.update(in_place_specs)
         tensor_qmm.SWIGLU_SCALED_SPECS.update(swiglu_specs)
         tensor_qmm.launch_plan.cache_clear()
         tensor_qmm._wave_split.cache_clear()
@@ -731,12 +670,6 @@ def _edit(part: str, old: str, new: str) -> None:
             (before, after.replace(old, new)) for before, after in edits
         )
         return
-    if part == "load_b4":  # the 4-bit weight loads (an entry of _LOAD_B)
-        text = tensor_qmm._LOAD_B[4]
-        if old not in text:
-            raise RuntimeError(f"the kernel's text has changed: {old[:60]!r}")
-        tensor_qmm._LOAD_B[4] = text.replace(old, new)
-        return
     parts = {
         "helpers": "_HELPERS",
         "body": "_BODY",
@@ -744,8 +677,6 @@ def _edit(part: str, old: str, new: str) -> None:
         "direct_helpers": "_DIRECT_HELPERS",
         "scaled_helpers": "_SCALED_HELPERS",
         "open_scaled": "_OPEN_SCALED",
-        "declare_scaled": "_DECLARE_SCALED",
-        "scaled_load": "_SCALED_LOAD",
     }
     name = parts[part]
     text = getattr(tensor_qmm, name)
@@ -754,8 +685,12 @@ def _edit(part: str, old: str, new: str) -> None:
     setattr(tensor_qmm, name, text.replace(old, new))
 
 
-def _rebuild(constant_group: bool = True, direct: bool = False) -> None:
-    # In place: MATMUL_SPECS and the other names are these very dicts.
+def _rebuild(
+    constant_group: bool = True, direct: bool = False, in_place: bool = True
+) -> None:
+    # In place: MATMUL_SPECS and the other names are these very dicts. The pairs-in-place
+    # forms are rebuilt unless text edits are given (theirs are written against the
+    # shipped texts, which an edit of the scale loads changes).
     if direct:
         for groups, size in tensor_qmm.DIRECT_SPECS:
             tensor_qmm.DIRECT_SPECS[(groups, size)] = tensor_qmm._spec(
@@ -775,10 +710,13 @@ def _rebuild(constant_group: bool = True, direct: bool = False) -> None:
             group_size=size if constant_group else None,
         )
     # The scaled SwiGLU and denormal forms, keyed (K groups, layout key, group size).
-    for table, form in (
+    tables = [
         (tensor_qmm.SWIGLU_SCALED_SPECS, {"swiglu": True}),
         (tensor_qmm.DENORMAL_SPECS, {"denormal": True}),
-    ):
+    ]
+    if in_place:
+        tables.append((tensor_qmm.IN_PLACE_SPECS, {"denormal": True, "in_place": True}))
+    for table, form in tables:
         for groups, key, size in table:
             table[(groups, key, size)] = tensor_qmm._spec(
                 tensor_qmm.LAYOUTS[key],

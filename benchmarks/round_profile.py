@@ -62,6 +62,7 @@ from dflash.kernel_patch import (
 )
 from dflash.metal.backend import COMPILE_ENV
 from dflash.metal.tensor_qmm import (
+    DENORMAL_IN_PLACE_ENV,
     FOLDED_OFFSET_ENV,
     LEAN_ISSUE_ENV,
     MEMBER_MAJOR_ENV,
@@ -233,6 +234,7 @@ KERNEL_ARMS = {
     "default-paired": None,
     "default-lean": None,
     "default-pairedlean": None,
+    "default-inplace": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -282,6 +284,7 @@ ARM_SUFFIXES = {
     "draftermlx": (DRAFTER_DENSE_ENV, "0"),  # its bf16 projections on mlx's matmul
     "drafterkernel": (DRAFTER_DENSE_ENV, "1"),  # on our small-row kernel (before s47)
     "drafterreplay": (DRAFTER_TRACED_ENV, "1"),  # its layers as compiled replays
+    "inplace": (DENORMAL_IN_PLACE_ENV, "1"),  # the denormal decode's pairs in place
 }
 # Suffixes that set several switches (each pair as above).
 ARM_SUFFIX_SETS = {

@@ -31,8 +31,8 @@ Run (from the repository root; needs nvcc)::
 
 Each variant is one of ``benchmarks.matmul_variants.VARIANTS``; ``--forms`` picks the
 kernel forms (default: :data:`DEFAULT_FORMS`, the 4-bit forms at group 64 with one and
-two row tiles, scaled, denormal, unscaled, folded and SwiGLU, and the dense bfloat16
-forms).
+two row tiles, scaled, denormal (pairs in place or not), unscaled, folded and SwiGLU, and
+the dense bfloat16 forms).
 Each form is compiled alone, as NVRTC compiles it (nvcc's code for a unit changes with
 the other units in its file).
 """
@@ -419,6 +419,8 @@ def _forms() -> dict[str, Callable[[], object]]:
         "q4-m2-g64": lambda: tensor_qmm.SCALED_SPECS[(2, (4, 2), 64)],
         "q4-m1-g64-denormal": lambda: tensor_qmm.DENORMAL_SPECS[(2, (4, 1), 64)],
         "q4-m2-g64-denormal": lambda: tensor_qmm.DENORMAL_SPECS[(2, (4, 2), 64)],
+        "q4-m1-g64-inplace": lambda: tensor_qmm.IN_PLACE_SPECS[(2, (4, 1), 64)],
+        "q4-m2-g64-inplace": lambda: tensor_qmm.IN_PLACE_SPECS[(2, (4, 2), 64)],
         # The unscaled and folded forms with their group a constant (as the scaled
         # forms ship): their group closes are then straight-line code too.
         "q4-m1-g64-unscaled": lambda: tensor_qmm._spec(
@@ -439,6 +441,8 @@ DEFAULT_FORMS = (
     "q4-m2-g64",
     "q4-m1-g64-denormal",
     "q4-m2-g64-denormal",
+    "q4-m1-g64-inplace",
+    "q4-m2-g64-inplace",
     "q4-m1-g64-unscaled",
     "q4-m1-g64-folded",
     "q4-m1-g64-swiglu",

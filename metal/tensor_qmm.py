@@ -258,6 +258,19 @@ DIRECT_Q4_ENV = "DFLASH_QMM_DIRECT_Q4"
 DENORMAL_Q4 = True
 DENORMAL_Q4_ENV = "DFLASH_QMM_DENORMAL_Q4"
 DENORMAL_SCALE_LIMIT = 0.25
+# The denormal decode with its nibble pairs in place (session 51; opt-in,
+# ``DFLASH_QMM_DENORMAL_IN_PLACE=1``, read at each bind; bfloat16 only). A float's value
+# is linear in its bits while the exponent field is 0 or 1, so a bfloat16 nibble pair
+# left where it lies is q 2^-133 (bits 0-3 of each half) or q 2^-129 (bits 4-7), exactly:
+# a weight word's four pairs are 4 masks and one shift (by 8) instead of 4 masks and 4
+# shifts, with the group's scale raised by 133 for the low pairs and by 129 for the high
+# ones (a second scale register an n8 tile). Exact while every scale is a normal number
+# below IN_PLACE_SCALE_LIMIT (s 2^133 must fit); a call whose scales are not keeps the
+# denormal decode. By the SASS census the chunk loop's tail 338 -> 298 instructions a
+# warp (one m-tile), 409 -> 369 (two). Emulated only: not yet run on a GPU.
+DENORMAL_IN_PLACE = False
+DENORMAL_IN_PLACE_ENV = "DFLASH_QMM_DENORMAL_IN_PLACE"
+IN_PLACE_SCALE_LIMIT = 2.0**-5
 # The smallest normal number of each half type (a subnormal scale's exponent cannot be
 # raised by an integer add).
 _SMALLEST_NORMAL = {mx.bfloat16: 2.0**-126, mx.float16: 2.0**-14}
@@ -369,16 +382,28 @@ def denormal_q4(bits: Optional[int]) -> bool:
     return backend.strict_switch(DENORMAL_Q4_ENV, None, DENORMAL_Q4)
 
 
-# denormal_scales' verdicts by the id of the scales array, while it lives (an mlx array
-# never changes, so its verdict does not): a caller of small_row_matmul binds at every
-# call, and each verdict costs a reduction and a host sync.
+def denormal_in_place(bits: Optional[int]) -> bool:
+    """Whether a ``bits``-wide call that takes the denormal decode may leave its nibble
+    pairs in place (see :data:`DENORMAL_IN_PLACE`): ``DFLASH_QMM_DENORMAL_IN_PLACE``
+    when set, else the default; 4-bit only (the caller checks bfloat16 and the scales).
+    """
+    if bits != 4:
+        return False
+    return backend.strict_switch(DENORMAL_IN_PLACE_ENV, None, DENORMAL_IN_PLACE)
+
+
+# What denormal_scales found for each scales array, by its id, while it lives (an mlx
+# array never changes, so neither does this): whether every scale is a normal number,
+# and the largest magnitude. A caller of small_row_matmul binds at every call, and each
+# look costs a reduction and a host sync.
 _SCALE_VERDICTS: dict = {}
 
 
-def denormal_scales(scales: mx.array) -> bool:
-    """Whether the denormal decode is exact for these scales: every one a normal number
-    of magnitude below :data:`DENORMAL_SCALE_LIMIT` (one reduction, the first time an
-    array is asked about; its verdict is kept while the array lives).
+def denormal_scales(scales: mx.array, limit: float = DENORMAL_SCALE_LIMIT) -> bool:
+    """Whether a denormal decode is exact for these scales: every one a normal number
+    of magnitude below ``limit`` (:data:`DENORMAL_SCALE_LIMIT`, or
+    :data:`IN_PLACE_SCALE_LIMIT` for the pairs in place). One reduction the first time
+    an array is asked about; what it found is kept while the array lives.
 
     Shapes: scales ``(N, K / group_size)`` in bfloat16 or float16.
     """
@@ -386,23 +411,22 @@ def denormal_scales(scales: mx.array) -> bool:
         return False
     key = id(scales)
     kept = _SCALE_VERDICTS.get(key)
-    if kept is not None and kept[0]() is scales:
-        return kept[1]
-    magnitude = mx.abs(scales.astype(mx.float32))
-    fits = (magnitude >= _SMALLEST_NORMAL[scales.dtype]) & (
-        magnitude < DENORMAL_SCALE_LIMIT
-    )
-    try:
-        verdict = bool(mx.all(fits).item())
-    except ValueError:  # scales being traced (mx.compile): cannot tell, so not exact
-        return False
+    if kept is None or kept[0]() is not scales:
+        magnitude = mx.abs(scales.astype(mx.float32))
+        normal = mx.all(magnitude >= _SMALLEST_NORMAL[scales.dtype])
+        largest = mx.max(magnitude)
+        try:
+            mx.eval(normal, largest)
+        except ValueError:  # scales being traced (mx.compile): cannot tell, not exact
+            return False
 
-    def forget(ref: weakref.ref) -> None:
-        if _SCALE_VERDICTS.get(key, (None,))[0] is ref:
-            del _SCALE_VERDICTS[key]
+        def forget(ref: weakref.ref) -> None:
+            if _SCALE_VERDICTS.get(key, (None,))[0] is ref:
+                del _SCALE_VERDICTS[key]
 
-    _SCALE_VERDICTS[key] = (weakref.ref(scales, forget), verdict)
-    return verdict
+        kept = (weakref.ref(scales, forget), bool(normal.item()), largest.item())
+        _SCALE_VERDICTS[key] = kept
+    return kept[1] and kept[2] < limit
 
 
 def fold_q4_offset() -> bool:
@@ -687,6 +711,45 @@ _DENORMAL_SCALE = (
     "s2[t] = __byte_perm(s, s, 0x1010);",
     "s2[t] = dfl_denorm_scale(__byte_perm(s, s, 0x1010), tag);",
 )
+# The pairs in place (see DENORMAL_IN_PLACE): helpers, and edits of the weight loads,
+# the group's scale, the registers and the fma (old, new).
+_IN_PLACE_HELPERS = r"""
+// Pairs (bits 0-3, 16-19) and (bits 4-7, 20-23) of v as they lie: in bfloat16 q 2^-133
+// and q 2^-129 (exponent field 0 or 1: the value is the bits times 2^-133), exact; in
+// float16 each moved to bits 6-9, q 2^-18, as the denormal decode has it.
+DFL_FN uint32_t dfl_q4_low(uint32_t v, const __nv_bfloat16*) { return v & 0x000F000Fu; }
+DFL_FN uint32_t dfl_q4_high(uint32_t v, const __nv_bfloat16*) { return v & 0x00F000F0u; }
+DFL_FN uint32_t dfl_q4_low(uint32_t v, const __half*) { return (v << 6) & 0x03C003C0u; }
+DFL_FN uint32_t dfl_q4_high(uint32_t v, const __half*) { return (v << 2) & 0x03C003C0u; }
+// A scale pair's exponents raised to match: bfloat16 by 133 (low) and 129 (high),
+// float16 by 18 for both.
+DFL_FN uint32_t dfl_scale_low(uint32_t s, const __nv_bfloat16*) { return s + 0x42804280u; }
+DFL_FN uint32_t dfl_scale_high(uint32_t s, const __nv_bfloat16*) { return s + 0x40804080u; }
+DFL_FN uint32_t dfl_scale_low(uint32_t s, const __half*) { return s + 0x48004800u; }
+DFL_FN uint32_t dfl_scale_high(uint32_t s, const __half*) { return s + 0x48004800u; }
+"""
+_IN_PLACE_LOADS = (
+    """        b[0] = dfl_q4(w, tag);
+        b[1] = dfl_q4(w >> 4, tag);
+        b[2] = dfl_q4(w >> 8, tag);
+        b[3] = dfl_q4(w >> 12, tag);
+""",
+    """        b[0] = dfl_q4_low(w, tag);
+        b[1] = dfl_q4_high(w, tag);
+        b[2] = dfl_q4_low(w >> 8, tag);
+        b[3] = dfl_q4_high(w >> 8, tag);
+""",
+)
+_IN_PLACE_FMA = (
+    "b[p] = dfl_scaled(b[p], s2[t], b2[t], tag);",
+    "b[p] = dfl_scaled(b[p], (p & 1) ? s2h[t] : s2[t], b2[t], tag);",
+)
+_IN_PLACE_SCALE = (
+    "s2[t] = __byte_perm(s, s, 0x1010);",
+    "s2[t] = dfl_scale_low(__byte_perm(s, s, 0x1010), tag);\n"
+    "          s2h[t] = dfl_scale_high(__byte_perm(s, s, 0x1010), tag);",
+)
+_IN_PLACE_REGISTERS = ("  uint32_t s2[4];\n", "  uint32_t s2[4];\n  uint32_t s2h[4];\n")
 
 # Helpers of the direct 4-bit form only (plain C++; see DIRECT_Q4).
 _DIRECT_HELPERS = r"""
@@ -1406,6 +1469,13 @@ def _fill(text: str, values: dict) -> str:
     return text
 
 
+def _replaced(text: str, old: str, new: str) -> str:
+    """``text`` with its one ``old`` made ``new`` (raises if ``old`` is not there once)."""
+    if text.count(old) != 1:
+        raise RuntimeError(f"the matmul text has changed: {old.strip()[:60]}")
+    return text.replace(old, new)
+
+
 def _constant_group(group_size: int) -> tuple[tuple[str, str], ...]:
     """Edits of the body that make ``group_size`` a compile-time constant.
 
@@ -1669,6 +1739,7 @@ def _spec(
     scaled: bool = False,
     group_size: Optional[int] = None,
     denormal: bool = False,
+    in_place: bool = False,
 ) -> GroupKernelSpec:
     """The matmul kernel of ``layout`` (``folded``: the folded-offset 4-bit form;
     ``k_groups``: warp groups splitting K in a CTA, see :data:`K_GROUPS`; ``swiglu``:
@@ -1678,7 +1749,8 @@ def _spec(
     :func:`_constant_group`; None: any, read from the launch's parameters). A
     ``layout.direct`` layout gives the direct form (:data:`DIRECT_Q4`): scaled 4-bit
     with a constant group size, not SwiGLU. ``denormal``: the scaled 4-bit form with
-    the denormal decode (:data:`DENORMAL_Q4`), not direct."""
+    the denormal decode (:data:`DENORMAL_Q4`), not direct; ``in_place``: with its nibble
+    pairs in place (:data:`DENORMAL_IN_PLACE`)."""
     if k_groups not in (1, 2):
         raise ValueError(f"k_groups must be 1 or 2, got {k_groups}")
     if layout.direct and not (
@@ -1690,6 +1762,8 @@ def _spec(
         )
     if denormal and not (layout.bits == 4 and scaled and not layout.direct):
         raise ValueError("the denormal decode is the scaled 4-bit form's, not direct")
+    if in_place and not denormal:
+        raise ValueError("the pairs in place are a form of the denormal decode")
     affine = layout.bits != 0
     if folded and layout.bits != 4:
         raise ValueError(f"the folded-offset form is 4-bit only, got {layout.bits}")
@@ -1698,15 +1772,20 @@ def _spec(
     if group_size is not None and (not affine or group_size not in GROUP_SIZES):
         raise ValueError(f"a constant group size is affine, one of {GROUP_SIZES}")
     load_b = _LOAD_B[layout.bits] + (_SCALED_LOAD if scaled else "")
+    if in_place:
+        load_b = _replaced(_replaced(load_b, *_IN_PLACE_LOADS), *_IN_PLACE_FMA)
     if folded:
         load_b = load_b.replace("dfl_q4(", "dfl_q4_offset(")
     if scaled:
         helper = "dfl_q4_denorm" if denormal else _SCALED_Q4_HELPER
         load_b = load_b.replace("dfl_q4(", helper + "(")
     open_scaled = _OPEN_SCALED.replace(*_DENORMAL_SCALE) if denormal else _OPEN_SCALED
+    if in_place:
+        open_scaled = _replaced(_OPEN_SCALED, *_IN_PLACE_SCALE)
     # (4-bit only: there a thread copies rows r and r + 8 of a tile both.)
     paired = PAIRED_STAGE and not layout.direct and layout.bits == 4
-    pair_scales = paired and scaled and group_size in (64, 128)
+    # (The pairs in place keep their own scale loads: two raised scales a group.)
+    pair_scales = paired and scaled and group_size in (64, 128) and not in_place
     if pair_scales:
         open_scaled = _OPEN_PAIRED
     close = _CLOSE_AFFINE if affine else _CLOSE_DENSE
@@ -1740,7 +1819,9 @@ def _spec(
             "issue_scales": _ISSUE_SCALES if affine else "",
             "xsum": (open_scaled if scaled else _XSUM) if affine else "",
             "declare_xs": (
-                (_DECLARE_SCALED if scaled else _DECLARE_XS) if affine else ""
+                ((_DECLARE_SCALED if scaled else _DECLARE_XS) if affine else "")
+                if not in_place
+                else _replaced(_DECLARE_SCALED, *_IN_PLACE_REGISTERS)
             ),
             "close": "" if scaled else close,
             "load_b": load_b,
@@ -1773,7 +1854,7 @@ def _spec(
     name += "_folded" * folded + "_scaled" * scaled
     name += f"_g{group_size}" if group_size else ""
     name += "_k2" * (k_groups == 2) + "_swiglu" * swiglu + "_direct" * layout.direct
-    name += "_denorm" * denormal
+    name += "_denorm" * denormal + "_inplace" * in_place
     if affine:
         inputs = ("x", "weight", "scales", "biases", "params", "counters")
         types = ("T", "uint32", "T", "T", "int32", "int32")
@@ -1793,7 +1874,8 @@ def _spec(
         + (_DIRECT_HELPERS if layout.direct else "")
         + (_PAIRED_HELPERS if paired else "")
         + (_LEAN_HELPERS if lean else "")
-        + (_DENORMAL_HELPERS if denormal else "")
+        + (_DENORMAL_HELPERS if denormal and not in_place else "")
+        + (_IN_PLACE_HELPERS if in_place else "")
         + (SWIGLU_HELPERS if swiglu else ""),
         body=body,
         threads=THREADS * k_groups,
@@ -2166,6 +2248,19 @@ DENORMAL_SPECS = {
     for mtiles in (1, 2)
     for size in GROUP_SIZES
 }
+# The denormal decode's forms with the pairs in place (see DENORMAL_IN_PLACE; opt-in,
+# not in SPECS), keyed as DENORMAL_SPECS.
+IN_PLACE_SPECS = {
+    key: _spec(
+        spec_layout,
+        k_groups=key[0],
+        scaled=True,
+        group_size=key[2],
+        denormal=True,
+        in_place=True,
+    )
+    for key, spec_layout in ((k, LAYOUTS[k[1]]) for k in DENORMAL_SPECS)
+}
 MATMUL_SPECS = FORM_SPECS[(False, 1)]
 FOLDED_SPECS = FORM_SPECS[(True, 1)]
 K2_SPECS = FORM_SPECS[(False, 2)]
@@ -2315,10 +2410,17 @@ def bind_tensor_core(
     lean_issue()
     scaled = scaled_b(bits)
     denormal = scaled and not swiglu and denormal_q4(bits) and denormal_scales(scales)
+    in_place = (
+        denormal
+        and denormal_in_place(bits)
+        and scales.dtype == mx.bfloat16
+        and denormal_scales(scales, IN_PLACE_SCALE_LIMIT)
+    )
     plan = launch_plan(
         rows, depth, weight.shape[0], bits, group_size, merge_split_sum(),
         fold_q4_offset() and not swiglu and not scaled, wave_split(), k_groups(),
         edges, swiglu, scaled, cluster_sum(), scaled and direct_q4(bits), denormal,
+        in_place,
     )  # fmt: skip
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)
@@ -2434,6 +2536,7 @@ def launch_plan(
     cluster: bool = False,
     direct: bool = False,
     denormal: bool = False,
+    in_place: bool = False,
 ) -> LaunchPlan:
     """The launch plan of a validated call, built once per geometry (host time).
 
@@ -2450,7 +2553,9 @@ def launch_plan(
     counters; a SwiGLU plan keeps its merge. ``direct``: a scaled 4-bit call of up
     to 16 rows takes the direct form (:data:`DIRECT_Q4`; others keep their form).
     ``denormal``: a scaled 4-bit call (not direct) takes the denormal decode
-    (:data:`DENORMAL_Q4`; the caller has checked :func:`denormal_scales`).
+    (:data:`DENORMAL_Q4`; the caller has checked :func:`denormal_scales`), with its
+    nibble pairs in place where ``in_place`` (:data:`DENORMAL_IN_PLACE`; the caller has
+    checked the scales against :data:`IN_PLACE_SCALE_LIMIT`).
 
     Raises:
         ValueError: ``swiglu`` for a call :func:`swiglu_serves` refuses.
@@ -2474,7 +2579,8 @@ def launch_plan(
     if direct and scaled and bits == 4 and key[1] == 1:
         spec = DIRECT_SPECS[(k_groups, group_size)]
     elif denormal and scaled and bits == 4:
-        spec = DENORMAL_SPECS[(k_groups, key, group_size)]
+        table = IN_PLACE_SPECS if in_place else DENORMAL_SPECS
+        spec = table[(k_groups, key, group_size)]
     elif scaled and bits is not None:
         spec = SCALED_SPECS[(k_groups, key, group_size)]
     else:

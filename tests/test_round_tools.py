@@ -144,6 +144,11 @@ def test_unheld_arms_turn_the_held_norms_off_for_their_block(monkeypatch):
     with round_profile.kernel_arm("default-unscaled"):
         assert not tensor_qmm.scaled_b(4) and not tensor_qmm.scaled_b(8)
     assert tensor_qmm.scaled_b(4) and tensor_qmm.SCALED_B_ENV not in os.environ
+    monkeypatch.delenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, raising=False)
+    with round_profile.kernel_arm("default-inplace"):
+        assert tensor_qmm.denormal_in_place(4)
+    assert not tensor_qmm.denormal_in_place(4)
+    assert tensor_qmm.DENORMAL_IN_PLACE_ENV not in os.environ
 
 
 def test_matmul_form_arms_rebuild_the_forms_for_their_block_only(monkeypatch):

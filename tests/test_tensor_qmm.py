@@ -137,10 +137,17 @@ def test_direct_dense_loads_compile_for_sm90_without_spills(tmp_path: Path) -> N
 
 @needs_nvcc
 def test_denormal_decode_compiles_for_sm90_within_the_bounds(tmp_path: Path) -> None:
-    """The denormal decode's forms compile for sm_90 with no spills, the two-K-group
-    ones within their launch bounds' 128 registers."""
-    specs = list(DENORM_SPECS.values())
-    one_group = [s for k, s in tensor_qmm.DENORMAL_SPECS.items() if k[0] == 1]
+    """The denormal decode's forms, pairs in place or not, compile for sm_90 with no
+    spills, the two-K-group ones within their launch bounds' 128 registers."""
+    specs = list(DENORM_SPECS.values()) + [
+        s for k, s in tensor_qmm.IN_PLACE_SPECS.items() if k[0] == 2
+    ]
+    one_group = [
+        s
+        for table in (tensor_qmm.DENORMAL_SPECS, tensor_qmm.IN_PLACE_SPECS)
+        for k, s in table.items()
+        if k[0] == 1
+    ]
     single = check_cuda(
         one_group, tmp_path / "k1", NVCC, dtypes=HALF, flags=("-Xptxas", "-v")
     )
@@ -955,24 +962,23 @@ assert all(
 DENORM_SPECS = {
     key: spec for key, spec in tensor_qmm.DENORMAL_SPECS.items() if key[0] == 2
 }
-# matmul_variants' ``denorm04`` (session 51): the denormal decode with its nibble pairs
-# left in place (bfloat16: q 2^-133 and q 2^-129, the scale raised twice); one m-tile
-# at every group size and two at 64. Its negative control: the high pairs take the low
+# The denormal decode with its nibble pairs in place (tensor_qmm.DENORMAL_IN_PLACE,
+# session 51; bfloat16: q 2^-133 and q 2^-129, the scale raised twice): one m-tile at
+# every group size and two at 64. Its negative control: the high pairs take the low
 # pairs' scale (16 times too large in bfloat16; float16 raises both alike).
-with matmul_variants.variant(**matmul_variants.VARIANTS["denorm04"]):
-    DENORM04_SPECS = {
-        key: tensor_qmm.DENORMAL_SPECS[key]
-        for key in [(2, (4, 1), size) for size in tensor_qmm.GROUP_SIZES]
-        + [(2, (4, 2), 64)]
-    }
-DENORM04_ONE_SCALE = dataclasses.replace(
-    DENORM04_SPECS[(2, (4, 1), 64)],
-    base=DENORM04_SPECS[(2, (4, 1), 64)].base + "_onescale",
-    body=DENORM04_SPECS[(2, (4, 1), 64)].body.replace(
+IN_PLACE_SPECS = {
+    key: tensor_qmm.IN_PLACE_SPECS[key]
+    for key in [(2, (4, 1), size) for size in tensor_qmm.GROUP_SIZES]
+    + [(2, (4, 2), 64)]
+}
+IN_PLACE_ONE_SCALE = dataclasses.replace(
+    IN_PLACE_SPECS[(2, (4, 1), 64)],
+    base=IN_PLACE_SPECS[(2, (4, 1), 64)].base + "_onescale",
+    body=IN_PLACE_SPECS[(2, (4, 1), 64)].body.replace(
         "(p & 1) ? s2h[t] : s2[t]", "s2[t]"
     ),
 )
-assert DENORM04_ONE_SCALE.body != DENORM04_SPECS[(2, (4, 1), 64)].body
+assert IN_PLACE_ONE_SCALE.body != IN_PLACE_SPECS[(2, (4, 1), 64)].body
 
 
 # The paired stage (tensor_qmm.PAIRED_STAGE, matmul_variants' ``paired``): the default
@@ -1084,8 +1090,8 @@ def tensor_emulator(tmp_path_factory):
         + tuple(tensor_qmm.SCALED_SPECS.values())
         + (SCALED_NO_BIAS,)
         + tuple(DENORM_SPECS.values())
-        + tuple(DENORM04_SPECS.values())
-        + (DENORM04_ONE_SCALE,)
+        + tuple(IN_PLACE_SPECS.values())
+        + (IN_PLACE_ONE_SCALE,)
         + tuple(
             spec for specs in SAME_BITS_VARIANTS.values() for spec in specs.values()
         )
@@ -2387,14 +2393,14 @@ def test_emulated_denormal_decode_gives_the_scaled_form_bits(
 def test_emulated_denormal_pairs_in_place_give_the_scaled_form_bits(
     tensor_emulator, rows, dtype, size, seed
 ) -> None:
-    """``denorm04`` (the denormal decode with the nibble pairs left where they lie):
+    """The denormal decode with its nibble pairs left where they lie (``IN_PLACE_SPECS``):
     the shipped scaled form's bits while every scale is a normal number below 2^-5 in
     bfloat16 (s 2^133 fits) or below 0.25 in float16 (its pairs keep the denormal
     decode's place); past those limits, not (the raised exponent overflows). The
     negative control, the high pairs on the low pairs' scale, fails in bfloat16."""
     if rows > 16:
         size = 64  # the two-m-tile form is built at groups of 64
-    spec = DENORM04_SPECS[(2, (4, 1 if rows <= 16 else 2), size)]
+    spec = IN_PLACE_SPECS[(2, (4, 1 if rows <= 16 else 2), size)]
     shipped = tensor_qmm.SCALED_SPECS[(2, (4, 1 if rows <= 16 else 2), size)]
     limit = 2.0**-5 if dtype == mx.bfloat16 else 0.25
     rng = np.random.default_rng(seed)
@@ -2419,8 +2425,8 @@ def test_emulated_denormal_pairs_in_place_give_the_scaled_form_bits(
 def test_emulated_denormal_pairs_in_place_need_both_scales(
     tensor_emulator, dtype
 ) -> None:
-    """The negative control of ``denorm04``: with the high pairs on the low pairs'
-    scale, bfloat16 loses the shipped bits (those weights come out 16 times too
+    """The negative control of the pairs in place: with the high pairs on the low
+    pairs' scale, bfloat16 loses the shipped bits (those weights come out 16 times too
     large); float16 raises both alike, so it keeps them."""
     rng = np.random.default_rng(51)
     dense = mx.array(rng.standard_normal((200, 512)).astype(np.float32) * 0.02)
@@ -2430,9 +2436,9 @@ def test_emulated_denormal_pairs_in_place_need_both_scales(
         _run_spec(tensor_emulator, tensor_qmm.SCALED_SPECS[(2, (4, 1), 64)], case)
     )
     in_place = raw_bits(
-        _run_spec(tensor_emulator, DENORM04_SPECS[(2, (4, 1), 64)], case)
+        _run_spec(tensor_emulator, IN_PLACE_SPECS[(2, (4, 1), 64)], case)
     )
-    one_scale = raw_bits(_run_spec(tensor_emulator, DENORM04_ONE_SCALE, case))
+    one_scale = raw_bits(_run_spec(tensor_emulator, IN_PLACE_ONE_SCALE, case))
     assert np.array_equal(in_place, expected)
     assert np.array_equal(one_scale, expected) is (dtype == mx.float16)
 
@@ -2513,6 +2519,62 @@ def test_emulated_denormal_switch_keeps_the_bits_through_bind(
     before = len(scaled.launched)
     on = raw_bits(_kernel(case))
     assert ("_denorm" in scaled.launched[before]) is taken
+    assert np.array_equal(on, off)
+
+
+def test_pairs_in_place_are_bound_only_where_exact(monkeypatch) -> None:
+    """``DFLASH_QMM_DENORMAL_IN_PLACE`` (read at each bind; off by default) asks for the
+    pairs-in-place form of a 4-bit denormal call; its scale test is the denormal one
+    with the limit 2^-5 (one reduction serves both limits); a bad value names the
+    switch; the form is the denormal decode's only."""
+    monkeypatch.delenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, raising=False)
+    assert not tensor_qmm.DENORMAL_IN_PLACE and not tensor_qmm.denormal_in_place(4)
+    monkeypatch.setenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, "1")
+    assert tensor_qmm.denormal_in_place(4) and not tensor_qmm.denormal_in_place(8)
+    limit = tensor_qmm.IN_PLACE_SCALE_LIMIT
+    below = mx.array([[0.01, -0.031]]).astype(mx.bfloat16)
+    between = mx.array([[0.01, 0.04]]).astype(mx.bfloat16)
+    assert tensor_qmm.denormal_scales(below, limit)
+    assert tensor_qmm.denormal_scales(between) and not tensor_qmm.denormal_scales(
+        between, limit
+    )
+    for rows, mtiles in ((16, 1), (32, 2)):
+        plan = tensor_qmm.launch_plan(
+            rows, 1024, 300, 4, 64, True, False, True, 2,
+            scaled=True, denormal=True, in_place=True,
+        )  # fmt: skip
+        assert plan.spec is tensor_qmm.IN_PLACE_SPECS[(2, (4, mtiles), 64)]
+    monkeypatch.setenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, "sometimes")
+    with pytest.raises(ValueError, match=tensor_qmm.DENORMAL_IN_PLACE_ENV):
+        tensor_qmm.denormal_in_place(4)
+    with pytest.raises(ValueError, match="denormal"):
+        tensor_qmm._spec(Layout(4, 1), scaled=True, group_size=64, in_place=True)
+
+
+@pytest.mark.parametrize(
+    "dtype, weight_scale, in_place",
+    [(mx.bfloat16, 0.02, True), (mx.bfloat16, 0.1, False), (mx.float16, 0.02, False)],
+)
+def test_emulated_pairs_in_place_keep_the_bits_through_bind(
+    scaled, monkeypatch, dtype, weight_scale, in_place
+) -> None:
+    """Through ``small_row_matmul`` on the emulator with the switch on: a bfloat16
+    4-bit call whose scales are all below 2^-5 launches the pairs in place; scales
+    between 2^-5 and 0.25, and float16, keep the denormal decode; either way the
+    output has the switch-off bits."""
+    monkeypatch.setenv(tensor_qmm.TWO_K_GROUPS_ENV, "1")
+    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "1")
+    rng = np.random.default_rng(7)
+    dense = mx.array(rng.standard_normal((200, 512)).astype(np.float32) * weight_scale)
+    x = mx.array(rng.standard_normal((16, 512)).astype(np.float32)).astype(dtype)
+    case = (x, *mx.quantize(dense.astype(dtype), group_size=64, bits=4), 4, 64)
+    monkeypatch.setenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, "0")
+    off = raw_bits(_kernel(case))
+    monkeypatch.setenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, "1")
+    before = len(scaled.launched)
+    on = raw_bits(_kernel(case))
+    assert "_denorm" in scaled.launched[before]
+    assert ("_inplace" in scaled.launched[before]) is in_place
     assert np.array_equal(on, off)
 
 
@@ -2842,6 +2904,37 @@ def test_cuda_denormal_form_gives_the_scaled_bits(monkeypatch, shape, rows) -> N
     monkeypatch.setattr(tensor_qmm, "launch_plan", recorded)
     out = _kernel(case)
     assert planned and all(base.endswith("_denorm") for base in planned)
+    assert np.array_equal(raw_bits(out), scaled_bits)
+    assert np.array_equal(raw_bits(_kernel(case, slice(0, 1))), raw_bits(out[0:1]))
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("shape", GLIMMER)
+@pytest.mark.parametrize("rows", [1, 16, 32])
+def test_cuda_pairs_in_place_give_the_scaled_bits(monkeypatch, shape, rows) -> None:
+    """Every 4-bit Glimmer projection with ``DFLASH_QMM_DENORMAL_IN_PLACE=1`` (bfloat16,
+    weights spread as a trained model's: scales below 2^-5): the pairs-in-place form
+    is bound and gives the scaled form's bits on the device; row 0 alone has its
+    batch bits."""
+    monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1")
+    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "1")
+    case = _glimmer_case(*shape, rows, 4, spread=0.02)
+    assert case[0].dtype == mx.bfloat16
+    assert tensor_qmm.denormal_scales(case[2], tensor_qmm.IN_PLACE_SCALE_LIMIT)
+    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "0")
+    scaled_bits = raw_bits(_kernel(case))
+    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "1")
+    monkeypatch.setenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, "1")
+    planned, plan = [], tensor_qmm.launch_plan
+
+    def recorded(*args, **kwargs):
+        planned.append(plan(*args, **kwargs).spec.base)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(tensor_qmm, "launch_plan", recorded)
+    out = _kernel(case)
+    assert planned and all(base.endswith("_inplace") for base in planned)
     assert np.array_equal(raw_bits(out), scaled_bits)
     assert np.array_equal(raw_bits(_kernel(case, slice(0, 1))), raw_bits(out[0:1]))
 
