@@ -301,14 +301,15 @@ ARM_SUFFIX_SETS = {
 
 
 # Suffixes whose matmul forms are rebuilt for the arm's block (switches read at import,
-# made in-process as matmul_variants does, so one process can alternate them): knobs of
-# ``matmul_variants.variant`` and the switches set beside them (a kept trace is keyed by
-# the DFLASH_* settings, so the arm's traces are its own).
+# made in-process as matmul_variants does, so one process can alternate them): the
+# ``matmul_variants.variant`` knobs each turns on. Each knob's switch is set beside it
+# (a kept trace is keyed by the DFLASH_* settings, so the arm's traces are its own).
 ARM_MATMUL_FORMS = {
-    "paired": ({"paired": True}, (PAIRED_STAGE_ENV,)),
-    "lean": ({"lean": True}, (LEAN_ISSUE_ENV,)),
-    "pairedlean": ({"paired": True, "lean": True}, (PAIRED_STAGE_ENV, LEAN_ISSUE_ENV)),
+    "paired": ("paired",),
+    "lean": ("lean",),
+    "pairedlean": ("paired", "lean"),
 }
+MATMUL_KNOB_SWITCHES = {"paired": PAIRED_STAGE_ENV, "lean": LEAN_ISSUE_ENV}
 
 
 @contextmanager
@@ -322,11 +323,11 @@ def kernel_arm(arm: str) -> Iterator[None]:
         stack.enter_context(env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[arm]))
         for pair in pairs:
             stack.enter_context(env_value(*pair))
-        if name in ARM_MATMUL_FORMS:
-            knobs, switches = ARM_MATMUL_FORMS[name]
-            for switch in switches:
-                stack.enter_context(env_value(switch, "1"))
-            stack.enter_context(matmul_variants.variant(**knobs))
+        knobs = ARM_MATMUL_FORMS.get(name, ())
+        for knob in knobs:
+            stack.enter_context(env_value(MATMUL_KNOB_SWITCHES[knob], "1"))
+        if knobs:
+            stack.enter_context(matmul_variants.variant(**dict.fromkeys(knobs, True)))
         yield
 
 

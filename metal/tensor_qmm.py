@@ -1389,8 +1389,9 @@ def vector_merge() -> bool:
 # (its own zeros are then never read), so the zeros written at the start are followed
 # by a barrier. The same values reach the mma, so the same bits. 4-bit only (the dense
 # forms' rows r and r + 8 are copied by threads of different warps), not the direct
-# form (its own staging). Session 51 (an H100): its `cuda` tests pass and a call is
-# 0-4 % faster, but whole rounds had ~6 % more device time with it, so it stays off.
+# form (its own staging). Session 51 (an H100): its `cuda` tests pass and with the lean
+# issue a call is 1-4 % faster on all but one shape, but whole rounds had ~6 % more
+# device time with it, so it stays off.
 PAIRED_STAGE_DEFAULT = False
 PAIRED_STAGE_ENV = "DFLASH_QMM_PAIRED_STAGE"
 PAIRED_STAGE = _import_switch(PAIRED_STAGE_ENV, PAIRED_STAGE_DEFAULT)
@@ -1470,9 +1471,10 @@ def _fill(text: str, values: dict) -> str:
 
 
 def _replaced(text: str, old: str, new: str) -> str:
-    """``text`` with its one ``old`` made ``new`` (raises if ``old`` is not there once)."""
+    """``text`` with its one ``old`` made ``new`` (raises if ``old`` is not there once:
+    an edit written against a text that has since changed)."""
     if text.count(old) != 1:
-        raise RuntimeError(f"the matmul text has changed: {old.strip()[:60]}")
+        raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
     return text.replace(old, new)
 
 
@@ -1725,9 +1727,7 @@ def _paired(body: str, scales: Optional[str]) -> str:
     pair_scales = "" if scales is None else _PAIR_SCALES.replace("{pair_scale}", scales)
     body = body.replace(_PAIRED_WAIT, _PAIRED_X.replace("{pair_scales}", pair_scales))
     for old, new in _PAIRED_EDITS:
-        if body.count(old) != 1:
-            raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
-        body = body.replace(old, new)
+        body = _replaced(body, old, new)
     return body
 
 
@@ -1810,9 +1810,7 @@ def _spec(
         _constant_group(group_size) if group_size else ()
     )
     for old, new in edits:
-        if body.count(old) != 1:
-            raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
-        body = body.replace(old, new)
+        body = _replaced(body, old, new)
     body = _fill(
         body,
         {
@@ -1843,9 +1841,7 @@ def _spec(
         halves = {"halves": 1 if k_groups == 2 else 2}
         for old, new in _DIRECT_EDITS:
             old = _fill(old, {"w_stride": layout.w_stride})
-            if body.count(old) != 1:
-                raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
-            body = body.replace(old, _fill(new, halves))
+            body = _replaced(body, old, _fill(new, halves))
     if k_groups == 2:
         body = _two_k_groups(body, affine)
     if swiglu:
@@ -2055,9 +2051,7 @@ def _two_k_groups(body: str, affine: bool) -> str:
     for old, new, forms in _K2_EDITS:
         if form not in forms:
             continue
-        if body.count(old) != 1:
-            raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
-        body = body.replace(old, new)
+        body = _replaced(body, old, new)
     return body
 
 
@@ -2140,9 +2134,7 @@ def _cluster_sum(body: str, cluster: int) -> str:
     for old, new in _CLUSTER_EDITS:
         if old is _MERGE_TAIL:  # the merge of either text, to the body's end
             old = next((t for t in _MERGE_TAILS if body.endswith(t)), _MERGE_TAILS[0])
-        if body.count(old) != 1:
-            raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
-        body = body.replace(old, _fill(new, values))
+        body = _replaced(body, old, _fill(new, values))
     return body
 
 

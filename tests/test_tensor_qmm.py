@@ -2348,61 +2348,32 @@ def test_emulated_scaled_form_needs_its_bias(tensor_emulator) -> None:
         assert not _scaled_oracle_close(case, bad)
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=_FIXTURES)
+@settings(max_examples=28, deadline=None, suppress_health_check=_FIXTURES)
 @given(
-    rows=st.sampled_from([1, 5, 16]),
-    dtype=st.sampled_from(HALF),
-    size=st.sampled_from(tensor_qmm.GROUP_SIZES),
-    seed=st.integers(0, 2**16),
-)
-def test_emulated_denormal_decode_gives_the_scaled_form_bits(
-    tensor_emulator, rows, dtype, size, seed
-) -> None:
-    """The denormal decode (``DENORMAL_SPECS``, as ``matmul_variants``' ``denorm4``
-    ran on the H200): while every scale is a normal number below 0.25
-    (weights of ~0.1, as in a model), decoding each nibble as a subnormal with the
-    scale's exponent raised gives the shipped scaled form's bits exactly (one fma a
-    pair instead of two); with scales of 0.25 and more it does not (negative control:
-    the raised exponent no longer fits)."""
-    rng = np.random.default_rng(seed)
-    dense = rng.standard_normal((200, 512)).astype(np.float32)
-    x = mx.array(rng.standard_normal((rows, 512)).astype(np.float32)).astype(dtype)
-    spec = DENORM_SPECS[(2, (4, 1), size)]
-    shipped = tensor_qmm.SCALED_SPECS[(2, (4, 1), size)]
-    for weight_scale, exact in ((0.1, True), (4.0, False)):
-        weights = mx.quantize(
-            mx.array(dense * weight_scale).astype(dtype), group_size=size, bits=4
-        )
-        scales = np.abs(np.array(weights[1].astype(mx.float32)))
-        assert bool(scales.max() < 0.25) is exact and scales.min() > 2**-14
-        case = (x, *weights, 4, size)
-        same = np.array_equal(
-            raw_bits(_run_spec(tensor_emulator, spec, case)),
-            raw_bits(_run_spec(tensor_emulator, shipped, case)),
-        )
-        assert same is exact
-
-
-@settings(max_examples=20, deadline=None)
-@given(
+    in_place=st.booleans(),
     rows=st.sampled_from([1, 5, 16, 32]),
     dtype=st.sampled_from(HALF),
     size=st.sampled_from(tensor_qmm.GROUP_SIZES),
     seed=st.integers(0, 2**16),
 )
-def test_emulated_denormal_pairs_in_place_give_the_scaled_form_bits(
-    tensor_emulator, rows, dtype, size, seed
+def test_emulated_denormal_decode_gives_the_scaled_form_bits(
+    tensor_emulator, in_place, rows, dtype, size, seed
 ) -> None:
-    """The denormal decode with its nibble pairs left where they lie (``IN_PLACE_SPECS``):
-    the shipped scaled form's bits while every scale is a normal number below 2^-5 in
-    bfloat16 (s 2^133 fits) or below 0.25 in float16 (its pairs keep the denormal
-    decode's place); past those limits, not (the raised exponent overflows). The
-    negative control, the high pairs on the low pairs' scale, fails in bfloat16."""
-    if rows > 16:
-        size = 64  # the two-m-tile form is built at groups of 64
-    spec = IN_PLACE_SPECS[(2, (4, 1 if rows <= 16 else 2), size)]
-    shipped = tensor_qmm.SCALED_SPECS[(2, (4, 1 if rows <= 16 else 2), size)]
-    limit = 2.0**-5 if dtype == mx.bfloat16 else 0.25
+    """The denormal decode (``DENORMAL_SPECS``, as ``matmul_variants``' ``denorm4``
+    ran on the H200) and its pairs left where they lie (``IN_PLACE_SPECS``): while
+    every scale is a normal number below the form's limit (0.25; 2^-5 for the pairs in
+    place in bfloat16, where s 2^133 must fit; float16 keeps the denormal decode's
+    place and limit), decoding each nibble as a subnormal with the scale's exponent
+    raised gives the shipped scaled form's bits exactly; with scales past it, it does
+    not (negative control: the raised exponent no longer fits). Weights of ~0.02,
+    ~0.1 (as in models) and ~4 put the scales on both sides of each limit."""
+    mtiles = 1 if rows <= 16 else 2
+    if in_place and mtiles == 2:
+        size = 64  # the pairs in place's two-m-tile form here is built at groups of 64
+    table = IN_PLACE_SPECS if in_place else DENORM_SPECS
+    spec = table[(2, (4, mtiles), size)]
+    shipped = tensor_qmm.SCALED_SPECS[(2, (4, mtiles), size)]
+    limit = 2.0**-5 if in_place and dtype == mx.bfloat16 else 0.25
     rng = np.random.default_rng(seed)
     dense = rng.standard_normal((200, 512)).astype(np.float32)
     x = mx.array(rng.standard_normal((rows, 512)).astype(np.float32)).astype(dtype)
@@ -2414,9 +2385,9 @@ def test_emulated_denormal_pairs_in_place_give_the_scaled_form_bits(
         exact = bool(scales.max() < limit)
         assert scales.min() > 2**-14 and exact is (weight_scale < limit)
         case = (x, *weights, 4, size)
-        expected = raw_bits(_run_spec(tensor_emulator, shipped, case))
         same = np.array_equal(
-            raw_bits(_run_spec(tensor_emulator, spec, case)), expected
+            raw_bits(_run_spec(tensor_emulator, spec, case)),
+            raw_bits(_run_spec(tensor_emulator, shipped, case)),
         )
         assert same is exact, (weight_scale, dtype)
 
