@@ -41,6 +41,14 @@ mlx's own time is one row per shape. With
 ``--dense`` the weights are dense bf16 (a bf16 target's and the drafter's projections)
 and mlx's row is its ``matmul`` (cuBLAS on CUDA).
 
+By default every timed call reads the same weights, so a projection smaller than the
+L2 cache (50 MB on an H100 / H200: ``o_proj``, ``mlp down``, the fused q / k / v / gate)
+is timed with its weights in the L2, which a round's forward never has (a layer's
+weights are read once a forward). ``--cold-bytes N`` times calls in turn over enough
+copies of the weights (each bound apart, as each layer's are) to span ``N`` bytes, so
+each call reads its weights from device memory; the same-bits and difference columns
+use the first copy.
+
 GPU (torch's interpreter, for CUPTI)::
 
     python -m benchmarks.matmul_variants --json docs/benchmarks/.../variants.json
@@ -52,11 +60,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import platform
 import sys
 from datetime import datetime, timezone
-from typing import Iterator, Optional, Sequence
+from functools import partial
+from typing import Callable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -729,6 +739,18 @@ def _rebuild(
     tensor_qmm._wave_split.cache_clear()
 
 
+def weight_copies(nbytes: int, cold_bytes: int) -> int:
+    """How many copies of a projection's weights (``nbytes`` each) span ``cold_bytes``
+    (at least one: ``cold_bytes`` 0 times the same weights at every call)."""
+    return max(1, -(-cold_bytes // nbytes))
+
+
+def in_turn(calls: Sequence[Callable[[], mx.array]]) -> Callable[[], mx.array]:
+    """A call that runs ``calls`` one after another, round and round."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
+
+
 def run(args: argparse.Namespace) -> dict:
     """Every variant x shape x row count; rows are printed and kept in the result."""
     bits = None if args.dense else args.bits
@@ -742,41 +764,52 @@ def run(args: argparse.Namespace) -> dict:
             "bits": bits,
             "group_size": group_size,
             "bandwidth": args.bandwidth,
+            "cold_bytes": args.cold_bytes,
         },
         "rows": [],
     }
     for shape in args.shapes:
         depth, columns = SHAPES[shape]
-        weight, scales, biases, nbytes = _weights(GLIMMER, depth, columns, bits)
+        first = _weights(GLIMMER, depth, columns, bits)
+        nbytes = first[3]
+        sets: List[tuple] = [first[:3]] + [
+            _weights(GLIMMER, depth, columns, bits)[:3]
+            for _ in range(weight_copies(nbytes, args.cold_bytes) - 1)
+        ]
         bound_us = 1e6 * nbytes / args.bandwidth
         for rows in args.rows:
             x = mx.random.normal((rows, depth)).astype(mx.bfloat16)
             mx.eval(x)
             shipped = None  # "current"'s output, for the same-bits column
-            theirs = lambda: mlx_matmul(x, weight, scales, biases, bits)  # noqa: E731
-            expected = theirs().astype(mx.float32)
-            timed = device_time(theirs, args.reps)
-            _add(result, shape, rows, "mlx", timed, bound_us, 0.0)
+            theirs = [partial(mlx_matmul, x, *weights, bits) for weights in sets]
+            expected = theirs[0]().astype(mx.float32)
+            timed = device_time(in_turn(theirs), args.reps)
+            _add(result, shape, rows, "mlx", timed, bound_us, 0.0, copies=len(sets))
             for name in args.variants:
                 try:
                     with variant(**VARIANTS[name]):
-                        # Bound once, as a patched layer runs it.
-                        bound = bind_matmul(
-                            x.shape, x.dtype, weight, scales, biases, bits=bits,
-                            group_size=group_size, use_kernel=True,
-                        )  # fmt: skip
-                        ours = lambda: bound(x)  # noqa: E731
-                        native = ours()
+                        # Bound once per copy, as a patched layer runs it.
+                        ours = [
+                            partial(
+                                bind_matmul(
+                                    x.shape, x.dtype, *weights, bits=bits,
+                                    group_size=group_size, use_kernel=True,
+                                ),
+                                x,
+                            )
+                            for weights in sets
+                        ]  # fmt: skip
+                        native = ours[0]()
                         got = native.astype(mx.float32)
                         diff = float(mx.abs(got - expected).max())
                         same = same_bits(native, shipped)
                         shipped = native if name == "current" else shipped
-                        timed = device_time(ours, args.reps)
+                        timed = device_time(in_turn(ours), args.reps)
                 except Exception as error:  # a variant the device refuses: go on
                     print(json.dumps({"variant": name, "error": str(error)[:300]}))
                     result.setdefault("errors", []).append([shape, rows, name])
                     continue
-                _add(result, shape, rows, name, timed, bound_us, diff, same)
+                _add(result, shape, rows, name, timed, bound_us, diff, same, len(sets))
                 if args.json:
                     with open(args.json, "w") as handle:
                         json.dump(result, handle, indent=1)
@@ -810,7 +843,7 @@ def same_bits(ours: mx.array, shipped: Optional[mx.array]) -> Optional[bool]:
     return bool(mx.array_equal(ours, shipped).item())
 
 
-def _add(result, shape, rows, name, timed, bound_us, diff, same=None) -> None:
+def _add(result, shape, rows, name, timed, bound_us, diff, same=None, copies=1) -> None:
     row = {
         "projection": shape,
         "rows": rows,
@@ -821,6 +854,7 @@ def _add(result, shape, rows, name, timed, bound_us, diff, same=None) -> None:
         "bound_us": round(bound_us, 2),
         "max_abs_diff_vs_mlx": diff,
         "same_bits_as_current": same,
+        "weight_copies": copies,
     }
     result["rows"].append(row)
     print(json.dumps(row), flush=True)
@@ -838,6 +872,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s"
+    )
+    parser.add_argument(
+        "--cold-bytes",
+        type=int,
+        default=0,
+        help="time calls in turn over copies of the weights spanning this many bytes "
+        "(e.g. 268435456: past the L2, as in a round); 0: the same weights every call",
     )
     parser.add_argument(
         "--rows",
@@ -864,6 +905,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(f"unknown variant or shape: {', '.join(unknown)}")
     if args.reps < 1 or any(not 1 <= rows <= 32 for rows in args.rows):
         parser.error("--reps must be >= 1 and --rows within 1..32")
+    if args.cold_bytes < 0:
+        parser.error("--cold-bytes must be >= 0")
     return args
 
 

@@ -430,6 +430,34 @@ def test_variant_same_bits_column_compares_every_bit_with_current() -> None:
     assert matmul_variants.same_bits(nudged, shipped) is False
 
 
+@settings(max_examples=40, deadline=None)
+@given(nbytes=st.integers(1, 2**30), cold_bytes=st.integers(0, 2**31))
+def test_cold_weight_copies_span_the_asked_bytes_with_the_fewest_copies(
+    nbytes: int, cold_bytes: int
+) -> None:
+    """``--cold-bytes``: the copies of a projection's weights span at least the asked
+    bytes, one copy fewer would not, and 0 keeps one copy (the warm timing)."""
+    copies = matmul_variants.weight_copies(nbytes, cold_bytes)
+    assert copies >= 1
+    assert copies * nbytes >= cold_bytes
+    assert copies == 1 or (copies - 1) * nbytes < cold_bytes
+
+
+def test_cold_calls_take_each_copy_in_turn_and_refuse_negative_bytes() -> None:
+    """The timed call runs the copies' calls one after another, round and round (each
+    copy's weights read once a cycle); a negative ``--cold-bytes`` is refused."""
+    seen = []
+    calls = [lambda i=i: seen.append(i) for i in range(3)]
+    call = matmul_variants.in_turn(calls)
+    for _ in range(7):
+        call()
+    assert seen == [0, 1, 2, 0, 1, 2, 0]
+    assert matmul_variants.parse_args(["--cold-bytes", "268435456"]).cold_bytes == 2**28
+    assert matmul_variants.parse_args([]).cold_bytes == 0
+    with pytest.raises(SystemExit):
+        matmul_variants.parse_args(["--cold-bytes", "-1"])
+
+
 def test_vector_merge_switch_picks_the_merge_text_at_import() -> None:
     """``DFLASH_QMM_VECTOR_MERGE`` (read at import) decides which merge the forms carry:
     on by default since its `cuda` tests ran (session 49); the vector text is the one
