@@ -235,6 +235,7 @@ KERNEL_ARMS = {
     "default-lean": None,
     "default-pairedlean": None,
     "default-inplace": None,
+    "default-shifted": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -285,6 +286,7 @@ ARM_SUFFIXES = {
     "drafterkernel": (DRAFTER_DENSE_ENV, "1"),  # on our small-row kernel (before s47)
     "drafterreplay": (DRAFTER_TRACED_ENV, "1"),  # its layers as compiled replays
     "inplace": (DENORMAL_IN_PLACE_ENV, "1"),  # the denormal decode's pairs in place
+    "shifted": (DENORMAL_IN_PLACE_ENV, "0"),  # its pairs shifted (before session 52)
 }
 # Suffixes that set several switches (each pair as above).
 ARM_SUFFIX_SETS = {
@@ -559,16 +561,44 @@ def cprofile_text(run: Callable[[], object], top: int) -> str:
     return text.getvalue()
 
 
-def profiled(run: Callable[[], int]) -> Tuple[int, list, list]:
-    """``run``'s unit count (rounds or tokens), its device kernels and its CUDA API calls."""
+# Units (rounds or tokens) a device trace leaves out at the start of each run: the
+# prefill and the first unit run, and the device drains, before the trace starts.
+STEADY_SKIP = 1
+
+
+def profiled(units: Iterator[object], skip: int) -> Tuple[int, list, list]:
+    """The units of ``units`` past its first ``skip``, their device kernels and their
+    CUDA API calls.
+
+    The first ``skip`` units (and the prefill before them) run and the device drains
+    before the trace starts: a one-off kernel's duration (the prefill's many-row
+    matmuls and attention) varies from run to run, and in a difference of two runs
+    divided by a few units it swamped the per-unit time (session 52).
+    """
+    for _ in itertools.islice(units, skip):
+        pass
+    mx.synchronize()
     box: Dict[str, int] = {}
-    kernels, api = cupti_trace(lambda: box.setdefault("units", run()))
+
+    def rest() -> int:
+        box["units"] = sum(1 for _ in units)
+        mx.synchronize()
+        return box["units"]
+
+    kernels, api = cupti_trace(rest)
     return box["units"], kernels, api
 
 
-def per_unit(run: Callable[[int], int], short: int, long: int) -> Dict[str, Any]:
+def per_unit(
+    run: Callable[[int], Iterator[object]],
+    short: int,
+    long: int,
+    skip: int = STEADY_SKIP,
+) -> Dict[str, Any]:
     """Kernels, device time and CUDA-graph API calls per unit: the difference of a
-    short and a long run (both share the prefill and the warm-up: steady state).
+    short and a long run (``run(max_tokens)`` yields once a unit), each traced past its
+    first ``skip`` units (steady state: the prefill is not traced, and the last units,
+    shaped by ``max_tokens``, are in both runs).
 
     ``graph_api`` counts the graph calls per unit (instantiation, update, launch) and
     their host µs: a graph that fails to update is instantiated again. ``api_top`` is
@@ -577,8 +607,8 @@ def per_unit(run: Callable[[int], int], short: int, long: int) -> Dict[str, Any]
     ``top`` is the thirty kernel names launched most per unit and ``top_us`` the
     thirty with the most device µs per unit (where a switch's time went).
     """
-    units_short, short_events, short_api = profiled(lambda: run(short))
-    units_long, long_events, long_api = profiled(lambda: run(long))
+    units_short, short_events, short_api = profiled(run(short), skip)
+    units_long, long_events, long_api = profiled(run(long), skip)
     units = max(1, units_long - units_short)
     names = Counter(name[:90] for name, _, _ in long_events)
     names.subtract(name[:90] for name, _, _ in short_events)
@@ -628,14 +658,18 @@ def wall_ms_per_token(run: Callable[[int], int], short: int, long: int) -> float
     return round(min(per_token), 3)
 
 
-def _plain_runs(model, prompt) -> Tuple[Callable[[int], int], Callable[[int], int]]:
-    """mlx-lm's and our plain decoding of ``prompt`` as ``max_tokens -> tokens made``."""
+def _plain_runs(
+    model, prompt
+) -> Tuple[Callable[[int], Iterator], Callable[[int], Iterator]]:
+    """mlx-lm's and our plain decoding of ``prompt``: ``max_tokens ->`` its steps (one
+    a token)."""
+    mlx_lm_generate = importlib.import_module("mlx_lm.generate")
 
-    def mlx_lm_plain(max_tokens: int) -> int:
-        return len(greedy_reference(model, prompt, max_tokens))
+    def mlx_lm_plain(max_tokens: int) -> Iterator:
+        return mlx_lm_generate.generate_step(prompt, model, max_tokens=max_tokens)
 
-    def ours_plain(max_tokens: int) -> int:
-        return len(our_plain_tokens(model, prompt, max_tokens))
+    def ours_plain(max_tokens: int) -> Iterator:
+        return generate_step(prompt, model, max_tokens=max_tokens)
 
     return mlx_lm_plain, ours_plain
 
@@ -647,14 +681,7 @@ def plain_wall(args, model, prompt) -> List[Dict[str, Any]]:
     first few (the difference of two whole generations, :func:`wall_ms_per_token`, is
     swamped by the variance of their prefills when the host sets the pace).
     """
-    mlx_lm_generate = importlib.import_module("mlx_lm.generate")
-
-    def mlx_lm_steps(max_tokens: int):
-        return mlx_lm_generate.generate_step(prompt, model, max_tokens=max_tokens)
-
-    def our_steps(max_tokens: int):
-        return generate_step(prompt, model, max_tokens=max_tokens)
-
+    mlx_lm_steps, our_steps = _plain_runs(model, prompt)
     ms = yield_ms_per_token(mlx_lm_steps, args.max_tokens)
     rows = [{"run": "mlx-lm plain", "ms_per_token": ms}]
     for kernels in args.kernels:
@@ -685,12 +712,13 @@ def device_report(args, model, prompt, replay, plain, block) -> List[Dict[str, A
     short, long = max(1, args.max_tokens // 2), args.max_tokens
     tau = replay.tau
 
-    def dflash_rounds(kernels: str, max_tokens: int) -> int:
+    def dflash_rounds(kernels: str, max_tokens: int) -> Iterator[None]:
+        """Yields at each round's end (its target-made token)."""
         replay.sequence = prompt.tolist() + plain[kernels]
         steps = dflash_generate_step(
             prompt, model, replay, block_size=block, max_tokens=max_tokens
         )
-        return sum(1 for _, _, from_draft in steps if not from_draft)
+        return (None for _, _, from_draft in steps if not from_draft)
 
     mlx_lm_plain, ours_plain = _plain_runs(model, prompt)
     rows = [

@@ -145,9 +145,11 @@ def test_unheld_arms_turn_the_held_norms_off_for_their_block(monkeypatch):
         assert not tensor_qmm.scaled_b(4) and not tensor_qmm.scaled_b(8)
     assert tensor_qmm.scaled_b(4) and tensor_qmm.SCALED_B_ENV not in os.environ
     monkeypatch.delenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, raising=False)
+    with round_profile.kernel_arm("default-shifted"):
+        assert not tensor_qmm.denormal_in_place(4)
     with round_profile.kernel_arm("default-inplace"):
         assert tensor_qmm.denormal_in_place(4)
-    assert not tensor_qmm.denormal_in_place(4)
+    assert tensor_qmm.denormal_in_place(4)  # the default since session 52
     assert tensor_qmm.DENORMAL_IN_PLACE_ENV not in os.environ
 
 
@@ -284,7 +286,7 @@ def test_per_unit_is_the_steady_state_difference_of_two_runs(monkeypatch):
         return events, api
 
     monkeypatch.setattr(round_profile, "cupti_trace", fake_trace)
-    row = round_profile.per_unit(lambda units: units, 4, 10)
+    row = round_profile.per_unit(lambda units: iter(range(units + 1)), 5, 11)
     assert row["units"] == 6
     assert row["kernels"] == 2.0
     assert row["busy_ms"] == 0.004 and row["kernel_ms"] == 0.004
@@ -304,6 +306,61 @@ def test_per_unit_is_the_steady_state_difference_of_two_runs(monkeypatch):
     ]
     assert row["api_top"]["cudaMalloc"] == {"calls": 0.0, "host_us": 0.0}
     assert row["api_host_ms"] == 0.022
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    prefills=st.lists(st.floats(1.0, 1e4), min_size=2, max_size=2),
+    skip=st.integers(1, 3),
+    short=st.integers(4, 8),
+    extra=st.integers(1, 8),
+)
+def test_per_unit_traces_each_run_past_its_prefill_and_first_units(
+    prefills, skip, short, extra
+):
+    """The trace starts after the prefill and the first ``skip`` units of each run, so
+    a prefill whose duration differs between the short and the long run (as a real
+    one's does) adds nothing per unit; the units counted are those traced."""
+    clock = {"now": 0.0, "on": False, "events": []}
+
+    def emit(name, duration):
+        if clock["on"]:
+            clock["events"].append((name, clock["now"], duration))
+        clock["now"] += duration
+
+    def generation(units, prefill_us):
+        emit("prefill", prefill_us)
+        for unit in range(units):
+            emit("matmul", 3.0)
+            emit("norm", 1.0)
+            yield unit
+
+    def fake_trace(run):
+        clock["on"], clock["events"] = True, []
+        run()
+        clock["on"] = False
+        return list(clock["events"]), []
+
+    def per_unit(skip):
+        durations = iter(prefills)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(round_profile, "cupti_trace", fake_trace)
+            return round_profile.per_unit(
+                lambda units: generation(units, next(durations)),
+                short,
+                short + extra,
+                skip=skip,
+            )
+
+    row = per_unit(skip)
+    assert row["units"] == extra
+    assert row["top_us"] == {"matmul": 3.0, "norm": 1.0}
+    assert row["busy_ms"] == pytest.approx(0.004) and row["kernels"] == 2.0
+    # Negative control: traced from the start (the window before session 52), the
+    # prefills' difference lands in the per-unit time.
+    whole = per_unit(0)
+    gap = round((prefills[1] - prefills[0]) / extra, 1)
+    assert whole["top_us"].get("prefill", 0.0) == gap
 
 
 def test_launch_cost_times_every_op_and_refuses_an_unknown_one(tmp_path, capsys):

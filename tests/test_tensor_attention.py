@@ -328,14 +328,22 @@ RAN_ON_THE_H200 |= {
 # they stay recorded as not run in this text. Call F ran the opt-in forms (unscaled,
 # folded offset, one K group, unscaled SwiGLU) with the vector merge, also in the
 # paired-stage / lean-issue texts.
+# Session 52 (docs/benchmarks/h100-2026-12-05-s52, call K, on an H100) ran the denormal
+# decode's own `cuda` test and its pairs-in-place cases in this text (paired stage and
+# lean issue off), with two K groups and with one (DFLASH_QMM_TWO_K_GROUPS=0): 1 / 16 /
+# 32 rows on every Glimmer shape (groups of 64), so both forms' one- and two-m-tile
+# kernels of one and two K groups ran (38 and 30 passed), then made the pairs in place
+# the default. Their forms for groups of 32 and 128 are emulated only.
+_DENORMAL_RAN = [(k, (4, m), 64) for k in (1, 2) for m in (1, 2)]
 _DEFAULT_LAUNCHED = (
     [tensor_qmm.K2_SPECS[(0, 1)], tensor_qmm.K2_SPECS[(0, 2)]]
     + list(tensor_qmm.SCALED_SPECS.values())
     + [s for k, s in tensor_qmm.SWIGLU_SCALED_SPECS.items() if k[0] == 2]
-    + [tensor_qmm.DENORMAL_SPECS[(2, (4, 1), 64)]]
+    + [tensor_qmm.DENORMAL_SPECS[key] for key in _DENORMAL_RAN]
+    + [tensor_qmm.IN_PLACE_SPECS[key] for key in _DENORMAL_RAN]
 )
 MATMUL_RAN = {spec.name("cuda") for spec in _DEFAULT_LAUNCHED}
-RAN_DIGESTS = {"matmul": "0f93f5e2f4aa5c83"}
+RAN_DIGESTS = {"matmul": "dad649ece446121c"}
 RAN_ON_THE_H200 |= MATMUL_RAN
 NOT_RUN_SINCE_CHANGED |= (
     {spec.name("cuda") for spec in tensor_qmm.SPECS}
@@ -390,8 +398,10 @@ def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
     )
     scaled = {spec.name("cuda") for spec in tensor_qmm.SCALED_SPECS.values()}
     assert scaled <= RAN_ON_THE_H200 and tensor_qmm.SCALED_B
-    # The form a Glimmer 4-bit verify or decode step takes by default ran in its text.
-    assert tensor_qmm.DENORMAL_Q4 and not tensor_qmm.PAIRED_STAGE
-    verify_form = tensor_qmm.DENORMAL_SPECS[(2, (4, 1), 64)].name("cuda")
-    assert verify_form in RAN_ON_THE_H200
+    # The forms a Glimmer 4-bit verify or decode step takes by default ran in their
+    # text: the pairs in place where its scales allow, else the denormal decode.
+    assert tensor_qmm.DENORMAL_Q4 and tensor_qmm.DENORMAL_IN_PLACE
+    assert not tensor_qmm.PAIRED_STAGE
+    for table in (tensor_qmm.DENORMAL_SPECS, tensor_qmm.IN_PLACE_SPECS):
+        assert table[(2, (4, 1), 64)].name("cuda") in RAN_ON_THE_H200
     assert not tensor_qmm.FOLD_Q4_OFFSET

@@ -1014,8 +1014,8 @@ assert IN_PLACE_ONE_SCALE.body != IN_PLACE_SPECS[(2, (4, 1), 64)].body
 # x only at 32), denormal and unscaled, each built with it; and its negative controls:
 # x's pieces left unpaired, and the scale pair read as the bias pair.
 def _staging_tables(name: str) -> dict:
-    """The default (two-K-group) dense and 4-bit forms, unscaled, scaled, denormal and
-    scaled SwiGLU, built under a ``matmul_variants`` variant: table name to
+    """The default (two-K-group) dense and 4-bit forms, unscaled, scaled, denormal (its
+    pairs shifted and in place) and scaled SwiGLU, built under a ``matmul_variants`` variant: table name to
     {key: spec}."""
     with matmul_variants.variant(**matmul_variants.VARIANTS[name]):
         tables = {
@@ -1028,6 +1028,7 @@ def _staging_tables(name: str) -> dict:
         for table, specs in (
             ("scaled", tensor_qmm.SCALED_SPECS),
             ("denormal", tensor_qmm.DENORMAL_SPECS),
+            ("inplace", tensor_qmm.IN_PLACE_SPECS),
             ("swiglu", tensor_qmm.SWIGLU_SCALED_SPECS),
         ):
             tables[table] = {
@@ -2522,12 +2523,14 @@ def test_emulated_denormal_switch_keeps_the_bits_through_bind(
 
 
 def test_pairs_in_place_are_bound_only_where_exact(monkeypatch) -> None:
-    """``DFLASH_QMM_DENORMAL_IN_PLACE`` (read at each bind; off by default) asks for the
-    pairs-in-place form of a 4-bit denormal call; its scale test is the denormal one
+    """``DFLASH_QMM_DENORMAL_IN_PLACE`` (read at each bind; on by default since session
+    52, ``0`` turns it off) asks for the pairs-in-place form of a 4-bit denormal call; its scale test is the denormal one
     with the limit 2^-5 (one reduction serves both limits); a bad value names the
     switch; the form is the denormal decode's only."""
     monkeypatch.delenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, raising=False)
-    assert not tensor_qmm.DENORMAL_IN_PLACE and not tensor_qmm.denormal_in_place(4)
+    assert tensor_qmm.DENORMAL_IN_PLACE and tensor_qmm.denormal_in_place(4)
+    monkeypatch.setenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, "0")
+    assert not tensor_qmm.denormal_in_place(4)
     monkeypatch.setenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, "1")
     assert tensor_qmm.denormal_in_place(4) and not tensor_qmm.denormal_in_place(8)
     limit = tensor_qmm.IN_PLACE_SCALE_LIMIT
@@ -2585,6 +2588,7 @@ def _bits_with_specs(emulated, case, tables: dict) -> np.ndarray:
         "form": tensor_qmm.FORM_SPECS[(False, 2)],
         "scaled": tensor_qmm.SCALED_SPECS,
         "denormal": tensor_qmm.DENORMAL_SPECS,
+        "inplace": tensor_qmm.IN_PLACE_SPECS,
     }
     with pytest.MonkeyPatch.context() as patch:
         for table, specs in tables.items():
@@ -2606,7 +2610,7 @@ def _bits_with_specs(emulated, case, tables: dict) -> np.ndarray:
 
 
 @pytest.mark.parametrize("rows", [1, 16, 32])
-@pytest.mark.parametrize("form", ["scaled", "denormal", "unscaled", "dense"])
+@pytest.mark.parametrize("form", ["scaled", "denormal", "inplace", "unscaled", "dense"])
 @pytest.mark.parametrize("variant", ["paired", "lean", "paired-lean"])
 def test_emulated_staging_variants_give_the_shipped_bits(
     emulated, monkeypatch, variant, rows, form
@@ -2619,9 +2623,14 @@ def test_emulated_staging_variants_give_the_shipped_bits(
     bits, K split or not, at every group size (scales paired at 64 and 128, x only at
     32), one or two m-tiles, copies landing early or late, and misaligned inputs taking
     the plain copies. Negative controls: x left unpaired, the scale and bias pairs
-    crossed, the ring's read slot never advanced: each changes the bits."""
+    crossed, the ring's read slot never advanced: each changes the bits. The denormal
+    decode runs with its pairs shifted and in place (weights small enough for it)."""
     monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "0" if form == "unscaled" else "1")
-    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "1" if form == "denormal" else "0")
+    denormal = form in ("denormal", "inplace")
+    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "1" if denormal else "0")
+    in_place = "1" if form == "inplace" else "0"
+    monkeypatch.setenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, in_place)
+    weight_scale = 0.01 if form == "inplace" else 0.05  # in place: scales below 2^-5
     emulated.late = rows == 16  # copies landing at their wait, or at their issue
     # The plain copies (every input 2 bytes off a 16-byte boundary); restored after.
     monkeypatch.setattr(emulated, "misaligned", rows == 32)
@@ -2630,7 +2639,7 @@ def test_emulated_staging_variants_give_the_shipped_bits(
     bits = None if form == "dense" else 4
     for chunks, columns, group in ((3, 200, 64), (2, 130, 128), (1, 100, 32)):
         depth = chunks * (64 if bits is None else 256)
-        dense = rng.standard_normal((columns, depth)).astype(np.float32) * 0.05
+        dense = rng.standard_normal((columns, depth)).astype(np.float32) * weight_scale
         x = rng.standard_normal((rows, depth)).astype(np.float32)
         x, dense = mx.array(x).astype(mx.bfloat16), mx.array(dense).astype(mx.bfloat16)
         if bits is None:
