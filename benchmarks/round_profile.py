@@ -612,11 +612,11 @@ def per_unit(
     units = max(1, units_long - units_short)
     names = Counter(name[:90] for name, _, _ in long_events)
     names.subtract(name[:90] for name, _, _ in short_events)
-    kernel_us = sum(d for *_, d in long_events) - sum(d for *_, d in short_events)
     device_us: Counter = Counter()
     for events, sign in ((long_events, 1), (short_events, -1)):
         for name, _, duration in events:
             device_us[name[:90]] += sign * duration
+    kernel_us = sum(device_us.values())
     api_calls: Dict[str, List[float]] = {}
     for events, sign in ((long_api, 1), (short_api, -1)):
         for name, _, duration in events:

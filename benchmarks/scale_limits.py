@@ -6,7 +6,7 @@ in bfloat16 leaves the nibble pairs where they lie against scales raised by 2^13
 2^129 (the pairs in place, :data:`~dflash.metal.tensor_qmm.DENORMAL_IN_PLACE`). Each is
 exact only while every scale of the array is a normal number below its limit (0.25,
 2^-5), and is bound per array, with the same verdict as here
-(:func:`~dflash.metal.tensor_qmm.denormal_scales`); an array past a limit keeps the
+(:func:`~dflash.metal.tensor_qmm.scale_decode`); an array past a limit keeps the
 slower form with the same bits. This reads only the scales (the model is loaded lazily)
 and reports, per ``QuantizedLinear``, its largest scale and which decode it takes, and
 the share of the 4-bit weight bytes each decode serves.
@@ -36,13 +36,7 @@ def array_decode(module: nn.QuantizedLinear) -> Dict[str, Any]:
     0.25) or ``"scaled"`` (neither)."""
     scales = module.scales
     largest = mx.max(mx.abs(scales.astype(mx.float32))).item()
-    decode = "scaled"
-    if tensor_qmm.denormal_scales(scales):
-        decode = "denormal"
-        if scales.dtype == mx.bfloat16 and tensor_qmm.denormal_scales(
-            scales, tensor_qmm.IN_PLACE_SCALE_LIMIT
-        ):
-            decode = "in_place"
+    decode = tensor_qmm.scale_decode(scales)
     nbytes = module.weight.nbytes + scales.nbytes + module.biases.nbytes
     return {"largest_scale": largest, "decode": decode, "bytes": nbytes}
 

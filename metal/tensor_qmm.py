@@ -432,6 +432,21 @@ def denormal_scales(scales: mx.array, limit: float = DENORMAL_SCALE_LIMIT) -> bo
     return kept[1] and kept[2] < limit
 
 
+def scale_decode(scales: mx.array) -> str:
+    """The fastest exact 4-bit decode these scales allow: ``"in_place"`` (bfloat16,
+    every scale a normal number below :data:`IN_PLACE_SCALE_LIMIT`), ``"denormal"``
+    (below :data:`DENORMAL_SCALE_LIMIT`) or ``"scaled"``. One reduction the first time
+    (see :func:`denormal_scales`).
+
+    Shapes: scales ``(N, K / group_size)``.
+    """
+    if not denormal_scales(scales):
+        return "scaled"
+    if scales.dtype == mx.bfloat16 and denormal_scales(scales, IN_PLACE_SCALE_LIMIT):
+        return "in_place"
+    return "denormal"
+
+
 def fold_q4_offset() -> bool:
     """Whether a 4-bit call bound now uses the folded-offset form (see
     :data:`FOLD_Q4_OFFSET`): ``DFLASH_QMM_FOLDED_OFFSET`` when set, else the default."""
@@ -1393,8 +1408,9 @@ def vector_merge() -> bool:
 # by a barrier. The same values reach the mma, so the same bits. 4-bit only (the dense
 # forms' rows r and r + 8 are copied by threads of different warps), not the direct
 # form (its own staging). Session 51 (an H100): its `cuda` tests pass and with the lean
-# issue a call is 1-4 % faster on all but one shape, but whole rounds had ~6 % more
-# device time with it, so it stays off.
+# issue a call is 1-4 % faster on all but one shape; whole rounds seemed ~6 % slower,
+# which session 52 traced to the round measure (the rounds' matmuls were faster with
+# both). Off until re-timed with the fixed measure beside the pairs in place.
 PAIRED_STAGE_DEFAULT = False
 PAIRED_STAGE_ENV = "DFLASH_QMM_PAIRED_STAGE"
 PAIRED_STAGE = _import_switch(PAIRED_STAGE_ENV, PAIRED_STAGE_DEFAULT)
@@ -1418,8 +1434,8 @@ def paired_stage() -> bool:
 # a chunk's copies in one run, so ptxas's three never-executed `@!PT LDS` come once a
 # run, not once a copy), and the ring's read and write slots are counters. The same
 # copies of the same bytes, so the same bits. Not the direct form (its own staging),
-# not 8-bit (its two-row-tile forms spill at 128 registers). Session 51: off for the
-# paired stage's reason (its `cuda` tests pass; whole rounds were slower with it).
+# not 8-bit (its two-row-tile forms spill at 128 registers). Off for the paired stage's
+# reason (its `cuda` tests pass; not yet re-timed in whole rounds).
 LEAN_ISSUE_DEFAULT = False
 LEAN_ISSUE_ENV = "DFLASH_QMM_LEAN_ISSUE"
 LEAN_ISSUE = _import_switch(LEAN_ISSUE_ENV, LEAN_ISSUE_DEFAULT)
@@ -2405,13 +2421,13 @@ def bind_tensor_core(
     paired_stage()
     lean_issue()
     scaled = scaled_b(bits)
-    denormal = scaled and not swiglu and denormal_q4(bits) and denormal_scales(scales)
-    in_place = (
-        denormal
-        and denormal_in_place(bits)
-        and scales.dtype == mx.bfloat16
-        and denormal_scales(scales, IN_PLACE_SCALE_LIMIT)
+    decode = (
+        scale_decode(scales)
+        if scaled and not swiglu and denormal_q4(bits)
+        else "scaled"
     )
+    denormal = decode != "scaled"
+    in_place = decode == "in_place" and denormal_in_place(bits)
     plan = launch_plan(
         rows, depth, weight.shape[0], bits, group_size, merge_split_sum(),
         fold_q4_offset() and not swiglu and not scaled, wave_split(), k_groups(),
@@ -2549,9 +2565,9 @@ def launch_plan(
     counters; a SwiGLU plan keeps its merge. ``direct``: a scaled 4-bit call of up
     to 16 rows takes the direct form (:data:`DIRECT_Q4`; others keep their form).
     ``denormal``: a scaled 4-bit call (not direct) takes the denormal decode
-    (:data:`DENORMAL_Q4`; the caller has checked :func:`denormal_scales`), with its
-    nibble pairs in place where ``in_place`` (:data:`DENORMAL_IN_PLACE`; the caller has
-    checked the scales against :data:`IN_PLACE_SCALE_LIMIT`).
+    (:data:`DENORMAL_Q4`), with its nibble pairs in place where ``in_place``
+    (:data:`DENORMAL_IN_PLACE`); the caller has checked the scales
+    (:func:`scale_decode`).
 
     Raises:
         ValueError: ``swiglu`` for a call :func:`swiglu_serves` refuses.

@@ -1015,8 +1015,8 @@ assert IN_PLACE_ONE_SCALE.body != IN_PLACE_SPECS[(2, (4, 1), 64)].body
 # x's pieces left unpaired, and the scale pair read as the bias pair.
 def _staging_tables(name: str) -> dict:
     """The default (two-K-group) dense and 4-bit forms, unscaled, scaled, denormal (its
-    pairs shifted and in place) and scaled SwiGLU, built under a ``matmul_variants`` variant: table name to
-    {key: spec}."""
+    pairs shifted and in place) and scaled SwiGLU, built under a ``matmul_variants``
+    variant: table name to {key: spec}."""
     with matmul_variants.variant(**matmul_variants.VARIANTS[name]):
         tables = {
             "form": {
@@ -2539,6 +2539,13 @@ def test_pairs_in_place_are_bound_only_where_exact(monkeypatch) -> None:
     assert tensor_qmm.denormal_scales(below, limit)
     assert tensor_qmm.denormal_scales(between) and not tensor_qmm.denormal_scales(
         between, limit
+    )
+    # The bind's one verdict: both limits, and bfloat16 only for the pairs in place.
+    assert tensor_qmm.scale_decode(below) == "in_place"
+    assert tensor_qmm.scale_decode(between) == "denormal"
+    assert tensor_qmm.scale_decode(below.astype(mx.float16)) == "denormal"
+    assert tensor_qmm.scale_decode(mx.array([[0.01, 0.3]], dtype=mx.bfloat16)) == (
+        "scaled"
     )
     for rows, mtiles in ((16, 1), (32, 2)):
         plan = tensor_qmm.launch_plan(
