@@ -73,7 +73,7 @@ import mlx.core as mx
 from dflash.metal import backend, tensor_qmm
 from dflash.metal.qmm import bind_matmul
 
-from .verify_kernels import GLIMMER, H200_BANDWIDTH, _weights, device_time
+from .verify_kernels import GLIMMER, _weights, device_time, resolve_bandwidth
 
 VARIANTS = {
     "current": {},
@@ -766,6 +766,7 @@ def run(args: argparse.Namespace) -> dict:
             "argv": sys.argv[1:],
             "bits": bits,
             "group_size": group_size,
+            "device": getattr(args, "device_name", "unknown"),
             "bandwidth": args.bandwidth,
             "cold_bytes": args.cold_bytes,
         },
@@ -874,7 +875,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         help="dense bf16 weights (the bf16 target's and the drafter's) instead of --bits",
     )
     parser.add_argument(
-        "--bandwidth", type=float, default=H200_BANDWIDTH, help="bytes/s"
+        "--bandwidth",
+        type=float,
+        default=None,
+        help="bytes/s for the bound (default: the device's peak, the H200's if unknown)",
     )
     parser.add_argument(
         "--cold-bytes",
@@ -918,6 +922,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if backend.kernel_backend() != "cuda":
         print("matmul_variants: needs mlx's CUDA backend", file=sys.stderr)
         return 1
+    resolve_bandwidth(args)
     run(args)
     return 0
 

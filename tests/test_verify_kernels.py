@@ -1005,3 +1005,35 @@ def test_benchmark_runs_on_the_cpu_with_tiny_shapes(tmp_path: Path) -> None:
         assert row["sync_us"] > 0 and row["pipelined_us"] > 0
         assert row["max_abs_diff_vs_mlx"] < 1e-3
     assert {r["impl"] for r in data["matmul"]} == {"reference", "mlx"}
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("NVIDIA H200", 4.8e12),
+        ("NVIDIA H100 80GB HBM3", 3.35e12),
+        ("NVIDIA H100 NVL", 3.9e12),
+        ("NVIDIA H100 PCIe", 2.0e12),
+        ("Apple M3 Max", 4.8e12),
+    ],
+)
+def test_bound_uses_the_named_devices_bandwidth(name: str, expected: float) -> None:
+    """An H100's bound is its own 3.35 TB/s, not the H200's 4.8 (sessions 49-52's H100
+    tables divided by 4.8); an unknown device keeps the H200's figure."""
+    from benchmarks import verify_kernels
+
+    assert verify_kernels.device_bandwidth(name) == (name, expected)
+
+
+def test_benchmark_records_the_bandwidth_its_bound_used(tmp_path: Path) -> None:
+    """``--bandwidth`` overrides the device's figure, and the result names both."""
+    import argparse
+
+    from benchmarks import verify_kernels
+
+    args = argparse.Namespace(bandwidth=None)
+    verify_kernels.resolve_bandwidth(args)
+    assert args.bandwidth == verify_kernels.device_bandwidth(args.device_name)[1]
+    args = argparse.Namespace(bandwidth=1e12)
+    verify_kernels.resolve_bandwidth(args)
+    assert args.bandwidth == 1e12 and isinstance(args.device_name, str)
