@@ -5,7 +5,7 @@ the H200's bound on the large projections (session 25), and more stages or CTAs 
 move them (session 41); an H100 and an H200 time the whole call alike, so the limit is
 not the memory's. This probe reads the same bytes (a projection's ``(N, K / 8)``
 ``uint32`` weights, copies spanning ``--cold-bytes`` as in ``matmul_variants``) with
-nothing else in the kernel, five ways:
+nothing else in the kernel, six ways:
 
 * ``stream``: a grid-stride loop of 16-byte ``ld.global.cg`` loads over the whole array
   (four a thread in flight): what the device's memory gives a plain read;
@@ -17,8 +17,11 @@ nothing else in the kernel, five ways:
   column and chunk, completing on the stage's mbarrier): the copy engine without a
   tensor map;
 * ``bulk-slab``: one 16 KB bulk copy a stage from a tile-contiguous layout (each
-  chunk's 128 x 128 bytes adjacent): what a tensor-map box copy of a repacked layout
-  would read.
+  chunk's 128 x 128 bytes adjacent): the copy engine's best case (a repacked layout);
+* ``tma-tile``: one 2D tensor-map box copy a stage (128 bytes x 128 columns of the
+  weights as they lie; the map made once by the driver's ``cuTensorMapEncodeTiled``
+  through ctypes, the array's device address read by a one-thread kernel): the copy
+  side of the Next steps' tensor-copy route, without repacking.
 
 Every form but ``stream`` runs the matmul's grid (``tensor_qmm.split_plan``) with its
 dynamic shared memory (two CTAs an SM). Each kernel folds what it read into one word
@@ -75,9 +78,13 @@ _PLAN = r"""
   const int split = int(group) / tiles;
   const int c_begin = split * per_split;
   const int c_end = c_begin + per_split < chunks ? c_begin + per_split : chunks;
-  const unsigned char* bytes = reinterpret_cast<const unsigned char*>(weight);
   uint32_t fold = 0u;
+  (void)n_cols; (void)row_bytes;
 """
+
+_BYTES = (
+    "  const unsigned char* bytes = reinterpret_cast<const unsigned char*>(weight);\n"
+)
 
 _KEEP = r"""
   if (fold == {key}u) {{
@@ -232,6 +239,91 @@ _BULK_SLAB_ISSUE = r"""    if (lid == 0) {
 """
 
 
+# One 2D tensor-map box a stage (128 bytes x 128 columns of the weights as they lie),
+# the map made on the host (:func:`weight_tensor_map`) and read from global memory.
+_TMA_TILE_ISSUE = r"""    if (lid == 0) {
+      asm volatile(
+          "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+          " [%0], [%1, {%2, %3}], [%4];\n" ::
+          "r"(dfl_smem(into)), "l"(tmap), "r"(c * CHUNK_BYTES), "r"(tile * COLUMNS),
+          "r"(bar) : "memory");
+    }
+"""
+
+# The tensor map was written by the host (generic proxy): acquired once before use.
+_TMA_ACQUIRE = r"""
+  const unsigned char* tmap = reinterpret_cast<const unsigned char*>(tensor_map);
+  if (lid == 0) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::
+                 "l"(tmap) : "memory");
+  }
+"""
+
+_ADDRESS_BODY = r"""
+  if (lid == 0 && group == 0) {
+    const unsigned long long at = reinterpret_cast<unsigned long long>(weight);
+    address[0] = uint32_t(at & 0xffffffffull);
+    address[1] = uint32_t(at >> 32);
+  }
+"""
+
+ADDRESS_SPEC = GroupKernelSpec(
+    base="copy_probe_address",
+    input_names=("weight",),
+    input_types=("uint32",),
+    output_names=("address",),
+    output_types=("uint32",),
+    helpers="",
+    body=_ADDRESS_BODY,
+    threads=32,
+    backends=(CUDA,),
+    dtypes=(mx.bfloat16,),
+)
+
+
+def device_address(array: mx.array) -> int:
+    """The device address of ``array``'s data (a one-thread kernel reads its pointer)."""
+    (words,) = launch_groups(ADDRESS_SPEC, [array], [(2,)], [mx.uint32], 1, mx.bfloat16)
+    low, high = (int(word) for word in words.tolist())
+    return low | (high << 32)
+
+
+# cuda.h's enumerators for cuTensorMapEncodeTiled.
+_UINT8, _NO_INTERLEAVE, _NO_SWIZZLE, _L2_256B, _NO_OOB_FILL = 0, 0, 0, 3, 0
+
+
+def weight_tensor_map(weight: mx.array, columns: int, row_bytes: int) -> mx.array:
+    """A CUtensorMap (128 bytes, as 32 ``uint32``) over ``weight``'s bytes as a
+    ``(columns, row_bytes)`` uint8 matrix, boxes of 128 x 128, by the driver.
+
+    Raises:
+        RuntimeError: The driver refused the map (its CUresult is named).
+    """
+    import ctypes
+
+    driver = ctypes.CDLL("libcuda.so.1")
+    buffer = ctypes.create_string_buffer(128 + 64)
+    aligned = (ctypes.addressof(buffer) + 63) // 64 * 64
+    code = driver.cuTensorMapEncodeTiled(
+        ctypes.c_void_p(aligned),
+        _UINT8,
+        ctypes.c_uint32(2),
+        ctypes.c_void_p(device_address(weight)),
+        (ctypes.c_uint64 * 2)(row_bytes, columns),
+        (ctypes.c_uint64 * 1)(row_bytes),
+        (ctypes.c_uint32 * 2)(CHUNK_BYTES, COLUMNS),
+        (ctypes.c_uint32 * 2)(1, 1),
+        _NO_INTERLEAVE,
+        _NO_SWIZZLE,
+        _L2_256B,
+        _NO_OOB_FILL,
+    )
+    if code != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled refused the map (CUresult {code})")
+    raw = ctypes.string_at(aligned, 128)
+    return mx.array(list(memoryview(raw).cast("I")), dtype=mx.uint32)
+
+
 def _constants(shared_stride: int) -> str:
     return (
         f"  constexpr int THREADS = {THREADS};\n"
@@ -246,15 +338,20 @@ def _constants(shared_stride: int) -> str:
 
 
 def _spec(name: str, body: str, shared_stride: int, shared: int) -> GroupKernelSpec:
-    plan = "" if name == "stream" else _PLAN
+    tma = name.startswith("tma")
+    plan = "" if name == "stream" else _PLAN + ("" if tma else _BYTES)
     return GroupKernelSpec(
         base=f"copy_probe_{name.replace('-', '_')}",
-        input_names=("weight", "params"),
-        input_types=("uint32", "int32"),
+        input_names=("weight", "params") + (("tensor_map",) if tma else ()),
+        input_types=("uint32", "int32") + (("uint32",) if tma else ()),
         output_names=("sink",),
         output_types=("uint32",),
         helpers=_HELPERS,
-        body=_constants(shared_stride) + plan + body + _KEEP.format(key=KEY),
+        body=_constants(shared_stride)
+        + plan
+        + (_TMA_ACQUIRE if tma else "")
+        + body
+        + _KEEP.format(key=KEY),
         threads=THREADS,
         backends=(CUDA,),
         shared_memory=shared,
@@ -281,6 +378,12 @@ def probe_specs(shared: Optional[int] = None) -> dict[str, GroupKernelSpec]:
         "bulk-slab": _spec(
             "bulk-slab",
             _BULK_RING.format(issue=_BULK_SLAB_ISSUE),
+            CHUNK_BYTES,
+            shared,
+        ),
+        "tma-tile": _spec(
+            "tma-tile",
+            _BULK_RING.format(issue=_TMA_TILE_ISSUE),
             CHUNK_BYTES,
             shared,
         ),

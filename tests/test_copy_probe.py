@@ -20,11 +20,18 @@ def test_probe_kernels_compile_for_sm90_with_their_copy_instructions(
 ) -> None:
     """ptxas takes every form's inline PTX (cp.async, the bulk copies, the mbarrier)."""
     specs = copy_probe.probe_specs()
-    result = check_cuda(list(specs.values()), tmp_path, NVCC, flags=("-Xptxas", "-v"))
+    result = check_cuda(
+        [*specs.values(), copy_probe.ADDRESS_SPEC],
+        tmp_path,
+        NVCC,
+        flags=("-Xptxas", "-v"),
+    )
     assert result.ok, f"{result.command}\n{result.log}"
     assert "spill" not in result.log.replace("0 bytes spill", "")
     assert "cp.async.bulk" in specs["bulk-tile"].body
     assert "cp.async.cg" in specs["cpasync-tile"].body
+    assert "cp.async.bulk.tensor.2d" in specs["tma-tile"].body
+    assert specs["tma-tile"].input_names[-1] == "tensor_map"
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
