@@ -436,7 +436,7 @@ def run(args: argparse.Namespace) -> dict:
         nbytes = columns * depth // 2
         copies = weight_copies(nbytes, args.cold_bytes)
         weights = [
-            mx.random.randint(0, 2**31, (columns, depth // 8)).astype(mx.uint32)
+            mx.random.randint(0, 2**30, (columns, depth // 8)).astype(mx.uint32)
             for _ in range(copies)
         ]
         mx.eval(weights)
