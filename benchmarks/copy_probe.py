@@ -415,6 +415,26 @@ def probe_params(depth: int, columns: int, stream_ctas: int) -> tuple[list[int],
     ], tiles * splits
 
 
+def tensor_maps(
+    form: str, shape: str, weights: list, columns: int, row_bytes: int
+) -> Optional[list]:
+    """Each weight copy's extra inputs for ``form``: its tensor map for the ``tma``
+    forms, none for the others; None (and a printed line) where the driver refused a
+    map or mlx placed one off the 64-byte alignment the copy reads it at."""
+    if not form.startswith("tma"):
+        return [[] for _ in weights]
+    try:
+        maps = [weight_tensor_map(w, columns, row_bytes) for w in weights]
+    except (OSError, RuntimeError) as error:
+        print(json.dumps({"shape": shape, "form": form, "error": str(error)}))
+        return None
+    misaligned = [device_address(m) % 64 for m in maps]
+    if any(misaligned):
+        print(json.dumps({"shape": shape, "form": form, "misaligned": misaligned}))
+        return None
+    return [[m] for m in maps]
+
+
 def run(args: argparse.Namespace) -> dict:
     """Every form x shape, timed by CUPTI with the weights cold; rows printed and kept."""
     specs = probe_specs(args.shared)
@@ -444,17 +464,21 @@ def run(args: argparse.Namespace) -> dict:
         params = mx.array(values, dtype=mx.int32)
         for form in args.forms:
             grid = args.stream_ctas if form == "stream" else groups
+            maps = tensor_maps(form, shape, weights, columns, depth // 2)
+            if maps is None:
+                continue
 
-            def call(weight: mx.array, form: str = form, grid: int = grid) -> mx.array:
+            def call(
+                weight: mx.array, more: list, form: str = form, grid: int = grid
+            ) -> mx.array:
                 (sink,) = launch_groups(
-                    specs[form], [weight, params], [(1,)], [mx.uint32], grid,
+                    specs[form], [weight, params, *more], [(1,)], [mx.uint32], grid,
                     mx.bfloat16,
                 )  # fmt: skip
                 return sink
 
-            timed = device_time(
-                in_turn([lambda w=w: call(w) for w in weights]), args.reps
-            )
+            calls = [lambda w=w, m=m: call(w, m) for w, m in zip(weights, maps)]
+            timed = device_time(in_turn(calls), args.reps)
             row = {
                 "shape": shape,
                 "form": form,
