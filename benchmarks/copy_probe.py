@@ -165,7 +165,9 @@ _CPASYNC_TILE = r"""
 _BULK_RING = r"""
   extern __shared__ uint4 dfl_probe_smem[];
   __shared__ alignas(8) unsigned long long dfl_full[STAGES];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(dfl_probe_smem);
+  // Tensor copies land at 128-byte aligned shared addresses (the launch has 128 spare).
+  unsigned char* smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<size_t>(dfl_probe_smem) + 127) & ~size_t(127));
   if (lid == 0) {{
     for (int s = 0; s < STAGES; ++s) {{
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::
