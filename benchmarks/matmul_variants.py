@@ -625,7 +625,9 @@ def variant(
         "DIRECT_Q4": direct,
         "PAIRED_STAGE": False if edits and paired is None else paired,
         "LEAN_ISSUE": False if edits and lean is None else lean,
-        "DENORMAL_IN_PLACE": in_place,
+        # Text edits are written against the shifted form's text: where they are given,
+        # the in-place forms (not rebuilt) must not bind, or the edit would not run.
+        "DENORMAL_IN_PLACE": False if edits and in_place is None else in_place,
     }
     texts = (
         "_HELPERS", "_BODY", "_SCALED_Q4_HELPER", "_DIRECT_HELPERS", "_DIRECT_EDITS",

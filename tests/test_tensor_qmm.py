@@ -557,6 +557,21 @@ def test_every_variant_applies_to_the_shipped_texts_and_is_undone() -> None:
         assert names() == shipped, name
 
 
+def test_variant_with_text_edits_binds_the_form_it_edited(monkeypatch) -> None:
+    """Text edits are written against the shifted denormal form, and the pairs-in-place
+    forms are not rebuilt with them: a variant with edits must turn the pairs in place
+    off, or a bfloat16 4-bit bind takes the unedited in-place kernel (session 53's first
+    memonly / computeonly / skeleton rows timed the shipped kernel, unedited)."""
+    monkeypatch.delenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, raising=False)
+    assert tensor_qmm.denormal_in_place(4)
+    for name in ("memonly", "computeonly", "skeleton", "prologue", "noepilogue"):
+        with matmul_variants.variant(**matmul_variants.VARIANTS[name]):
+            assert not tensor_qmm.denormal_in_place(4), name
+        assert tensor_qmm.denormal_in_place(4), name
+    with matmul_variants.variant(**matmul_variants.VARIANTS["current"]):
+        assert tensor_qmm.denormal_in_place(4)
+
+
 def test_variants_benchmark_baseline_is_mlx_own_product() -> None:
     """The benchmark's mlx row: ``x @ W.T`` dense, ``quantized_matmul`` quantized."""
     x = mx.random.normal((3, 256), key=mx.random.key(1))
