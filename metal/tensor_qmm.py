@@ -1410,7 +1410,9 @@ def vector_merge() -> bool:
 # form (its own staging). Session 51 (an H100): its `cuda` tests pass and with the lean
 # issue a call is 1-4 % faster on all but one shape; whole rounds seemed ~6 % slower,
 # which session 52 traced to the round measure (the rounds' matmuls were faster with
-# both). Off until re-timed with the fixed measure beside the pairs in place.
+# both). Session 53, beside the pairs in place: with the lean issue 0.4-4 % faster a
+# call on most shapes but 4 % slower on the one-row gate / up; a round's matmul 0.6 %
+# less, its busy time unmoved, a plain token's matmul 1 % more. Off.
 PAIRED_STAGE_DEFAULT = False
 PAIRED_STAGE_ENV = "DFLASH_QMM_PAIRED_STAGE"
 PAIRED_STAGE = _import_switch(PAIRED_STAGE_ENV, PAIRED_STAGE_DEFAULT)
@@ -1434,8 +1436,8 @@ def paired_stage() -> bool:
 # a chunk's copies in one run, so ptxas's three never-executed `@!PT LDS` come once a
 # run, not once a copy), and the ring's read and write slots are counters. The same
 # copies of the same bytes, so the same bits. Not the direct form (its own staging),
-# not 8-bit (its two-row-tile forms spill at 128 registers). Off for the paired stage's
-# reason (its `cuda` tests pass; not yet re-timed in whole rounds).
+# not 8-bit (its two-row-tile forms spill at 128 registers). Off, with the paired stage
+# (timed together in session 53: see above).
 LEAN_ISSUE_DEFAULT = False
 LEAN_ISSUE_ENV = "DFLASH_QMM_LEAN_ISSUE"
 LEAN_ISSUE = _import_switch(LEAN_ISSUE_ENV, LEAN_ISSUE_DEFAULT)
