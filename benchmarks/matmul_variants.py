@@ -236,6 +236,10 @@ VARIANTS = {
     "memonly-contig": {"edits": ("memonly", "contig")},
     # The copies of the weights, scales and biases alone: no x rows copied either.
     "memonly-nox": {"edits": ("memonly", "nox")},
+    # Session 53: what the scales' and biases' copies cost (wrong results, time only).
+    "noscales": {"edits": ("noscales", "nobiases")},
+    "memonly-noscales": {"edits": ("memonly", "noscales", "nobiases")},
+    "memonly-nox-noscales": {"edits": ("memonly", "nox", "noscales", "nobiases")},
     # The scaled-weight form (``tensor_qmm.SCALED_B``): s * q + b in x's dtype before
     # the mma, no sums of x, no per-group float32 step; the default since session 26
     # (with its launch bounds), "unscaled" the form before it.
@@ -390,6 +394,17 @@ EDITS = {
         "w_chunk + size_t(n) * row_bytes, fast);",
         "w_chunk + (size_t(tile) * chunks * COLUMNS + size_t(c) * (COLUMNS - 1) + cl)"
         " * CW, fast);\n      (void)n;\n      (void)row_bytes;",
+    ),
+    # No scale / bias copies (each column's 8 bytes a chunk at a 208-byte stride).
+    "noscales": (
+        "issue_scales",
+        "      dfl_copy_small(base + S_OFF",
+        "      if (n_rows > 32) dfl_copy_small(base + S_OFF",
+    ),
+    "nobiases": (
+        "issue_scales",
+        "      dfl_copy_small(base + B_OFF",
+        "      if (n_rows > 32) dfl_copy_small(base + B_OFF",
     ),
     "nox": (
         "body",
@@ -631,7 +646,7 @@ def variant(
     }
     texts = (
         "_HELPERS", "_BODY", "_SCALED_Q4_HELPER", "_DIRECT_HELPERS", "_DIRECT_EDITS",
-        "_SCALED_HELPERS", "_OPEN_SCALED",
+        "_SCALED_HELPERS", "_OPEN_SCALED", "_ISSUE_SCALES",
     )  # fmt: skip
     saved = {name: getattr(tensor_qmm, name) for name in (*knobs, *texts)}
     tables = {form: dict(specs) for form, specs in tensor_qmm.FORM_SPECS.items()}
@@ -692,6 +707,7 @@ def _edit(part: str, old: str, new: str) -> None:
         "direct_helpers": "_DIRECT_HELPERS",
         "scaled_helpers": "_SCALED_HELPERS",
         "open_scaled": "_OPEN_SCALED",
+        "issue_scales": "_ISSUE_SCALES",
     }
     name = parts[part]
     text = getattr(tensor_qmm, name)
