@@ -205,6 +205,8 @@ VARIANTS = {
     # Same bits.
     "lean": {"lean": True},
     "paired-lean": {"paired": True, "lean": True},
+    # Session 53: the scales and biases a unit of chunks a copy (UNIT_SCALES; same bits).
+    "unit": {"unit": True},
     # The merge before session 43: each split's load waited for by its add (same bits).
     "mergeloop": {"edits": ("mergeloop",)},
     # Diagnostics of the epilogue (results wrong): no merge; no merge and no fences.
@@ -594,6 +596,7 @@ def variant(
     paired: Optional[bool] = None,
     lean: Optional[bool] = None,
     in_place: Optional[bool] = None,
+    unit: Optional[bool] = None,
     edits: Sequence[str] = (),
 ) -> Iterator[None]:
     """Rebuild the tensor-core specs with the given knobs, restoring them after.
@@ -622,6 +625,7 @@ def variant(
             rebuilt with it too.
         lean: ``LEAN_ISSUE`` (None: unchanged; off where ``edits`` are given).
         in_place: ``DENORMAL_IN_PLACE`` (None: unchanged): bound where the scales allow.
+        unit: ``UNIT_SCALES`` (None: unchanged; off where ``edits`` are given).
         edits: Names of :data:`EDITS` to apply to the kernels' text.
     """
     knobs = {
@@ -643,6 +647,7 @@ def variant(
         # Text edits are written against the shifted form's text: where they are given,
         # the in-place forms (not rebuilt) must not bind, or the edit would not run.
         "DENORMAL_IN_PLACE": False if edits and in_place is None else in_place,
+        "UNIT_SCALES": False if edits and unit is None else unit,
     }
     texts = (
         "_HELPERS", "_BODY", "_SCALED_Q4_HELPER", "_DIRECT_HELPERS", "_DIRECT_EDITS",

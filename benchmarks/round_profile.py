@@ -70,6 +70,7 @@ from dflash.metal.tensor_qmm import (
     PAIRED_STAGE_ENV,
     SCALED_B_ENV,
     TWO_K_GROUPS_ENV,
+    UNIT_SCALES_ENV,
     WAVE_SPLIT_ENV,
 )
 from dflash.prepared_heads import GATE_EPILOGUE_ENV, HEAD_PREP_ENV, KV_BLOCK_ENV
@@ -236,6 +237,7 @@ KERNEL_ARMS = {
     "default-pairedlean": None,
     "default-inplace": None,
     "default-shifted": None,
+    "default-unit": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -310,8 +312,13 @@ ARM_MATMUL_FORMS = {
     "paired": ("paired",),
     "lean": ("lean",),
     "pairedlean": ("paired", "lean"),
+    "unit": ("unit",),  # the scales a unit of chunks a copy (session 53)
 }
-MATMUL_KNOB_SWITCHES = {"paired": PAIRED_STAGE_ENV, "lean": LEAN_ISSUE_ENV}
+MATMUL_KNOB_SWITCHES = {
+    "paired": PAIRED_STAGE_ENV,
+    "lean": LEAN_ISSUE_ENV,
+    "unit": UNIT_SCALES_ENV,
+}
 
 
 @contextmanager

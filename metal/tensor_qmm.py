@@ -1752,6 +1752,115 @@ def _paired(body: str, scales: Optional[str]) -> str:
     return body
 
 
+# Unit scales (session 53; ``DFLASH_QMM_UNIT_SCALES=1``, read at import; off until a
+# device times it): a column's scales and biases copied a unit of chunks at a time
+# rather than a chunk at a time. On an H100 the per-chunk copies (one of 8 bytes each
+# a column and chunk for groups of 64, at the row's 208-byte stride: a quarter of a
+# 32-byte sector, 256 small copies a chunk beside the weights' 1024) cost ~9 us of the
+# 16-row fused gate / up's 83, ~2.5 of it their bytes (matmul_variants' noscales).
+# Here the copy for chunk c, where c opens a unit (or the CTA's chunk range), takes the
+# scales of every chunk of c's unit in the range: 16 bytes (two chunks at groups of 64,
+# four at 128, one at 32) where the row's stride keeps them 16-byte aligned, else 8 or
+# 4. They land in the scale region of stage slot (c / unit) % STAGES, no longer written
+# by the chunks' own copies; a unit's slot is refilled only after its last chunk is
+# read (the refill is issued STAGES - 1 chunks ahead, after the barrier that follows
+# the reads, and units span at least one chunk). The same scales reach the same
+# arithmetic, so the same bits. The scaled 4-bit forms (the shipped ones; nvcc spills
+# the unscaled and 8-bit two-row-tile forms with it), not direct; not with the paired
+# stage (its scale pairs) or the lean issue (its issue text).
+UNIT_SCALES_DEFAULT = False
+UNIT_SCALES_ENV = "DFLASH_QMM_UNIT_SCALES"
+UNIT_SCALES = _import_switch(UNIT_SCALES_ENV, UNIT_SCALES_DEFAULT)
+
+
+def unit_scales() -> bool:
+    """Whether the affine forms copy their scales a unit of chunks at a time
+    (:data:`UNIT_SCALES`, taken at import).
+
+    Raises:
+        ValueError: ``DFLASH_QMM_UNIT_SCALES`` is not an on/off word, or it is on with
+            the paired stage or the lean issue (their texts do not combine).
+    """
+    value = _checked_import_switch(UNIT_SCALES_ENV, UNIT_SCALES)
+    if value and (paired_stage() or lean_issue()):
+        raise ValueError(
+            f"{UNIT_SCALES_ENV} does not combine with {PAIRED_STAGE_ENV} or "
+            f"{LEAN_ISSUE_ENV}"
+        )
+    return value
+
+
+_UNIT_HELPERS = r"""
+// bytes (a multiple of 4) from src to dst, in the largest aligned pieces of 16, 8, 4.
+DFL_FN void dfl_copy_span(unsigned char* dst, const unsigned char* src, int bytes, bool fast) {
+  while (bytes > 0) {
+    const int align = int((size_t(dst) | size_t(src)) & size_t(15));
+    const int piece = bytes >= 16 && align == 0 ? 16 : bytes >= 8 && (align & 7) == 0 ? 8 : 4;
+    dfl_copy_small(dst, src, piece, fast);
+    dst += piece;
+    src += piece;
+    bytes -= piece;
+  }
+}
+"""
+_UNIT_ISSUE_SCALES = """
+    // Scales and biases of the chunks of c's unit from c on (see UNIT_SCALES), when c
+    // opens a unit or the CTA's range: into the unit's slot.
+    {
+      static_assert(THREADS == COLUMNS, "one thread per column's scales");
+      if (c == c_begin || (c & (unit_chunks - 1)) == 0) {
+        const int cl = int(lid);
+        const int n = col0 + cl < n_cols ? col0 + cl : n_cols - 1;
+        const int unit_end = ((c >> unit_shift) + 1) << unit_shift;
+        const int bytes = ((unit_end < c_end ? unit_end : c_end) - c) * per_chunk * 2;
+        unsigned char* slot = smem + ((c >> unit_shift) % STAGES) * STAGE_BYTES +
+                              (c & (unit_chunks - 1)) * per_chunk * 2;
+        const size_t e = size_t(n) * size_t(groups_k) + size_t(c) * per_chunk;
+        dfl_copy_span(slot + S_OFF + cl * 16, reinterpret_cast<const unsigned char*>(scales + e),
+                      bytes, fast);
+        dfl_copy_span(slot + B_OFF + cl * 16, reinterpret_cast<const unsigned char*>(biases + e),
+                      bytes, fast);
+      }
+    }
+"""
+# The unit's size and the chunk's scales in the loop (old, new).
+_UNIT_EDITS = (
+    (
+        "  (void)per_chunk;\n",
+        "  (void)per_chunk;\n"
+        "  // Chunks a scale copy covers: 16 bytes of a column's scales where its row's\n"
+        "  // stride keeps them aligned, else 8 or 4 (a whole chunk's at least).\n"
+        "  int unit_bytes = 16;\n"
+        "  while (unit_bytes > per_chunk * 2 && ((2 * groups_k) & (unit_bytes - 1)) != 0) {\n"
+        "    unit_bytes >>= 1;\n"
+        "  }\n"
+        "  const int unit_chunks = unit_bytes / (per_chunk * 2);\n"
+        "  const int unit_shift = (unit_chunks >= 2) + (unit_chunks >= 4);  // (1, 2 or 4)\n",
+    ),
+    (
+        "    const unsigned char* base = smem + (i % STAGES) * STAGE_BYTES;\n"
+        "    (void)base;\n",
+        "    const unsigned char* base = smem + (i % STAGES) * STAGE_BYTES;\n"
+        "    (void)base;\n"
+        "    const unsigned char* sbase = smem + ((c >> unit_shift) % STAGES) * STAGE_BYTES +\n"
+        "                                 (c & (unit_chunks - 1)) * per_chunk * 2;\n",
+    ),
+)
+
+
+def _unit_scales(body: str) -> str:
+    """A filled affine body with :data:`UNIT_SCALES`: the unit's size, and every read
+    of a chunk's scales and biases from its unit's slot."""
+    for old, new in _UNIT_EDITS:
+        body = _replaced(body, old, new)
+    reads = body.count("base + S_OFF") + body.count("base + B_OFF")
+    if reads < 2:
+        raise RuntimeError("the matmul body has changed: no scale reads found")
+    return body.replace("base + S_OFF", "sbase + S_OFF").replace(
+        "base + B_OFF", "sbase + B_OFF"
+    )
+
+
 def _spec(
     layout: Layout,
     folded: bool = False,
@@ -1827,6 +1936,9 @@ def _spec(
     lean = LEAN_ISSUE and not layout.direct and layout.bits != 8
     if lean:  # (after the paired stage: its slot arithmetic is made a counter too)
         body = _lean(body)
+    # (Scaled 4-bit only: the unscaled and 8-bit two-row-tile forms spill with it.)
+    unit = UNIT_SCALES and scaled and layout.bits == 4 and not layout.direct
+    unit = unit and not paired and not lean
     edits = (_SCALED_EDITS if scaled else ()) + (
         _constant_group(group_size) if group_size else ()
     )
@@ -1835,7 +1947,9 @@ def _spec(
     body = _fill(
         body,
         {
-            "issue_scales": _ISSUE_SCALES if affine else "",
+            "issue_scales": (
+                (_UNIT_ISSUE_SCALES if unit else _ISSUE_SCALES) if affine else ""
+            ),
             "xsum": (open_scaled if scaled else _XSUM) if affine else "",
             "declare_xs": (
                 ((_DECLARE_SCALED if scaled else _DECLARE_XS) if affine else "")
@@ -1858,6 +1972,8 @@ def _spec(
             "stage_bytes": layout.stage_bytes,
         },
     )
+    if unit:
+        body = _unit_scales(body)
     if layout.direct:
         halves = {"halves": 1 if k_groups == 2 else 2}
         for old, new in _DIRECT_EDITS:
@@ -1871,7 +1987,7 @@ def _spec(
     name += "_folded" * folded + "_scaled" * scaled
     name += f"_g{group_size}" if group_size else ""
     name += "_k2" * (k_groups == 2) + "_swiglu" * swiglu + "_direct" * layout.direct
-    name += "_denorm" * denormal + "_inplace" * in_place
+    name += "_denorm" * denormal + "_inplace" * in_place + "_unit" * unit
     if affine:
         inputs = ("x", "weight", "scales", "biases", "params", "counters")
         types = ("T", "uint32", "T", "T", "int32", "int32")
@@ -1891,6 +2007,7 @@ def _spec(
         + (_DIRECT_HELPERS if layout.direct else "")
         + (_PAIRED_HELPERS if paired else "")
         + (_LEAN_HELPERS if lean else "")
+        + (_UNIT_HELPERS if unit else "")
         + (_DENORMAL_HELPERS if denormal and not in_place else "")
         + (_IN_PLACE_HELPERS if in_place else "")
         + (SWIGLU_HELPERS if swiglu else ""),
@@ -2422,6 +2539,7 @@ def bind_tensor_core(
     vector_merge()  # a bad switch value fails the bind that would use the forms
     paired_stage()
     lean_issue()
+    unit_scales()
     scaled = scaled_b(bits)
     decode = (
         scale_decode(scales)

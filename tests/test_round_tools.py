@@ -188,6 +188,21 @@ def test_matmul_form_arms_rebuild_the_forms_for_their_block_only(monkeypatch):
     assert plan.spec is shipped[key] and "dfl_cp16" not in plan.spec.body
 
 
+def test_unit_arm_builds_the_unit_scale_forms_for_its_block() -> None:
+    """``-unit`` rebuilds the scaled 4-bit forms with unit scales for its block and
+    sets their switch (a kept trace is keyed by it); the shipped forms come back."""
+    key = (2, (4, 1), 64)
+    shipped = tensor_qmm.IN_PLACE_SPECS[key]
+    settings = kernel_patch.dflash_settings()
+    with round_profile.kernel_arm("default-unit"):
+        assert tensor_qmm.UNIT_SCALES is True
+        assert "dfl_copy_span" in tensor_qmm.IN_PLACE_SPECS[key].body
+        assert kernel_patch.dflash_settings() != settings
+    assert tensor_qmm.UNIT_SCALES is False
+    assert tensor_qmm.IN_PLACE_SPECS[key] is shipped
+    assert kernel_patch.dflash_settings() == settings
+
+
 def test_drafter_arms_turn_on_their_drafter_switches_for_their_block(monkeypatch):
     """``-drafterqkv`` / ``-drafterheads`` / ``-draftermlx`` / ``-drafterkernel`` set
     one switch each,

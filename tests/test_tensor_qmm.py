@@ -1120,6 +1120,44 @@ SCALED_NO_BIAS = dataclasses.replace(
 )
 assert SCALED_NO_BIAS.body != SCALED_G64.body
 
+# Unit scales (tensor_qmm.UNIT_SCALES, matmul_variants' ``unit``): the scaled 4-bit
+# forms (plain, denormal, in place) at one and two m-tiles and every group size, built
+# with it; and two slips: every chunk reads its unit's first chunk's scales (the offset
+# within the unit dropped), and the units share one slot (a unit's copy lands over the
+# one still being read).
+with matmul_variants.variant(**matmul_variants.VARIANTS["unit"]):
+    UNIT = {
+        table: {
+            key: spec
+            for key, spec in specs.items()
+            if key[0] == 2 and key[1] in ((4, 1), (4, 2))
+        }
+        for table, specs in (
+            ("scaled", tensor_qmm.SCALED_SPECS),
+            ("denormal", tensor_qmm.DENORMAL_SPECS),
+            ("inplace", tensor_qmm.IN_PLACE_SPECS),
+        )
+    }
+assert all("_unit" in s.base for specs in UNIT.values() for s in specs.values())
+_UNIT_OFFSET = (
+    "STAGE_BYTES +\n                                 (c & (unit_chunks - 1)) * per_chunk * 2;",
+    "STAGE_BYTES;",
+)
+_UNIT_SLIPS = {
+    "unit-offset": (_UNIT_OFFSET,),
+    "one-slot": (("(c >> unit_shift) % STAGES)", "(c >> unit_shift) % 1)"),),
+}
+UNIT_SLIPS = {}
+for _slip, _edits in _UNIT_SLIPS.items():
+    _spec0 = UNIT["scaled"][(2, (4, 1), 64)]
+    _body = _spec0.body
+    for _old, _new in _edits:
+        assert _old in _body, _slip
+        _body = _body.replace(_old, _new)
+    UNIT_SLIPS[_slip] = dataclasses.replace(
+        _spec0, base=_spec0.base + "_" + _slip.replace("-", "_"), body=_body
+    )
+
 
 @pytest.fixture(scope="module")
 def tensor_emulator(tmp_path_factory):
@@ -1147,6 +1185,8 @@ def tensor_emulator(tmp_path_factory):
         )
         + tuple(spec for specs in PAIRED_SLIPS.values() for spec in specs.values())
         + tuple(SWIGLU_UNPAIRED.values())
+        + tuple(spec for specs in UNIT.values() for spec in specs.values())
+        + tuple(UNIT_SLIPS.values())
     )
     emulator = TensorEmulator(tmp_path_factory.mktemp("tensor_emulator"), specs, GXX)
     assert emulator.build.ok, emulator.build.log
@@ -2687,6 +2727,128 @@ def test_emulated_staging_variants_give_the_shipped_bits(
                 continue
             got = raw_bits(_run_spec(emulated, PAIRED_SLIPS[slip][key], case))
             assert not np.array_equal(got, shipped), slip
+
+
+def _run_split(emulator, spec, case, splits: int, per_split: int) -> mx.array:
+    """One launch of ``spec`` over ``case`` (4-bit) with K in ``splits`` CTAs of
+    ``per_split`` chunks a column tile (the last takes the rest), summed by the last
+    CTA's merge: CTA ranges that start and end inside a unit of chunks."""
+    x, weight, scales, biases, _, group = case
+    tiles = -(-weight.shape[0] // tensor_qmm.COLUMNS)
+    chunks = x.shape[1] // Layout(4, 1).chunk
+    shift = group.bit_length() - 1
+    rows, columns = x.shape[0], weight.shape[0]
+    ints = mx.array(
+        [rows, columns, x.shape[1], group, tiles, splits, per_split, shift, 1, 0],
+        mx.int32,  # ..., merged, member edges (none)
+    )
+    assert (splits - 1) * per_split < chunks <= splits * per_split
+    y, _ = emulator.launch(
+        spec,
+        [x, weight, scales, biases, ints, mx.zeros((tiles,), mx.int32)],
+        [(rows, columns), (splits * rows * columns,)],
+        [x.dtype, mx.float32],
+        tiles * splits,
+        x.dtype,
+    )
+    return y
+
+
+@pytest.mark.parametrize("rows", [1, 16, 32])
+@pytest.mark.parametrize("form", ["scaled", "denormal", "inplace"])
+def test_emulated_unit_scales_give_the_shipped_bits(
+    emulated, monkeypatch, rows, form
+) -> None:
+    """Unit scales (:data:`tensor_qmm.UNIT_SCALES`: a column's scales and biases copied
+    16 bytes, a unit of chunks, at a time into a ring of slots of their own) feed the
+    same scales to the same arithmetic: the shipped bits at every group size (units of
+    1, 2 and 4 chunks, 16- and 8-byte), one and two m-tiles, K unsplit and split into CTA ranges that
+    start and end inside a unit (odd starts, a unit cut short), copies landing early or
+    late, misaligned inputs taking the plain copies; and through the bind. Negative
+    controls (copies landing early): the chunk's offset in its unit dropped, and the
+    units sharing one slot."""
+    emulated.late = rows == 16
+    monkeypatch.setattr(emulated, "misaligned", rows == 32)
+    key_tiles = (4, 1 if rows <= 16 else 2)
+    # Units of a row's scales: 8 chunks make 16-byte rows at groups of 64 and 32-byte
+    # ones at 128 (units of 2 and 4 chunks); 6 chunks make 24-byte rows at 128 (8-byte
+    # units of 2 chunks); groups of 32 take a chunk a unit.
+    for chunks, group, plans in (
+        (8, 64, ((1, 8), (3, 3))),
+        (8, 128, ((1, 8), (3, 3), (2, 5))),
+        (6, 128, ((2, 3),)),
+        (6, 32, ((2, 3),)),
+    ):
+        case = _fixed_case(rows, chunks * 256, 200, None, None, mx.bfloat16, rows)
+        dense = case[1] * 0.01  # small: the denormal decode, its pairs in place too
+        case = (case[0], *mx.quantize(dense, group_size=group, bits=4), 4, group)
+        key = (2, key_tiles, group)
+        shipped_spec = {
+            "scaled": tensor_qmm.SCALED_SPECS,
+            "denormal": tensor_qmm.DENORMAL_SPECS,
+            "inplace": tensor_qmm.IN_PLACE_SPECS,
+        }[form][key]
+        for splits, per_split in plans:
+            shipped = raw_bits(
+                _run_split(emulated, shipped_spec, case, splits, per_split)
+            )
+            got = raw_bits(
+                _run_split(emulated, UNIT[form][key], case, splits, per_split)
+            )
+            assert np.array_equal(got, shipped), (group, splits)
+    # Through the bind (the plan's own split, the switch's forms in the tables).
+    monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1")
+    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "0" if form == "scaled" else "1")
+    in_place = "1" if form == "inplace" else "0"
+    monkeypatch.setenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, in_place)
+    rng = np.random.default_rng(rows)
+    dense = rng.standard_normal((200, 3 * 256)).astype(np.float32) * 0.01
+    x = rng.standard_normal((rows, 3 * 256)).astype(np.float32)
+    x, dense = mx.array(x).astype(mx.bfloat16), mx.array(dense).astype(mx.bfloat16)
+    case = (x, *mx.quantize(dense, group_size=64, bits=4), 4, 64)
+    shipped = raw_bits(_kernel(case))
+    assert np.array_equal(_bits_with_specs(emulated, case, {form: UNIT[form]}), shipped)
+    monkeypatch.setattr(emulated, "misaligned", False)
+    emulated.late = False
+    if form == "scaled":
+        case = _fixed_case(rows, 8 * 256, 200, 4, 64, mx.bfloat16, rows)
+        spec = tensor_qmm.SCALED_SPECS[(2, key_tiles, 64)]
+        if key_tiles == (4, 1):
+            shipped = raw_bits(_run_split(emulated, spec, case, 3, 3))
+            for slip, wrong in UNIT_SLIPS.items():
+                got = raw_bits(_run_split(emulated, wrong, case, 3, 3))
+                assert not np.array_equal(got, shipped), slip
+
+
+def test_unit_scales_switch_refuses_the_staging_variants(monkeypatch) -> None:
+    """``DFLASH_QMM_UNIT_SCALES`` (read at import; off) does not combine with the
+    paired stage or the lean issue: the bind's check names the switches; a bad word
+    names its switch; the forms it builds are the scaled 4-bit ones only."""
+    assert tensor_qmm.UNIT_SCALES is tensor_qmm.UNIT_SCALES_DEFAULT is False
+    assert not any("_unit" in spec.base for spec in tensor_qmm.SPECS)
+    assert tensor_qmm.unit_scales() is False
+    monkeypatch.setattr(tensor_qmm, "UNIT_SCALES", True)
+    assert tensor_qmm.unit_scales() is True
+    monkeypatch.setattr(tensor_qmm, "PAIRED_STAGE", True)
+    with pytest.raises(ValueError, match="DFLASH_QMM_UNIT_SCALES does not combine"):
+        tensor_qmm.unit_scales()
+    monkeypatch.setattr(tensor_qmm, "PAIRED_STAGE", False)
+    monkeypatch.setattr(tensor_qmm, "LEAN_ISSUE", True)
+    with pytest.raises(ValueError, match="DFLASH_QMM_LEAN_ISSUE"):
+        tensor_qmm.unit_scales()
+    monkeypatch.setattr(tensor_qmm, "LEAN_ISSUE", False)
+    monkeypatch.setenv(tensor_qmm.UNIT_SCALES_ENV, "sometimes")
+    with pytest.raises(ValueError, match="DFLASH_QMM_UNIT_SCALES"):
+        tensor_qmm.unit_scales()
+    monkeypatch.delenv(tensor_qmm.UNIT_SCALES_ENV)
+    with matmul_variants.variant(**matmul_variants.VARIANTS["unit"]):
+        built = [
+            spec.base
+            for table in (tensor_qmm.SCALED_SPECS, tensor_qmm.FORM_SPECS[(False, 2)])
+            for spec in table.values()
+        ]
+    assert {"_unit" in b for b in built} == {True, False}
+    assert all(("_unit" in b) == ("scaled" in b and "q4" in b) for b in built)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 32])
