@@ -2729,6 +2729,21 @@ def test_emulated_staging_variants_give_the_shipped_bits(
             assert not np.array_equal(got, shipped), slip
 
 
+@needs_nvcc
+def test_unit_scale_forms_compile_for_sm90_within_the_bounds(tmp_path: Path) -> None:
+    """Every unit-scale form (scaled 4-bit: plain, denormal, in place; one and two
+    m-tiles; every group size) compiles for sm_90 with no spills within its launch
+    bounds' 128 registers."""
+    specs = [spec for table in UNIT.values() for spec in table.values()]
+    forms = check_cuda(specs, tmp_path, NVCC, dtypes=HALF, flags=("-Xptxas", "-v"))
+    assert forms.ok, f"{forms.command}\n{forms.log}"
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log)
+    assert len(spills) >= 2 * len(specs), forms.log
+    assert all(a == "0" and b == "0" for a, b in spills), forms.log
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", forms.log)]
+    assert len(registers) >= 2 * len(specs) and max(registers) <= 128, forms.log
+
+
 def _run_split(emulator, spec, case, splits: int, per_split: int) -> mx.array:
     """One launch of ``spec`` over ``case`` (4-bit) with K in ``splits`` CTAs of
     ``per_split`` chunks a column tile (the last takes the rest), summed by the last
