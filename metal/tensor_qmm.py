@@ -1816,10 +1816,15 @@ _UNIT_ISSUE_SCALES = """
         unsigned char* slot = smem + ((c >> unit_shift) % STAGES) * STAGE_BYTES +
                               (c & (unit_chunks - 1)) * per_chunk * 2;
         const size_t e = size_t(n) * size_t(groups_k) + size_t(c) * per_chunk;
-        dfl_copy_span(slot + S_OFF + cl * 16, reinterpret_cast<const unsigned char*>(scales + e),
-                      bytes, fast);
-        dfl_copy_span(slot + B_OFF + cl * 16, reinterpret_cast<const unsigned char*>(biases + e),
-                      bytes, fast);
+        const unsigned char* s_from = reinterpret_cast<const unsigned char*>(scales + e);
+        const unsigned char* b_from = reinterpret_cast<const unsigned char*>(biases + e);
+        if (bytes == unit_bytes) {  // a whole unit: one aligned copy of each
+          dfl_copy_small(slot + S_OFF + cl * 16, s_from, unit_bytes, fast);
+          dfl_copy_small(slot + B_OFF + cl * 16, b_from, unit_bytes, fast);
+        } else {  // a unit cut by the CTA's range: its chunks' bytes in aligned pieces
+          dfl_copy_span(slot + S_OFF + cl * 16, s_from, bytes, fast);
+          dfl_copy_span(slot + B_OFF + cl * 16, b_from, bytes, fast);
+        }
       }
     }
 """
