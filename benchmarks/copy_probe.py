@@ -45,12 +45,12 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from dflash.metal import backend, tensor_qmm
+from dflash.metal import tensor_qmm
 from dflash.metal.groups import GroupKernelSpec, launch_groups
 from dflash.metal.sources import CUDA
 
 from .matmul_variants import SHAPES, in_turn, weight_copies
-from .verify_kernels import device_time, resolve_bandwidth
+from .verify_kernels import add_bandwidth_argument, device_time, run_on_cuda
 
 # The matmul's geometry: a chunk is 128 weight bytes of a column, a tile 128 columns.
 CHUNK_BYTES = 128
@@ -521,12 +521,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--shared", type=int, default=None, help="the ring forms' shared memory"
     )
-    parser.add_argument(
-        "--bandwidth",
-        type=float,
-        default=None,
-        help="bytes/s for the bound (default: the device's peak, the H200's if unknown)",
-    )
+    add_bandwidth_argument(parser)
     parser.add_argument("--json", help="write results here (after every row)")
     args = parser.parse_args(argv)
     unknown = [name for name in args.forms if name not in FORMS]
@@ -539,13 +534,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
-    if backend.kernel_backend() != "cuda":
-        print("copy_probe: needs mlx's CUDA backend", file=sys.stderr)
-        return 1
-    resolve_bandwidth(args)
-    run(args)
-    return 0
+    return run_on_cuda("copy_probe", parse_args(argv), run)
 
 
 if __name__ == "__main__":

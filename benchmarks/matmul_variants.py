@@ -70,10 +70,16 @@ from typing import Callable, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from dflash.metal import backend, tensor_qmm
+from dflash.metal import tensor_qmm
 from dflash.metal.qmm import bind_matmul
 
-from .verify_kernels import GLIMMER, _weights, device_time, resolve_bandwidth
+from .verify_kernels import (
+    GLIMMER,
+    _weights,
+    add_bandwidth_argument,
+    device_time,
+    run_on_cuda,
+)
 
 VARIANTS = {
     "current": {},
@@ -897,12 +903,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         action="store_true",
         help="dense bf16 weights (the bf16 target's and the drafter's) instead of --bits",
     )
-    parser.add_argument(
-        "--bandwidth",
-        type=float,
-        default=None,
-        help="bytes/s for the bound (default: the device's peak, the H200's if unknown)",
-    )
+    add_bandwidth_argument(parser)
     parser.add_argument(
         "--cold-bytes",
         type=int,
@@ -941,13 +942,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
-    if backend.kernel_backend() != "cuda":
-        print("matmul_variants: needs mlx's CUDA backend", file=sys.stderr)
-        return 1
-    resolve_bandwidth(args)
-    run(args)
-    return 0
+    return run_on_cuda("matmul_variants", parse_args(argv), run)
 
 
 if __name__ == "__main__":

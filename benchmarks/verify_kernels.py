@@ -73,6 +73,28 @@ def device_bandwidth(name: Optional[str] = None) -> tuple[str, float]:
     return name, H200_BANDWIDTH
 
 
+def add_bandwidth_argument(parser: argparse.ArgumentParser) -> None:
+    """``--bandwidth``: bytes/s for the bound, default the device's peak
+    (:func:`resolve_bandwidth` fills it in)."""
+    parser.add_argument(
+        "--bandwidth",
+        type=float,
+        default=None,
+        help="bytes/s for the bound (default: the device's peak, the H200's if unknown)",
+    )
+
+
+def run_on_cuda(name: str, args: argparse.Namespace, run: Callable) -> int:
+    """A CUDA-only benchmark's main: one line and 1 without mlx's CUDA backend, else
+    ``run(args)`` with the bandwidth resolved, and 0."""
+    if backend.kernel_backend() != "cuda":
+        print(f"{name}: needs mlx's CUDA backend", file=sys.stderr)
+        return 1
+    resolve_bandwidth(args)
+    run(args)
+    return 0
+
+
 def resolve_bandwidth(args: argparse.Namespace) -> None:
     """Fills ``args.bandwidth`` (``None``: the device's, :func:`device_bandwidth`) and
     sets ``args.device_name``, so each result names the figure its bound used."""
@@ -454,12 +476,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--batch", type=int, default=20, help="calls per pipelined wait"
     )
-    parser.add_argument(
-        "--bandwidth",
-        type=float,
-        default=None,
-        help="bytes/s for the bound (default: the device's peak, the H200's if unknown)",
-    )
+    add_bandwidth_argument(parser)
     parser.add_argument(
         "--skip-lm-head", action="store_true", help="skip the 202k-column head"
     )
