@@ -1840,14 +1840,19 @@ _UNIT_EDITS = (
         "    unit_bytes >>= 1;\n"
         "  }\n"
         "  const int unit_chunks = unit_bytes / (per_chunk * 2);\n"
-        "  const int unit_shift = (unit_chunks >= 2) + (unit_chunks >= 4);  // (1, 2 or 4)\n",
+        "  const int unit_shift = (unit_chunks >= 2) + (unit_chunks >= 4);  // (1, 2 or 4)\n"
+        "  // The slot of the unit being read: (c >> unit_shift) % STAGES, as a counter.\n"
+        "  int unit_slot = (c_begin >> unit_shift) % STAGES;\n",
     ),
     (
         "    const unsigned char* base = smem + (i % STAGES) * STAGE_BYTES;\n"
         "    (void)base;\n",
         "    const unsigned char* base = smem + (i % STAGES) * STAGE_BYTES;\n"
         "    (void)base;\n"
-        "    const unsigned char* sbase = smem + ((c >> unit_shift) % STAGES) * STAGE_BYTES +\n"
+        "    if (c != c_begin && (c & (unit_chunks - 1)) == 0) {\n"
+        "      unit_slot = unit_slot == STAGES - 1 ? 0 : unit_slot + 1;\n"
+        "    }\n"
+        "    const unsigned char* sbase = smem + unit_slot * STAGE_BYTES +\n"
         "                                 (c & (unit_chunks - 1)) * per_chunk * 2;\n",
     ),
 )

@@ -1145,7 +1145,11 @@ _UNIT_OFFSET = (
 )
 _UNIT_SLIPS = {
     "unit-offset": (_UNIT_OFFSET,),
-    "one-slot": (("(c >> unit_shift) % STAGES)", "(c >> unit_shift) % 1)"),),
+    "one-slot": (
+        ("(c >> unit_shift) % STAGES)", "(c >> unit_shift) % 1)"),
+        ("(c_begin >> unit_shift) % STAGES;", "(c_begin >> unit_shift) % 1;"),
+        ("unit_slot = unit_slot == STAGES - 1 ? 0 : unit_slot + 1;", "unit_slot = 0;"),
+    ),
 }
 UNIT_SLIPS = {}
 for _slip, _edits in _UNIT_SLIPS.items():
