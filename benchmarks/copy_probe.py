@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
-from datetime import datetime, timezone
 from typing import Optional, Sequence
 
 import mlx.core as mx
@@ -49,8 +47,14 @@ from dflash.metal import tensor_qmm
 from dflash.metal.groups import GroupKernelSpec, launch_groups
 from dflash.metal.sources import CUDA
 
+from .common import write_json
 from .matmul_variants import SHAPES, in_turn, weight_copies
-from .verify_kernels import add_bandwidth_argument, device_time, run_on_cuda
+from .verify_kernels import (
+    add_bandwidth_argument,
+    device_time,
+    per_call_meta,
+    run_on_cuda,
+)
 
 # The matmul's geometry: a chunk is 128 weight bytes of a column, a tile 128 columns.
 CHUNK_BYTES = 128
@@ -441,16 +445,7 @@ def run(args: argparse.Namespace) -> dict:
     """Every form x shape, timed by CUPTI with the weights cold; rows printed and kept."""
     specs = probe_specs(args.shared)
     result = {
-        "meta": {
-            "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "mlx": mx.__version__,
-            "host": platform.node(),
-            "argv": sys.argv[1:],
-            "device": getattr(args, "device_name", "unknown"),
-            "bandwidth": args.bandwidth,
-            "cold_bytes": args.cold_bytes,
-            "stream_ctas": args.stream_ctas,
-        },
+        "meta": per_call_meta(args, stream_ctas=args.stream_ctas),
         "rows": [],
     }
     for shape in args.shapes:
@@ -495,9 +490,7 @@ def run(args: argparse.Namespace) -> dict:
             }
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
-            if args.json:
-                with open(args.json, "w") as handle:
-                    json.dump(result, handle, indent=1)
+            write_json(args.json, result)
     return result
 
 

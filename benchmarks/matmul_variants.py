@@ -62,9 +62,7 @@ import argparse
 import contextlib
 import itertools
 import json
-import platform
 import sys
-from datetime import datetime, timezone
 from functools import partial
 from typing import Callable, Iterator, List, Optional, Sequence
 
@@ -73,11 +71,13 @@ import mlx.core as mx
 from dflash.metal import tensor_qmm
 from dflash.metal.qmm import bind_matmul
 
+from .common import write_json
 from .verify_kernels import (
     GLIMMER,
     _weights,
     add_bandwidth_argument,
     device_time,
+    per_call_meta,
     run_on_cuda,
 )
 
@@ -788,17 +788,7 @@ def run(args: argparse.Namespace) -> dict:
     bits = None if args.dense else args.bits
     group_size = None if args.dense else 64
     result = {
-        "meta": {
-            "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "mlx": mx.__version__,
-            "host": platform.node(),
-            "argv": sys.argv[1:],
-            "bits": bits,
-            "group_size": group_size,
-            "device": getattr(args, "device_name", "unknown"),
-            "bandwidth": args.bandwidth,
-            "cold_bytes": args.cold_bytes,
-        },
+        "meta": per_call_meta(args, bits=bits, group_size=group_size),
         "rows": [],
     }
     for shape in args.shapes:
@@ -843,9 +833,7 @@ def run(args: argparse.Namespace) -> dict:
                     result.setdefault("errors", []).append([shape, rows, name])
                     continue
                 _add(result, shape, rows, name, timed, bound_us, diff, same, len(sets))
-                if args.json:
-                    with open(args.json, "w") as handle:
-                        json.dump(result, handle, indent=1)
+                write_json(args.json, result)
     return result
 
 

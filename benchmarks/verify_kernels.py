@@ -44,7 +44,7 @@ H200_BANDWIDTH = 4.8e12
 
 # Peak memory bandwidth (bytes/s) by the start of the device's name, for the bound a
 # call is compared with: an H100 run divided by the H200's figure reads 1.43x too far
-# from its own bound. Longest names first (an "H100 NVL" is not an SXM "H100 80GB").
+# from its own bound. (No name here starts another, so the order does not matter.)
 KNOWN_BANDWIDTH = {
     "NVIDIA H200": 4.8e12,
     "NVIDIA H100 NVL": 3.9e12,
@@ -93,6 +93,22 @@ def run_on_cuda(name: str, args: argparse.Namespace, run: Callable) -> int:
     resolve_bandwidth(args)
     run(args)
     return 0
+
+
+def per_call_meta(args: argparse.Namespace, **more) -> dict:
+    """What a per-call device table records about its run (``more`` added): when,
+    mlx's version, the host, the command line, the device and the bandwidth its bound
+    used, and ``--cold-bytes``."""
+    return {
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "mlx": mx.__version__,
+        "host": platform.node(),
+        "argv": sys.argv[1:],
+        "device": getattr(args, "device_name", "unknown"),
+        "bandwidth": args.bandwidth,
+        "cold_bytes": args.cold_bytes,
+        **more,
+    }
 
 
 def resolve_bandwidth(args: argparse.Namespace) -> None:

@@ -1940,23 +1940,8 @@ def test_emulated_body_gives_misaligned_inputs_the_same_bits(emulated, case) -> 
 def _run_spec(emulator, spec, case) -> mx.array:
     """One launch of a 4-bit, 16-row form straight through ``spec``, K unsplit (the
     ring of stages wraps when K holds more chunks than stages)."""
-    x, weight, scales, biases, _, group = case
-    tiles = -(-weight.shape[0] // tensor_qmm.COLUMNS)
-    chunks = x.shape[1] // Layout(4, 1).chunk
-    shift = group.bit_length() - 1
-    ints = mx.array(
-        [x.shape[0], weight.shape[0], x.shape[1], group, tiles, 1, chunks, shift, 0, 0],
-        mx.int32,  # ..., merged, member edges (none)
-    )
-    y, _ = emulator.launch(
-        spec,
-        [x, weight, scales, biases, ints, mx.zeros((1,), mx.int32)],
-        [(x.shape[0], weight.shape[0]), (1,)],
-        [x.dtype, mx.float32],
-        tiles,
-        x.dtype,
-    )
-    return y
+    chunks = case[0].shape[1] // Layout(4, 1).chunk
+    return _run_split(emulator, spec, case, 1, chunks)
 
 
 def _slip_shows(emulator, spec, case) -> bool:

@@ -1037,3 +1037,7 @@ def test_benchmark_records_the_bandwidth_its_bound_used(tmp_path: Path) -> None:
     args = argparse.Namespace(bandwidth=1e12)
     verify_kernels.resolve_bandwidth(args)
     assert args.bandwidth == 1e12 and isinstance(args.device_name, str)
+    args.cold_bytes = 2**28
+    meta = verify_kernels.per_call_meta(args, bits=4)
+    assert (meta["bandwidth"], meta["cold_bytes"], meta["bits"]) == (1e12, 2**28, 4)
+    assert meta["device"] == args.device_name
