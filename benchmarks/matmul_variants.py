@@ -248,6 +248,12 @@ VARIANTS = {
     "noscales": {"edits": ("noscales", "nobiases")},
     "memonly-noscales": {"edits": ("memonly", "noscales", "nobiases")},
     "memonly-nox-noscales": {"edits": ("memonly", "nox", "noscales", "nobiases")},
+    # Session 54: the scales' and biases' copies as a chunk-major repack would lie
+    # (the addresses only: wrong results), the form that reads such a repack
+    # (CHUNK_MAJOR_SCALES, the default since; same bits) and the one before it.
+    "contigscales": {"edits": ("contigscales",)},
+    "cmajor": {"cmajor": True},
+    "rowmajor": {"cmajor": False},
     # The scaled-weight form (``tensor_qmm.SCALED_B``): s * q + b in x's dtype before
     # the mma, no sums of x, no per-group float32 step; the default since session 26
     # (with its launch bounds), "unscaled" the form before it.
@@ -408,6 +414,13 @@ EDITS = {
         "issue_scales",
         "      dfl_copy_small(base + S_OFF",
         "      if (n_rows > 32) dfl_copy_small(base + S_OFF",
+    ),
+    # Each column's 8 bytes a chunk read where a chunk-major repack ([chunks, N, 4]:
+    # a warp's copies 256 contiguous bytes) would hold them: wrong results, the time only.
+    "contigscales": (
+        "issue_scales",
+        "const size_t e = size_t(n) * size_t(groups_k) + size_t(c) * per_chunk;",
+        "const size_t e = (size_t(c) * size_t(n_cols) + size_t(n)) * per_chunk;",
     ),
     "nobiases": (
         "issue_scales",
@@ -603,6 +616,7 @@ def variant(
     lean: Optional[bool] = None,
     in_place: Optional[bool] = None,
     unit: Optional[bool] = None,
+    cmajor: Optional[bool] = None,
     edits: Sequence[str] = (),
 ) -> Iterator[None]:
     """Rebuild the tensor-core specs with the given knobs, restoring them after.
@@ -632,6 +646,8 @@ def variant(
         lean: ``LEAN_ISSUE`` (None: unchanged; off where ``edits`` are given).
         in_place: ``DENORMAL_IN_PLACE`` (None: unchanged): bound where the scales allow.
         unit: ``UNIT_SCALES`` (None: unchanged; off where ``edits`` are given).
+        cmajor: ``CHUNK_MAJOR_SCALES`` (None: unchanged; off where ``edits`` are
+            given).
         edits: Names of :data:`EDITS` to apply to the kernels' text.
     """
     knobs = {
@@ -654,6 +670,7 @@ def variant(
         # the in-place forms (not rebuilt) must not bind, or the edit would not run.
         "DENORMAL_IN_PLACE": False if edits and in_place is None else in_place,
         "UNIT_SCALES": False if edits and unit is None else unit,
+        "CHUNK_MAJOR_SCALES": False if edits and cmajor is None else cmajor,
     }
     texts = (
         "_HELPERS", "_BODY", "_SCALED_Q4_HELPER", "_DIRECT_HELPERS", "_DIRECT_EDITS",

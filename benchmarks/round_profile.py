@@ -62,6 +62,7 @@ from dflash.kernel_patch import (
 )
 from dflash.metal.backend import COMPILE_ENV
 from dflash.metal.tensor_qmm import (
+    CHUNK_MAJOR_SCALES_ENV,
     DENORMAL_IN_PLACE_ENV,
     FOLDED_OFFSET_ENV,
     LEAN_ISSUE_ENV,
@@ -238,6 +239,7 @@ KERNEL_ARMS = {
     "default-inplace": None,
     "default-shifted": None,
     "default-unit": None,
+    "default-rowmajor": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -306,18 +308,21 @@ ARM_SUFFIX_SETS = {
 
 # Suffixes whose matmul forms are rebuilt for the arm's block (switches read at import,
 # made in-process as matmul_variants does, so one process can alternate them): the
-# ``matmul_variants.variant`` knobs each turns on. Each knob's switch is set beside it
-# (a kept trace is keyed by the DFLASH_* settings, so the arm's traces are its own).
+# ``matmul_variants.variant`` knobs each sets. Each knob's switch is set beside it (a
+# kept trace is keyed by the DFLASH_* settings, so the arm's traces are its own).
 ARM_MATMUL_FORMS = {
-    "paired": ("paired",),
-    "lean": ("lean",),
-    "pairedlean": ("paired", "lean"),
-    "unit": ("unit",),  # the scales a unit of chunks a copy (session 53)
+    "paired": {"paired": True},
+    "lean": {"lean": True},
+    "pairedlean": {"paired": True, "lean": True},
+    "unit": {"unit": True},  # the scales a unit of chunks a copy (session 53)
+    # The scales as mlx lays them out (chunk-major, the default since session 54, off).
+    "rowmajor": {"cmajor": False},
 }
 MATMUL_KNOB_SWITCHES = {
     "paired": PAIRED_STAGE_ENV,
     "lean": LEAN_ISSUE_ENV,
     "unit": UNIT_SCALES_ENV,
+    "cmajor": CHUNK_MAJOR_SCALES_ENV,
 }
 
 
@@ -332,11 +337,11 @@ def kernel_arm(arm: str) -> Iterator[None]:
         stack.enter_context(env_value(VERIFY_KERNELS_ENV, KERNEL_ARMS[arm]))
         for pair in pairs:
             stack.enter_context(env_value(*pair))
-        knobs = ARM_MATMUL_FORMS.get(name, ())
-        for knob in knobs:
-            stack.enter_context(env_value(MATMUL_KNOB_SWITCHES[knob], "1"))
+        knobs = ARM_MATMUL_FORMS.get(name, {})
+        for knob, on in knobs.items():
+            stack.enter_context(env_value(MATMUL_KNOB_SWITCHES[knob], "01"[on]))
         if knobs:
-            stack.enter_context(matmul_variants.variant(**dict.fromkeys(knobs, True)))
+            stack.enter_context(matmul_variants.variant(**knobs))
         yield
 
 

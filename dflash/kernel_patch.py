@@ -86,8 +86,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from . import folded_attention as folded
-from . import gated_mlp, prepared_heads, residual_layers
-from . import traced_drafts
+from . import gated_mlp, prepared_heads, residual_layers, traced_drafts
 from . import traced_layers as traced_layers_module
 from .cache.checkpoint import DEFERRED, RingPlaneCheckpoint
 from .cache.plane import KvPlane, RingPlane, kv_halves
@@ -97,7 +96,7 @@ from .fused_projections import (
     fuse_wanted,
     sibling_sets,
 )
-from .metal import backend, heads, qmm
+from .metal import backend, heads, qmm, tensor_qmm
 from .metal.attention import KeyPlane, small_query_attention, visible_bounds
 from .metal.qmm import bind_matmul, compile_around
 from .taps import target_layers
@@ -804,13 +803,17 @@ def forget_traces(model: Optional[nn.Module] = None) -> None:
     """Never take back traces kept so far; with ``model``, also free its kept traces now.
 
     Kept traces hold the arrays they captured: a model whose weights were replaced
-    keeps the old ones alive until its next install drops them (or until this).
+    keeps the old ones alive until its next install drops them (or until this). With
+    ``model``, the chunk-major copies of its scales and biases are dropped too
+    (:func:`~dflash.metal.tensor_qmm.chunk_major`).
     """
     global _trace_epoch
     _trace_epoch = object()
     if model is not None:
         for module in model.modules():
             module.__dict__.pop(_KEPT_TRACES, None)
+        arrays = [a for _, a in tree_flatten(model.parameters())]
+        tensor_qmm.forget_chunk_major(arrays)
 
 
 def dflash_settings() -> tuple:

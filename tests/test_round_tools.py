@@ -203,6 +203,26 @@ def test_unit_arm_builds_the_unit_scale_forms_for_its_block() -> None:
     assert kernel_patch.dflash_settings() == settings
 
 
+def test_rowmajor_arm_builds_the_row_major_forms_for_its_block() -> None:
+    """``-rowmajor`` rebuilds the scaled forms to read the scales as mlx lays them
+    out for its block and sets their switch off; the shipped (chunk-major) forms come
+    back."""
+    key = (2, (4, 1), 64)
+    shipped = tensor_qmm.IN_PLACE_SPECS[key]
+    assert tensor_qmm.reads_chunk_major(shipped)
+    settings = kernel_patch.dflash_settings()
+    with round_profile.kernel_arm("default-rowmajor"):
+        assert tensor_qmm.CHUNK_MAJOR_SCALES is False
+        assert not tensor_qmm.reads_chunk_major(tensor_qmm.IN_PLACE_SPECS[key])
+        assert (
+            tensor_qmm.CHUNK_MAJOR_SCALES_ENV,
+            "0",
+        ) in kernel_patch.dflash_settings()
+    assert tensor_qmm.CHUNK_MAJOR_SCALES is True
+    assert tensor_qmm.IN_PLACE_SPECS[key] is shipped
+    assert kernel_patch.dflash_settings() == settings
+
+
 def test_drafter_arms_turn_on_their_drafter_switches_for_their_block(monkeypatch):
     """``-drafterqkv`` / ``-drafterheads`` / ``-draftermlx`` / ``-drafterkernel`` set
     one switch each,

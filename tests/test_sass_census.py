@@ -53,8 +53,9 @@ def _listing() -> tuple[list[Instruction], list[int]]:
 
 
 def _listed_form():
-    """The spec that ran in the listing (the merge before the vector one)."""
-    with matmul_variants.variant():
+    """The spec that ran in the listing (the merge before the vector one, the scales
+    as mlx lays them out)."""
+    with matmul_variants.variant(cmajor=False):
         tensor_qmm._BODY = tensor_qmm.merge_body(False)
         matmul_variants._rebuild()
         spec = tensor_qmm.SCALED_SPECS[(2, (4, 1), 64)]

@@ -149,9 +149,12 @@ def test_direct_forms_compile_for_sm90_without_spills(tmp_path: Path) -> None:
 def test_direct_form_is_the_staged_text_less_its_weight_copies() -> None:
     """The direct form is edits of the scaled form's filled text: no weight region
     in a stage (smaller stages), no weight copies, its own name; it refuses what it
-    cannot be (8-bit, dense, unscaled, a group size read at launch, SwiGLU)."""
+    cannot be (8-bit, dense, unscaled, a group size read at launch, SwiGLU). (It reads
+    the scales as mlx lays them out: the staged form it is compared with too.)"""
+    with matmul_variants.variant(cmajor=False):
+        row_major = dict(tensor_qmm.SCALED_SPECS)
     for (groups, size), spec in DIRECT_SPECS.items():
-        staged = tensor_qmm.SCALED_SPECS[(groups, (4, 1), size)]
+        staged = row_major[(groups, (4, 1), size)]
         assert spec.base == staged.base + "_direct"
         assert "dfl_copy16(base + w_shared" in staged.body
         assert "w_shared" not in spec.body and "dfl_direct_load" in spec.body

@@ -1163,6 +1163,40 @@ for _slip, _edits in _UNIT_SLIPS.items():
     )
 
 
+# Chunk-major scales (tensor_qmm.CHUNK_MAJOR_SCALES, the default since session 54): the
+# scaled forms that read a repack of the scales and biases, (K / 256, N, 256 / group),
+# and the same forms reading mlx's layout (``DFLASH_QMM_CHUNK_MAJOR_SCALES=0``). 4-bit
+# plain, denormal and in place at one and two m-tiles and every group size.
+def _scaled_tables() -> dict:
+    return {
+        table: {
+            key: spec
+            for key, spec in specs.items()
+            if key[0] == 2 and key[1] in ((4, 1), (4, 2))
+        }
+        for table, specs in (
+            ("scaled", tensor_qmm.SCALED_SPECS),
+            ("denormal", tensor_qmm.DENORMAL_SPECS),
+            ("inplace", tensor_qmm.IN_PLACE_SPECS),
+        )
+    }
+
+
+with matmul_variants.variant(**matmul_variants.VARIANTS["cmajor"]):
+    CMAJOR = _scaled_tables()
+with matmul_variants.variant(cmajor=False):
+    ROW_MAJOR = _scaled_tables()
+assert all(
+    tensor_qmm.reads_chunk_major(s) for specs in CMAJOR.values() for s in specs.values()
+)
+assert not any(
+    tensor_qmm.reads_chunk_major(s)
+    for specs in ROW_MAJOR.values()
+    for s in specs.values()
+)
+assert all(len(specs) == 6 for specs in CMAJOR.values())
+
+
 @pytest.fixture(scope="module")
 def tensor_emulator(tmp_path_factory):
     if GXX is None:
@@ -1191,6 +1225,8 @@ def tensor_emulator(tmp_path_factory):
         + tuple(SWIGLU_UNPAIRED.values())
         + tuple(spec for specs in UNIT.values() for spec in specs.values())
         + tuple(UNIT_SLIPS.values())
+        + tuple(spec for specs in CMAJOR.values() for spec in specs.values())
+        + tuple(spec for specs in ROW_MAJOR.values() for spec in specs.values())
     )
     emulator = TensorEmulator(tmp_path_factory.mktemp("tensor_emulator"), specs, GXX)
     assert emulator.build.ok, emulator.build.log
@@ -2733,10 +2769,23 @@ def test_unit_scale_forms_compile_for_sm90_within_the_bounds(tmp_path: Path) -> 
     assert len(registers) >= 2 * len(specs) and max(registers) <= 128, forms.log
 
 
-def _run_split(emulator, spec, case, splits: int, per_split: int) -> mx.array:
+def _chunk_major_case(case: tuple) -> tuple:
+    """``case`` with its scales and biases repacked chunk-major."""
+    x, weight, scales, biases, bits, group = case
+    repacked = (tensor_qmm.chunk_major(a, group) for a in (scales, biases))
+    return (x, weight, *repacked, bits, group)
+
+
+def _run_split(
+    emulator, spec, case, splits: int, per_split: int, as_given: bool = False
+) -> mx.array:
     """One launch of ``spec`` over ``case`` (4-bit) with K in ``splits`` CTAs of
     ``per_split`` chunks a column tile (the last takes the rest), summed by the last
-    CTA's merge: CTA ranges that start and end inside a unit of chunks."""
+    CTA's merge: CTA ranges that start and end inside a unit of chunks. A form that
+    reads chunk-major scales gets them repacked, as the bind does, unless
+    ``as_given``."""
+    if tensor_qmm.reads_chunk_major(spec) and not as_given:
+        case = _chunk_major_case(case)
     x, weight, scales, biases, _, group = case
     tiles = -(-weight.shape[0] // tensor_qmm.COLUMNS)
     chunks = x.shape[1] // Layout(4, 1).chunk
@@ -2822,6 +2871,145 @@ def test_emulated_unit_scales_give_the_shipped_bits(
             for slip, wrong in UNIT_SLIPS.items():
                 got = raw_bits(_run_split(emulated, wrong, case, 3, 3))
                 assert not np.array_equal(got, shipped), slip
+
+
+@pytest.mark.parametrize("rows", [1, 16, 32])
+@pytest.mark.parametrize("form", ["scaled", "denormal", "inplace"])
+def test_emulated_chunk_major_scales_give_the_shipped_bits(
+    emulated, monkeypatch, rows, form
+) -> None:
+    """Chunk-major scales (:data:`tensor_qmm.CHUNK_MAJOR_SCALES`: each chunk's scale
+    and bias copies read from a (K / 256, N, 256 / group) repack) feed the same
+    scales to the same arithmetic: the shipped bits at every group size, one and two
+    m-tiles, K unsplit and split into CTA ranges, copies landing early or
+    late, misaligned inputs; and through the bind, which repacks (against the bind of
+    the row-major forms). Negative control: the form given the arrays as mlx lays them
+    out."""
+    emulated.late = rows == 16
+    monkeypatch.setattr(emulated, "misaligned", rows == 32)
+    key_tiles = (4, 1 if rows <= 16 else 2)
+    cases = [
+        (4, 8, 64, ((1, 8), (3, 3))),
+        (4, 6, 128, ((2, 3),)),
+        (4, 5, 32, ((2, 3),)),
+    ]
+    for bits, chunks, group, plans in cases:
+        case = _fixed_case(rows, chunks * 256, 200, None, None, mx.bfloat16, rows)
+        dense = case[1] * 0.01  # small: the denormal decode, its pairs in place too
+        case = (case[0], *mx.quantize(dense, group_size=group, bits=bits), bits, group)
+        key = (2, (bits, key_tiles[1]), group)
+        for splits, per_split in plans:
+            row_major = ROW_MAJOR[form][key]
+            shipped = raw_bits(_run_split(emulated, row_major, case, splits, per_split))
+            spec = CMAJOR[form][key]
+            got = raw_bits(_run_split(emulated, spec, case, splits, per_split))
+            assert np.array_equal(got, shipped), (bits, group, splits)
+            wrong = _run_split(emulated, spec, case, splits, per_split, as_given=True)
+            assert not np.array_equal(raw_bits(wrong), shipped), (bits, group, splits)
+    # Through the bind (the plan's own split, the switch's forms in the tables).
+    monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1")
+    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "0" if form == "scaled" else "1")
+    in_place = "1" if form == "inplace" else "0"
+    monkeypatch.setenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, in_place)
+    rng = np.random.default_rng(rows)
+    dense = rng.standard_normal((200, 3 * 256)).astype(np.float32) * 0.01
+    x = rng.standard_normal((rows, 3 * 256)).astype(np.float32)
+    x, dense = mx.array(x).astype(mx.bfloat16), mx.array(dense).astype(mx.bfloat16)
+    case = (x, *mx.quantize(dense, group_size=64, bits=4), 4, 64)
+    shipped = _bits_with_specs(emulated, case, {form: ROW_MAJOR[form]})
+    got = _bits_with_specs(emulated, case, {form: CMAJOR[form]})
+    assert np.array_equal(got, shipped)
+
+
+def test_chunk_major_repack_is_each_chunks_groups_column_by_column() -> None:
+    """``tensor_qmm.chunk_major``: element ``[c, n, j]`` is group ``c * 256 / g + j``
+    of column ``n``; made once while its source lives (the same array again), for
+    each group size asked, until ``forget_chunk_major`` drops it; a shape without
+    whole chunks is refused by name."""
+    scales = mx.array(np.arange(7 * 16, dtype=np.float32).reshape(7, 16))
+    for group, per_chunk in ((64, 4), (128, 2), (32, 8)):
+        got = tensor_qmm.chunk_major(scales, group)
+        assert got.shape == (16 // per_chunk, 7, per_chunk)
+        want = (
+            np.array(scales).reshape(7, 16 // per_chunk, per_chunk).transpose(1, 0, 2)
+        )
+        np.testing.assert_array_equal(np.array(got), want)
+        assert np.array(got)[1, 3, 0] == 3 * 16 + per_chunk  # column 3, chunk 1
+    assert tensor_qmm.chunk_major(scales, 64) is tensor_qmm.chunk_major(scales, 64)
+    other = mx.ones((3, 8))
+    tensor_qmm.chunk_major(other, 64)
+    assert tensor_qmm.forget_chunk_major([other, mx.zeros((3, 8))]) == 1
+    assert id(other) not in tensor_qmm._CHUNK_MAJOR
+    key = id(scales)
+    assert key in tensor_qmm._CHUNK_MAJOR
+    del scales
+    gc.collect()
+    assert key not in tensor_qmm._CHUNK_MAJOR
+    with pytest.raises(ValueError, match="whole chunks of 8 groups"):
+        tensor_qmm.chunk_major(mx.zeros((3, 12)), 32)
+    with pytest.raises(ValueError, match="chunk-major scales take"):
+        tensor_qmm.chunk_major(mx.zeros((12,)), 64)
+
+
+@needs_nvcc
+def test_chunk_major_forms_compile_for_sm90_within_the_bounds(tmp_path: Path) -> None:
+    """Every chunk-major form built for the tests compiles for sm_90 with no spills
+    within its launch bounds' 128 registers."""
+    specs = [spec for table in CMAJOR.values() for spec in table.values()]
+    forms = check_cuda(specs, tmp_path, NVCC, dtypes=HALF, flags=("-Xptxas", "-v"))
+    assert forms.ok, f"{forms.command}\n{forms.log}"
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log)
+    assert len(spills) >= 2 * len(specs), forms.log
+    assert all(a == "0" and b == "0" for a, b in spills), forms.log
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", forms.log)]
+    assert len(registers) >= 2 * len(specs) and max(registers) <= 128, forms.log
+
+
+def test_chunk_major_switch_is_on_and_yields_to_unit_scales(monkeypatch) -> None:
+    """``DFLASH_QMM_CHUNK_MAJOR_SCALES`` (read at import; on): every shipped scaled
+    4-bit form reads chunk-major scales, no other (not 8-bit, not direct); unit
+    scales take the scale copy where on, and both set on is refused by name, as is a
+    bad word; off builds the row-major forms."""
+    assert tensor_qmm.CHUNK_MAJOR_SCALES is tensor_qmm.CHUNK_MAJOR_SCALES_DEFAULT
+    assert tensor_qmm.CHUNK_MAJOR_SCALES is True
+    tables = (
+        tensor_qmm.SCALED_SPECS,
+        tensor_qmm.SWIGLU_SCALED_SPECS,
+        tensor_qmm.DENORMAL_SPECS,
+        tensor_qmm.IN_PLACE_SPECS,
+    )
+    scaled = [s for t in tables for key, s in t.items() if key[1][0] == 4]
+    assert len(scaled) == 4 * 2 * 2 * len(tensor_qmm.GROUP_SIZES)
+    assert all(tensor_qmm.reads_chunk_major(spec) for spec in scaled)
+    others = [spec for spec in tensor_qmm.SPECS if spec not in scaled]
+    assert others and not any(tensor_qmm.reads_chunk_major(s) for s in others)
+    assert not any(
+        tensor_qmm.reads_chunk_major(s) for s in tensor_qmm.DIRECT_SPECS.values()
+    )
+    assert tensor_qmm.chunk_major_scales() is True
+    monkeypatch.setattr(tensor_qmm, "UNIT_SCALES", True)
+    assert tensor_qmm.chunk_major_scales() is True  # (the unit forms take the copy)
+    monkeypatch.setenv(tensor_qmm.CHUNK_MAJOR_SCALES_ENV, "1")
+    with pytest.raises(ValueError, match="DFLASH_QMM_UNIT_SCALES"):
+        tensor_qmm.chunk_major_scales()
+    monkeypatch.setattr(tensor_qmm, "UNIT_SCALES", False)
+    monkeypatch.setenv(tensor_qmm.CHUNK_MAJOR_SCALES_ENV, "perhaps")
+    with pytest.raises(ValueError, match="DFLASH_QMM_CHUNK_MAJOR_SCALES"):
+        tensor_qmm.chunk_major_scales()
+    monkeypatch.delenv(tensor_qmm.CHUNK_MAJOR_SCALES_ENV)
+    with matmul_variants.variant(**matmul_variants.VARIANTS["unit"]):
+        assert not any(
+            tensor_qmm.reads_chunk_major(s)
+            for key, s in tensor_qmm.SCALED_SPECS.items()
+            if key[1][0] == 4
+        )
+    with matmul_variants.variant(cmajor=False):
+        rebuilt = [
+            *tensor_qmm.SCALED_SPECS.values(),
+            *tensor_qmm.IN_PLACE_SPECS.values(),
+        ]
+        assert not any(tensor_qmm.reads_chunk_major(s) for s in rebuilt)
+    assert all(tensor_qmm.reads_chunk_major(spec) for spec in scaled)
 
 
 def test_unit_scales_switch_refuses_the_staging_variants(monkeypatch) -> None:
@@ -3106,7 +3294,11 @@ def test_cuda_denormal_form_gives_the_scaled_bits(
 
     monkeypatch.setattr(tensor_qmm, "launch_plan", recorded)
     out = _kernel(case)
-    suffix = "_denorm_inplace" if in_place else "_denorm"
+    suffix = (
+        ("_denorm_inplace" if in_place else "_denorm")
+        + "_unit" * tensor_qmm.unit_scales()
+        + "_cmajor" * tensor_qmm.chunk_major_scales()
+    )
     assert planned and all(base.endswith(suffix) for base in planned)
     assert np.array_equal(raw_bits(out), scaled_bits)
     assert np.array_equal(raw_bits(_kernel(case, slice(0, 1))), raw_bits(out[0:1]))

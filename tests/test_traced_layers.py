@@ -42,7 +42,7 @@ from dflash import (
 from dflash.bench.scale_target import BRANCH_SCALE, randomize
 from dflash.cache.checkpoint import SpeculativeCheckpoint
 from dflash.kernel_patch import KernelPatch
-from dflash.metal import attention, backend, groups, heads
+from dflash.metal import attention, backend, groups, heads, tensor_qmm
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
 FLOATS = (mx.float32, mx.bfloat16, mx.float16)
@@ -642,3 +642,19 @@ def test_the_replays_hold_only_the_views_the_members_need(
     # The members' slices, then (where a launch takes counters) the replay's counters
     # region and one cut of it per launch that takes them (at most the projections).
     assert 4 <= pre["Slice"] <= 4 + 2 and 2 <= post["Slice"] <= 2 + 1 + 2
+
+
+def test_forget_traces_drops_the_chunk_major_copies_of_the_models_arrays() -> None:
+    """``forget_traces(model)`` drops the chunk-major scales and biases kept for the
+    model's own arrays (the bind's repacks, :func:`tensor_qmm.chunk_major`), and no
+    others."""
+    layer = nn.QuantizedLinear(512, 16, bias=False, group_size=64, bits=4)
+    model = nn.Sequential(layer)
+    other = mx.ones((2, 8))
+    for values in (layer.scales, layer.biases, other):
+        tensor_qmm.chunk_major(values, 64)
+    kernel_patch.forget_traces(model)
+    assert id(layer.scales) not in tensor_qmm._CHUNK_MAJOR
+    assert id(layer.biases) not in tensor_qmm._CHUNK_MAJOR
+    assert id(other) in tensor_qmm._CHUNK_MAJOR
+    tensor_qmm.forget_chunk_major([other])
