@@ -254,6 +254,9 @@ VARIANTS = {
     "contigscales": {"edits": ("contigscales",)},
     "cmajor": {"cmajor": True},
     "rowmajor": {"cmajor": False},
+    # A chunk's scales and biases of a column side by side: one copy (INTERLEAVED_SCALES,
+    # groups of 64 and 128; same bits).
+    "interleaved": {"interleaved": True},
     # The scaled-weight form (``tensor_qmm.SCALED_B``): s * q + b in x's dtype before
     # the mma, no sums of x, no per-group float32 step; the default since session 26
     # (with its launch bounds), "unscaled" the form before it.
@@ -617,6 +620,7 @@ def variant(
     in_place: Optional[bool] = None,
     unit: Optional[bool] = None,
     cmajor: Optional[bool] = None,
+    interleaved: Optional[bool] = None,
     edits: Sequence[str] = (),
 ) -> Iterator[None]:
     """Rebuild the tensor-core specs with the given knobs, restoring them after.
@@ -648,6 +652,8 @@ def variant(
         unit: ``UNIT_SCALES`` (None: unchanged; off where ``edits`` are given).
         cmajor: ``CHUNK_MAJOR_SCALES`` (None: unchanged; off where ``edits`` are
             given).
+        interleaved: ``INTERLEAVED_SCALES`` (None: unchanged; off where ``edits``
+            are given).
         edits: Names of :data:`EDITS` to apply to the kernels' text.
     """
     knobs = {
@@ -671,6 +677,7 @@ def variant(
         "DENORMAL_IN_PLACE": False if edits and in_place is None else in_place,
         "UNIT_SCALES": False if edits and unit is None else unit,
         "CHUNK_MAJOR_SCALES": False if edits and cmajor is None else cmajor,
+        "INTERLEAVED_SCALES": False if edits and interleaved is None else interleaved,
     }
     texts = (
         "_HELPERS", "_BODY", "_SCALED_Q4_HELPER", "_DIRECT_HELPERS", "_DIRECT_EDITS",

@@ -65,6 +65,7 @@ from dflash.metal.tensor_qmm import (
     CHUNK_MAJOR_SCALES_ENV,
     DENORMAL_IN_PLACE_ENV,
     FOLDED_OFFSET_ENV,
+    INTERLEAVED_SCALES_ENV,
     LEAN_ISSUE_ENV,
     MEMBER_MAJOR_ENV,
     MERGED_SPLIT_SUM_ENV,
@@ -240,6 +241,7 @@ KERNEL_ARMS = {
     "default-shifted": None,
     "default-unit": None,
     "default-rowmajor": None,
+    "default-interleaved": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -317,12 +319,14 @@ ARM_MATMUL_FORMS = {
     "unit": {"unit": True},  # the scales a unit of chunks a copy (session 53)
     # The scales as mlx lays them out (chunk-major, the default since session 54, off).
     "rowmajor": {"cmajor": False},
+    "interleaved": {"interleaved": True},  # one scale copy a column (session 54)
 }
 MATMUL_KNOB_SWITCHES = {
     "paired": PAIRED_STAGE_ENV,
     "lean": LEAN_ISSUE_ENV,
     "unit": UNIT_SCALES_ENV,
     "cmajor": CHUNK_MAJOR_SCALES_ENV,
+    "interleaved": INTERLEAVED_SCALES_ENV,
 }
 
 

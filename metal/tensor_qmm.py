@@ -48,7 +48,8 @@ every chunk's sub-chunks, the second group's sums added to the first's once at t
 end. Each chunk's weights (128 bytes per column at 4 bits and dense,
 256 at 8), x rows, scales and biases are copied to shared memory with 16-byte
 ``cp.async`` (one 4-, 8- or 16-byte copy per column for its scales, as many for
-its biases), coalesced (8 lanes per 128-byte column run),
+its biases; the scaled 4-bit forms read them from a chunk-major copy made at the bind,
+:data:`CHUNK_MAJOR_SCALES`), coalesced (8 lanes per 128-byte column run),
 through a ring of 2 to 4 stages (:class:`Layout`; the 16-row forms take 95 to
 110 KB, two CTAs per SM); lanes then read their words conflict-free (padded
 strides). Each thread copies the same 16-byte piece of its columns and x rows every
@@ -1958,15 +1959,116 @@ def chunk_major(values: mx.array, group_size: int) -> mx.array:
 
 
 def forget_chunk_major(arrays: Sequence[mx.array]) -> int:
-    """Drop the chunk-major copies kept for ``arrays`` (launches bound to them keep
-    theirs until they go); returns how many were dropped."""
+    """Drop the chunk-major and interleaved copies kept for ``arrays`` (launches
+    bound to them keep theirs until they go); returns how many were dropped."""
     dropped = 0
     for values in arrays:
-        kept = _CHUNK_MAJOR.get(id(values))
-        if kept is not None and kept[0]() is values:
-            del _CHUNK_MAJOR[id(values)]
-            dropped += 1
+        for kept_copies in (_CHUNK_MAJOR, _INTERLEAVED):
+            kept = kept_copies.get(id(values))
+            if kept is not None and kept[0]() is values:
+                del kept_copies[id(values)]
+                dropped += 1
     return dropped
+
+
+# Interleaved scales (session 54; ``DFLASH_QMM_INTERLEAVED_SCALES=1``, read at import;
+# off: not yet run on a GPU). Chunk-major scales took about half of what the scale
+# copies cost (session 54: the 16-row fused gate / up 83.0 -> 81.8 us, 74.6 with no
+# scale copies at all); the rest is two copies a column and chunk. Here a chunk's scales
+# and biases of a column lie side by side, (K / 256, N, 2 * 256 / group), and one copy
+# (16 bytes at groups of 64, 8 at 128) lands them in the column's scale slot; the
+# biases are read from the slot's second half. The same values reach the same
+# arithmetic: the same bits. The scaled 4-bit forms of groups of 64 and 128 with
+# chunk-major scales (groups of 32 keep them: 32 bytes a column, two copies either
+# way); not with the paired stage (its own scale reads) or unit scales. The bind keeps
+# the interleaved copy in place of the two chunk-major ones (the same memory).
+INTERLEAVED_SCALES_DEFAULT = False
+INTERLEAVED_SCALES_ENV = "DFLASH_QMM_INTERLEAVED_SCALES"
+INTERLEAVED_SCALES = _import_switch(INTERLEAVED_SCALES_ENV, INTERLEAVED_SCALES_DEFAULT)
+INTERLEAVED_GROUP_SIZES = (64, 128)
+# The copies of _ISSUE_SCALES (chunk-major) and the bias read, interleaved (old, new).
+_INTERLEAVED_EDITS = (
+    (
+        "const size_t e = (size_t(c) * size_t(n_cols) + size_t(n)) * per_chunk;\n"
+        "      dfl_copy_small(base + S_OFF + cl * 16, reinterpret_cast<const unsigned "
+        "char*>(scales + e),\n                     per_chunk * 2, fast);\n"
+        "      dfl_copy_small(base + B_OFF + cl * 16, reinterpret_cast<const unsigned "
+        "char*>(biases + e),\n                     per_chunk * 2, fast);",
+        "const size_t e = (size_t(c) * size_t(n_cols) + size_t(n)) * (2 * per_chunk);\n"
+        "      dfl_copy_small(base + S_OFF + cl * 16, reinterpret_cast<const unsigned "
+        "char*>(scales + e),\n                     per_chunk * 4, fast);",
+    ),
+    (
+        "base + B_OFF + cl * 16 + 2 * gl",
+        "base + S_OFF + cl * 16 + 2 * per_chunk + 2 * gl",
+    ),
+)
+# Interleaved arrays by id of their scales, held while the scales live.
+_INTERLEAVED: dict = {}
+
+
+def interleaved_scales() -> bool:
+    """Whether the scaled 4-bit forms of groups of 64 and 128 read interleaved scales
+    and biases (:data:`INTERLEAVED_SCALES`, taken at import).
+
+    Raises:
+        ValueError: ``DFLASH_QMM_INTERLEAVED_SCALES`` is not an on/off word, or it is
+            on with the paired stage, unit scales, or chunk-major scales off.
+    """
+    value = _checked_import_switch(INTERLEAVED_SCALES_ENV, INTERLEAVED_SCALES)
+    if value and (paired_stage() or unit_scales() or not chunk_major_scales()):
+        raise ValueError(
+            f"{INTERLEAVED_SCALES_ENV} needs {CHUNK_MAJOR_SCALES_ENV} on and does not "
+            f"combine with {PAIRED_STAGE_ENV} or {UNIT_SCALES_ENV}"
+        )
+    return value
+
+
+def reads_interleaved(spec: GroupKernelSpec) -> bool:
+    """Whether ``spec`` takes its scales and biases interleaved (see
+    :func:`interleaved`); it is then given the one array for both."""
+    return "_ileave" in spec.base
+
+
+def interleaved(scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
+    """The interleaved copy of ``scales`` and ``biases``: a chunk's scales and then its
+    biases for every column in turn, made and evaluated once while ``scales`` lives
+    (under a trace, returned unevaluated and not kept, as :func:`chunk_major`).
+
+    Shapes: scales, biases ``(N, K / group_size)``; returns
+    ``(K / 256, N, 2 * 256 / group_size)``.
+
+    Raises:
+        ValueError: the two differ in shape, or as :func:`chunk_major`.
+    """
+    if scales.shape != biases.shape:
+        raise ValueError(
+            f"interleaved scales take scales and biases of one shape, got "
+            f"{tuple(scales.shape)} and {tuple(biases.shape)}"
+        )
+    key = id(scales)
+    kept = _INTERLEAVED.get(key)
+    if (
+        kept is not None
+        and kept[0]() is scales
+        and kept[1] is biases
+        and kept[2] == group_size
+    ):
+        return kept[3]
+    pair = [chunk_major(a, group_size) for a in (scales, biases)]
+    both = mx.concatenate(pair, axis=2)
+    try:
+        mx.eval(both)
+    except ValueError:  # being traced: cannot be kept
+        return both
+    forget_chunk_major([scales, biases])  # the interleaved copy takes their place
+
+    def forget(ref: weakref.ref) -> None:
+        if _INTERLEAVED.get(key, (None,))[0] is ref:
+            del _INTERLEAVED[key]
+
+    _INTERLEAVED[key] = (weakref.ref(scales, forget), biases, group_size, both)
+    return both
 
 
 def _spec(
@@ -2050,6 +2152,8 @@ def _spec(
     # (4-bit only: the 8-bit two-m-tile cluster form spills with it.)
     cmajor = CHUNK_MAJOR_SCALES and scaled and layout.bits == 4 and not layout.direct
     cmajor = cmajor and not unit
+    ileave = INTERLEAVED_SCALES and cmajor and group_size in INTERLEAVED_GROUP_SIZES
+    ileave = ileave and not paired
     edits = (_SCALED_EDITS if scaled else ()) + (
         _constant_group(group_size) if group_size else ()
     )
@@ -2095,6 +2199,11 @@ def _spec(
     )
     if unit:
         body = _unit_scales(body)
+    if ileave:
+        for old, new in _INTERLEAVED_EDITS:
+            if old not in body:
+                raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
+            body = body.replace(old, new)
     if layout.direct:
         halves = {"halves": 1 if k_groups == 2 else 2}
         for old, new in _DIRECT_EDITS:
@@ -2109,7 +2218,7 @@ def _spec(
     name += f"_g{group_size}" if group_size else ""
     name += "_k2" * (k_groups == 2) + "_swiglu" * swiglu + "_direct" * layout.direct
     name += "_denorm" * denormal + "_inplace" * in_place + "_unit" * unit
-    name += "_cmajor" * cmajor
+    name += "_ileave" if ileave else "_cmajor" * cmajor
     if affine:
         inputs = ("x", "weight", "scales", "biases", "params", "counters")
         types = ("T", "uint32", "T", "T", "int32", "int32")
@@ -2663,6 +2772,7 @@ def bind_tensor_core(
     lean_issue()
     unit_scales()
     chunk_major_scales()
+    interleaved_scales()
     scaled = scaled_b(bits)
     decode = (
         scale_decode(scales)
@@ -2677,7 +2787,9 @@ def bind_tensor_core(
         edges, swiglu, scaled, cluster_sum(), scaled and direct_q4(bits), denormal,
         in_place,
     )  # fmt: skip
-    if bits is not None and reads_chunk_major(plan.spec):
+    if bits is not None and reads_interleaved(plan.spec):
+        scales = biases = interleaved(scales, biases, group_size)
+    elif bits is not None and reads_chunk_major(plan.spec):
         scales, biases = (chunk_major(a, group_size) for a in (scales, biases))
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)

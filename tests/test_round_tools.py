@@ -223,6 +223,22 @@ def test_rowmajor_arm_builds_the_row_major_forms_for_its_block() -> None:
     assert kernel_patch.dflash_settings() == settings
 
 
+def test_interleaved_arm_builds_the_interleaved_forms_for_its_block() -> None:
+    """``-interleaved`` rebuilds the scaled 4-bit forms of groups of 64 and 128 with
+    interleaved scales for its block and sets their switch; the shipped forms come
+    back."""
+    key = (2, (4, 1), 64)
+    shipped = tensor_qmm.IN_PLACE_SPECS[key]
+    settings = kernel_patch.dflash_settings()
+    with round_profile.kernel_arm("default-interleaved"):
+        assert tensor_qmm.INTERLEAVED_SCALES is True
+        assert tensor_qmm.reads_interleaved(tensor_qmm.IN_PLACE_SPECS[key])
+        assert kernel_patch.dflash_settings() != settings
+    assert tensor_qmm.INTERLEAVED_SCALES is False
+    assert tensor_qmm.IN_PLACE_SPECS[key] is shipped
+    assert kernel_patch.dflash_settings() == settings
+
+
 def test_drafter_arms_turn_on_their_drafter_switches_for_their_block(monkeypatch):
     """``-drafterqkv`` / ``-drafterheads`` / ``-draftermlx`` / ``-drafterkernel`` set
     one switch each,

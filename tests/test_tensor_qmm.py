@@ -1120,13 +1120,11 @@ SCALED_NO_BIAS = dataclasses.replace(
 )
 assert SCALED_NO_BIAS.body != SCALED_G64.body
 
-# Unit scales (tensor_qmm.UNIT_SCALES, matmul_variants' ``unit``): the scaled 4-bit
-# forms (plain, denormal, in place) at one and two m-tiles and every group size, built
-# with it; and two slips: every chunk reads its unit's first chunk's scales (the offset
-# within the unit dropped), and the units share one slot (a unit's copy lands over the
-# one still being read).
-with matmul_variants.variant(**matmul_variants.VARIANTS["unit"]):
-    UNIT = {
+
+def _scaled_tables() -> dict:
+    """The scaled 4-bit forms (plain, denormal, in place) of two K groups, one and two
+    m-tiles and every group size, by table name, as the tables hold them now."""
+    return {
         table: {
             key: spec
             for key, spec in specs.items()
@@ -1138,6 +1136,15 @@ with matmul_variants.variant(**matmul_variants.VARIANTS["unit"]):
             ("inplace", tensor_qmm.IN_PLACE_SPECS),
         )
     }
+
+
+# Unit scales (tensor_qmm.UNIT_SCALES, matmul_variants' ``unit``): the scaled 4-bit
+# forms (plain, denormal, in place) at one and two m-tiles and every group size, built
+# with it; and two slips: every chunk reads its unit's first chunk's scales (the offset
+# within the unit dropped), and the units share one slot (a unit's copy lands over the
+# one still being read).
+with matmul_variants.variant(**matmul_variants.VARIANTS["unit"]):
+    UNIT = _scaled_tables()
 assert all("_unit" in s.base for specs in UNIT.values() for s in specs.values())
 _UNIT_OFFSET = (
     "STAGE_BYTES +\n                                 (c & (unit_chunks - 1)) * per_chunk * 2;",
@@ -1167,21 +1174,6 @@ for _slip, _edits in _UNIT_SLIPS.items():
 # scaled forms that read a repack of the scales and biases, (K / 256, N, 256 / group),
 # and the same forms reading mlx's layout (``DFLASH_QMM_CHUNK_MAJOR_SCALES=0``). 4-bit
 # plain, denormal and in place at one and two m-tiles and every group size.
-def _scaled_tables() -> dict:
-    return {
-        table: {
-            key: spec
-            for key, spec in specs.items()
-            if key[0] == 2 and key[1] in ((4, 1), (4, 2))
-        }
-        for table, specs in (
-            ("scaled", tensor_qmm.SCALED_SPECS),
-            ("denormal", tensor_qmm.DENORMAL_SPECS),
-            ("inplace", tensor_qmm.IN_PLACE_SPECS),
-        )
-    }
-
-
 with matmul_variants.variant(**matmul_variants.VARIANTS["cmajor"]):
     CMAJOR = _scaled_tables()
 with matmul_variants.variant(cmajor=False):
@@ -1195,6 +1187,17 @@ assert not any(
     for s in specs.values()
 )
 assert all(len(specs) == 6 for specs in CMAJOR.values())
+# Interleaved scales (tensor_qmm.INTERLEAVED_SCALES, opt-in): the same forms at groups
+# of 64 and 128, reading a chunk's scales and biases side by side.
+with matmul_variants.variant(**matmul_variants.VARIANTS["interleaved"]):
+    ILEAVE = {
+        table: {key: spec for key, spec in specs.items() if key[2] != 32}
+        for table, specs in _scaled_tables().items()
+    }
+assert all(
+    tensor_qmm.reads_interleaved(s) for specs in ILEAVE.values() for s in specs.values()
+)
+assert all(len(specs) == 4 for specs in ILEAVE.values())
 
 
 @pytest.fixture(scope="module")
@@ -1227,6 +1230,7 @@ def tensor_emulator(tmp_path_factory):
         + tuple(UNIT_SLIPS.values())
         + tuple(spec for specs in CMAJOR.values() for spec in specs.values())
         + tuple(spec for specs in ROW_MAJOR.values() for spec in specs.values())
+        + tuple(spec for specs in ILEAVE.values() for spec in specs.values())
     )
     emulator = TensorEmulator(tmp_path_factory.mktemp("tensor_emulator"), specs, GXX)
     assert emulator.build.ok, emulator.build.log
@@ -2782,9 +2786,13 @@ def _run_split(
     """One launch of ``spec`` over ``case`` (4-bit) with K in ``splits`` CTAs of
     ``per_split`` chunks a column tile (the last takes the rest), summed by the last
     CTA's merge: CTA ranges that start and end inside a unit of chunks. A form that
-    reads chunk-major scales gets them repacked, as the bind does, unless
-    ``as_given``."""
-    if tensor_qmm.reads_chunk_major(spec) and not as_given:
+    reads chunk-major or interleaved scales gets them repacked, as the bind does,
+    unless ``as_given``."""
+    if tensor_qmm.reads_interleaved(spec) and not as_given:
+        x, weight, scales, biases, bits, group = case
+        both = tensor_qmm.interleaved(scales, biases, group)
+        case = (x, weight, both, both, bits, group)
+    elif tensor_qmm.reads_chunk_major(spec) and not as_given:
         case = _chunk_major_case(case)
     x, weight, scales, biases, _, group = case
     tiles = -(-weight.shape[0] // tensor_qmm.COLUMNS)
@@ -2805,6 +2813,28 @@ def _run_split(
         x.dtype,
     )
     return y
+
+
+def _small_case(rows: int, chunks: int, group: int) -> tuple:
+    """A 4-bit bfloat16 case of ``chunks`` chunks of K and 200 columns whose small
+    weights take the denormal decode and its pairs in place."""
+    case = _fixed_case(rows, chunks * 256, 200, None, None, mx.bfloat16, rows)
+    dense = case[1] * 0.01
+    return (case[0], *mx.quantize(dense, group_size=group, bits=4), 4, group)
+
+
+def _bound_case(monkeypatch, rows: int, form: str) -> tuple:
+    """The switches that bind ``form`` (``scaled``, ``denormal`` or ``inplace``) and a
+    4-bit case of 3 chunks (groups of 64) whose scales allow it."""
+    monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1")
+    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "0" if form == "scaled" else "1")
+    in_place = "1" if form == "inplace" else "0"
+    monkeypatch.setenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, in_place)
+    rng = np.random.default_rng(rows)
+    dense = rng.standard_normal((200, 3 * 256)).astype(np.float32) * 0.01
+    x = rng.standard_normal((rows, 3 * 256)).astype(np.float32)
+    x, dense = mx.array(x).astype(mx.bfloat16), mx.array(dense).astype(mx.bfloat16)
+    return (x, *mx.quantize(dense, group_size=64, bits=4), 4, 64)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 32])
@@ -2832,9 +2862,7 @@ def test_emulated_unit_scales_give_the_shipped_bits(
         (6, 128, ((2, 3),)),
         (6, 32, ((2, 3),)),
     ):
-        case = _fixed_case(rows, chunks * 256, 200, None, None, mx.bfloat16, rows)
-        dense = case[1] * 0.01  # small: the denormal decode, its pairs in place too
-        case = (case[0], *mx.quantize(dense, group_size=group, bits=4), 4, group)
+        case = _small_case(rows, chunks, group)
         key = (2, key_tiles, group)
         shipped_spec = {
             "scaled": tensor_qmm.SCALED_SPECS,
@@ -2850,15 +2878,7 @@ def test_emulated_unit_scales_give_the_shipped_bits(
             )
             assert np.array_equal(got, shipped), (group, splits)
     # Through the bind (the plan's own split, the switch's forms in the tables).
-    monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1")
-    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "0" if form == "scaled" else "1")
-    in_place = "1" if form == "inplace" else "0"
-    monkeypatch.setenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, in_place)
-    rng = np.random.default_rng(rows)
-    dense = rng.standard_normal((200, 3 * 256)).astype(np.float32) * 0.01
-    x = rng.standard_normal((rows, 3 * 256)).astype(np.float32)
-    x, dense = mx.array(x).astype(mx.bfloat16), mx.array(dense).astype(mx.bfloat16)
-    case = (x, *mx.quantize(dense, group_size=64, bits=4), 4, 64)
+    case = _bound_case(monkeypatch, rows, form)
     shipped = raw_bits(_kernel(case))
     assert np.array_equal(_bits_with_specs(emulated, case, {form: UNIT[form]}), shipped)
     monkeypatch.setattr(emulated, "misaligned", False)
@@ -2888,34 +2908,20 @@ def test_emulated_chunk_major_scales_give_the_shipped_bits(
     emulated.late = rows == 16
     monkeypatch.setattr(emulated, "misaligned", rows == 32)
     key_tiles = (4, 1 if rows <= 16 else 2)
-    cases = [
-        (4, 8, 64, ((1, 8), (3, 3))),
-        (4, 6, 128, ((2, 3),)),
-        (4, 5, 32, ((2, 3),)),
-    ]
-    for bits, chunks, group, plans in cases:
-        case = _fixed_case(rows, chunks * 256, 200, None, None, mx.bfloat16, rows)
-        dense = case[1] * 0.01  # small: the denormal decode, its pairs in place too
-        case = (case[0], *mx.quantize(dense, group_size=group, bits=bits), bits, group)
-        key = (2, (bits, key_tiles[1]), group)
+    cases = [(8, 64, ((1, 8), (3, 3))), (6, 128, ((2, 3),)), (5, 32, ((2, 3),))]
+    for chunks, group, plans in cases:
+        case = _small_case(rows, chunks, group)
+        key = (2, key_tiles, group)
         for splits, per_split in plans:
             row_major = ROW_MAJOR[form][key]
             shipped = raw_bits(_run_split(emulated, row_major, case, splits, per_split))
             spec = CMAJOR[form][key]
             got = raw_bits(_run_split(emulated, spec, case, splits, per_split))
-            assert np.array_equal(got, shipped), (bits, group, splits)
+            assert np.array_equal(got, shipped), (group, splits)
             wrong = _run_split(emulated, spec, case, splits, per_split, as_given=True)
-            assert not np.array_equal(raw_bits(wrong), shipped), (bits, group, splits)
+            assert not np.array_equal(raw_bits(wrong), shipped), (group, splits)
     # Through the bind (the plan's own split, the switch's forms in the tables).
-    monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1")
-    monkeypatch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "0" if form == "scaled" else "1")
-    in_place = "1" if form == "inplace" else "0"
-    monkeypatch.setenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, in_place)
-    rng = np.random.default_rng(rows)
-    dense = rng.standard_normal((200, 3 * 256)).astype(np.float32) * 0.01
-    x = rng.standard_normal((rows, 3 * 256)).astype(np.float32)
-    x, dense = mx.array(x).astype(mx.bfloat16), mx.array(dense).astype(mx.bfloat16)
-    case = (x, *mx.quantize(dense, group_size=64, bits=4), 4, 64)
+    case = _bound_case(monkeypatch, rows, form)
     shipped = _bits_with_specs(emulated, case, {form: ROW_MAJOR[form]})
     got = _bits_with_specs(emulated, case, {form: CMAJOR[form]})
     assert np.array_equal(got, shipped)
@@ -3010,6 +3016,108 @@ def test_chunk_major_switch_is_on_and_yields_to_unit_scales(monkeypatch) -> None
         ]
         assert not any(tensor_qmm.reads_chunk_major(s) for s in rebuilt)
     assert all(tensor_qmm.reads_chunk_major(spec) for spec in scaled)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 32])
+@pytest.mark.parametrize("form", ["scaled", "denormal", "inplace"])
+def test_emulated_interleaved_scales_give_the_row_major_bits(
+    emulated, monkeypatch, rows, form
+) -> None:
+    """Interleaved scales (:data:`tensor_qmm.INTERLEAVED_SCALES`: one copy a column
+    and chunk of its scales and biases side by side, the biases read from the slot's
+    second half) give the row-major forms' bits at groups of 64 (16-byte copies) and
+    128 (8-byte), one and two m-tiles, K unsplit and split into CTA ranges, copies
+    landing early or late, misaligned inputs; and through the bind. Negative control:
+    the form given the two chunk-major arrays in place of the interleaved one."""
+    emulated.late = rows == 16
+    monkeypatch.setattr(emulated, "misaligned", rows == 32)
+    key_tiles = (4, 1 if rows <= 16 else 2)
+    for chunks, group, plans in ((8, 64, ((1, 8), (3, 3))), (6, 128, ((2, 3),))):
+        case = _small_case(rows, chunks, group)
+        key = (2, key_tiles, group)
+        for splits, per_split in plans:
+            row_major = ROW_MAJOR[form][key]
+            shipped = raw_bits(_run_split(emulated, row_major, case, splits, per_split))
+            spec = ILEAVE[form][key]
+            got = raw_bits(_run_split(emulated, spec, case, splits, per_split))
+            assert np.array_equal(got, shipped), (group, splits)
+            two = _chunk_major_case(case)
+            wrong = _run_split(emulated, spec, two, splits, per_split, as_given=True)
+            assert not np.array_equal(raw_bits(wrong), shipped), (group, splits)
+    case = _bound_case(monkeypatch, rows, form)
+    shipped = _bits_with_specs(emulated, case, {form: ROW_MAJOR[form]})
+    got = _bits_with_specs(emulated, case, {form: ILEAVE[form]})
+    assert np.array_equal(got, shipped)
+
+
+def test_interleaved_copy_is_a_chunks_scales_then_its_biases() -> None:
+    """``tensor_qmm.interleaved``: ``[c, n, :g']`` are column ``n``'s scales of chunk
+    ``c`` and ``[c, n, g':]`` its biases (``g' = 256 / group``); made once while the
+    scales live, in place of the two chunk-major copies, until ``forget_chunk_major``
+    drops it; scales and biases of other shapes are refused by name."""
+    scales = mx.array(np.arange(5 * 8, dtype=np.float32).reshape(5, 8))
+    biases = -scales
+    both = tensor_qmm.interleaved(scales, biases, 64)
+    assert both.shape == (2, 5, 8)
+    want = np.array(scales).reshape(5, 2, 4).transpose(1, 0, 2)
+    np.testing.assert_array_equal(np.array(both[:, :, :4]), want)
+    np.testing.assert_array_equal(np.array(both[1, 2, 4:]), -np.arange(20, 24))
+    assert tensor_qmm.interleaved(scales, biases, 64) is both
+    assert id(biases) not in tensor_qmm._CHUNK_MAJOR
+    assert tensor_qmm.forget_chunk_major([scales]) == 1
+    assert id(scales) not in tensor_qmm._INTERLEAVED
+    with pytest.raises(ValueError, match="scales and biases of one shape"):
+        tensor_qmm.interleaved(scales, mx.zeros((5, 4)), 64)
+
+
+@needs_nvcc
+def test_interleaved_forms_compile_for_sm90_within_the_bounds(tmp_path: Path) -> None:
+    """Every interleaved-scale form built for the tests compiles for sm_90 with no
+    spills within its launch bounds' 128 registers."""
+    specs = [spec for table in ILEAVE.values() for spec in table.values()]
+    forms = check_cuda(specs, tmp_path, NVCC, dtypes=HALF, flags=("-Xptxas", "-v"))
+    assert forms.ok, f"{forms.command}\n{forms.log}"
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log)
+    assert len(spills) >= 2 * len(specs), forms.log
+    assert all(a == "0" and b == "0" for a, b in spills), forms.log
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", forms.log)]
+    assert len(registers) >= 2 * len(specs) and max(registers) <= 128, forms.log
+
+
+def test_interleaved_switch_is_off_and_refuses_what_it_cannot_join(monkeypatch):
+    """``DFLASH_QMM_INTERLEAVED_SCALES`` (read at import; off): no shipped form reads
+    interleaved scales; on, the bind's check refuses it with the paired stage, with
+    unit scales and with chunk-major scales off, and refuses a bad word, naming the
+    switches; its forms are the scaled 4-bit ones of groups of 64 and 128."""
+    assert tensor_qmm.INTERLEAVED_SCALES is tensor_qmm.INTERLEAVED_SCALES_DEFAULT
+    assert tensor_qmm.INTERLEAVED_SCALES is False
+    assert not any(tensor_qmm.reads_interleaved(spec) for spec in tensor_qmm.SPECS)
+    assert tensor_qmm.interleaved_scales() is False
+    monkeypatch.setattr(tensor_qmm, "INTERLEAVED_SCALES", True)
+    assert tensor_qmm.interleaved_scales() is True
+    for name in ("PAIRED_STAGE", "UNIT_SCALES"):
+        monkeypatch.setattr(tensor_qmm, name, True)
+        with pytest.raises(ValueError, match="DFLASH_QMM_INTERLEAVED_SCALES needs"):
+            tensor_qmm.interleaved_scales()
+        monkeypatch.setattr(tensor_qmm, name, False)
+    monkeypatch.setattr(tensor_qmm, "CHUNK_MAJOR_SCALES", False)
+    with pytest.raises(ValueError, match="DFLASH_QMM_CHUNK_MAJOR_SCALES on"):
+        tensor_qmm.interleaved_scales()
+    monkeypatch.setattr(tensor_qmm, "CHUNK_MAJOR_SCALES", True)
+    monkeypatch.setenv(tensor_qmm.INTERLEAVED_SCALES_ENV, "often")
+    with pytest.raises(ValueError, match="DFLASH_QMM_INTERLEAVED_SCALES"):
+        tensor_qmm.interleaved_scales()
+    monkeypatch.delenv(tensor_qmm.INTERLEAVED_SCALES_ENV)
+    monkeypatch.setattr(tensor_qmm, "INTERLEAVED_SCALES", False)
+    with matmul_variants.variant(**matmul_variants.VARIANTS["interleaved"]):
+        built = {
+            key: tensor_qmm.reads_interleaved(spec)
+            for key, spec in tensor_qmm.SCALED_SPECS.items()
+        }
+        swiglu = tensor_qmm.SWIGLU_SCALED_SPECS[(2, (4, 1), 128)]
+        assert tensor_qmm.reads_interleaved(swiglu)
+    assert all(took is (k[1][0] == 4 and k[2] != 32) for k, took in built.items())
+    assert not any(tensor_qmm.reads_interleaved(spec) for spec in tensor_qmm.SPECS)
 
 
 def test_unit_scales_switch_refuses_the_staging_variants(monkeypatch) -> None:
