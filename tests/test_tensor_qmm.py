@@ -2895,35 +2895,44 @@ def test_emulated_unit_scales_give_the_shipped_bits(
 
 @pytest.mark.parametrize("rows", [1, 16, 32])
 @pytest.mark.parametrize("form", ["scaled", "denormal", "inplace"])
-def test_emulated_chunk_major_scales_give_the_shipped_bits(
-    emulated, monkeypatch, rows, form
+@pytest.mark.parametrize("layout", ["chunk-major", "interleaved"])
+def test_emulated_repacked_scales_give_the_row_major_bits(
+    emulated, monkeypatch, rows, form, layout
 ) -> None:
-    """Chunk-major scales (:data:`tensor_qmm.CHUNK_MAJOR_SCALES`: each chunk's scale
-    and bias copies read from a (K / 256, N, 256 / group) repack) feed the same
-    scales to the same arithmetic: the shipped bits at every group size, one and two
-    m-tiles, K unsplit and split into CTA ranges, copies landing early or
-    late, misaligned inputs; and through the bind, which repacks (against the bind of
-    the row-major forms). Negative control: the form given the arrays as mlx lays them
-    out."""
+    """Scales read from a repack give the row-major forms' bits.
+
+    Chunk-major (:data:`tensor_qmm.CHUNK_MAJOR_SCALES`, the default): each chunk's
+    scale and bias copies read (K / 256, N, 256 / group). Interleaved
+    (:data:`tensor_qmm.INTERLEAVED_SCALES`, groups of 64 and 128): one copy a column
+    and chunk of its scales and biases side by side, the biases read from the slot's
+    second half. At every group size each takes, one and two m-tiles, K unsplit and
+    split into CTA ranges, copies landing early or late, misaligned inputs; and
+    through the bind, which repacks. Negative controls: the chunk-major form given the
+    arrays as mlx lays them out, the interleaved one given the two chunk-major
+    arrays."""
     emulated.late = rows == 16
     monkeypatch.setattr(emulated, "misaligned", rows == 32)
     key_tiles = (4, 1 if rows <= 16 else 2)
+    forms = CMAJOR if layout == "chunk-major" else ILEAVE
     cases = [(8, 64, ((1, 8), (3, 3))), (6, 128, ((2, 3),)), (5, 32, ((2, 3),))]
-    for chunks, group, plans in cases:
+    for chunks, group, plans in cases[: 3 if layout == "chunk-major" else 2]:
         case = _small_case(rows, chunks, group)
+        wrong_arrays = case if layout == "chunk-major" else _chunk_major_case(case)
         key = (2, key_tiles, group)
         for splits, per_split in plans:
             row_major = ROW_MAJOR[form][key]
             shipped = raw_bits(_run_split(emulated, row_major, case, splits, per_split))
-            spec = CMAJOR[form][key]
+            spec = forms[form][key]
             got = raw_bits(_run_split(emulated, spec, case, splits, per_split))
             assert np.array_equal(got, shipped), (group, splits)
-            wrong = _run_split(emulated, spec, case, splits, per_split, as_given=True)
+            wrong = _run_split(
+                emulated, spec, wrong_arrays, splits, per_split, as_given=True
+            )
             assert not np.array_equal(raw_bits(wrong), shipped), (group, splits)
     # Through the bind (the plan's own split, the switch's forms in the tables).
     case = _bound_case(monkeypatch, rows, form)
     shipped = _bits_with_specs(emulated, case, {form: ROW_MAJOR[form]})
-    got = _bits_with_specs(emulated, case, {form: CMAJOR[form]})
+    got = _bits_with_specs(emulated, case, {form: forms[form]})
     assert np.array_equal(got, shipped)
 
 
@@ -2958,10 +2967,11 @@ def test_chunk_major_repack_is_each_chunks_groups_column_by_column() -> None:
 
 
 @needs_nvcc
-def test_chunk_major_forms_compile_for_sm90_within_the_bounds(tmp_path: Path) -> None:
-    """Every chunk-major form built for the tests compiles for sm_90 with no spills
-    within its launch bounds' 128 registers."""
-    specs = [spec for table in CMAJOR.values() for spec in table.values()]
+def test_repacked_scale_forms_compile_for_sm90_within_the_bounds(tmp_path: Path):
+    """Every chunk-major and interleaved-scale form built for the tests compiles for
+    sm_90 with no spills within its launch bounds' 128 registers."""
+    tables = [*CMAJOR.values(), *ILEAVE.values()]
+    specs = [spec for table in tables for spec in table.values()]
     forms = check_cuda(specs, tmp_path, NVCC, dtypes=HALF, flags=("-Xptxas", "-v"))
     assert forms.ok, f"{forms.command}\n{forms.log}"
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log)
@@ -3018,38 +3028,6 @@ def test_chunk_major_switch_is_on_and_yields_to_unit_scales(monkeypatch) -> None
     assert all(tensor_qmm.reads_chunk_major(spec) for spec in scaled)
 
 
-@pytest.mark.parametrize("rows", [1, 16, 32])
-@pytest.mark.parametrize("form", ["scaled", "denormal", "inplace"])
-def test_emulated_interleaved_scales_give_the_row_major_bits(
-    emulated, monkeypatch, rows, form
-) -> None:
-    """Interleaved scales (:data:`tensor_qmm.INTERLEAVED_SCALES`: one copy a column
-    and chunk of its scales and biases side by side, the biases read from the slot's
-    second half) give the row-major forms' bits at groups of 64 (16-byte copies) and
-    128 (8-byte), one and two m-tiles, K unsplit and split into CTA ranges, copies
-    landing early or late, misaligned inputs; and through the bind. Negative control:
-    the form given the two chunk-major arrays in place of the interleaved one."""
-    emulated.late = rows == 16
-    monkeypatch.setattr(emulated, "misaligned", rows == 32)
-    key_tiles = (4, 1 if rows <= 16 else 2)
-    for chunks, group, plans in ((8, 64, ((1, 8), (3, 3))), (6, 128, ((2, 3),))):
-        case = _small_case(rows, chunks, group)
-        key = (2, key_tiles, group)
-        for splits, per_split in plans:
-            row_major = ROW_MAJOR[form][key]
-            shipped = raw_bits(_run_split(emulated, row_major, case, splits, per_split))
-            spec = ILEAVE[form][key]
-            got = raw_bits(_run_split(emulated, spec, case, splits, per_split))
-            assert np.array_equal(got, shipped), (group, splits)
-            two = _chunk_major_case(case)
-            wrong = _run_split(emulated, spec, two, splits, per_split, as_given=True)
-            assert not np.array_equal(raw_bits(wrong), shipped), (group, splits)
-    case = _bound_case(monkeypatch, rows, form)
-    shipped = _bits_with_specs(emulated, case, {form: ROW_MAJOR[form]})
-    got = _bits_with_specs(emulated, case, {form: ILEAVE[form]})
-    assert np.array_equal(got, shipped)
-
-
 def test_interleaved_copy_is_a_chunks_scales_then_its_biases() -> None:
     """``tensor_qmm.interleaved``: ``[c, n, :g']`` are column ``n``'s scales of chunk
     ``c`` and ``[c, n, g':]`` its biases (``g' = 256 / group``); made once while the
@@ -3068,20 +3046,6 @@ def test_interleaved_copy_is_a_chunks_scales_then_its_biases() -> None:
     assert id(scales) not in tensor_qmm._INTERLEAVED
     with pytest.raises(ValueError, match="scales and biases of one shape"):
         tensor_qmm.interleaved(scales, mx.zeros((5, 4)), 64)
-
-
-@needs_nvcc
-def test_interleaved_forms_compile_for_sm90_within_the_bounds(tmp_path: Path) -> None:
-    """Every interleaved-scale form built for the tests compiles for sm_90 with no
-    spills within its launch bounds' 128 registers."""
-    specs = [spec for table in ILEAVE.values() for spec in table.values()]
-    forms = check_cuda(specs, tmp_path, NVCC, dtypes=HALF, flags=("-Xptxas", "-v"))
-    assert forms.ok, f"{forms.command}\n{forms.log}"
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log)
-    assert len(spills) >= 2 * len(specs), forms.log
-    assert all(a == "0" and b == "0" for a, b in spills), forms.log
-    registers = [int(r) for r in re.findall(r"Used (\d+) registers", forms.log)]
-    assert len(registers) >= 2 * len(specs) and max(registers) <= 128, forms.log
 
 
 def test_interleaved_switch_is_off_and_refuses_what_it_cannot_join(monkeypatch):
