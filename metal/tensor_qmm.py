@@ -1892,7 +1892,7 @@ _CHUNK_MAJOR_ADDRESS = (
     "const size_t e = size_t(n) * size_t(groups_k) + size_t(c) * per_chunk;",
     "const size_t e = (size_t(c) * size_t(n_cols) + size_t(n)) * per_chunk;",
 )
-# Repacked arrays by id of their source, held while the source lives.
+# Repacked arrays by id of their source, held while the source lives (_kept_copy).
 _CHUNK_MAJOR: dict = {}
 
 
@@ -1919,14 +1919,8 @@ def reads_chunk_major(spec: GroupKernelSpec) -> bool:
     return "_cmajor" in spec.base
 
 
-def chunk_major(values: mx.array, group_size: int) -> mx.array:
-    """A scaled form's chunk-major copy of ``values`` (scales or biases): a chunk's
-    groups of every column in turn, made and evaluated once while ``values`` lives.
-
-    Under a trace (``mx.compile``) it cannot be evaluated: the repack is returned
-    unevaluated and not kept (correct, but the trace would redo it at each replay).
-
-    Shapes: values ``(N, K / group_size)``; returns ``(K / 256, N, 256 / group_size)``.
+def _chunk_major_view(values: mx.array, group_size: int) -> mx.array:
+    """``values`` (N, K / group) as (K / 256, N, 256 / group), not yet copied.
 
     Raises:
         ValueError: ``values`` is not 2-D, or its groups do not fill whole chunks.
@@ -1937,25 +1931,60 @@ def chunk_major(values: mx.array, group_size: int) -> mx.array:
             f"chunk-major scales take (N, K / group) with whole chunks of "
             f"{per_chunk} groups, got {tuple(values.shape)}"
         )
-    key = id(values)
-    kept = _CHUNK_MAJOR.get(key)
-    if kept is not None and kept[0]() is values and kept[1] == group_size:
-        return kept[2]
     columns, groups_k = values.shape
-    repacked = mx.contiguous(
-        values.reshape(columns, groups_k // per_chunk, per_chunk).transpose(1, 0, 2)
-    )
+    grouped = values.reshape(columns, groups_k // per_chunk, per_chunk)
+    return grouped.transpose(1, 0, 2)
+
+
+def _kept_copy(
+    kept_copies: dict,
+    sources: tuple,
+    group_size: int,
+    make: Callable[[], mx.array],
+) -> mx.array:
+    """``make()``, made and evaluated once while every one of ``sources`` lives, kept
+    in ``kept_copies`` under the first source's id. Under a trace (``mx.compile``) it
+    cannot be evaluated: returned unevaluated and not kept (correct, but the trace
+    would redo it at each replay)."""
+    key = id(sources[0])
+    kept = kept_copies.get(key)
+    if (
+        kept is not None
+        and kept[1] == group_size
+        and all(ref() is a for ref, a in zip(kept[0], sources))
+    ):
+        return kept[2]
+    made = make()
     try:
-        mx.eval(repacked)
+        mx.eval(made)
     except ValueError:  # being traced: cannot be kept
-        return repacked
+        return made
 
     def forget(ref: weakref.ref) -> None:
-        if _CHUNK_MAJOR.get(key, (None,))[0] is ref:
-            del _CHUNK_MAJOR[key]
+        entry = kept_copies.get(key)
+        if entry is not None and any(r is ref for r in entry[0]):
+            del kept_copies[key]
 
-    _CHUNK_MAJOR[key] = (weakref.ref(values, forget), group_size, repacked)
-    return repacked
+    refs = tuple(weakref.ref(a, forget) for a in sources)
+    kept_copies[key] = (refs, group_size, made)
+    return made
+
+
+def chunk_major(values: mx.array, group_size: int) -> mx.array:
+    """A scaled form's chunk-major copy of ``values`` (scales or biases): a chunk's
+    groups of every column in turn, made and evaluated once while ``values`` lives
+    (see :func:`_kept_copy`).
+
+    Shapes: values ``(N, K / group_size)``; returns ``(K / 256, N, 256 / group_size)``.
+
+    Raises:
+        ValueError: ``values`` is not 2-D, or its groups do not fill whole chunks.
+    """
+
+    def make() -> mx.array:
+        return mx.contiguous(_chunk_major_view(values, group_size))
+
+    return _kept_copy(_CHUNK_MAJOR, (values,), group_size, make)
 
 
 def forget_chunk_major(arrays: Sequence[mx.array]) -> int:
@@ -1965,7 +1994,7 @@ def forget_chunk_major(arrays: Sequence[mx.array]) -> int:
     for values in arrays:
         for kept_copies in (_CHUNK_MAJOR, _INTERLEAVED):
             kept = kept_copies.get(id(values))
-            if kept is not None and kept[0]() is values:
+            if kept is not None and kept[0][0]() is values:
                 del kept_copies[id(values)]
                 dropped += 1
     return dropped
@@ -1986,24 +2015,24 @@ INTERLEAVED_SCALES_DEFAULT = False
 INTERLEAVED_SCALES_ENV = "DFLASH_QMM_INTERLEAVED_SCALES"
 INTERLEAVED_SCALES = _import_switch(INTERLEAVED_SCALES_ENV, INTERLEAVED_SCALES_DEFAULT)
 INTERLEAVED_GROUP_SIZES = (64, 128)
-# The copies of _ISSUE_SCALES (chunk-major) and the bias read, interleaved (old, new).
-_INTERLEAVED_EDITS = (
-    (
-        "const size_t e = (size_t(c) * size_t(n_cols) + size_t(n)) * per_chunk;\n"
-        "      dfl_copy_small(base + S_OFF + cl * 16, reinterpret_cast<const unsigned "
-        "char*>(scales + e),\n                     per_chunk * 2, fast);\n"
-        "      dfl_copy_small(base + B_OFF + cl * 16, reinterpret_cast<const unsigned "
-        "char*>(biases + e),\n                     per_chunk * 2, fast);",
-        "const size_t e = (size_t(c) * size_t(n_cols) + size_t(n)) * (2 * per_chunk);\n"
-        "      dfl_copy_small(base + S_OFF + cl * 16, reinterpret_cast<const unsigned "
-        "char*>(scales + e),\n                     per_chunk * 4, fast);",
-    ),
-    (
-        "base + B_OFF + cl * 16 + 2 * gl",
-        "base + S_OFF + cl * 16 + 2 * per_chunk + 2 * gl",
-    ),
+_INTERLEAVED_ISSUE_SCALES = """
+    // A chunk's scales and biases of the column, side by side in the interleaved copy:
+    // one copy (16 bytes at groups of 64, 8 at 128) into its scale slot.
+    {
+      static_assert(THREADS == COLUMNS, "one thread per column's scales");
+      const int cl = int(lid);
+      const int n = col0 + cl < n_cols ? col0 + cl : n_cols - 1;
+      const size_t e = (size_t(c) * size_t(n_cols) + size_t(n)) * (2 * per_chunk);
+      dfl_copy_small(base + S_OFF + cl * 16, reinterpret_cast<const unsigned char*>(scales + e),
+                     per_chunk * 4, fast);
+    }
+"""
+# The bias read of the interleaved forms: the slot's second half (old, new).
+_INTERLEAVED_BIAS = (
+    "base + B_OFF + cl * 16 + 2 * gl",
+    "base + S_OFF + cl * 16 + 2 * per_chunk + 2 * gl",
 )
-# Interleaved arrays by id of their scales, held while the scales live.
+# Interleaved arrays by id of their scales, held while scales and biases live.
 _INTERLEAVED: dict = {}
 
 
@@ -2032,8 +2061,8 @@ def reads_interleaved(spec: GroupKernelSpec) -> bool:
 
 def interleaved(scales: mx.array, biases: mx.array, group_size: int) -> mx.array:
     """The interleaved copy of ``scales`` and ``biases``: a chunk's scales and then its
-    biases for every column in turn, made and evaluated once while ``scales`` lives
-    (under a trace, returned unevaluated and not kept, as :func:`chunk_major`).
+    biases for every column in turn, made and evaluated once while both live (see
+    :func:`_kept_copy`; no chunk-major copies are kept on the way).
 
     Shapes: scales, biases ``(N, K / group_size)``; returns
     ``(K / 256, N, 2 * 256 / group_size)``.
@@ -2046,29 +2075,12 @@ def interleaved(scales: mx.array, biases: mx.array, group_size: int) -> mx.array
             f"interleaved scales take scales and biases of one shape, got "
             f"{tuple(scales.shape)} and {tuple(biases.shape)}"
         )
-    key = id(scales)
-    kept = _INTERLEAVED.get(key)
-    if (
-        kept is not None
-        and kept[0]() is scales
-        and kept[1] is biases
-        and kept[2] == group_size
-    ):
-        return kept[3]
-    pair = [chunk_major(a, group_size) for a in (scales, biases)]
-    both = mx.concatenate(pair, axis=2)
-    try:
-        mx.eval(both)
-    except ValueError:  # being traced: cannot be kept
-        return both
-    forget_chunk_major([scales, biases])  # the interleaved copy takes their place
 
-    def forget(ref: weakref.ref) -> None:
-        if _INTERLEAVED.get(key, (None,))[0] is ref:
-            del _INTERLEAVED[key]
+    def make() -> mx.array:
+        views = [_chunk_major_view(a, group_size) for a in (scales, biases)]
+        return mx.concatenate(views, axis=2)
 
-    _INTERLEAVED[key] = (weakref.ref(scales, forget), biases, group_size, both)
-    return both
+    return _kept_copy(_INTERLEAVED, (scales, biases), group_size, make)
 
 
 def _spec(
@@ -2167,9 +2179,13 @@ def _spec(
                     _UNIT_ISSUE_SCALES
                     if unit
                     else (
-                        _replaced(_ISSUE_SCALES, *_CHUNK_MAJOR_ADDRESS)
-                        if cmajor
-                        else _ISSUE_SCALES
+                        _INTERLEAVED_ISSUE_SCALES
+                        if ileave
+                        else (
+                            _replaced(_ISSUE_SCALES, *_CHUNK_MAJOR_ADDRESS)
+                            if cmajor
+                            else _ISSUE_SCALES
+                        )
                     )
                 )
                 if affine
@@ -2199,11 +2215,8 @@ def _spec(
     )
     if unit:
         body = _unit_scales(body)
-    if ileave:
-        for old, new in _INTERLEAVED_EDITS:
-            if old not in body:
-                raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
-            body = body.replace(old, new)
+    if ileave:  # (every bias read: the scaled forms read them in one place)
+        body = _replaced(body, *_INTERLEAVED_BIAS)
     if layout.direct:
         halves = {"halves": 1 if k_groups == 2 else 2}
         for old, new in _DIRECT_EDITS:

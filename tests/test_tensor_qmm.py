@@ -3031,8 +3031,9 @@ def test_chunk_major_switch_is_on_and_yields_to_unit_scales(monkeypatch) -> None
 def test_interleaved_copy_is_a_chunks_scales_then_its_biases() -> None:
     """``tensor_qmm.interleaved``: ``[c, n, :g']`` are column ``n``'s scales of chunk
     ``c`` and ``[c, n, g':]`` its biases (``g' = 256 / group``); made once while the
-    scales live, in place of the two chunk-major copies, until ``forget_chunk_major``
-    drops it; scales and biases of other shapes are refused by name."""
+    scales and the biases live (no chunk-major copies kept on the way), until
+    ``forget_chunk_major`` drops it; scales and biases of other shapes are refused by
+    name."""
     scales = mx.array(np.arange(5 * 8, dtype=np.float32).reshape(5, 8))
     biases = -scales
     both = tensor_qmm.interleaved(scales, biases, 64)
@@ -3043,6 +3044,11 @@ def test_interleaved_copy_is_a_chunks_scales_then_its_biases() -> None:
     assert tensor_qmm.interleaved(scales, biases, 64) is both
     assert id(biases) not in tensor_qmm._CHUNK_MAJOR
     assert tensor_qmm.forget_chunk_major([scales]) == 1
+    assert id(scales) not in tensor_qmm._INTERLEAVED
+    tensor_qmm.interleaved(scales, biases, 64)
+    assert id(scales) in tensor_qmm._INTERLEAVED
+    del biases  # either source gone: the copy goes
+    gc.collect()
     assert id(scales) not in tensor_qmm._INTERLEAVED
     with pytest.raises(ValueError, match="scales and biases of one shape"):
         tensor_qmm.interleaved(scales, mx.zeros((5, 4)), 64)
