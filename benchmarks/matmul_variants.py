@@ -212,7 +212,7 @@ VARIANTS = {
     "lean": {"lean": True},
     "paired-lean": {"paired": True, "lean": True},
     # Session 53: the scales and biases a unit of chunks a copy (UNIT_SCALES; same bits).
-    "unit": {"unit": True},
+    "unit": {"unit": True, "interleaved": False},
     # The merge before session 43: each split's load waited for by its add (same bits).
     "mergeloop": {"edits": ("mergeloop",)},
     # Diagnostics of the epilogue (results wrong): no merge; no merge and no fences.
@@ -252,11 +252,13 @@ VARIANTS = {
     # (the addresses only: wrong results), the form that reads such a repack
     # (CHUNK_MAJOR_SCALES, the default since; same bits) and the one before it.
     "contigscales": {"edits": ("contigscales",)},
-    "cmajor": {"cmajor": True},
-    "rowmajor": {"cmajor": False},
+    # Each scale-layout variant names all three layout switches, so that it means one
+    # layout whatever DFLASH_QMM_* the process was started with (session 55).
+    "cmajor": {"cmajor": True, "unit": False, "interleaved": False},
+    "rowmajor": {"cmajor": False, "unit": False, "interleaved": False},
     # A chunk's scales and biases of a column side by side: one copy (INTERLEAVED_SCALES,
     # groups of 64 and 128; same bits).
-    "interleaved": {"interleaved": True},
+    "interleaved": {"interleaved": True, "cmajor": True, "unit": False},
     # The scaled-weight form (``tensor_qmm.SCALED_B``): s * q + b in x's dtype before
     # the mma, no sums of x, no per-group float32 step; the default since session 26
     # (with its launch bounds), "unscaled" the form before it.

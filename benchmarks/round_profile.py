@@ -241,7 +241,8 @@ KERNEL_ARMS = {
     "default-shifted": None,
     "default-unit": None,
     "default-rowmajor": None,
-    "default-interleaved": None,
+    "default-ileave": None,
+    "default-cmajor": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -319,8 +320,21 @@ ARM_MATMUL_FORMS = {
     "unit": {"unit": True},  # the scales a unit of chunks a copy (session 53)
     # The scales as mlx lays them out (chunk-major, the default since session 54, off).
     "rowmajor": {"cmajor": False},
-    "interleaved": {"interleaved": True},  # one scale copy a column (session 54)
+    # One scale copy a column (session 54). Not "-interleaved": that suffix already
+    # named member-major off, and session 55's rounds under it set both.
+    "ileave": {"interleaved": True},
+    # Chunk-major scales without the interleaving: the default's A arm once interleaved
+    # scales are the default (a no-op while they are not).
+    "cmajor": {"cmajor": True, "interleaved": False},
 }
+# Each suffix names one thing: a suffix in two tables would set both tables' switches.
+_SHARED_SUFFIXES = (
+    set(ARM_SUFFIXES) & set(ARM_SUFFIX_SETS)
+    | set(ARM_SUFFIXES) & set(ARM_MATMUL_FORMS)
+    | set(ARM_SUFFIX_SETS) & set(ARM_MATMUL_FORMS)
+)
+if _SHARED_SUFFIXES:
+    raise RuntimeError(f"arm suffixes in two tables: {sorted(_SHARED_SUFFIXES)}")
 MATMUL_KNOB_SWITCHES = {
     "paired": PAIRED_STAGE_ENV,
     "lean": LEAN_ISSUE_ENV,

@@ -223,20 +223,51 @@ def test_rowmajor_arm_builds_the_row_major_forms_for_its_block() -> None:
     assert kernel_patch.dflash_settings() == settings
 
 
-def test_interleaved_arm_builds_the_interleaved_forms_for_its_block() -> None:
-    """``-interleaved`` rebuilds the scaled 4-bit forms of groups of 64 and 128 with
+def test_ileave_arm_builds_the_interleaved_scale_forms_and_only_them() -> None:
+    """``-ileave`` rebuilds the scaled 4-bit forms of groups of 64 and 128 with
     interleaved scales for its block and sets their switch; the shipped forms come
     back."""
     key = (2, (4, 1), 64)
     shipped = tensor_qmm.IN_PLACE_SPECS[key]
     settings = kernel_patch.dflash_settings()
-    with round_profile.kernel_arm("default-interleaved"):
+    with round_profile.kernel_arm("default-ileave"):
         assert tensor_qmm.INTERLEAVED_SCALES is True
         assert tensor_qmm.reads_interleaved(tensor_qmm.IN_PLACE_SPECS[key])
-        assert kernel_patch.dflash_settings() != settings
+        changed = set(kernel_patch.dflash_settings()) - set(settings)
+        # Its switch and nothing else (session 55's "-interleaved" also turned the
+        # member-major store off, the older arm of that name).
+        assert changed == {(tensor_qmm.INTERLEAVED_SCALES_ENV, "1")}
     assert tensor_qmm.INTERLEAVED_SCALES is False
     assert tensor_qmm.IN_PLACE_SPECS[key] is shipped
     assert kernel_patch.dflash_settings() == settings
+
+
+def test_cmajor_arm_builds_chunk_major_forms_whatever_the_default() -> None:
+    """``-cmajor`` takes chunk-major scales without the interleaving, also where
+    interleaved scales are on around it (as they would be as the default)."""
+    key = (2, (4, 1), 64)
+    with round_profile.kernel_arm("default-ileave"):
+        with round_profile.kernel_arm("default-cmajor"):
+            spec = tensor_qmm.IN_PLACE_SPECS[key]
+            assert tensor_qmm.reads_chunk_major(spec)
+            assert not tensor_qmm.reads_interleaved(spec)
+        assert tensor_qmm.reads_interleaved(tensor_qmm.IN_PLACE_SPECS[key])
+    assert tensor_qmm.reads_chunk_major(tensor_qmm.IN_PLACE_SPECS[key])
+
+
+def test_every_arm_suffix_names_one_table_entry() -> None:
+    """No suffix is in two of the arm tables (both would apply: session 55's
+    ``-interleaved`` set interleaved scales and member-major off at once)."""
+    tables = (
+        round_profile.ARM_SUFFIXES,
+        round_profile.ARM_SUFFIX_SETS,
+        round_profile.ARM_MATMUL_FORMS,
+    )
+    names = [name for table in tables for name in table]
+    assert len(names) == len(set(names))
+    with round_profile.kernel_arm("default-interleaved"):
+        assert tensor_qmm.INTERLEAVED_SCALES is False
+        assert not tensor_qmm.member_major()
 
 
 def test_drafter_arms_turn_on_their_drafter_switches_for_their_block(monkeypatch):

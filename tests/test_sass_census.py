@@ -55,7 +55,7 @@ def _listing() -> tuple[list[Instruction], list[int]]:
 def _listed_form():
     """The spec that ran in the listing (the merge before the vector one, the scales
     as mlx lays them out)."""
-    with matmul_variants.variant(cmajor=False):
+    with matmul_variants.variant(**matmul_variants.VARIANTS["rowmajor"]):
         tensor_qmm._BODY = tensor_qmm.merge_body(False)
         matmul_variants._rebuild()
         spec = tensor_qmm.SCALED_SPECS[(2, (4, 1), 64)]

@@ -343,8 +343,10 @@ RAN_ON_THE_H200 |= {
 # invariance, merged-split, unaligned and member-major tests and each of the 24 scaled
 # kernels (44 passed before its time limit, none failed); call Z4 the scaled SwiGLU
 # forms at every group size (15). The denormal decode's forms ran with two K groups
-# only in this text: the one-K-group ones (DFLASH_QMM_TWO_K_GROUPS=0) wait for a GPU.
-_DENORMAL_RAN = [(2, (4, m), 64) for m in (1, 2)]
+# only in this text; session 55 (docs/benchmarks/h100-2026-12-05-s55, call A, file
+# a5) ran its own `cuda` test with one K group (DFLASH_QMM_TWO_K_GROUPS=0) in this
+# text: 30 passed, so both forms' one-K-group kernels of one and two m-tiles ran too.
+_DENORMAL_RAN = [(k, (4, m), 64) for k in (1, 2) for m in (1, 2)]
 _DEFAULT_LAUNCHED = (
     [tensor_qmm.K2_SPECS[(0, 1)], tensor_qmm.K2_SPECS[(0, 2)]]
     + list(tensor_qmm.SCALED_SPECS.values())
@@ -353,7 +355,7 @@ _DEFAULT_LAUNCHED = (
     + [tensor_qmm.IN_PLACE_SPECS[key] for key in _DENORMAL_RAN]
 )
 MATMUL_RAN = {spec.name("cuda") for spec in _DEFAULT_LAUNCHED}
-RAN_DIGESTS = {"matmul": "d2c996eeb364cb66"}
+RAN_DIGESTS = {"matmul": "6ff30f7468f02abc"}
 RAN_ON_THE_H200 |= MATMUL_RAN
 NOT_RUN_SINCE_CHANGED |= (
     {spec.name("cuda") for spec in tensor_qmm.SPECS}

@@ -151,7 +151,7 @@ def test_direct_form_is_the_staged_text_less_its_weight_copies() -> None:
     in a stage (smaller stages), no weight copies, its own name; it refuses what it
     cannot be (8-bit, dense, unscaled, a group size read at launch, SwiGLU). (It reads
     the scales as mlx lays them out: the staged form it is compared with too.)"""
-    with matmul_variants.variant(cmajor=False):
+    with matmul_variants.variant(**matmul_variants.VARIANTS["rowmajor"]):
         row_major = dict(tensor_qmm.SCALED_SPECS)
     for (groups, size), spec in DIRECT_SPECS.items():
         staged = row_major[(groups, (4, 1), size)]

@@ -1176,7 +1176,7 @@ for _slip, _edits in _UNIT_SLIPS.items():
 # plain, denormal and in place at one and two m-tiles and every group size.
 with matmul_variants.variant(**matmul_variants.VARIANTS["cmajor"]):
     CMAJOR = _scaled_tables()
-with matmul_variants.variant(cmajor=False):
+with matmul_variants.variant(**matmul_variants.VARIANTS["rowmajor"]):
     ROW_MAJOR = _scaled_tables()
 assert all(
     tensor_qmm.reads_chunk_major(s) for specs in CMAJOR.values() for s in specs.values()
@@ -3019,7 +3019,7 @@ def test_chunk_major_switch_is_on_and_yields_to_unit_scales(monkeypatch) -> None
             for key, s in tensor_qmm.SCALED_SPECS.items()
             if key[1][0] == 4
         )
-    with matmul_variants.variant(cmajor=False):
+    with matmul_variants.variant(**matmul_variants.VARIANTS["rowmajor"]):
         rebuilt = [
             *tensor_qmm.SCALED_SPECS.values(),
             *tensor_qmm.IN_PLACE_SPECS.values(),
