@@ -212,7 +212,8 @@ VARIANTS = {
     "lean": {"lean": True},
     "paired-lean": {"paired": True, "lean": True},
     # Session 53: the scales and biases a unit of chunks a copy (UNIT_SCALES; same bits).
-    "unit": {"unit": True, "interleaved": False},
+    # (With the other two scale-layout switches named: see "cmajor" below.)
+    "unit": {"unit": True, "cmajor": False, "interleaved": False},
     # The merge before session 43: each split's load waited for by its add (same bits).
     "mergeloop": {"edits": ("mergeloop",)},
     # Diagnostics of the epilogue (results wrong): no merge; no merge and no fences.

@@ -323,8 +323,8 @@ ARM_MATMUL_FORMS = {
     # One scale copy a column (session 54). Not "-interleaved": that suffix already
     # named member-major off, and session 55's rounds under it set both.
     "ileave": {"interleaved": True},
-    # Chunk-major scales without the interleaving: the default's A arm once interleaved
-    # scales are the default (a no-op while they are not).
+    # Chunk-major scales without the interleaving: the A arm once interleaved scales are
+    # the default (until then the default's forms, with its own traces).
     "cmajor": {"cmajor": True, "interleaved": False},
 }
 # Each suffix names one thing: a suffix in two tables would set both tables' switches.
