@@ -260,6 +260,10 @@ VARIANTS = {
     # A chunk's scales and biases of a column side by side: one copy (INTERLEAVED_SCALES,
     # groups of 64 and 128; same bits).
     "interleaved": {"interleaved": True, "cmajor": True, "unit": False},
+    # Session 56: calls of more items than resident CTAs on that many CTAs, each
+    # taking items in turn, the next item's copies in flight during an item's
+    # epilogue (tensor_qmm.PERSISTENT; same bits). Only multi-wave calls change.
+    "persistent": {"persistent": True},
     # The scaled-weight form (``tensor_qmm.SCALED_B``): s * q + b in x's dtype before
     # the mma, no sums of x, no per-group float32 step; the default since session 26
     # (with its launch bounds), "unscaled" the form before it.
@@ -624,6 +628,7 @@ def variant(
     unit: Optional[bool] = None,
     cmajor: Optional[bool] = None,
     interleaved: Optional[bool] = None,
+    persistent: Optional[bool] = None,
     edits: Sequence[str] = (),
 ) -> Iterator[None]:
     """Rebuild the tensor-core specs with the given knobs, restoring them after.
@@ -657,6 +662,8 @@ def variant(
             given).
         interleaved: ``INTERLEAVED_SCALES`` (None: unchanged; off where ``edits``
             are given).
+        persistent: ``PERSISTENT`` (None: unchanged; ``DFLASH_QMM_PERSISTENT``,
+            read at each bind, wins where set).
         edits: Names of :data:`EDITS` to apply to the kernels' text.
     """
     knobs = {
@@ -681,6 +688,7 @@ def variant(
         "UNIT_SCALES": False if edits and unit is None else unit,
         "CHUNK_MAJOR_SCALES": False if edits and cmajor is None else cmajor,
         "INTERLEAVED_SCALES": False if edits and interleaved is None else interleaved,
+        "PERSISTENT": persistent,
     }
     texts = (
         "_HELPERS", "_BODY", "_SCALED_Q4_HELPER", "_DIRECT_HELPERS", "_DIRECT_EDITS",

@@ -70,6 +70,7 @@ from dflash.metal.tensor_qmm import (
     MEMBER_MAJOR_ENV,
     MERGED_SPLIT_SUM_ENV,
     PAIRED_STAGE_ENV,
+    PERSISTENT_ENV,
     SCALED_B_ENV,
     TWO_K_GROUPS_ENV,
     UNIT_SCALES_ENV,
@@ -243,6 +244,7 @@ KERNEL_ARMS = {
     "default-rowmajor": None,
     "default-ileave": None,
     "default-cmajor": None,
+    "default-persist": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -294,6 +296,7 @@ ARM_SUFFIXES = {
     "drafterreplay": (DRAFTER_TRACED_ENV, "1"),  # its layers as compiled replays
     "inplace": (DENORMAL_IN_PLACE_ENV, "1"),  # the denormal decode's pairs in place
     "shifted": (DENORMAL_IN_PLACE_ENV, "0"),  # its pairs shifted (before session 52)
+    "persist": (PERSISTENT_ENV, "1"),  # multi-wave matmuls on resident CTAs (s56)
 }
 # Suffixes that set several switches (each pair as above).
 ARM_SUFFIX_SETS = {

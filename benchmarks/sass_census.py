@@ -433,6 +433,16 @@ def _forms() -> dict[str, Callable[[], object]]:
         "q4-m2-g64-swiglu": lambda: tensor_qmm.SWIGLU_SCALED_SPECS[(2, (4, 2), 64)],
         "dense-m1": lambda: tensor_qmm.FORM_SPECS[(False, 2)][(0, 1)],
         "dense-m2": lambda: tensor_qmm.FORM_SPECS[(False, 2)][(0, 2)],
+        # The persistent forms (session 56) of the default 4-bit and dense ones.
+        "q4-m1-g64-inplace-persist": lambda: tensor_qmm.persistent_spec(
+            tensor_qmm.IN_PLACE_SPECS[(2, (4, 1), 64)]
+        ),
+        "q4-m2-g64-inplace-persist": lambda: tensor_qmm.persistent_spec(
+            tensor_qmm.IN_PLACE_SPECS[(2, (4, 2), 64)]
+        ),
+        "dense-m1-persist": lambda: tensor_qmm.persistent_spec(
+            tensor_qmm.FORM_SPECS[(False, 2)][(0, 1)]
+        ),
     }
 
 

@@ -2555,6 +2555,221 @@ def cluster_spec(spec: GroupKernelSpec, cluster: int) -> GroupKernelSpec:
     )
 
 
+# The persistent form (``DFLASH_QMM_PERSISTENT=1``, read at each bind; off): a call of
+# more (column tile, K split) items than :data:`RESIDENT_CTAS` launches that many CTAs,
+# and each takes items ``group``, ``group + grid``, ... (the plain form's CTA numbering).
+# A CTA's chunks, item after item, are one stream through the stage ring, so the next
+# item's first chunks are in flight while an item's epilogue runs (the two K groups'
+# exchange, the stores, the fence, the counter and the last CTA's merge: 6-7 us a wave
+# at 16 rows, session 41), where the plain form's next CTA starts its copies only once
+# an SM has room for it. Each item's sums are the plain form's, in its order, over the
+# same split: the same bits. The epilogue's shared scratch (the exchange and the
+# merge's flag) is the slot of the item's last chunk, the one slot that no copy in
+# flight targets. Two K groups, scaled or dense weights (:func:`persistent_serves`).
+PERSISTENT = False
+PERSISTENT_ENV = "DFLASH_QMM_PERSISTENT"
+# Bytes of the scratch slot past the two K groups' exchange: the merge's flag.
+_FLAG_BYTES = 16
+
+
+def persistent() -> bool:
+    """Whether a call bound now takes the persistent form where it has more items than
+    resident CTAs (see :data:`PERSISTENT`): ``DFLASH_QMM_PERSISTENT`` when set, else
+    the default.
+
+    Raises:
+        ValueError: ``DFLASH_QMM_PERSISTENT`` is not an on/off word.
+    """
+    return backend.strict_switch(PERSISTENT_ENV, None, PERSISTENT)
+
+
+def exchange_bytes(mtiles: int) -> int:
+    """Shared bytes the two K groups' exchange takes (128 threads' sums of ``mtiles``
+    m-tiles, 16 floats each)."""
+    return 128 * mtiles * 16 * 4
+
+
+# The item block: the column tile's output edges, cut from the kernel's head into the
+# item loop.
+_ITEM_FIRST = "  const int col0 = tile * COLUMNS;\n"
+_ITEM_LAST = "  const int out_width = out_hi - out_lo;\n"
+_PERSISTENT_HEAD = (
+    """  const int tile = int(group) % col_tiles;
+  const int split = int(group) / col_tiles;
+  const int chunks = depth / CHUNK;
+  const int c_begin = split * per_split;
+  const int c_end = c_begin + per_split < chunks ? c_begin + per_split : chunks;
+""",
+    """  const int chunks = depth / CHUNK;
+  // Items (column tile, K split) group, group + grid, ...: item = split * col_tiles +
+  // tile, the plain form's CTA numbering.
+  const int items = col_tiles * splits;
+  const int grid = params[10 + params[9]];
+""",
+)
+_PERSISTENT_ISSUE = (
+    "  auto issue = [&](int c, int buf) {\n",
+    "  auto issue = [&](int col0, int c, int buf) {\n",
+)
+_PERSISTENT_LOOP = (
+    """  for (int i = 0; i < STAGES - 1; ++i) {
+    if (c_begin + i < c_end) {
+      issue(c_begin + i, i);
+    }
+    dfl_commit();
+  }
+  for (int c = c_begin; c < c_end; ++c) {
+    const int i = c - c_begin;
+    dfl_wait<STAGES - 2>();
+    DFL_BARRIER();
+    // The buffer refilled here was read in the previous round (all threads are past it).
+    if (c + STAGES - 1 < c_end) {
+      issue(c + STAGES - 1, (i + STAGES - 1) % STAGES);
+    }
+    dfl_commit();
+""",
+    """  // The CTA's chunks, item after item, as one stream through the ring: the next
+  // item's first chunks are in flight during an item's epilogue.
+  // (The cursor's divisions run once an item, not once a chunk.)
+  int next_item = int(group);
+  int next_c = 0;
+  int next_end = 0;
+  int next_col0 = 0;
+  auto open_next = [&]() {
+    next_c = (next_item / col_tiles) * per_split;
+    next_end = next_c + per_split < chunks ? next_c + per_split : chunks;
+    next_col0 = (next_item % col_tiles) * COLUMNS;
+  };
+  open_next();
+  auto issue_next = [&](int buf) {
+    if (next_item < items) {
+      issue(next_col0, next_c, buf);
+      if (++next_c == next_end) {
+        next_item += grid;
+        open_next();
+      }
+    }
+  };
+  for (int i = 0; i < STAGES - 1; ++i) {
+    issue_next(i);
+    dfl_commit();
+  }
+  int consumed = 0;
+  for (int item = int(group); item < items; item += grid) {
+  const int c_begin = (item / col_tiles) * per_split;
+  const int c_end = c_begin + per_split < chunks ? c_begin + per_split : chunks;
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    #pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc[mt][t][i] = 0.0f;
+      }
+    }
+  }
+  for (int c = c_begin; c < c_end; ++c, ++consumed) {
+    const int i = consumed;
+    dfl_wait<STAGES - 2>();
+    DFL_BARRIER();
+    // The buffer refilled here was read in the previous round (all threads are past it).
+    issue_next((i + STAGES - 1) % STAGES);
+    dfl_commit();
+""",
+)
+# The item's epilogue: its column tile's output edges (worked out here, not held
+# through the chunk loop), and the slot of its last chunk (no copy in flight targets
+# it) as scratch.
+_SCRATCH = (
+    "  const int tile = item % col_tiles;\n"
+    "  const int split = item / col_tiles;\n"
+    "{item_block}"
+    "  unsigned char* scratch = smem + ((consumed + STAGES - 1) % STAGES) * STAGE_BYTES;\n"
+)
+# Every warp is past the last chunk's reads before the exchange writes the slot.
+_PERSISTENT_EXCHANGE = (
+    "  dfl_wait<0>();\n  DFL_BARRIER();\n  {\n"
+    "    float* exchange = reinterpret_cast<float*>(smem)",
+    _SCRATCH
+    + "  DFL_BARRIER();\n  {\n    float* exchange = reinterpret_cast<float*>(scratch)",
+)
+_PERSISTENT_FLAG = (
+    "    int* last = reinterpret_cast<int*>(smem);\n",
+    "    int* last = reinterpret_cast<int*>(scratch + {exchange});\n",
+)
+
+
+def _persistent(body: str, mtiles: int) -> str:
+    """A two-K-group matmul body (either merge) as its persistent form (see
+    :data:`PERSISTENT`).
+
+    Raises:
+        RuntimeError: The body lacks a text the edits rewrite (a form they do not take).
+    """
+    start, end = body.find(_ITEM_FIRST), body.find(_ITEM_LAST)
+    if start < 0 or end < start:
+        raise RuntimeError("the matmul body has changed: its column tile's edges")
+    item_block = body[start : end + len(_ITEM_LAST)]
+    body = body[:start] + body[end + len(_ITEM_LAST) :]
+    body = _replaced(body, *_PERSISTENT_HEAD)
+    body = _replaced(body, *_PERSISTENT_ISSUE)
+    body = _replaced(body, *_PERSISTENT_LOOP)
+    old, new = _PERSISTENT_EXCHANGE
+    body = _replaced(body, old, new.replace("{item_block}", item_block))
+    flag = _PERSISTENT_FLAG[1].replace("{exchange}", str(exchange_bytes(mtiles)))
+    body = _replaced(body, _PERSISTENT_FLAG[0], flag)
+    return body + "  }\n  dfl_wait<0>();\n"
+
+
+def persistent_serves(spec: GroupKernelSpec) -> bool:
+    """Whether ``spec`` has a persistent form (:func:`persistent_spec`): the two-K-group
+    scaled and dense forms (the ones the default switches bind; by nvcc, theirs keep
+    within 128 registers with no spills, where some one-group and unscaled two-m-tile
+    forms spill), not SwiGLU, direct or unit scales, nor with the paired stage or the
+    lean issue."""
+    refused = ("_swiglu", "_direct", "_unit")
+    # (Already persistent; the paired stage's loads; the lean issue's slots.)
+    texts = ("issue_next", "dfl_interleaved_load", "write_slot")
+    kind = "_scaled" in spec.base or spec.base.startswith("tensor_dense")
+    return (
+        spec.base.startswith("tensor_")
+        and "_k2" in spec.base
+        and kind
+        and not any(part in spec.base for part in refused)
+        and spec.cluster == 1
+        and not any(text in spec.body for text in texts)
+        and _ITEM_FIRST in spec.body
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def persistent_spec(spec: GroupKernelSpec) -> GroupKernelSpec:
+    """The persistent form of a matmul spec (see :data:`PERSISTENT`): the same sums
+    and bits, its CTAs taking items in turn (the grid is the launch's last integer).
+
+    Raises:
+        ValueError: A form with no persistent form (:func:`persistent_serves`), or a
+            slot too small for the exchange and the flag below its x rows.
+    """
+    if not persistent_serves(spec):
+        raise ValueError(f"{spec.base} has no persistent form")
+    mtiles = 2 if "constexpr int MT = 2;" in spec.body else 1
+    x_offset = re.search(r"constexpr int SW = (\d+);", spec.body)
+    columns_bytes = COLUMNS * int(x_offset.group(1)) if x_offset else 0
+    if exchange_bytes(mtiles) + _FLAG_BYTES > columns_bytes:
+        raise ValueError(f"{spec.base}: a stage slot's weights hold {columns_bytes} "
+                         "bytes, fewer than the exchange and the flag")  # fmt: skip
+    # Its grid counts on two CTAs an SM: bounded, as the scaled forms are.
+    bounds = launch_bounds(spec.threads)
+    helpers = spec.helpers if spec.helpers.startswith(bounds) else bounds + spec.helpers
+    return dataclasses.replace(
+        spec,
+        base=f"{spec.base}_persist",
+        helpers=helpers,
+        body=_persistent(spec.body, mtiles),
+    )
+
+
 LAYOUTS = {(bits, m): Layout(bits, m) for bits in (4, 8, 0) for m in (1, 2)}
 
 
@@ -2798,7 +3013,7 @@ def bind_tensor_core(
         rows, depth, weight.shape[0], bits, group_size, merge_split_sum(),
         fold_q4_offset() and not swiglu and not scaled, wave_split(), k_groups(),
         edges, swiglu, scaled, cluster_sum(), scaled and direct_q4(bits), denormal,
-        in_place,
+        in_place, persistent(),
     )  # fmt: skip
     if bits is not None and reads_interleaved(plan.spec):
         scales = biases = interleaved(scales, biases, group_size)
@@ -2919,6 +3134,7 @@ def launch_plan(
     direct: bool = False,
     denormal: bool = False,
     in_place: bool = False,
+    persistent: bool = False,
 ) -> LaunchPlan:
     """The launch plan of a validated call, built once per geometry (host time).
 
@@ -2937,7 +3153,9 @@ def launch_plan(
     ``denormal``: a scaled 4-bit call (not direct) takes the denormal decode
     (:data:`DENORMAL_Q4`), with its nibble pairs in place where ``in_place``
     (:data:`DENORMAL_IN_PLACE`); the caller has checked the scales
-    (:func:`scale_decode`).
+    (:func:`scale_decode`). ``persistent``: a call of more (column tile, split) items
+    than :data:`RESIDENT_CTAS` launches that many CTAs of the persistent form where
+    the form has one (:data:`PERSISTENT`; not with a cluster sum).
 
     Raises:
         ValueError: ``swiglu`` for a call :func:`swiglu_serves` refuses.
@@ -2969,15 +3187,22 @@ def launch_plan(
         spec = FORM_SPECS[(folded and bits == 4, k_groups)][key]
     shift = (group_size or 1).bit_length() - 1
     merged = merged and splits > 1
+    clustered = cluster and 1 < splits <= MAX_CLUSTER
+    ctas = tiles * splits
+    grid = ()
+    if persistent and ctas > RESIDENT_CTAS and not clustered:
+        if persistent_serves(spec):
+            spec, ctas = persistent_spec(spec), RESIDENT_CTAS
+            grid = (ctas,)
     params = int_params(
         rows, columns, depth, group_size or 0, tiles, splits, per_split, shift,
-        int(merged), len(edges), *edges,
+        int(merged), len(edges), *edges, *grid,
     )  # fmt: skip
     if splits == 1:
         return LaunchPlan(
-            spec, columns, params, ((rows, columns), (1,)), tiles, 0, None, 0
+            spec, columns, params, ((rows, columns), (1,)), ctas, 0, None, 0
         )
-    if cluster and splits <= MAX_CLUSTER:
+    if clustered:
         return LaunchPlan(
             cluster_spec(spec, splits), columns, params, ((rows, columns), (1,)),
             tiles * splits, 0, None, 0,
@@ -2985,8 +3210,7 @@ def launch_plan(
     partials = (splits, rows, columns)
     if merged:
         return LaunchPlan(
-            spec, columns, params, ((rows, columns), partials), tiles * splits,
-            tiles, None, 0,
+            spec, columns, params, ((rows, columns), partials), ctas, tiles, None, 0
         )  # fmt: skip
     total = rows * columns
     return LaunchPlan(
@@ -2994,7 +3218,7 @@ def launch_plan(
         columns,
         params,
         ((1,), partials),
-        tiles * splits,
+        ctas,
         0,
         int_params(total, splits, columns, len(edges), *edges),
         -(-total // REDUCE_THREADS),

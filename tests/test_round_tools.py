@@ -255,6 +255,19 @@ def test_cmajor_arm_builds_chunk_major_forms_whatever_the_default() -> None:
     assert tensor_qmm.reads_chunk_major(tensor_qmm.IN_PLACE_SPECS[key])
 
 
+def test_persist_arm_sets_the_persistent_switch_and_only_it(monkeypatch) -> None:
+    """``-persist`` turns the persistent matmul on (read at each bind: no forms
+    rebuilt) for its block, and nothing else; it is off after."""
+    monkeypatch.delenv(tensor_qmm.PERSISTENT_ENV, raising=False)
+    settings = kernel_patch.dflash_settings()
+    with round_profile.kernel_arm("default-persist"):
+        assert tensor_qmm.persistent() is True
+        changed = set(kernel_patch.dflash_settings()) - set(settings)
+        assert changed == {(tensor_qmm.PERSISTENT_ENV, "1")}
+    assert tensor_qmm.persistent() is False
+    assert kernel_patch.dflash_settings() == settings
+
+
 def test_every_arm_suffix_names_one_table_entry() -> None:
     """No suffix is in two of the arm tables (both would apply: session 55's
     ``-interleaved`` set interleaved scales and member-major off at once)."""
