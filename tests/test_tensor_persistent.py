@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.attention_cases import bits as raw_bits
 from support.compilers import GXX, NVCC, needs_nvcc
-from support.group_emulator import check_cuda
+from support.group_emulator import assert_within_bounds
 from support.tensor_emulator import TensorEmulator
 from test_compact_text import directives, tokens
 
@@ -376,13 +376,7 @@ def test_persistent_forms_compile_for_sm90_within_the_bounds(tmp_path: Path) -> 
         if tensor_qmm.persistent_serves(spec)
     ]
     assert len(specs) == 26
-    forms = check_cuda(specs, tmp_path, NVCC, dtypes=HALF, flags=("-Xptxas", "-v"))
-    assert forms.ok, f"{forms.command}\n{forms.log}"
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log)
-    assert len(spills) >= 2 * len(specs), forms.log
-    assert all(a == "0" and b == "0" for a, b in spills), forms.log
-    registers = [int(r) for r in re.findall(r"Used (\d+) registers", forms.log)]
-    assert len(registers) >= 2 * len(specs) and max(registers) <= 128, forms.log
+    assert_within_bounds(specs, tmp_path, NVCC, HALF)
 
 
 @pytest.mark.cuda

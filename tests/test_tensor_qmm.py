@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from support import tensor_qmm_model as model
 from support.attention_cases import bits as raw_bits
 from support.compilers import GXX, NVCC, needs_nvcc
-from support.group_emulator import check_cuda
+from support.group_emulator import assert_within_bounds, check_cuda
 from support.tensor_emulator import TensorEmulator
 from test_verify_kernels import (
     _close_to_matmul_oracle,
@@ -2764,13 +2764,7 @@ def test_unit_scale_forms_compile_for_sm90_within_the_bounds(tmp_path: Path) -> 
     m-tiles; every group size) compiles for sm_90 with no spills within its launch
     bounds' 128 registers."""
     specs = [spec for table in UNIT.values() for spec in table.values()]
-    forms = check_cuda(specs, tmp_path, NVCC, dtypes=HALF, flags=("-Xptxas", "-v"))
-    assert forms.ok, f"{forms.command}\n{forms.log}"
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log)
-    assert len(spills) >= 2 * len(specs), forms.log
-    assert all(a == "0" and b == "0" for a, b in spills), forms.log
-    registers = [int(r) for r in re.findall(r"Used (\d+) registers", forms.log)]
-    assert len(registers) >= 2 * len(specs) and max(registers) <= 128, forms.log
+    assert_within_bounds(specs, tmp_path, NVCC, HALF)
 
 
 def _chunk_major_case(case: tuple) -> tuple:
@@ -2972,13 +2966,7 @@ def test_repacked_scale_forms_compile_for_sm90_within_the_bounds(tmp_path: Path)
     sm_90 with no spills within its launch bounds' 128 registers."""
     tables = [*CMAJOR.values(), *ILEAVE.values()]
     specs = [spec for table in tables for spec in table.values()]
-    forms = check_cuda(specs, tmp_path, NVCC, dtypes=HALF, flags=("-Xptxas", "-v"))
-    assert forms.ok, f"{forms.command}\n{forms.log}"
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log)
-    assert len(spills) >= 2 * len(specs), forms.log
-    assert all(a == "0" and b == "0" for a, b in spills), forms.log
-    registers = [int(r) for r in re.findall(r"Used (\d+) registers", forms.log)]
-    assert len(registers) >= 2 * len(specs) and max(registers) <= 128, forms.log
+    assert_within_bounds(specs, tmp_path, NVCC, HALF)
 
 
 def test_chunk_major_switch_is_on_and_yields_to_unit_scales(monkeypatch) -> None:

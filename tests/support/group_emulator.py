@@ -33,6 +33,7 @@ cluster's, or CTAs that end while others wait at the cluster's, fail the run.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import tempfile
@@ -332,6 +333,26 @@ def check_cuda(
         str(workdir / "group_bodies.cubin"),
     ]
     return run_compiler(command + [str(source)], workdir)
+
+
+def assert_within_bounds(
+    specs: Sequence[GroupKernelSpec],
+    workdir: Path,
+    compiler: str,
+    dtypes: Sequence[mx.Dtype],
+    max_registers: int = 128,
+) -> None:
+    """Compile ``specs`` for sm_90 (:func:`check_cuda`, ptxas verbose) and assert that
+    every kernel, one a spec and dtype, has no spills and at most ``max_registers``
+    registers (the launch bounds' cap at two 256-thread CTAs an SM)."""
+    forms = check_cuda(specs, workdir, compiler, dtypes=dtypes, flags=("-Xptxas", "-v"))
+    assert forms.ok, f"{forms.command}\n{forms.log}"
+    kernels = len(specs) * len(dtypes)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log)
+    assert len(spills) >= kernels, forms.log
+    assert all(a == "0" and b == "0" for a, b in spills), forms.log
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", forms.log)]
+    assert len(registers) >= kernels and max(registers) <= max_registers, forms.log
 
 
 # ----------------------------------------------------------------- emulator
