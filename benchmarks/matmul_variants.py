@@ -262,7 +262,8 @@ VARIANTS = {
     "interleaved": {"interleaved": True, "cmajor": True, "unit": False},
     # Session 56: calls of more items than resident CTAs on that many CTAs, each
     # taking items in turn, the next item's copies in flight during an item's
-    # epilogue (tensor_qmm.PERSISTENT; same bits). Only multi-wave calls change.
+    # epilogue (tensor_qmm.PERSISTENT; same bits). Only multi-wave calls change:
+    # the fused gate / up measured 13-15 % slower, the LM head within 1 %.
     "persistent": {"persistent": True},
     # The scaled-weight form (``tensor_qmm.SCALED_B``): s * q + b in x's dtype before
     # the mma, no sums of x, no per-group float32 step; the default since session 26

@@ -2000,8 +2000,9 @@ def forget_chunk_major(arrays: Sequence[mx.array]) -> int:
     return dropped
 
 
-# Interleaved scales (session 54; ``DFLASH_QMM_INTERLEAVED_SCALES=1``, read at import;
-# off: not yet run on a GPU). Chunk-major scales took about half of what the scale
+# Interleaved scales (session 54; on since session 56, when every matmul `cuda` test
+# passed with them on an H100; ``DFLASH_QMM_INTERLEAVED_SCALES=0`` turns them off,
+# read at import). Chunk-major scales took about half of what the scale
 # copies cost (session 54: the 16-row fused gate / up 83.0 -> 81.8 us, 74.6 with no
 # scale copies at all); the rest is two copies a column and chunk. Here a chunk's scales
 # and biases of a column lie side by side, (K / 256, N, 2 * 256 / group), and one copy
@@ -2009,9 +2010,11 @@ def forget_chunk_major(arrays: Sequence[mx.array]) -> int:
 # biases are read from the slot's second half. The same values reach the same
 # arithmetic: the same bits. The scaled 4-bit forms of groups of 64 and 128 with
 # chunk-major scales (groups of 32 keep them: 32 bytes a column, two copies either
-# way); not with the paired stage (its own scale reads) or unit scales. The bind keeps
-# the interleaved copy in place of the two chunk-major ones (the same memory).
-INTERLEAVED_SCALES_DEFAULT = False
+# way); not with the paired stage (its own scale reads) or unit scales, to which the
+# default yields (set on explicitly with either, or with chunk-major scales off, the
+# bind refuses it). The bind keeps the interleaved copy in place of the two
+# chunk-major ones (the same memory).
+INTERLEAVED_SCALES_DEFAULT = True
 INTERLEAVED_SCALES_ENV = "DFLASH_QMM_INTERLEAVED_SCALES"
 INTERLEAVED_SCALES = _import_switch(INTERLEAVED_SCALES_ENV, INTERLEAVED_SCALES_DEFAULT)
 INTERLEAVED_GROUP_SIZES = (64, 128)
@@ -2038,18 +2041,22 @@ _INTERLEAVED: dict = {}
 
 def interleaved_scales() -> bool:
     """Whether the scaled 4-bit forms of groups of 64 and 128 read interleaved scales
-    and biases (:data:`INTERLEAVED_SCALES`, taken at import).
+    and biases (:data:`INTERLEAVED_SCALES`, taken at import). The default (on) yields
+    to the paired stage, unit scales and chunk-major scales off, as the forms built at
+    import do.
 
     Raises:
         ValueError: ``DFLASH_QMM_INTERLEAVED_SCALES`` is not an on/off word, or it is
-            on with the paired stage, unit scales, or chunk-major scales off.
+            set on with the paired stage, unit scales, or chunk-major scales off.
     """
     value = _checked_import_switch(INTERLEAVED_SCALES_ENV, INTERLEAVED_SCALES)
     if value and (paired_stage() or unit_scales() or not chunk_major_scales()):
-        raise ValueError(
-            f"{INTERLEAVED_SCALES_ENV} needs {CHUNK_MAJOR_SCALES_ENV} on and does not "
-            f"combine with {PAIRED_STAGE_ENV} or {UNIT_SCALES_ENV}"
-        )
+        if backend.env_switch(INTERLEAVED_SCALES_ENV):
+            raise ValueError(
+                f"{INTERLEAVED_SCALES_ENV} needs {CHUNK_MAJOR_SCALES_ENV} on and does "
+                f"not combine with {PAIRED_STAGE_ENV} or {UNIT_SCALES_ENV}"
+            )
+        return False
     return value
 
 
@@ -2566,6 +2573,10 @@ def cluster_spec(spec: GroupKernelSpec, cluster: int) -> GroupKernelSpec:
 # same split: the same bits. The epilogue's shared scratch (the exchange and the
 # merge's flag) is the slot of the item's last chunk, the one slot that no copy in
 # flight targets. Two K groups, scaled or dense weights (:func:`persistent_serves`).
+# Session 56 (an H100): the plain form's bits, but the fused gate / up 13-15 % slower
+# (16 rows 76.6 -> 88.4 us), the LM head within 1 %: the CTA scheduler already overlaps
+# one CTA's epilogue with the next CTA's copies, and the item stream costs instructions
+# at every chunk (the copy issue 244 -> 320, static). Off, kept as the measured try.
 PERSISTENT = False
 PERSISTENT_ENV = "DFLASH_QMM_PERSISTENT"
 # Bytes of the scratch slot past the two K groups' exchange: the merge's flag.
@@ -3015,10 +3026,8 @@ def bind_tensor_core(
         edges, swiglu, scaled, cluster_sum(), scaled and direct_q4(bits), denormal,
         in_place, persistent(),
     )  # fmt: skip
-    if bits is not None and reads_interleaved(plan.spec):
-        scales = biases = interleaved(scales, biases, group_size)
-    elif bits is not None and reads_chunk_major(plan.spec):
-        scales, biases = (chunk_major(a, group_size) for a in (scales, biases))
+    if bits is not None:
+        scales, biases = scale_arrays(plan.spec, scales, biases, group_size)
     weights = [weight] if bits is None else [weight, scales, biases]
     weights.append(plan.params)
     out_dtypes = [dtype, mx.float32]
@@ -3053,6 +3062,23 @@ def bind_tensor_core(
     launch.counters = plan.counters
     launch.member_edges = edges
     return launch
+
+
+def scale_arrays(
+    spec: GroupKernelSpec, scales: mx.array, biases: mx.array, group_size: int
+) -> tuple[mx.array, mx.array]:
+    """The scales and biases ``spec`` is handed, as the bind hands them: the
+    interleaved repack in both places (:func:`interleaved`), each chunk-major
+    (:func:`chunk_major`), or as mlx lays them out.
+
+    Shapes: scales, biases ``(N, K / group_size)``.
+    """
+    if reads_interleaved(spec):
+        both = interleaved(scales, biases, group_size)
+        return both, both
+    if reads_chunk_major(spec):
+        return chunk_major(scales, group_size), chunk_major(biases, group_size)
+    return scales, biases
 
 
 def leading_shape(rows: int, lead: Optional[Sequence[int]]) -> tuple[int, ...]:

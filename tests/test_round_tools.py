@@ -209,11 +209,14 @@ def test_rowmajor_arm_builds_the_row_major_forms_for_its_block() -> None:
     back."""
     key = (2, (4, 1), 64)
     shipped = tensor_qmm.IN_PLACE_SPECS[key]
-    assert tensor_qmm.reads_chunk_major(shipped)
+    assert tensor_qmm.reads_interleaved(shipped)  # chunk-major, interleaved (s56)
     settings = kernel_patch.dflash_settings()
     with round_profile.kernel_arm("default-rowmajor"):
         assert tensor_qmm.CHUNK_MAJOR_SCALES is False
         assert not tensor_qmm.reads_chunk_major(tensor_qmm.IN_PLACE_SPECS[key])
+        assert not tensor_qmm.reads_interleaved(tensor_qmm.IN_PLACE_SPECS[key])
+        # The bind's check passes: the interleaved default yields (session 56).
+        assert tensor_qmm.interleaved_scales() is False
         assert (
             tensor_qmm.CHUNK_MAJOR_SCALES_ENV,
             "0",
@@ -223,12 +226,13 @@ def test_rowmajor_arm_builds_the_row_major_forms_for_its_block() -> None:
     assert kernel_patch.dflash_settings() == settings
 
 
-def test_ileave_arm_builds_the_interleaved_scale_forms_and_only_them() -> None:
-    """``-ileave`` rebuilds the scaled 4-bit forms of groups of 64 and 128 with
-    interleaved scales for its block and sets their switch; the shipped forms come
-    back."""
+def test_ileave_arm_names_the_default_interleaved_forms_and_only_them(monkeypatch):
+    """``-ileave`` takes interleaved scales (the default since session 56) for its block
+    and sets their switch, and nothing else; the shipped forms come back."""
+    monkeypatch.delenv(tensor_qmm.INTERLEAVED_SCALES_ENV, raising=False)
     key = (2, (4, 1), 64)
     shipped = tensor_qmm.IN_PLACE_SPECS[key]
+    assert tensor_qmm.reads_interleaved(shipped)
     settings = kernel_patch.dflash_settings()
     with round_profile.kernel_arm("default-ileave"):
         assert tensor_qmm.INTERLEAVED_SCALES is True
@@ -237,22 +241,24 @@ def test_ileave_arm_builds_the_interleaved_scale_forms_and_only_them() -> None:
         # Its switch and nothing else (session 55's "-interleaved" also turned the
         # member-major store off, the older arm of that name).
         assert changed == {(tensor_qmm.INTERLEAVED_SCALES_ENV, "1")}
-    assert tensor_qmm.INTERLEAVED_SCALES is False
+    assert tensor_qmm.INTERLEAVED_SCALES is True
     assert tensor_qmm.IN_PLACE_SPECS[key] is shipped
     assert kernel_patch.dflash_settings() == settings
 
 
-def test_cmajor_arm_builds_chunk_major_forms_whatever_the_default() -> None:
-    """``-cmajor`` takes chunk-major scales without the interleaving, also where
-    interleaved scales are on around it (as they would be as the default)."""
+def test_cmajor_arm_builds_chunk_major_forms_without_the_interleaving() -> None:
+    """``-cmajor`` (the A arm since interleaved scales became the default, session
+    56) takes chunk-major scales without the interleaving for its block; the shipped
+    interleaved forms come back."""
     key = (2, (4, 1), 64)
-    with round_profile.kernel_arm("default-ileave"):
-        with round_profile.kernel_arm("default-cmajor"):
-            spec = tensor_qmm.IN_PLACE_SPECS[key]
-            assert tensor_qmm.reads_chunk_major(spec)
-            assert not tensor_qmm.reads_interleaved(spec)
-        assert tensor_qmm.reads_interleaved(tensor_qmm.IN_PLACE_SPECS[key])
-    assert tensor_qmm.reads_chunk_major(tensor_qmm.IN_PLACE_SPECS[key])
+    shipped = tensor_qmm.IN_PLACE_SPECS[key]
+    with round_profile.kernel_arm("default-cmajor"):
+        spec = tensor_qmm.IN_PLACE_SPECS[key]
+        assert tensor_qmm.reads_chunk_major(spec)
+        assert not tensor_qmm.reads_interleaved(spec)
+        assert tensor_qmm.INTERLEAVED_SCALES is False
+    assert tensor_qmm.IN_PLACE_SPECS[key] is shipped
+    assert tensor_qmm.reads_interleaved(shipped)
 
 
 def test_persist_arm_sets_the_persistent_switch_and_only_it(monkeypatch) -> None:
@@ -279,7 +285,8 @@ def test_every_arm_suffix_names_one_table_entry() -> None:
     names = [name for table in tables for name in table]
     assert len(names) == len(set(names))
     with round_profile.kernel_arm("default-interleaved"):
-        assert tensor_qmm.INTERLEAVED_SCALES is False
+        # Member-major off; the scale layout left as it is (interleaved, the default).
+        assert tensor_qmm.INTERLEAVED_SCALES is tensor_qmm.INTERLEAVED_SCALES_DEFAULT
         assert not tensor_qmm.member_major()
 
 

@@ -346,7 +346,17 @@ RAN_ON_THE_H200 |= {
 # only in this text; session 55 (docs/benchmarks/h100-2026-12-05-s55, call A, file
 # a5) ran its own `cuda` test with one K group (DFLASH_QMM_TWO_K_GROUPS=0) in this
 # text: 30 passed, so both forms' one-K-group kernels of one and two m-tiles ran too.
-_DENORMAL_RAN = [(k, (4, m), 64) for k in (1, 2) for m in (1, 2)]
+# Session 56 (docs/benchmarks/h100-2026-12-05-s56, on an H100) made interleaved scales
+# the default, which renamed the scaled 4-bit forms of groups of 64 and 128. In that
+# text (the switch set for each process): every scaled kernel once, and the scaled
+# form on every Glimmer shape (a3, 25), the matmul on every Glimmer shape (a2, 29), the
+# bitwise kernel-patch tests (a4, 5), the traced layers (a5, 2), the denormal decode's
+# own test and the leading shapes with two K groups (call 7, 38; the first run, a1,
+# failed at the test's name check, before any bits), the matmul's other `cuda` tests
+# (call 8: 37), test_verify_kernels' (15), the gated MLP's and fused projections' (16);
+# session 55 (call A, a4) the scaled SwiGLU forms at every group size (15). The denormal
+# decode's one-K-group forms have not run in this text: recorded as not run.
+_DENORMAL_RAN = [(2, (4, m), 64) for m in (1, 2)]
 _DEFAULT_LAUNCHED = (
     [tensor_qmm.K2_SPECS[(0, 1)], tensor_qmm.K2_SPECS[(0, 2)]]
     + list(tensor_qmm.SCALED_SPECS.values())
@@ -355,7 +365,7 @@ _DEFAULT_LAUNCHED = (
     + [tensor_qmm.IN_PLACE_SPECS[key] for key in _DENORMAL_RAN]
 )
 MATMUL_RAN = {spec.name("cuda") for spec in _DEFAULT_LAUNCHED}
-RAN_DIGESTS = {"matmul": "6ff30f7468f02abc"}
+RAN_DIGESTS = {"matmul": "e9043dced1902878"}
 RAN_ON_THE_H200 |= MATMUL_RAN
 NOT_RUN_SINCE_CHANGED |= (
     {spec.name("cuda") for spec in tensor_qmm.SPECS}

@@ -216,12 +216,9 @@ def _bound_call(emulator, form: str, case, cluster: bool) -> tuple[np.ndarray, s
 def _direct(emulator, spec, case, groups_count=None) -> np.ndarray:
     """One launch of a cluster text of the scaled 4-bit form (``spec``) with the
     cluster plan's scalars and CTAs (``groups_count`` in place of them); its scales
-    repacked as the bind does where it reads them chunk-major."""
+    repacked as the bind repacks them."""
     x, weight, scales, biases = case
-    if tensor_qmm.reads_chunk_major(spec):
-        scales, biases = (
-            tensor_qmm.chunk_major(a, GROUP_SIZE) for a in (scales, biases)
-        )
+    scales, biases = tensor_qmm.scale_arrays(spec, scales, biases, GROUP_SIZE)
     rows, depth = x.shape
     columns = weight.shape[0]
     plan = tensor_qmm.launch_plan(

@@ -111,7 +111,8 @@ def emulator(tmp_path_factory):
 
 def _case(rows: int, chunks: int, columns: int, form: str, dtype, seed: int):
     """x and the weight arrays of ``form`` (small weights: the in-place decode's
-    scales), with K of ``chunks`` chunks; scales repacked as the form reads them."""
+    scales), with K of ``chunks`` chunks; scales repacked as the form reads them
+    (interleaved or chunk-major)."""
     bits, group = WEIGHTS[form]
     chunk = tensor_qmm.Layout(bits or 0, 1).chunk
     rng = np.random.default_rng(seed)
@@ -121,8 +122,7 @@ def _case(rows: int, chunks: int, columns: int, form: str, dtype, seed: int):
     if bits is None:
         return x, [dense]
     weight, scales, biases = mx.quantize(dense, group_size=group, bits=bits)
-    if tensor_qmm.reads_chunk_major(FORMS[form]):
-        scales, biases = (tensor_qmm.chunk_major(a, group) for a in (scales, biases))
+    scales, biases = tensor_qmm.scale_arrays(FORMS[form], scales, biases, group)
     return x, [weight, scales, biases]
 
 

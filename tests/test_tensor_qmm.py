@@ -2782,13 +2782,9 @@ def _run_split(
     CTA's merge: CTA ranges that start and end inside a unit of chunks. A form that
     reads chunk-major or interleaved scales gets them repacked, as the bind does,
     unless ``as_given``."""
-    if tensor_qmm.reads_interleaved(spec) and not as_given:
-        x, weight, scales, biases, bits, group = case
-        both = tensor_qmm.interleaved(scales, biases, group)
-        case = (x, weight, both, both, bits, group)
-    elif tensor_qmm.reads_chunk_major(spec) and not as_given:
-        case = _chunk_major_case(case)
     x, weight, scales, biases, _, group = case
+    if not as_given:
+        scales, biases = tensor_qmm.scale_arrays(spec, scales, biases, group)
     tiles = -(-weight.shape[0] // tensor_qmm.COLUMNS)
     chunks = x.shape[1] // Layout(4, 1).chunk
     shift = group.bit_length() - 1
@@ -2984,9 +2980,17 @@ def test_chunk_major_switch_is_on_and_yields_to_unit_scales(monkeypatch) -> None
     )
     scaled = [s for t in tables for key, s in t.items() if key[1][0] == 4]
     assert len(scaled) == 4 * 2 * 2 * len(tensor_qmm.GROUP_SIZES)
-    assert all(tensor_qmm.reads_chunk_major(spec) for spec in scaled)
+    # (Groups of 64 and 128 read the interleaved repack, the default since session 56.)
+    assert all(
+        tensor_qmm.reads_chunk_major(spec) or tensor_qmm.reads_interleaved(spec)
+        for spec in scaled
+    )
+    assert any(tensor_qmm.reads_chunk_major(spec) for spec in scaled)
     others = [spec for spec in tensor_qmm.SPECS if spec not in scaled]
-    assert others and not any(tensor_qmm.reads_chunk_major(s) for s in others)
+    assert others and not any(
+        tensor_qmm.reads_chunk_major(s) or tensor_qmm.reads_interleaved(s)
+        for s in others
+    )
     assert not any(
         tensor_qmm.reads_chunk_major(s) for s in tensor_qmm.DIRECT_SPECS.values()
     )
@@ -3013,7 +3017,11 @@ def test_chunk_major_switch_is_on_and_yields_to_unit_scales(monkeypatch) -> None
             *tensor_qmm.IN_PLACE_SPECS.values(),
         ]
         assert not any(tensor_qmm.reads_chunk_major(s) for s in rebuilt)
-    assert all(tensor_qmm.reads_chunk_major(spec) for spec in scaled)
+        assert not any(tensor_qmm.reads_interleaved(s) for s in rebuilt)
+    assert all(
+        tensor_qmm.reads_chunk_major(spec) or tensor_qmm.reads_interleaved(spec)
+        for spec in scaled
+    )
 
 
 def test_interleaved_copy_is_a_chunks_scales_then_its_biases() -> None:
@@ -3042,40 +3050,67 @@ def test_interleaved_copy_is_a_chunks_scales_then_its_biases() -> None:
         tensor_qmm.interleaved(scales, mx.zeros((5, 4)), 64)
 
 
-def test_interleaved_switch_is_off_and_refuses_what_it_cannot_join(monkeypatch):
-    """``DFLASH_QMM_INTERLEAVED_SCALES`` (read at import; off): no shipped form reads
-    interleaved scales; on, the bind's check refuses it with the paired stage, with
-    unit scales and with chunk-major scales off, and refuses a bad word, naming the
-    switches; its forms are the scaled 4-bit ones of groups of 64 and 128."""
+def test_interleaved_switch_is_on_and_refuses_what_it_cannot_join(monkeypatch):
+    """``DFLASH_QMM_INTERLEAVED_SCALES`` (read at import; on since session 56): the
+    shipped scaled 4-bit forms of groups of 64 and 128 read interleaved scales, no
+    other; the default yields to the paired stage, unit scales and chunk-major scales
+    off, and set on explicitly with any of them the bind's check refuses it, as it
+    refuses a bad word, naming the switches; off, no form reads them."""
     assert tensor_qmm.INTERLEAVED_SCALES is tensor_qmm.INTERLEAVED_SCALES_DEFAULT
-    assert tensor_qmm.INTERLEAVED_SCALES is False
-    assert not any(tensor_qmm.reads_interleaved(spec) for spec in tensor_qmm.SPECS)
-    assert tensor_qmm.interleaved_scales() is False
-    monkeypatch.setattr(tensor_qmm, "INTERLEAVED_SCALES", True)
+    assert tensor_qmm.INTERLEAVED_SCALES is True
+    reading = {
+        key
+        for key, spec in tensor_qmm.SCALED_SPECS.items()
+        if tensor_qmm.reads_interleaved(spec)
+    }
+    assert reading == {
+        key
+        for key in tensor_qmm.SCALED_SPECS
+        if key[1][0] == 4 and key[2] in tensor_qmm.INTERLEAVED_GROUP_SIZES
+    }
     assert tensor_qmm.interleaved_scales() is True
-    for name in ("PAIRED_STAGE", "UNIT_SCALES"):
-        monkeypatch.setattr(tensor_qmm, name, True)
-        with pytest.raises(ValueError, match="DFLASH_QMM_INTERLEAVED_SCALES needs"):
-            tensor_qmm.interleaved_scales()
-        monkeypatch.setattr(tensor_qmm, name, False)
-    monkeypatch.setattr(tensor_qmm, "CHUNK_MAJOR_SCALES", False)
-    with pytest.raises(ValueError, match="DFLASH_QMM_CHUNK_MAJOR_SCALES on"):
-        tensor_qmm.interleaved_scales()
-    monkeypatch.setattr(tensor_qmm, "CHUNK_MAJOR_SCALES", True)
+    # The default yields to the forms that replace its copy; set on, it is refused.
+    for explicit in (False, True):
+        if explicit:
+            monkeypatch.setenv(tensor_qmm.INTERLEAVED_SCALES_ENV, "1")
+        for name in ("PAIRED_STAGE", "UNIT_SCALES"):
+            monkeypatch.setattr(tensor_qmm, name, True)
+            if explicit:
+                with pytest.raises(ValueError, match="INTERLEAVED_SCALES needs"):
+                    tensor_qmm.interleaved_scales()
+            else:
+                assert tensor_qmm.interleaved_scales() is False
+            monkeypatch.setattr(tensor_qmm, name, False)
+        monkeypatch.setattr(tensor_qmm, "CHUNK_MAJOR_SCALES", False)
+        if explicit:
+            with pytest.raises(ValueError, match="DFLASH_QMM_CHUNK_MAJOR_SCALES on"):
+                tensor_qmm.interleaved_scales()
+        else:
+            assert tensor_qmm.interleaved_scales() is False
+        monkeypatch.setattr(tensor_qmm, "CHUNK_MAJOR_SCALES", True)
+        assert tensor_qmm.interleaved_scales() is True
     monkeypatch.setenv(tensor_qmm.INTERLEAVED_SCALES_ENV, "often")
     with pytest.raises(ValueError, match="DFLASH_QMM_INTERLEAVED_SCALES"):
         tensor_qmm.interleaved_scales()
     monkeypatch.delenv(tensor_qmm.INTERLEAVED_SCALES_ENV)
-    monkeypatch.setattr(tensor_qmm, "INTERLEAVED_SCALES", False)
-    with matmul_variants.variant(**matmul_variants.VARIANTS["interleaved"]):
-        built = {
-            key: tensor_qmm.reads_interleaved(spec)
-            for key, spec in tensor_qmm.SCALED_SPECS.items()
-        }
-        swiglu = tensor_qmm.SWIGLU_SCALED_SPECS[(2, (4, 1), 128)]
-        assert tensor_qmm.reads_interleaved(swiglu)
+    tables = (
+        tensor_qmm.SCALED_SPECS,
+        tensor_qmm.SWIGLU_SCALED_SPECS,
+        tensor_qmm.DENORMAL_SPECS,
+        tensor_qmm.IN_PLACE_SPECS,
+    )
+    with matmul_variants.variant(**matmul_variants.VARIANTS["cmajor"]):
+        assert not any(
+            tensor_qmm.reads_interleaved(spec) for t in tables for spec in t.values()
+        )
+    built = {
+        key: tensor_qmm.reads_interleaved(spec)
+        for key, spec in tensor_qmm.SCALED_SPECS.items()
+    }
+    assert tensor_qmm.reads_interleaved(
+        tensor_qmm.SWIGLU_SCALED_SPECS[(2, (4, 1), 128)]
+    )
     assert all(took is (k[1][0] == 4 and k[2] != 32) for k, took in built.items())
-    assert not any(tensor_qmm.reads_interleaved(spec) for spec in tensor_qmm.SPECS)
 
 
 def test_unit_scales_switch_refuses_the_staging_variants(monkeypatch) -> None:
@@ -3329,6 +3364,21 @@ def test_cuda_scaled_form_glimmer_shapes(monkeypatch, shape, rows, bits) -> None
     assert np.array_equal(raw_bits(_kernel(case, slice(0, 1))), raw_bits(out[0:1]))
 
 
+def _scale_layout(group_size: int) -> str:
+    """The name suffix of the scale layout a scaled 4-bit form of ``group_size`` reads
+    under the switches as they are: unit scales, interleaved (groups of 64 and 128),
+    chunk-major, or none (as mlx lays them out). Session 56: this test asked for
+    ``_cmajor`` whatever the switches, so under ``DFLASH_QMM_INTERLEAVED_SCALES=1`` it
+    failed before comparing any bits."""
+    if tensor_qmm.unit_scales():
+        return "_unit"
+    if tensor_qmm.interleaved_scales() and group_size in (
+        tensor_qmm.INTERLEAVED_GROUP_SIZES
+    ):
+        return "_ileave"
+    return "_cmajor" if tensor_qmm.chunk_major_scales() else ""
+
+
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("shape", GLIMMER)
@@ -3360,11 +3410,7 @@ def test_cuda_denormal_form_gives_the_scaled_bits(
 
     monkeypatch.setattr(tensor_qmm, "launch_plan", recorded)
     out = _kernel(case)
-    suffix = (
-        ("_denorm_inplace" if in_place else "_denorm")
-        + "_unit" * tensor_qmm.unit_scales()
-        + "_cmajor" * tensor_qmm.chunk_major_scales()
-    )
+    suffix = ("_denorm_inplace" if in_place else "_denorm") + _scale_layout(case[5])
     assert planned and all(base.endswith(suffix) for base in planned)
     assert np.array_equal(raw_bits(out), scaled_bits)
     assert np.array_equal(raw_bits(_kernel(case, slice(0, 1))), raw_bits(out[0:1]))
