@@ -2601,7 +2601,7 @@ def exchange_bytes(mtiles: int) -> int:
 
 
 # The item block: the column tile's output edges, cut from the kernel's head into the
-# item loop.
+# item's epilogue.
 _ITEM_FIRST = "  const int col0 = tile * COLUMNS;\n"
 _ITEM_LAST = "  const int out_width = out_hi - out_lo;\n"
 _PERSISTENT_HEAD = (
@@ -2765,10 +2765,10 @@ def persistent_spec(spec: GroupKernelSpec) -> GroupKernelSpec:
     if not persistent_serves(spec):
         raise ValueError(f"{spec.base} has no persistent form")
     mtiles = 2 if "constexpr int MT = 2;" in spec.body else 1
-    x_offset = re.search(r"constexpr int SW = (\d+);", spec.body)
-    columns_bytes = COLUMNS * int(x_offset.group(1)) if x_offset else 0
-    if exchange_bytes(mtiles) + _FLAG_BYTES > columns_bytes:
-        raise ValueError(f"{spec.base}: a stage slot's weights hold {columns_bytes} "
+    stride = re.search(r"constexpr int SW = (\d+);", spec.body)
+    weight_bytes = COLUMNS * int(stride.group(1)) if stride else 0
+    if exchange_bytes(mtiles) + _FLAG_BYTES > weight_bytes:
+        raise ValueError(f"{spec.base}: a stage slot's weights hold {weight_bytes} "
                          "bytes, fewer than the exchange and the flag")  # fmt: skip
     # Its grid counts on two CTAs an SM: bounded, as the scaled forms are.
     bounds = launch_bounds(spec.threads)
