@@ -28,7 +28,8 @@
   pre-feedforward norm as one :func:`dflash.metal.norms.residual_norm` launch,
   and its post-feedforward norm and add as another, for the calls the route serves
   (:mod:`dflash.residual_layers`; probed as the prepared heads are; a tapped layer is
-  left alone, so the generators install the patch before the taps).
+  left alone, so the generators install the patch before the taps); traced layers run
+  the two launches inside their post-attention trace.
 * **Traced layers** (Muse Glimmer; ``traced_layers``, ``DFLASH_TRACED_LAYERS=0`` off;
   with the prepared heads, the gate epilogue, the stacked block, the kernel path and
   ``mx.compile``): each decoder layer's served calls run as two compiled replays, the
@@ -155,6 +156,8 @@ class AttentionRoute:
         swiglu: Gated MLPs run their activation inside the fused gate / up launch.
         draft_head_prep: The drafter's attention prepares its heads (q / k norms and
             RoPE) in one launch.
+        residual_norms: Traced Glimmer layers run their norm-add(-norm) groups as
+            residual-norm launches (:mod:`dflash.residual_layers`).
     """
 
     use_kernel: Optional[bool] = None
@@ -164,6 +167,7 @@ class AttentionRoute:
     kv_block: bool = True
     swiglu: bool = False
     draft_head_prep: bool = False
+    residual_norms: bool = False
 
     def takes(self, cache: Any, count: int, mask: Any) -> bool:
         """Whether the route serves ``count`` queries over ``cache`` with ``mask``: a
@@ -405,8 +409,9 @@ def _traced_class(base: type) -> type:
         if not _traced_serves(route, x, mask, cache):
             return base.__call__(self, x, mask, cache)
         return traced_layers_module.layer_forward(
-            self, x, cache, route.chunk, _key_source, _TRACES
-        )
+            self, x, cache, route.chunk, _key_source, _TRACES,
+            route.residual_norms, route.use_kernel,
+        )  # fmt: skip
 
     return _swapped_class("traced", base, __call__)
 
@@ -1197,6 +1202,13 @@ class KernelPatch:
         )
         self.route = dataclasses.replace(self.route, gate_epilogue=gate)
         traced = self.traced_layer_modules(prepared)
+        # A traced layer runs the residual norms inside its trace where every traced
+        # layer is one the residual norms serve (and have probed).
+        residual_ids = {id(m) for m in layers}
+        self.route = dataclasses.replace(
+            self.route,
+            residual_norms=bool(traced) and all(id(m) in residual_ids for m in traced),
+        )
         layers = [m for m in layers if all(m is not t for t in traced)]
         self._trace_options = self.trace_options() if keep_traces_wanted() else None
         for module in attention:

@@ -8,6 +8,10 @@ attention's output projection, ``rms_norm``, the residual ``add`` and the MLP's
 route serves (at most ``max_queries`` tokens: decode steps and verify blocks); longer
 calls keep mlx-lm's forward.
 
+Traced layers (:mod:`dflash.traced_layers`, on by default) run the same two launches
+inside their post-attention trace (:func:`after_attention`) when the residual norms
+are on and every traced layer is one this module serves.
+
 The kernel's reference is mlx's own ops in mlx-lm's order, so on the CPU (and with
 ``use_kernel=False``) the forward gives the original's bits. Before a class is taken,
 :func:`forward_matches` checks that: this forward (reference form) against the class's
@@ -119,6 +123,19 @@ def layer_forward(
     Shapes: x ``(B, L, H)``; returns ``(B, L, H)``.
     """
     attended = layer.self_attn(layer.input_layernorm(x), mask, cache)
+    return after_attention(layer, x, attended, use_kernel)
+
+
+def after_attention(
+    layer: nn.Module, x: mx.array, attended: mx.array, use_kernel: Optional[bool]
+) -> mx.array:
+    """The layer after its attention: the post-attention norm, residual and
+    pre-feedforward norm as one launch, the MLP, then its norm and residual as another
+    (also the post-attention half of :mod:`dflash.traced_layers`' traces, with the
+    residual norms on).
+
+    Shapes: x, attended ``(B, L, H)``; returns ``(B, L, H)``.
+    """
     h, normed = _residual(
         attended,
         x,

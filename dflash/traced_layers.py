@@ -64,6 +64,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import residual_layers
 from .cache.plane import RingPlane
 from .metal import attention, backend, groups, heads
 from .residual_layers import NORMS, layer_geometry
@@ -139,11 +140,21 @@ def reference_forward(
     )
 
 
-def _after_attention(layer: nn.Module, x: mx.array, attended: mx.array) -> mx.array:
-    """The post-attention norm and residual, then the MLP with its norms and residual.
+def _after_attention(
+    layer: nn.Module,
+    x: mx.array,
+    attended: mx.array,
+    residual_norms: bool = False,
+    use_kernel: Optional[bool] = None,
+) -> mx.array:
+    """The post-attention norm and residual, then the MLP with its norms and residual;
+    with ``residual_norms``, each norm-add(-norm) group as one launch
+    (:func:`dflash.residual_layers.after_attention`, ``use_kernel`` passed on).
 
     Shapes: x, attended ``(B, L, H)``; returns ``(B, L, H)``.
     """
+    if residual_norms:
+        return residual_layers.after_attention(layer, x, attended, use_kernel)
     h = x + layer.post_attention_layernorm(attended)
     return h + layer.post_feedforward_layernorm(
         layer.mlp(layer.pre_feedforward_layernorm(h))
@@ -190,6 +201,7 @@ def _pre_attention(
 def _post_attention(
     layer: nn.Module,
     form: attention.KernelForm,
+    residual_norms: Tuple[bool, Optional[bool]],
     x: mx.array,
     queries: mx.array,
     gate: mx.array,
@@ -200,6 +212,8 @@ def _post_attention(
 
     Args:
         layer, form: What the trace is of.
+        residual_norms: ``(on, use_kernel)`` of :func:`_after_attention`'s residual
+            norms.
         x: The layer's input (the residual).
         queries: The prepared queries.
         gate: The output gate, as its projection gives it.
@@ -219,7 +233,7 @@ def _post_attention(
     # output projection takes it: no view between the launches.
     stored = (batch, length, attn.n_heads * attn.head_dim)
     out = attention.launch_attention(form, queries, *arrays, gate, stored)
-    return _after_attention(layer, x, attn.o_proj(out))
+    return _after_attention(layer, x, attn.o_proj(out), *residual_norms)
 
 
 class _Replay:
@@ -274,7 +288,7 @@ class LayerTraces:
             settings are read when the traces are made, as the traces capture them).
         pre: Pre-attention replays per input shape and dtype.
         post: Post-attention replays per interned geometry (input shapes, the
-            attention form).
+            attention form) and residual-norm choice.
     """
 
     modules: List[nn.Module]
@@ -283,7 +297,7 @@ class LayerTraces:
     sizes: Tuple[List[nn.Module], List[int]]
     kind: int
     pre: Dict[tuple, _Replay] = field(default_factory=dict)
-    post: Dict[int, _Replay] = field(default_factory=dict)
+    post: Dict[tuple, _Replay] = field(default_factory=dict)
 
     @classmethod
     def of(cls, layer: nn.Module, kind: Optional[int] = None) -> "LayerTraces":
@@ -485,6 +499,8 @@ def layer_forward(
     chunk: int,
     key_source: Callable,
     slot: str,
+    residual_norms: bool = False,
+    use_kernel: Optional[bool] = None,
 ) -> mx.array:
     """A served Glimmer decoder-layer call as two replays (module docstring).
 
@@ -500,6 +516,10 @@ def layer_forward(
         key_source: The route's ``(plane, keys, values, count, window) -> (KeyPlane,
             block_keys, block_values)``.
         slot: Where the layer keeps its :class:`LayerTraces`.
+        residual_norms: The post-attention trace runs the layer's norm-add(-norm)
+            groups as :func:`dflash.metal.norms.residual_norm` launches
+            (:mod:`dflash.residual_layers`), ``use_kernel`` passed to them.
+        use_kernel: See ``residual_norms``.
 
     Shapes: x ``(B, L, H)``; returns ``(B, L, H)``.
     """
@@ -531,10 +551,11 @@ def layer_forward(
     )
     form = post_call.form
     bound = attention.bound_arrays(post_call.plan, *sources)
+    residual = (residual_norms, use_kernel)
     post = _replay(
         traces.post,
-        post_call.geometry,
-        lambda: partial(_post_attention, layer, form),
+        (post_call.geometry,) + residual,
+        lambda: partial(_post_attention, layer, form, residual),
     )
     launch = form.launch
     return post(

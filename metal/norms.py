@@ -62,7 +62,19 @@ RESIDUAL_NORM_HELPERS = """
 #define DFL_MUL_RN(a, b) __fmul_rn(a, b)
 #define DFL_ADD_T(a, b) ((a) + (b))
 #define DFL_UNROLL _Pragma("unroll")
+// Element j of vector i: from the thread's 16-byte copy where the rows are whole
+// vectors (`whole`), else from memory; stores likewise (the vector written after).
+#define DFL_ELEMENT(copy, source, index) \
+  (whole ? reinterpret_cast<const T*>(&copy[i])[j] : source[index])
+#define DFL_PUT(copy, target, index, value)      \
+  if (whole) {                                   \
+    reinterpret_cast<T*>(&copy)[j] = value;      \
+  } else {                                       \
+    target[index] = value;                       \
+  }
 #else
+#define DFL_ELEMENT(copy, source, index) source[index]
+#define DFL_PUT(copy, target, index, value) target[index] = value;
 #define DFL_RSQRT(x) rsqrt(x)
 #define DFL_MUL_RN(a, b) ((a) * (b))
 #define DFL_ADD_T(a, b) static_cast<T>(float(a) + float(b))
@@ -115,34 +127,54 @@ def _block_sum(shared: str, warp_sums: str, total: str) -> str:
 """
 
 
-def _each_element(statements: str) -> str:
+def _each_element(statements: str, after: str = "") -> str:
     """Body text running ``statements`` for each element slot ``s`` of this thread
-    (vector ``block * i + t``, element ``j``; ``e`` its index in the row, ``live``
-    whether mlx's thread reads it), unrolled so every load is issued up front."""
+    (vector ``v = block * i + t``, element ``j``; ``e`` its index in the row, ``live``
+    whether mlx's thread reads it), unrolled so every load is issued up front, and
+    ``after`` once a vector (``v``, ``live_vector``, its elements in ``stored``; CUDA
+    only)."""
+    declare = (
+        "#ifdef __CUDACC__\n    uint4 stored = {0u, 0u, 0u, 0u};\n#endif\n"
+        if after
+        else ""
+    )
     return f"""
   DFL_UNROLL
   for (int i = 0; i < {MAX_CHUNKS}; ++i) {{
-    DFL_UNROLL
+    const int v = block * i + t;
+    const bool live_vector = reads && i < chunks && v * VEC < dim;
+    (void)live_vector;
+{declare}    DFL_UNROLL
     for (int j = 0; j < VEC; ++j) {{
       const int s = i * 8 + j;
-      const int e = (block * i + t) * VEC + j;
-      const bool live = reads && i < chunks && e < dim;
+      const int e = v * VEC + j;
+      const bool live = live_vector && e < dim;
 {statements}
     }}
+#ifdef __CUDACC__
+{after}
+#endif
   }}
 """
 
 
+# The vector store after a vector's elements (CUDA, rows of whole vectors).
+def _store(target: str) -> str:
+    return f"""    if (whole && live_vector) {{
+      *reinterpret_cast<uint4*>({target} + base + v * VEC) = stored;
+    }}"""
+
+
 # The three passes over a thread's elements (see RESIDUAL_NORM_BODY).
 _LOAD = """
-      values[s] = live ? float(x[base + e]) : 0.0f;
+      values[s] = live ? float(DFL_ELEMENT(branch_copy, x, base + e)) : 0.0f;
       sum = DFL_FMA(values[s], values[s], sum);"""
 _SUM = """
       if (live) {
         const T scaled = T(DFL_MUL_RN(values[s], normalizer));
-        const T normed = T(DFL_MUL_RN(float(weight[e]), float(scaled)));
-        const T sum_value = DFL_ADD_T(residual[base + e], normed);
-        h[base + e] = sum_value;
+        const T normed = T(DFL_MUL_RN(float(DFL_ELEMENT(weight_copy, weight, e)), float(scaled)));
+        const T sum_value = DFL_ADD_T(DFL_ELEMENT(residual_copy, residual, base + e), normed);
+        DFL_PUT(stored, h, base + e, sum_value)
         values[s] = float(sum_value);
       } else {
         values[s] = 0.0f;
@@ -151,8 +183,36 @@ _SUM = """
 _NEXT = """
       if (live) {
         const T scaled = T(DFL_MUL_RN(values[s], normalizer_next));
-        normed_next[base + e] = T(DFL_MUL_RN(float(next_weight[e]), float(scaled)));
+        const T normed = T(DFL_MUL_RN(float(DFL_ELEMENT(next_copy, next_weight, e)), float(scaled)));
+        DFL_PUT(stored, normed_next, base + e, normed)
       }"""
+
+# CUDA: where every row is whole 16-byte vectors, each thread copies all its vectors
+# of the four inputs first (one round trip; the weights do not wait for the sums). The
+# arithmetic is the same element by element, so the same bits as the scalar reads.
+_CUDA_COPIES = f"""
+#ifdef __CUDACC__
+  const bool whole = dim % VEC == 0 &&
+      ((size_t(x) | size_t(residual) | size_t(weight) | size_t(next_weight) |
+        size_t(h) | size_t(normed_next)) & size_t(15)) == 0;
+  uint4 branch_copy[{MAX_CHUNKS}];
+  uint4 residual_copy[{MAX_CHUNKS}];
+  uint4 weight_copy[{MAX_CHUNKS}];
+  uint4 next_copy[{MAX_CHUNKS}];
+  DFL_UNROLL
+  for (int i = 0; i < {MAX_CHUNKS}; ++i) {{
+    const int v = block * i + t;
+    if (whole && reads && i < chunks && v * VEC < dim) {{
+      branch_copy[i] = *reinterpret_cast<const uint4*>(x + base + v * VEC);
+      residual_copy[i] = *reinterpret_cast<const uint4*>(residual + base + v * VEC);
+      weight_copy[i] = *reinterpret_cast<const uint4*>(weight + v * VEC);
+      if (next) {{
+        next_copy[i] = *reinterpret_cast<const uint4*>(next_weight + v * VEC);
+      }}
+    }}
+  }}
+#endif
+"""
 
 
 # One row a threadgroup. params: dim, block, chunks, flags. fparams: eps, next eps.
@@ -172,7 +232,7 @@ RESIDUAL_NORM_BODY = f"""
   DFL_SHARED float partial_next[{THREADS}];
   DFL_SHARED float warp_sums_next[{WARPS}];
   float values[{SLOTS}];
-
+{_CUDA_COPIES}
   // The branch, and its sum of squares as mlx's thread t of `block` threads adds it
   // (a padded element adds fma(0, 0, sum) == sum).
   float sum = 0.0f;
@@ -184,7 +244,7 @@ RESIDUAL_NORM_BODY = f"""
 
   // h = residual + weight * T(x * normalizer); its squares summed in the same order.
   float sum_next = 0.0f;
-{_each_element(_SUM)}
+{_each_element(_SUM, _store("h"))}
   if (!next) {{
     return;
   }}
@@ -192,7 +252,7 @@ RESIDUAL_NORM_BODY = f"""
   DFL_BARRIER();
 {_block_sum("partial_next", "warp_sums_next", "total_next")}
   const float normalizer_next = DFL_RSQRT(total_next / float(dim) + fparams[1]);
-{_each_element(_NEXT)}
+{_each_element(_NEXT, _store("normed_next"))}
 """
 
 RESIDUAL_NORM = GroupKernelSpec(

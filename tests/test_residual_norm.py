@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from support.compilers import GXX, NVCC, built_emulator, needs_gxx, needs_nvcc
 from support.group_emulator import GroupEmulator, check_cuda, check_metal
 from support.residual_norm_oracle import oracle_residual_norm
+from support.tensor_emulator import TensorEmulator
 
 from dflash.metal import backend, groups
 from dflash.metal import norms as rn
@@ -217,6 +218,76 @@ def test_emulated_kernel_is_close_to_float64_maths(metal_on_cpu, case: Case) -> 
         assert np.all(
             np.abs(as64(normed) - want) <= 4 * ulp[case.dtype] * (np.abs(want) + 1)
         ), case
+
+
+# The CUDA copies' negative control: the residual's vectors past the first copied one
+# vector early.
+CUDA_MUTANT = _mutant(
+    "late",
+    "residual_copy[i] = *reinterpret_cast<const uint4*>(residual + base + v * VEC);",
+    "residual_copy[i] = *reinterpret_cast<const uint4*>(residual + base + (v - (v > 0)) * VEC);",
+)
+
+
+@pytest.fixture(scope="module")
+def cuda_emulator(tmp_path_factory):
+    if GXX is None:
+        pytest.skip("g++ not installed")
+    built = TensorEmulator(
+        tmp_path_factory.mktemp("residual_norm_cuda"),
+        list(rn.SPECS) + [CUDA_MUTANT],
+        GXX,
+        cuda_branches=True,
+    )
+    assert built.build.ok, built.build.log
+    return built
+
+
+@pytest.fixture
+def cuda_on_cpu(cuda_emulator, monkeypatch):
+    """The CUDA text run on the CPU (its 16-byte copies; misaligned: its element reads)."""
+    monkeypatch.setattr(backend, "BACKEND", "cuda")
+    monkeypatch.setenv(backend.COMPILE_ENV, "0")
+    monkeypatch.setattr(groups, "launch_groups", cuda_emulator.launch)
+    cuda_emulator.misaligned = False
+    yield cuda_emulator
+    cuda_emulator.misaligned = False
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=_SHARED)
+@given(case=cases(), misaligned=st.booleans())
+def test_emulated_cuda_text_gives_the_oracle_bits_copied_or_read_by_element(
+    cuda_on_cpu, case: Case, misaligned: bool
+) -> None:
+    """The CUDA form's vector copies (rows of whole 16-byte vectors) and its element
+    reads (other widths, or inputs off a 16-byte boundary) give the same bits."""
+    cuda_on_cpu.misaligned = misaligned
+    branch, residual, weight, next_weight = case.arrays()
+    got = case.call(True)
+    want = oracle_residual_norm(
+        branch, residual, weight, case.eps, next_weight, case.next_eps
+    )
+    assert all(
+        w is None or np.array_equal(_bits(g), w) for g, w in zip(got, want)
+    ), case
+
+
+def test_cuda_copies_mutant_fails_copied_and_not_read_by_element(
+    cuda_on_cpu, monkeypatch
+) -> None:
+    """Negative control: a slip in the 16-byte copies shows on aligned rows (so the
+    test above runs them) and not where the element reads serve."""
+    monkeypatch.setattr(rn, "RESIDUAL_NORM", CUDA_MUTANT)
+    case = Case(mx.bfloat16, 1024, 2, True, 1e-6, 1e-5, 3)
+    branch, residual, weight, next_weight = case.arrays()
+    want = oracle_residual_norm(
+        branch, residual, weight, case.eps, next_weight, case.next_eps
+    )
+    for misaligned, differs in ((False, True), (True, False)):
+        cuda_on_cpu.misaligned = misaligned
+        got = case.call(True)
+        same = all(np.array_equal(_bits(g), w) for g, w in zip(got, want))
+        assert same != differs, misaligned
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))

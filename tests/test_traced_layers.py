@@ -92,12 +92,19 @@ def kernel_path_on_cpu(monkeypatch):
 
 
 def _is_traced(layer: nn.Module) -> bool:
-    return type(layer).__name__ == "KernelDecoderLayer" and hasattr(
-        type(layer), kernel_patch._ORIGINAL_CLASS
+    base = getattr(type(layer), kernel_patch._ORIGINAL_CLASS, None)
+    return base is not None and type(layer) is kernel_patch._SUBCLASSES.get(
+        ("traced", base)
     )
 
 
-def verify_run(model, traced: bool, accepted: List[int], context: int = 40):
+def verify_run(
+    model,
+    traced: bool,
+    accepted: List[int],
+    context: int = 40,
+    residual_norms: bool = False,
+):
     """Verify blocks of 16 rows over planes prefilled with ``context`` rows, each
     committed with its accepted count (so positions move and the rings wrap); the
     outputs of every block."""
@@ -107,7 +114,7 @@ def verify_run(model, traced: bool, accepted: List[int], context: int = 40):
         for i in range(len(accepted))
     ]
     outs = []
-    with KernelPatch(model, traced_layers=traced):
+    with KernelPatch(model, traced_layers=traced, residual_norms=residual_norms):
         assert all(_is_traced(layer) is traced for layer in model.layers)
         for block, count in zip(blocks, accepted):
             checkpoint = SpeculativeCheckpoint.begin(cache, 16)
@@ -549,6 +556,34 @@ def test_a_probe_verdict_does_not_carry_over_to_another_geometry(module, monkeyp
     )
 
 
+def test_traced_residual_norms_give_the_eager_residual_layers_outputs(
+    tiny_stack, kernel_path_on_cpu, monkeypatch
+):
+    """With the residual norms on, a traced layer's post-attention trace launches the
+    two residual norms a layer (the eager residual layers' launches, same outputs)."""
+    launched = []
+    mixing = groups.launch_groups
+
+    def counting(spec, *rest):
+        launched.append(spec.base)
+        return mixing(spec, *rest)
+
+    monkeypatch.setattr(groups, "launch_groups", counting)
+    accepted = [16, 4, 11]
+    want, offsets = verify_run(tiny_stack, False, accepted, residual_norms=True)
+    eager = launched.count("residual_norm")
+    launched.clear()
+    got, traced_offsets = verify_run(tiny_stack, True, accepted, residual_norms=True)
+    assert traced_offsets == offsets
+    _assert_same(got, want)
+    # Eagerly the two launches (with and without the next norm) are built once a
+    # geometry, traced once a layer's trace: later calls replay them.
+    assert eager == 2
+    assert launched.count("residual_norm") == 2 * len(tiny_stack.layers)
+    plain, _ = verify_run(tiny_stack, True, accepted)
+    assert not all(mx.array_equal(p, g).item() for p, g in zip(plain, got))
+
+
 # --------------------------------------------------------------------- CUDA
 
 
@@ -586,6 +621,18 @@ def test_cuda_traced_layers_give_the_eager_bits_at_glimmers_width():
     accepted = [16, 3, 16, 7, 1]
     want, _ = verify_run(model, False, accepted, context=2100)
     got, _ = verify_run(model, True, accepted, context=2100)
+    _assert_same(got, want)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_traced_residual_norms_give_the_traced_bits_at_glimmers_width():
+    """The residual norms give mlx's norms' and adds' bits, so a traced layer with them
+    gives the traced layer's bits without them."""
+    model = layer_stack.build_layers("full", "4bit", 2)
+    accepted = [16, 3, 16, 7, 1]
+    want, _ = verify_run(model, True, accepted, context=2100)
+    got, _ = verify_run(model, True, accepted, context=2100, residual_norms=True)
     _assert_same(got, want)
 
 

@@ -144,6 +144,9 @@ typedef bfloat16_t __nv_bfloat16;
 
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+// CUDA's rsqrtf is approximate (the GPU tests hold its bits to mlx's); here exact.
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline uint32_t __byte_perm(uint32_t a, uint32_t b, uint32_t s) {
   const uint64_t pool = uint64_t(a) | (uint64_t(b) << 32);
@@ -543,12 +546,19 @@ def _shared_source(spec: GroupKernelSpec) -> tuple[str, str]:
     source, its ``extern __shared__`` declaration made a pointer to the running CTA's
     copy.
 
+    A body without dynamic shared memory may declare static ``DFL_SHARED`` arrays
+    (outside clusters): they become function statics, one copy shared by the running
+    CTA's threads (CTAs run one after another), as in :mod:`.group_emulator`.
+
     Raises:
-        ValueError: The body declares static shared arrays (not emulated).
+        ValueError: The body declares static shared arrays beside dynamic shared
+            memory or in a cluster (not emulated).
     """
     source = spec.source(CUDA)
     found = _EXTERN_SHARED.search(source)
     rest = _EXTERN_SHARED.sub("", source)
+    if found is None and spec.cluster == 1 and "__shared__" not in rest:
+        return "", re.sub(r"\bDFL_SHARED\b", "static", source)
     if "__shared__" in rest or "DFL_SHARED" in rest:
         raise ValueError(f"{spec.base}: static shared arrays are not emulated")
     if found is None:
@@ -574,12 +584,16 @@ def _helpers(spec: GroupKernelSpec) -> str:
     return helpers
 
 
-def _unit(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
+def _unit(
+    index: int, spec: GroupKernelSpec, dtype: mx.Dtype, cuda_branches: bool = False
+) -> str:
     """One spec at one ``T``: mlx's CUDA header macros, the plain helpers, the shared
-    memory and the kernel with mlx's CUDA signature."""
+    memory and the kernel with mlx's CUDA signature; with ``cuda_branches``, compiled
+    with ``__CUDACC__`` defined (the text's ``#ifdef __CUDACC__`` branches, as nvcc
+    takes them)."""
     args = cuda_params(spec, dtype)
     store, source = _shared_source(spec)
-    return (
+    unit = (
         f"namespace {_unit_name(index, dtype)} {{\n"
         + HEADERS[CUDA]
         + _helpers(spec)
@@ -587,6 +601,9 @@ def _unit(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
         + f"void kernel({', '.join(args)}) {{\n"
         f"  using T = {CUDA_TYPES[dtype]};\n" + source + "\n}\n}\n"
     )
+    if cuda_branches:
+        return "#define __CUDACC__ 1\n" + unit + "#undef __CUDACC__\n"
+    return unit
 
 
 def _case(index: int, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
@@ -643,6 +660,8 @@ class TensorEmulator(DriverLauncher):
         specs: The specs to build, each at its ``dtypes`` (default: every spec of
             ``tensor_qmm``).
         compiler: C++ compiler.
+        cuda_branches: Compile the units with ``__CUDACC__`` defined (their CUDA
+            branches; the emulated helpers stand in for CUDA's maths functions).
 
     Attributes:
         late: Land ``cp.async`` copies at their wait (else at issue); settable
@@ -659,6 +678,7 @@ class TensorEmulator(DriverLauncher):
         workdir: Path,
         specs: Sequence[GroupKernelSpec] = tensor_qmm.SPECS,
         compiler: str = "g++",
+        cuda_branches: bool = False,
     ) -> None:
         super().__init__()
         self.workdir = Path(workdir)
@@ -670,7 +690,7 @@ class TensorEmulator(DriverLauncher):
         units, cases = [], []
         for i, spec in enumerate(self.specs):
             for dtype in spec.dtypes:
-                units.append(_unit(i, spec, dtype))
+                units.append(_unit(i, spec, dtype, cuda_branches))
                 cases.append(_case(i, spec, dtype))
         driver = _DRIVER + _GROUP_ACCESS
         driver += driver_main(
