@@ -64,7 +64,9 @@ def group_call(form: str, group: str) -> Callable[..., Tuple[mx.array, ...]]:
 
 
 def per_kernel(form: str, group: str, arrays, reps: int) -> Dict[str, float]:
-    """Median device µs of each kernel of ``reps`` independent calls."""
+    """Device µs a call of each kernel name: the median of ``reps`` independent calls'
+    launches of it, times the launches a call makes of it (mlx's ``post`` group runs
+    ``rms_norm`` twice)."""
     call = group_call(form, group)
     mx.eval(call(*arrays))  # compile and warm up outside the capture
     kernels = cupti_kernel_events(
@@ -73,7 +75,10 @@ def per_kernel(form: str, group: str, arrays, reps: int) -> Dict[str, float]:
     durations = defaultdict(list)
     for name, _, duration in kernels:
         durations[name].append(duration)
-    return {name: statistics.median(values) for name, values in durations.items()}
+    return {
+        name: statistics.median(values) * len(values) / reps
+        for name, values in durations.items()
+    }
 
 
 def chain(form: str, arrays, layers: int) -> Dict[str, float]:
