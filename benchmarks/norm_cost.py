@@ -122,13 +122,24 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=52)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    if not mx.cuda.is_available():
-        print("norm_cost: needs mlx's CUDA backend", file=sys.stderr)
-        return 2
     try:
         rows_list = [int(r) for r in args.rows.split(",")]
     except ValueError:
-        print(f"norm_cost: --rows takes integers, got {args.rows!r}", file=sys.stderr)
+        rows_list = []
+    if not rows_list or min(rows_list) < 1 or args.reps < 1 or args.layers < 1:
+        print(
+            f"norm_cost: --rows takes positive integers (got {args.rows!r}), --reps "
+            "and --layers positive counts",
+            file=sys.stderr,
+        )
+        return 2
+    if not norms.kernel_serves(args.dim, mx.bfloat16):
+        print(
+            f"norm_cost: the kernel does not take rows of {args.dim}", file=sys.stderr
+        )
+        return 2
+    if not mx.cuda.is_available():
+        print("norm_cost: needs mlx's CUDA backend", file=sys.stderr)
         return 2
     results = []
     for rows in rows_list:
@@ -153,10 +164,8 @@ def main(argv=None) -> int:
             for group in ("post", "last"):
                 for name, us in row[f"{form}_{group}_kernels"].items():
                     print(f"  {form:6s} {group:4s} {us:7.2f}  {name[:90]}")
-    write_json(
-        args.json,
-        {"environment": environment(), "command": sys.argv, "results": results},
-    )
+    command = " ".join(["python -m benchmarks.norm_cost"] + sys.argv[1:])
+    write_json(args.json, {"environment": environment(command), "results": results})
     return 0
 
 

@@ -287,10 +287,11 @@ RAN_ON_THE_H200 = {
 # Forms whose text changed, or new forms, that have not run on a GPU. A form
 # listed here must be named in the README's "What ran where".
 NOT_RUN_SINCE_CHANGED: set = set()
-# Session 57: the residual norm's CUDA form copies whole 16-byte vectors (emulated, the
-# CUDA text on the CPU; its `cuda` tests not yet run on a GPU).
+# Session 57 (an H100, docs/benchmarks/h100-2026-12-06-s57, call 1): the residual norm's
+# CUDA form copies whole 16-byte vectors (its 10 `cuda` tests, mlx's bits; the traced
+# layers with it, 2, bit-equal to the traced layers without it).
 RAN_ON_THE_H200.discard("dflash_residual_norm_2b66ef2ad0")
-NOT_RUN_SINCE_CHANGED.add("dflash_residual_norm_2ff67c66d1")
+RAN_ON_THE_H200.add("dflash_residual_norm_2ff67c66d1")
 # Session 30 (docs/benchmarks/h200-2026-12-03-s30): call A, the pair layout; call C, the
 # wide layout (each: the 11 `cuda` attention tests with the layouts in turn, hypothesis
 # over oracle, batch invariance and seam included); call D, the kernel patch's bitwise
@@ -360,7 +361,9 @@ RAN_ON_THE_H200 |= {
 # (call 8: 37), test_verify_kernels' (15), the gated MLP's and fused projections' (16);
 # session 55 (call A, a4) the scaled SwiGLU forms at every group size (15). The denormal
 # decode's one-K-group forms have not run in this text: recorded as not run.
-_DENORMAL_RAN = [(2, (4, m), 64) for m in (1, 2)]
+# Session 57 (h100-2026-12-06-s57, A/a3): the one-K-group forms too, interleaved
+# (the denormal test with DFLASH_QMM_TWO_K_GROUPS=0: 30 passed).
+_DENORMAL_RAN = [(k, (4, m), 64) for k in (1, 2) for m in (1, 2)]
 _DEFAULT_LAUNCHED = (
     [tensor_qmm.K2_SPECS[(0, 1)], tensor_qmm.K2_SPECS[(0, 2)]]
     + list(tensor_qmm.SCALED_SPECS.values())
@@ -369,7 +372,7 @@ _DEFAULT_LAUNCHED = (
     + [tensor_qmm.IN_PLACE_SPECS[key] for key in _DENORMAL_RAN]
 )
 MATMUL_RAN = {spec.name("cuda") for spec in _DEFAULT_LAUNCHED}
-RAN_DIGESTS = {"matmul": "e9043dced1902878"}
+RAN_DIGESTS = {"matmul": "90bc535aa15c9ee3"}
 RAN_ON_THE_H200 |= MATMUL_RAN
 NOT_RUN_SINCE_CHANGED |= (
     {spec.name("cuda") for spec in tensor_qmm.SPECS}
