@@ -22,15 +22,15 @@ from conftest import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models import muse_glimmer
-from support.compilers import GXX
-from support.tensor_emulator import TensorEmulator
+from support.compilers import built_emulator
+from support.tensor_emulator import TensorEmulator, route_launches_to
 from support.tensor_qmm_model import emulated_swiglu
 
 from dflash import gated_mlp, kernel_patch
 from dflash.cache import make_prompt_cache
 from dflash.fused_projections import FusedProjections
 from dflash.kernel_patch import KernelPatch
-from dflash.metal import backend, groups, tensor_qmm
+from dflash.metal import backend, tensor_qmm
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
 
@@ -101,20 +101,14 @@ def test_it_is_opt_in_until_run_on_a_gpu(monkeypatch) -> None:
 
 @pytest.fixture(scope="module")
 def swiglu_emulator(tmp_path_factory):
-    if GXX is None:
-        pytest.skip("g++ not installed")
-    emulator = TensorEmulator(
-        tmp_path_factory.mktemp("swiglu_emulator"), tensor_qmm.SPECS, GXX
+    return built_emulator(
+        TensorEmulator, tmp_path_factory, "swiglu_emulator", tensor_qmm.SPECS
     )
-    assert emulator.build.ok, emulator.build.log
-    return emulator
 
 
 @pytest.fixture
 def emulated(swiglu_emulator, monkeypatch):
-    monkeypatch.setattr(backend, "BACKEND", "cuda")
-    monkeypatch.setenv(backend.COMPILE_ENV, "0")
-    monkeypatch.setattr(groups, "launch_groups", swiglu_emulator.launch)
+    route_launches_to(swiglu_emulator, monkeypatch)
     return swiglu_emulator
 
 

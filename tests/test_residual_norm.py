@@ -17,6 +17,7 @@ What is proven where:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,7 +28,7 @@ from hypothesis import strategies as st
 from support.compilers import GXX, NVCC, built_emulator, needs_gxx, needs_nvcc
 from support.group_emulator import GroupEmulator, check_cuda, check_metal
 from support.residual_norm_oracle import oracle_residual_norm
-from support.tensor_emulator import TensorEmulator
+from support.tensor_emulator import TensorEmulator, route_launches_to
 
 from dflash.metal import backend, groups
 from dflash.metal import norms as rn
@@ -231,24 +232,15 @@ CUDA_MUTANT = _mutant(
 
 @pytest.fixture(scope="module")
 def cuda_emulator(tmp_path_factory):
-    if GXX is None:
-        pytest.skip("g++ not installed")
-    built = TensorEmulator(
-        tmp_path_factory.mktemp("residual_norm_cuda"),
-        list(rn.SPECS) + [CUDA_MUTANT],
-        GXX,
-        cuda_branches=True,
-    )
-    assert built.build.ok, built.build.log
-    return built
+    with_branches = functools.partial(TensorEmulator, cuda_branches=True)
+    specs = list(rn.SPECS) + [CUDA_MUTANT]
+    return built_emulator(with_branches, tmp_path_factory, "residual_norm_cuda", specs)
 
 
 @pytest.fixture
 def cuda_on_cpu(cuda_emulator, monkeypatch):
     """The CUDA text run on the CPU (its 16-byte copies; misaligned: its element reads)."""
-    monkeypatch.setattr(backend, "BACKEND", "cuda")
-    monkeypatch.setenv(backend.COMPILE_ENV, "0")
-    monkeypatch.setattr(groups, "launch_groups", cuda_emulator.launch)
+    route_launches_to(cuda_emulator, monkeypatch)
     cuda_emulator.misaligned = False
     yield cuda_emulator
     cuda_emulator.misaligned = False

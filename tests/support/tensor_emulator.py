@@ -713,3 +713,13 @@ class TensorEmulator(DriverLauncher):
         if self.misaligned:
             env["DFL_OFFSET"] = "1"
         return env, b"\0\0" if self.misaligned else b""
+
+
+def route_launches_to(emulator: "TensorEmulator", monkeypatch) -> None:
+    """The kernel path taken as on CUDA (launched directly, no ``mx.compile``), every
+    launch run by ``emulator``."""
+    from dflash.metal import backend, groups
+
+    monkeypatch.setattr(backend, "BACKEND", "cuda")
+    monkeypatch.setenv(backend.COMPILE_ENV, "0")
+    monkeypatch.setattr(groups, "launch_groups", emulator.launch)
