@@ -2622,23 +2622,14 @@ _PERSISTENT_ISSUE = (
     "  auto issue = [&](int c, int buf) {\n",
     "  auto issue = [&](int col0, int c, int buf) {\n",
 )
+# The plain chunk loop's head (the prologue's fills to the refill's commit), as the
+# body has it, and the persistent form's in its place.
 _PERSISTENT_LOOP = (
-    """  for (int i = 0; i < STAGES - 1; ++i) {
-    if (c_begin + i < c_end) {
-      issue(c_begin + i, i);
-    }
-    dfl_commit();
-  }
-  for (int c = c_begin; c < c_end; ++c) {
-    const int i = c - c_begin;
-    dfl_wait<STAGES - 2>();
-    DFL_BARRIER();
-    // The buffer refilled here was read in the previous round (all threads are past it).
-    if (c + STAGES - 1 < c_end) {
-      issue(c + STAGES - 1, (i + STAGES - 1) % STAGES);
-    }
-    dfl_commit();
-""",
+    _BODY[
+        _BODY.index("  for (int i = 0; i < STAGES - 1; ++i) {\n") : _BODY.index(
+            "    const unsigned char* base = smem + (i % STAGES) * STAGE_BYTES;\n"
+        )
+    ],
     """  // The CTA's chunks, item after item, as one stream through the ring: the next
   // item's first chunks are in flight during an item's epilogue.
   // (The cursor's divisions run once an item, not once a chunk.)

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support import cluster_bits
 from support.attention_cases import bits as raw_bits
-from support.compilers import GXX
+from support.compilers import built_emulator
 from support.tensor_emulator import TensorEmulator
 
 from dflash.metal import groups, tensor_qmm
@@ -129,8 +129,6 @@ SCHEDULER_SLIPS = {
 @pytest.fixture(scope="module")
 def cluster_emulator(tmp_path_factory):
     """The bfloat16 forms, their cluster texts and the controls, built once."""
-    if GXX is None:
-        pytest.skip("g++ not installed")
     specs = (
         tuple(BASES.values())
         + tuple(CLUSTERS.values())
@@ -138,9 +136,7 @@ def cluster_emulator(tmp_path_factory):
         + tuple(REVERSED.values())
         + tuple(SCHEDULER_SLIPS.values())
     )
-    emulator = TensorEmulator(tmp_path_factory.mktemp("cluster_emulator"), specs, GXX)
-    assert emulator.build.ok, emulator.build.log
-    return emulator
+    return built_emulator(TensorEmulator, tmp_path_factory, "cluster_emulator", specs)
 
 
 @pytest.fixture

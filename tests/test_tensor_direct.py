@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.attention_cases import bits as raw_bits
-from support.compilers import GXX, NVCC, needs_gxx, needs_nvcc
+from support.compilers import GXX, NVCC, built_emulator, needs_gxx, needs_nvcc
 from support.group_emulator import check_cuda
 from support.tensor_emulator import TensorEmulator
 from test_tensor_qmm import (
@@ -269,8 +269,6 @@ SAME_BITS = {"direct4-noahead": NO_AHEAD, "direct4-nobarrier": NO_BARRIER}
 
 @pytest.fixture(scope="module")
 def direct_emulator(tmp_path_factory):
-    if GXX is None:
-        pytest.skip("g++ not installed")
     specs = (
         tuple(DIRECT_SPECS.values())
         + tuple(CLUSTERS.values())
@@ -279,9 +277,7 @@ def direct_emulator(tmp_path_factory):
         + tuple(NO_BARRIER.values())
         + (tensor_qmm.REDUCE_SPEC,)
     )
-    emulator = TensorEmulator(tmp_path_factory.mktemp("direct_emulator"), specs, GXX)
-    assert emulator.build.ok, emulator.build.log
-    return emulator
+    return built_emulator(TensorEmulator, tmp_path_factory, "direct_emulator", specs)
 
 
 @pytest.fixture

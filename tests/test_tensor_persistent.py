@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.attention_cases import bits as raw_bits
-from support.compilers import GXX, NVCC, needs_nvcc
+from support.compilers import NVCC, built_emulator, needs_nvcc
 from support.group_emulator import assert_within_bounds
 from support.tensor_emulator import TensorEmulator
 from test_compact_text import directives, tokens
@@ -95,16 +95,13 @@ SLIPS = {
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    if GXX is None:
-        pytest.skip("g++ not installed")
     specs = (
         tuple(FORMS.values())
         + tuple(PERSISTENT.values())
         + tuple(SLIPS.values())
         + (tensor_qmm.REDUCE_SPEC,)
     )
-    built = TensorEmulator(tmp_path_factory.mktemp("persistent"), specs, GXX)
-    assert built.build.ok, built.build.log
+    built = built_emulator(TensorEmulator, tmp_path_factory, "persistent", specs)
     built.late = False
     return built
 
