@@ -9,7 +9,10 @@ in both forms, ``--reps`` independent calls of each in one evaluation, and repor
 median device time a kernel and their sum a group. It also runs ``--chain`` layers' worth
 of groups as one dependent chain (each group reads the last one's sum), as a forward
 does, and reports the chain's busy time and span (first kernel's start to last one's
-end) a layer. Every kernel output is compared with mlx's ops bit for bit.
+end) a layer; and the chain with the hand-off, where the last group also norms the
+sum for the next layer's input (``post``'s ops: mlx's ``rms_norm``, ``add``,
+``rms_norm``, or one launch) and the next layer reads that. Every kernel output is
+compared with mlx's ops bit for bit.
 
 Needs mlx's CUDA backend and PyTorch with CUDA. Run (from the repository root)::
 
@@ -81,16 +84,21 @@ def per_kernel(form: str, group: str, arrays, reps: int) -> Dict[str, float]:
     }
 
 
-def chain(form: str, arrays, layers: int) -> Dict[str, float]:
-    """Busy time and span a layer of ``layers`` layers' groups run as one chain."""
+def chain(form: str, arrays, layers: int, handoff: bool = False) -> Dict[str, float]:
+    """Busy time and span a layer of ``layers`` layers' groups run as one chain (with
+    ``handoff``, the last group also norms its sum for the next layer, whose ``post``
+    group then reads that)."""
     branch, residual, weight, following = arrays
     post, last = group_call(form, "post"), group_call(form, "last")
 
     def run():
-        h = residual
+        h, handed = residual, branch
         for _ in range(layers):
-            h, normed = post(branch, h, weight, following)
-            (h,) = last(normed, h, weight, following)
+            h, normed = post(handed if handoff else branch, h, weight, following)
+            if handoff:
+                h, handed = post(normed, h, weight, following)
+            else:
+                (h,) = last(normed, h, weight, following)
         mx.eval(h)
 
     run()
@@ -151,6 +159,7 @@ def main(argv=None) -> int:
                 row[f"{form}_{group}_kernels"] = kernels
                 row[f"{form}_{group}_us"] = sum(kernels.values())
             row[f"{form}_chain"] = chain(form, arrays, args.layers)
+            row[f"{form}_chain_handoff"] = chain(form, arrays, args.layers, True)
         results.append(row)
         print(
             f"rows {rows}: same bits {row['same_bits']}; a layer's groups, device µs "
@@ -159,6 +168,14 @@ def main(argv=None) -> int:
             f"span a layer: mlx {row['mlx_chain']['busy_us']:.2f} / "
             f"{row['mlx_chain']['span_us']:.2f}, kernel "
             f"{row['kernel_chain']['busy_us']:.2f} / {row['kernel_chain']['span_us']:.2f}"
+        )
+        print(
+            "  with the hand-off, chain busy / span a layer: "
+            + ", ".join(
+                f"{form} {row[f'{form}_chain_handoff']['busy_us']:.2f} / "
+                f"{row[f'{form}_chain_handoff']['span_us']:.2f}"
+                for form in FORMS
+            )
         )
         for form in FORMS:
             for group in ("post", "last"):

@@ -212,6 +212,7 @@ KERNEL_ARMS = {
     "default-interleaved": None,
     "default-unprepared": None,
     "default-residual": None,
+    "default-unresidual": None,
     "default-ungated": None,
     "default-unstacked": None,
     "default-swiglu": None,
@@ -281,7 +282,11 @@ ARM_SUFFIXES = {
     "kgroups1": (TWO_K_GROUPS_ENV, "0"),  # one warp group a CTA
     "interleaved": (MEMBER_MAJOR_ENV, "0"),  # fused members' columns row by row
     "unprepared": (HEAD_PREP_ENV, "0"),  # q/k norms, scale and RoPE as mlx's five ops
-    "residual": (RESIDUAL_NORMS_ENV, "1"),  # post-norms, adds, pre-norm fused (opt-in)
+    "residual": (
+        RESIDUAL_NORMS_ENV,
+        "1",
+    ),  # post-norms, adds, pre-norm fused (eager too)
+    "unresidual": (RESIDUAL_NORMS_ENV, "0"),  # mlx's norms and adds (before session 58)
     "ungated": (GATE_EPILOGUE_ENV, "0"),  # Glimmer's gate as mlx's ops after attention
     "unstacked": (KV_BLOCK_ENV, "0"),  # the plane stacks k and v (two copies a layer)
     "swiglu": (SWIGLU_ENV, "1"),  # the MLP's silu and product in the gate/up launch

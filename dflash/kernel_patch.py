@@ -23,13 +23,15 @@
   (:mod:`dflash.prepared_heads`; the class is taken only after a probe shows the
   re-stated forward gives the class's own bits), and hands its output gate to the
   route, whose fold applies it (``DFLASH_GATE_EPILOGUE=0`` off).
-* **Residual norms** (Muse Glimmer; opt-in: ``residual_norms=True`` or
-  ``DFLASH_RESIDUAL_NORMS=1``; measured slower, :mod:`dflash.residual_layers`): each decoder layer runs its post-attention norm, residual add and
-  pre-feedforward norm as one :func:`dflash.metal.norms.residual_norm` launch,
-  and its post-feedforward norm and add as another, for the calls the route serves
-  (:mod:`dflash.residual_layers`; probed as the prepared heads are; a tapped layer is
-  left alone, so the generators install the patch before the taps); traced layers run
-  the two launches inside their post-attention trace.
+* **Residual norms** (Muse Glimmer; on inside traced layers on CUDA, measured faster
+  there in session 58; for eager layers opt-in, measured slower: ``residual_norms``,
+  ``DFLASH_RESIDUAL_NORMS``, :mod:`dflash.residual_layers`): each decoder layer runs its
+  post-attention norm, residual add and pre-feedforward norm as one
+  :func:`dflash.metal.norms.residual_norm` launch, and its post-feedforward norm and
+  add as another, for the calls the route serves (probed as the prepared heads are; a
+  tapped layer is left alone, so the generators install the patch before the taps);
+  traced layers run the two launches inside their post-attention trace, the second also
+  taking the next traced layer's input norm (the hand-off).
 * **Traced layers** (Muse Glimmer; ``traced_layers``, ``DFLASH_TRACED_LAYERS=0`` off;
   with the prepared heads, the gate epilogue, the stacked block, the kernel path and
   ``mx.compile``): each decoder layer's served calls run as two compiled replays, the
@@ -779,10 +781,21 @@ def _unswap(module: nn.Module, trace_options: Optional[tuple] = None) -> None:
         module.__class__ = original
     module.__dict__.pop("_dflash_route", None)
     module.__dict__.pop(_BOUND, None)
+    module.__dict__.pop(traced_layers_module.SUCCESSOR, None)
     traces = module.__dict__.pop(_TRACES, None)
     if traces is not None and trace_options is not None:
         # On the layer itself, so they go with it (a table would keep the layer alive).
         module.__dict__[_KEPT_TRACES] = (trace_options, traces)
+
+
+def _link_successors(order: List[nn.Module], traced: List[nn.Module]) -> None:
+    """Link each traced layer to the next decoder layer in ``order`` where that one is
+    traced too (the residual norms' hand-off, :mod:`dflash.traced_layers`). In the
+    instance dict: an attribute holding a module would make it a child."""
+    ids = {id(layer) for layer in traced}
+    for layer, successor in zip(order, order[1:]):
+        if id(layer) in ids and id(successor) in ids:
+            layer.__dict__[traced_layers_module.SUCCESSOR] = successor
 
 
 def _take_kept_traces(layer: nn.Module, trace_options: Optional[tuple]) -> None:
@@ -873,8 +886,10 @@ class KernelPatch:
             launch. None: :func:`dflash.prepared_heads.head_prep_wanted`.
         residual_norms: With ``attention``, run the target's decoder layers that
             :mod:`dflash.residual_layers` re-states with their norm-add(-norm) groups
-            as one launch each. None:
-            :func:`dflash.residual_layers.residual_norms_wanted`.
+            as one launch each (in the traced layers, the last one also taking the next
+            layer's input norm). None:
+            :func:`dflash.residual_layers.residual_norms_wanted` (on inside traced
+            layers on CUDA, off for eager layers).
         gate_epilogue: With ``head_prep``, apply Muse Glimmer's output gate in the
             attention's last pass (two kernels fewer a layer). None:
             :func:`dflash.prepared_heads.gate_epilogue_wanted`.
@@ -965,9 +980,14 @@ class KernelPatch:
         self.compile_blocks = bool(matmul) and (
             compiled_blocks_wanted() if compile_blocks is None else bool(compile_blocks)
         )
+        # Eager layers take the residual norms only when asked; traced ones by default
+        # on CUDA (residual_norms_wanted).
         self.residual_norms = bool(attention) and residual_layers.residual_norms_wanted(
             residual_norms
         )
+        self.traced_residual_norms = bool(
+            attention
+        ) and residual_layers.residual_norms_wanted(residual_norms, traced=True)
         wanted = traced_layers_module.traced_layers_wanted(traced_layers)
         self.traced_layers = bool(attention) and wanted
         self._groups: List[FusedProjections] = []
@@ -1112,8 +1132,9 @@ class KernelPatch:
 
     def residual_layers(self) -> List[nn.Module]:
         """The target's decoder layers :meth:`install` runs with fused residual norms
-        (served classes whose probe passes; empty without ``residual_norms``)."""
-        if not self.residual_norms:
+        (served classes whose probe passes; empty without the residual norms, eager
+        or traced)."""
+        if not (self.residual_norms or self.traced_residual_norms):
             return []
         return [
             layer
@@ -1152,6 +1173,7 @@ class KernelPatch:
         options."""
         parts = (self.attention, self.matmul, self.fuse, self.projections)
         parts += (self.compile_blocks, self.head_prep, self.residual_norms)
+        parts += (self.traced_residual_norms,)
         # The drafter's own parts (a traced draft layer captures their launches).
         parts += (self.drafter_dense, self.drafter_qkv, self.drafter_traced)
         where = (backend.BACKEND, str(mx.default_device()))
@@ -1207,9 +1229,12 @@ class KernelPatch:
         residual_ids = {id(m) for m in layers}
         self.route = dataclasses.replace(
             self.route,
-            residual_norms=bool(traced) and all(id(m) in residual_ids for m in traced),
+            residual_norms=self.traced_residual_norms
+            and bool(traced)
+            and all(id(m) in residual_ids for m in traced),
         )
-        layers = [m for m in layers if all(m is not t for t in traced)]
+        eager = layers if self.residual_norms else []
+        layers = [m for m in eager if all(m is not t for t in traced)]
         self._trace_options = self.trace_options() if keep_traces_wanted() else None
         for module in attention:
             base = type(module)
@@ -1254,6 +1279,8 @@ class KernelPatch:
             # After the fusion: the traces captured its views of the stacked weights.
             for layer in traced + drafts:
                 _take_kept_traces(layer, self._trace_options)
+            if self.route.residual_norms:
+                _link_successors(target_layers(self.model), traced)
         except BaseException:
             self.uninstall()  # all or nothing (members keep equal-valued views)
             raise

@@ -10,7 +10,8 @@ calls keep mlx-lm's forward.
 
 Traced layers (:mod:`dflash.traced_layers`, on by default) run the same two launches
 inside their post-attention trace (:func:`after_attention`) when the residual norms
-are on and every traced layer is one this module serves.
+are on and every traced layer is one this module serves; the second launch then also
+takes the next traced layer's input norm (``next_norm``: the hand-off).
 
 The kernel's reference is mlx's own ops in mlx-lm's order, so on the CPU (and with
 ``use_kernel=False``) the forward gives the original's bits. Before a class is taken,
@@ -20,8 +21,9 @@ layer computes something else keeps its own forward. Only a layer of exactly the
 re-stated class is taken (a tapped layer, whose class records its output, is not: its
 recording would be skipped).
 
-**Off by default** (``DFLASH_RESIDUAL_NORMS=1`` or ``KernelPatch(residual_norms=True)``
-turns it on). Measured on an H200 (session 21, ``docs/benchmarks/h200-2026-12-02-s21``):
+**On by default inside CUDA's traced layers only** (session 58, below);
+``DFLASH_RESIDUAL_NORMS=1`` or ``KernelPatch(residual_norms=True)`` also puts it in eager
+layers, ``0`` / ``False`` turns it off everywhere. Measured on an H200 (session 21, ``docs/benchmarks/h200-2026-12-02-s21``):
 the kernel gives mlx's bits and cuts a 4-bit verify layer from 19.25 to 16.25 kernels,
 but costs more than the five ops it replaces, on both sides:
 
@@ -38,7 +40,13 @@ The layer stack with it on was slower in 7 of 8 pairs across two runs.
 Session 57 (an H100, ``docs/benchmarks/h100-2026-12-06-s57``) gave the CUDA form
 16-byte vector copies of its four inputs and had the traced layers take it: mlx's bits
 still, but 7.6-8.4 µs a launch against 3.4-4.4 for mlx's ``rms_norm``, and a tau = 6
-round's device busy time 14.25 ms against 14.13 without it. It stays off.
+round's device busy time 14.25 ms against 14.13 without it.
+
+Session 58 (an H100, ``docs/benchmarks/h100-2026-12-06-s58``) summed each warp by xor
+shuffles (no local memory, one barrier a sum) and loaded the epsilons at the start:
+5.9-7.7 µs a launch, mlx's bits. With the hand-off, a verify layer's six norm and add
+kernels became two, and tau = 6 rounds took 1.3-3.0 % less device time (4-bit and bf16,
+faster in 6 of 7 adjacent pairs, lossless): the traced layers' default since.
 """
 
 from __future__ import annotations
@@ -68,15 +76,20 @@ NORMS = (
 _VERDICTS: Dict[Tuple[type, mx.Dtype, tuple], bool] = {}
 
 
-def residual_norms_wanted(use_residual_norms: Optional[bool] = None) -> bool:
+def residual_norms_wanted(
+    use_residual_norms: Optional[bool] = None, traced: bool = False
+) -> bool:
     """Whether the kernel patch fuses the layers' residual norms: the argument decides,
-    else ``DFLASH_RESIDUAL_NORMS``, else off (measured slower; module docstring).
+    else ``DFLASH_RESIDUAL_NORMS``, else on inside traced layers on CUDA (``traced``;
+    measured faster there, with the hand-off, in session 58) and off for eager layers
+    (measured slower; module docstring).
 
     Raises:
         ValueError: ``DFLASH_RESIDUAL_NORMS`` is set to something that is not a switch
             value.
     """
-    return backend.strict_switch(RESIDUAL_NORMS_ENV, use_residual_norms, default=False)
+    default = traced and backend.BACKEND == "cuda"
+    return backend.strict_switch(RESIDUAL_NORMS_ENV, use_residual_norms, default)
 
 
 def serves(layer: nn.Module) -> bool:
@@ -128,18 +141,30 @@ def layer_forward(
     Shapes: x ``(B, L, H)``; returns ``(B, L, H)``.
     """
     attended = layer.self_attn(layer.input_layernorm(x), mask, cache)
-    return after_attention(layer, x, attended, use_kernel)
+    return after_attention(layer, x, attended, use_kernel)[0]
 
 
 def after_attention(
-    layer: nn.Module, x: mx.array, attended: mx.array, use_kernel: Optional[bool]
-) -> mx.array:
+    layer: nn.Module,
+    x: mx.array,
+    attended: mx.array,
+    use_kernel: Optional[bool],
+    next_norm: Optional[nn.Module] = None,
+) -> Tuple[mx.array, Optional[mx.array]]:
     """The layer after its attention: the post-attention norm, residual and
     pre-feedforward norm as one launch, the MLP, then its norm and residual as another
     (also the post-attention half of :mod:`dflash.traced_layers`' traces, with the
     residual norms on).
 
-    Shapes: x, attended ``(B, L, H)``; returns ``(B, L, H)``.
+    Args:
+        layer, x, attended: The layer, its input (the residual) and its attention's
+            output projection.
+        use_kernel: Passed to :func:`residual_norm`.
+        next_norm: The next layer's input norm, taken by the last launch too (the
+            traced layers' hand-off), or None.
+
+    Shapes: x, attended ``(B, L, H)``; returns ``(B, L, H)`` twice (the second, the
+    layer's output normed by ``next_norm``, None without it).
     """
     h, normed = _residual(
         attended,
@@ -148,10 +173,9 @@ def after_attention(
         layer.pre_feedforward_layernorm,
         use_kernel,
     )
-    out, _ = _residual(
-        layer.mlp(normed), h, layer.post_feedforward_layernorm, None, use_kernel
+    return _residual(
+        layer.mlp(normed), h, layer.post_feedforward_layernorm, next_norm, use_kernel
     )
-    return out
 
 
 def _residual(
@@ -198,4 +222,14 @@ def forward_matches(layer: nn.Module, base: type) -> bool:
         own = base.__call__(layer, probe, None, None)
         ours = layer_forward(layer, probe, None, None, use_kernel=False)
         _VERDICTS[verdict] = own.dtype == ours.dtype and bool(mx.array_equal(own, ours))
+        # The hand-off: the last launch's next norm gives what the class's own input
+        # norm gives the layer's output (the layer's own input norm stands in for the
+        # next layer's: the same class).
+        attended = layer.self_attn(layer.input_layernorm(probe), None, None)
+        _, normed = after_attention(
+            layer, probe, attended, False, layer.input_layernorm
+        )
+        _VERDICTS[verdict] = _VERDICTS[verdict] and bool(
+            mx.array_equal(normed, layer.input_layernorm(own))
+        )
     return _VERDICTS[verdict]

@@ -18,6 +18,9 @@ blocks over a dflash KV plane), :func:`layer_forward` runs a layer as:
 3. one replay of the **post-attention trace**: the attention's chunk pass and gated
    fold over the plane in place (their integers an input), the output projection, the
    post-attention norm and residual, the MLP with its norms, and the last residual.
+   With the residual norms (on CUDA by default), those are two launches, and the last
+   also norms the output for the next traced layer, which then skips its input norm
+   (the hand-off, below).
 
 Each trace is ``mx.compile`` of the same Python the eager route runs, so it adds the
 same launches with the same inputs: the same bits (the CUDA tests compare the two
@@ -56,6 +59,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 from dataclasses import dataclass, field
 from functools import partial
 from operator import is_
@@ -154,7 +158,7 @@ def _after_attention(
     Shapes: x, attended ``(B, L, H)``; returns ``(B, L, H)``.
     """
     if residual_norms:
-        return residual_layers.after_attention(layer, x, attended, use_kernel)
+        return residual_layers.after_attention(layer, x, attended, use_kernel)[0]
     h = x + layer.post_attention_layernorm(attended)
     return h + layer.post_feedforward_layernorm(
         layer.mlp(layer.pre_feedforward_layernorm(h))
@@ -180,17 +184,22 @@ def forward_matches(layer: nn.Module, base: type) -> bool:
 
 
 def _pre_attention(
-    layer: nn.Module, prep: heads.Prep, x: mx.array, prep_ints: mx.array
+    layer: nn.Module,
+    prep: heads.Prep,
+    handed: bool,
+    x: mx.array,
+    prep_ints: mx.array,
 ) -> Tuple[mx.array, mx.array, mx.array]:
     """The input norm, the projections and the head prep (the prepared attention's
-    first half, in its order).
+    first half, in its order); with ``handed``, ``x`` is the input already normed (the
+    previous layer's hand-off).
 
     Shapes: x ``(B, L, H)``; returns queries ``(B, L, Hq, D)``, the stacked block
     ``(2, B, Hkv, L, D)`` and the gate ``(B, L, Hq * D)``.
     """
     attn = layer.self_attn
     batch, length, _ = x.shape
-    h = layer.input_layernorm(x)
+    h = x if handed else layer.input_layernorm(x)
     queries = attn.q_proj(h).reshape(batch, length, attn.n_heads, attn.head_dim)
     keys = attn.k_proj(h).reshape(batch, length, attn.n_kv_heads, attn.head_dim)
     values = attn.v_proj(h).reshape(batch, length, attn.n_kv_heads, attn.head_dim)
@@ -202,11 +211,12 @@ def _post_attention(
     layer: nn.Module,
     form: attention.KernelForm,
     residual_norms: Tuple[bool, Optional[bool]],
+    next_norm: Optional[nn.Module],
     x: mx.array,
     queries: mx.array,
     gate: mx.array,
     *arrays: mx.array,
-) -> mx.array:
+) -> Any:
     """The gated attention over the plane in place, the output projection and the rest
     of the layer.
 
@@ -214,6 +224,9 @@ def _post_attention(
         layer, form: What the trace is of.
         residual_norms: ``(on, use_kernel)`` of :func:`_after_attention`'s residual
             norms.
+        next_norm: With the residual norms on, the next layer's input norm, which the
+            last launch also takes (the hand-off): the trace then returns the output
+            and the output normed by it. None: the output alone.
         x: The layer's input (the residual).
         queries: The prepared queries.
         gate: The output gate, as its projection gives it.
@@ -233,6 +246,10 @@ def _post_attention(
     # output projection takes it: no view between the launches.
     stored = (batch, length, attn.n_heads * attn.head_dim)
     out = attention.launch_attention(form, queries, *arrays, gate, stored)
+    if next_norm is not None:
+        return residual_layers.after_attention(
+            layer, x, attn.o_proj(out), residual_norms[1], next_norm
+        )
     return _after_attention(layer, x, attn.o_proj(out), *residual_norms)
 
 
@@ -301,9 +318,11 @@ class LayerTraces:
 
     @classmethod
     def of(cls, layer: nn.Module, kind: Optional[int] = None) -> "LayerTraces":
-        """The layer's arrays now, and no traces; ``kind`` None: the interned
-        :func:`_attention_kind` of its (Glimmer) attention."""
-        every = layer.modules()
+        """The layer's arrays now (with its successor's input norm's, which a hand-off
+        captures), and no traces; ``kind`` None: the interned :func:`_attention_kind` of
+        its (Glimmer) attention."""
+        next_norm = successor_norm(layer)
+        every = layer.modules() + ([] if next_norm is None else next_norm.modules())
         held = [
             (module, name, value)
             for module in every
@@ -532,12 +551,13 @@ def layer_forward(
         (traces.kind, x.shape, start),
         lambda: _pre_call(attn, x, start),
     )
+    handed = _handed(layer, x)
     pre = _replay(
         traces.pre,
-        (x.shape, x.dtype),
-        lambda: partial(_pre_attention, layer, pre_call.prep),
+        (x.shape, x.dtype, handed is not None),
+        lambda: partial(_pre_attention, layer, pre_call.prep, handed is not None),
     )
-    queries, block, gate = pre(x, pre_call.ints)
+    queries, block, gate = pre(x if handed is None else handed, pre_call.ints)
 
     fetched = cache.update_and_fetch_block(block, fetch=False)
     keys, values = (None, None) if fetched is None else fetched
@@ -552,12 +572,46 @@ def layer_forward(
     form = post_call.form
     bound = attention.bound_arrays(post_call.plan, *sources)
     residual = (residual_norms, use_kernel)
+    next_norm = successor_norm(layer) if residual_norms else None
     post = _replay(
         traces.post,
-        (post_call.geometry,) + residual,
-        lambda: partial(_post_attention, layer, form, residual),
+        (post_call.geometry,) + residual + (id(next_norm),),
+        lambda: partial(_post_attention, layer, form, residual, next_norm),
     )
     launch = form.launch
-    return post(
+    out = post(
         x, queries, gate, *bound, launch.ints, post_call.floats, launch.fold_ints
     )
+    if next_norm is None:
+        return out
+    _HANDOFF.value = (out[0], out[1], layer.__dict__[SUCCESSOR])
+    return out[0]
+
+
+# ------------------------------------------------------------------ the hand-off
+#
+# With the residual norms on, a traced layer whose next decoder layer is traced too
+# (the kernel patch links it as ``SUCCESSOR``) has its last launch also take the next
+# layer's input norm of its output: one launch a layer fewer, the same bits (the
+# norm's kernel gives mlx's ``rms_norm``'s). The next layer takes the normed rows only
+# when its input is that very output; any other call clears them.
+
+SUCCESSOR = "_dflash_successor"
+_HANDOFF = threading.local()
+
+
+def successor_norm(layer: nn.Module) -> Optional[nn.Module]:
+    """The input norm of the layer linked as ``layer``'s successor, or None."""
+    successor = layer.__dict__.get(SUCCESSOR)
+    return None if successor is None else successor.input_layernorm
+
+
+def _handed(layer: nn.Module, x: mx.array) -> Optional[mx.array]:
+    """The rows the previous layer normed for ``layer`` if ``x`` is its output (the
+    hand-off is cleared either way)."""
+    handed = getattr(_HANDOFF, "value", None)
+    if handed is None:
+        return None
+    _HANDOFF.value = None
+    output, normed, successor = handed
+    return normed if output is x and successor is layer else None

@@ -16,7 +16,8 @@ and its encode), so :func:`residual_norm` does each group in one launch.
   vectors ``t``, ``t + block``, ... of ``16 / itemsize`` elements, each element
   added with a fused multiply-add in that order; each warp's 32 sums added by a
   halving tree (the order of its xor butterfly), and the warps' sums by the same
-  tree (``(w0 + w2) + (w1 + w3)``); then ``rsqrt(sum / D + eps)``;
+  tree (``(w0 + w2) + (w1 + w3)``); then ``rsqrt(sum / D + eps)`` (the CUDA form adds
+  both trees by xor shuffles: the same adds, no local memory);
 * each element: ``weight * T(x * normalizer)`` (one rounding: the product of two
   8- or 11-bit significands is exact in float32);
 * the add in ``T`` as mlx's ``Add`` does it: ``T``'s own ``+`` on CUDA (one rounding
@@ -86,12 +87,35 @@ RESIDUAL_NORM_HELPERS = """
 SLOTS = MAX_CHUNKS * 8
 
 
-def _block_sum(shared: str, warp_sums: str, total: str) -> str:
-    """Body text setting ``float total`` to the block's sum of ``shared`` (one partial
-    sum a thread): each warp's 32 by a halving tree (the order of its xor butterfly,
-    one thread a warp), then the warps' sums by the same tree over 32 slots (zeros past
-    the warps), as mlx's block reduce adds them."""
+def _block_sum(value: str, shared: str, warp_sums: str, total: str) -> str:
+    """Body text setting ``float total`` to the block's sum of each thread's ``value``
+    as mlx's block reduce adds them: each warp's 32 by a halving tree (the order of
+    its xor butterfly), then the warps' sums by the same tree over 32 slots (zeros
+    past the warps).
+
+    CUDA runs both trees as xor shuffles: lane ``i < m`` adds lane ``i + m``'s value to
+    its own, the tree's very adds, so lane 0 holds the tree's sum and every other lane
+    the same sum with its operands swapped (the same bits). Metal keeps the tree in one
+    thread a warp through ``shared`` (one partial sum a thread)."""
+    butterfly = "\n".join(
+        f"    {{name}} = {{name}} + __shfl_xor_sync(0xffffffffu, {{name}}, {m});"
+        for m in (16, 8, 4, 2, 1)
+    )
     return f"""
+#ifdef __CUDACC__
+  {{
+    float lanes = {value};
+{butterfly.format(name="lanes")}
+    if (t % {LANES} == 0) {{
+      {warp_sums}[t / {LANES}] = lanes;
+    }}
+  }}
+  DFL_BARRIER();
+  float {total} = t % {LANES} < {WARPS} ? {warp_sums}[t % {LANES}] : 0.0f;
+{butterfly.format(name=total)}
+#else
+  {shared}[t] = {value};
+  DFL_BARRIER();
   if (t < {WARPS}) {{
     float tree[{LANES}];
     DFL_UNROLL
@@ -124,6 +148,7 @@ def _block_sum(shared: str, warp_sums: str, total: str) -> str:
     }}
     {total} = tree[0];
   }}
+#endif
 """
 
 
@@ -227,9 +252,14 @@ RESIDUAL_NORM_BODY = f"""
   const int t = int(lid);
   const bool reads = t < block;
   const int base = int(group) * dim;
+  // Both epsilons now: their loads wait beside the params', not after a sum.
+  const float eps = fparams[0];
+  const float eps_next = fparams[1];
+#ifndef __CUDACC__
   DFL_SHARED float partial[{THREADS}];
-  DFL_SHARED float warp_sums[{WARPS}];
   DFL_SHARED float partial_next[{THREADS}];
+#endif
+  DFL_SHARED float warp_sums[{WARPS}];
   DFL_SHARED float warp_sums_next[{WARPS}];
   float values[{SLOTS}];
 {_CUDA_COPIES}
@@ -237,10 +267,8 @@ RESIDUAL_NORM_BODY = f"""
   // (a padded element adds fma(0, 0, sum) == sum).
   float sum = 0.0f;
 {_each_element(_LOAD)}
-  partial[t] = sum;
-  DFL_BARRIER();
-{_block_sum("partial", "warp_sums", "total")}
-  const float normalizer = DFL_RSQRT(total / float(dim) + fparams[0]);
+{_block_sum("sum", "partial", "warp_sums", "total")}
+  const float normalizer = DFL_RSQRT(total / float(dim) + eps);
 
   // h = residual + weight * T(x * normalizer); its squares summed in the same order.
   float sum_next = 0.0f;
@@ -248,10 +276,8 @@ RESIDUAL_NORM_BODY = f"""
   if (!next) {{
     return;
   }}
-  partial_next[t] = sum_next;
-  DFL_BARRIER();
-{_block_sum("partial_next", "warp_sums_next", "total_next")}
-  const float normalizer_next = DFL_RSQRT(total_next / float(dim) + fparams[1]);
+{_block_sum("sum_next", "partial_next", "warp_sums_next", "total_next")}
+  const float normalizer_next = DFL_RSQRT(total_next / float(dim) + eps_next);
 {_each_element(_NEXT, _store("normed_next"))}
 """
 

@@ -230,10 +230,26 @@ CUDA_MUTANT = _mutant(
 )
 
 
+def _butterfly(name: str, levels) -> str:
+    return "\n".join(
+        f"    {name} = {name} + __shfl_xor_sync(0xffffffffu, {name}, {m});"
+        for m in levels
+    )
+
+
+# The warps' shuffle trees' negative control: the lanes' butterfly in rising order
+# (pairs lanes 1 apart first: another association than mlx's halving tree).
+CUDA_RISING = _mutant(
+    "rising",
+    _butterfly("lanes", (16, 8, 4, 2, 1)),
+    _butterfly("lanes", (1, 2, 4, 8, 16)),
+)
+
+
 @pytest.fixture(scope="module")
 def cuda_emulator(tmp_path_factory):
     with_branches = functools.partial(TensorEmulator, cuda_branches=True)
-    specs = list(rn.SPECS) + [CUDA_MUTANT]
+    specs = list(rn.SPECS) + [CUDA_MUTANT, CUDA_RISING]
     return built_emulator(with_branches, tmp_path_factory, "residual_norm_cuda", specs)
 
 
@@ -280,6 +296,21 @@ def test_cuda_copies_mutant_fails_copied_and_not_read_by_element(
         got = case.call(True)
         same = all(np.array_equal(_bits(g), w) for g, w in zip(got, want))
         assert same != differs, misaligned
+
+
+def test_cuda_rising_butterfly_mutant_fails_the_oracle(
+    cuda_on_cpu, monkeypatch
+) -> None:
+    """Negative control: the shuffle trees' order shows in the bits (so the oracle test
+    above checks that the CUDA text adds a warp's sums in mlx's order)."""
+    monkeypatch.setattr(rn, "RESIDUAL_NORM", CUDA_RISING)
+    case = Case(mx.float32, 768, 16, True, 1e-8, 1e-5, 11)
+    branch, residual, weight, next_weight = case.arrays()
+    want = oracle_residual_norm(
+        branch, residual, weight, case.eps, next_weight, case.next_eps
+    )
+    got = case.call(True)
+    assert not all(np.array_equal(_bits(g), w) for g, w in zip(got, want))
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))

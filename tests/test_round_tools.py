@@ -139,6 +139,8 @@ def test_unheld_arms_turn_the_held_norms_off_for_their_block(monkeypatch):
     assert head_prep_wanted() and HEAD_PREP_ENV not in os.environ
     with round_profile.kernel_arm("default-residual"):
         assert residual_norms_wanted()
+    with round_profile.kernel_arm("default-unresidual"):
+        assert not residual_norms_wanted(traced=True)
     assert not residual_norms_wanted() and RESIDUAL_NORMS_ENV not in os.environ
     monkeypatch.delenv(tensor_qmm.SCALED_B_ENV, raising=False)
     with round_profile.kernel_arm("default-unscaled"):

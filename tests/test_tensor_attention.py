@@ -292,6 +292,12 @@ NOT_RUN_SINCE_CHANGED: set = set()
 # layers with it, 2, bit-equal to the traced layers without it).
 RAN_ON_THE_H200.discard("dflash_residual_norm_2b66ef2ad0")
 RAN_ON_THE_H200.add("dflash_residual_norm_2ff67c66d1")
+# Session 58 (an H100, docs/benchmarks/h100-2026-12-06-s58, call 1): the residual
+# norm's warps sum by xor shuffles and its epsilons load with its params (its 10 `cuda`
+# tests, mlx's bits; the traced layers with it and the hand-off, 2, bit-equal to the
+# traced layers without it).
+RAN_ON_THE_H200.discard("dflash_residual_norm_2ff67c66d1")
+RAN_ON_THE_H200.add("dflash_residual_norm_a0ca420760")
 # Session 30 (docs/benchmarks/h200-2026-12-03-s30): call A, the pair layout; call C, the
 # wide layout (each: the 11 `cuda` attention tests with the layouts in turn, hypothesis
 # over oracle, batch invariance and seam included); call D, the kernel patch's bitwise

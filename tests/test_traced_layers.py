@@ -42,7 +42,7 @@ from dflash import (
 from dflash.bench.scale_target import BRANCH_SCALE, randomize
 from dflash.cache.checkpoint import SpeculativeCheckpoint
 from dflash.kernel_patch import KernelPatch
-from dflash.metal import attention, backend, groups, heads, tensor_qmm
+from dflash.metal import attention, backend, groups, heads, norms, tensor_qmm
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
 FLOATS = (mx.float32, mx.bfloat16, mx.float16)
@@ -89,6 +89,9 @@ def kernel_path_on_cpu(monkeypatch):
     monkeypatch.setattr(prepared_heads, "gated_fold_matches", lambda dtype, use: True)
     monkeypatch.delenv(backend.COMPILE_ENV, raising=False)
     monkeypatch.delenv(traced_layers.TRACED_LAYERS_ENV, raising=False)
+    # The residual norms (on by default in CUDA's traced layers) only where a test asks:
+    # the stand-in launches do not compute them.
+    monkeypatch.setenv(residual_layers.RESIDUAL_NORMS_ENV, "0")
 
 
 def _is_traced(layer: nn.Module) -> bool:
@@ -556,23 +559,57 @@ def test_a_probe_verdict_does_not_carry_over_to_another_geometry(module, monkeyp
     )
 
 
+def norm_standing_launch(model, slip: float = 0.0):
+    """A stand-in launch that computes the residual norm as its reference does (mlx's
+    norms and adds, so a hand-off gives the next layer's own input norm) and mixes
+    every other launch; ``slip`` is added to the next norm's rows (a negative
+    control).
+
+    A trace cannot read its scalars, so the epsilons are ``model``'s: a post-norm's
+    for the branch, a pre-norm's for the next norm (Glimmer's layers share them).
+    """
+    layer = model.layers[0]
+    eps = layer.post_attention_layernorm.eps
+    next_eps = layer.pre_feedforward_layernorm.eps
+    assert next_eps == layer.input_layernorm.eps
+
+    def launch(spec, inputs, output_shapes, output_dtypes, count, dtype):
+        if spec.base != "residual_norm":
+            return mixing_launch(
+                spec, inputs, output_shapes, output_dtypes, count, dtype
+            )
+        branch, residual, weight, next_weight = inputs[:4]
+        if tuple(output_shapes[1]) != tuple(branch.shape):  # no next norm
+            h, _ = norms.reference_residual_norm(branch, residual, weight, eps)
+            return [h, mx.zeros(output_shapes[1], output_dtypes[1])]
+        h, normed = norms.reference_residual_norm(
+            branch, residual, weight, eps, next_weight, next_eps
+        )
+        return [h, normed + slip]
+
+    return launch
+
+
 def test_traced_residual_norms_give_the_eager_residual_layers_outputs(
     tiny_stack, kernel_path_on_cpu, monkeypatch
 ):
     """With the residual norms on, a traced layer's post-attention trace launches the
-    two residual norms a layer (the eager residual layers' launches, same outputs)."""
+    two residual norms a layer (the eager residual layers' launches, same outputs), the
+    last also taking the next layer's input norm, which that layer then does not
+    compute."""
     launched = []
-    mixing = groups.launch_groups
+    standing = norm_standing_launch(tiny_stack)
 
     def counting(spec, *rest):
         launched.append(spec.base)
-        return mixing(spec, *rest)
+        return standing(spec, *rest)
 
     monkeypatch.setattr(groups, "launch_groups", counting)
     accepted = [16, 4, 11]
     want, offsets = verify_run(tiny_stack, False, accepted, residual_norms=True)
     eager = launched.count("residual_norm")
     launched.clear()
+    input_norms = _count_input_norms(tiny_stack, monkeypatch)
     got, traced_offsets = verify_run(tiny_stack, True, accepted, residual_norms=True)
     assert traced_offsets == offsets
     _assert_same(got, want)
@@ -580,8 +617,111 @@ def test_traced_residual_norms_give_the_eager_residual_layers_outputs(
     # geometry, traced once a layer's trace: later calls replay them.
     assert eager == 2
     assert launched.count("residual_norm") == 2 * len(tiny_stack.layers)
+    # Only the first layer's traces normed their own input (the others were handed it).
+    assert set(input_norms) == {0}
+    # The stand-in computes mlx's ops, so the traces without the residual norms agree.
+    launched.clear()
     plain, _ = verify_run(tiny_stack, True, accepted)
-    assert not all(mx.array_equal(p, g).item() for p, g in zip(plain, got))
+    assert "residual_norm" not in launched
+    _assert_same(plain, got)
+
+
+def _count_input_norms(model, monkeypatch) -> List[int]:
+    """The layers whose pre-attention trace norms its own input, by index (once a
+    trace made from now on)."""
+    calls: List[int] = []
+    index = {id(layer): i for i, layer in enumerate(model.layers)}
+    pre_attention = traced_layers._pre_attention
+
+    def counted(layer, prep, handed, x, prep_ints):
+        if not handed:
+            calls.append(index[id(layer)])
+        return pre_attention(layer, prep, handed, x, prep_ints)
+
+    monkeypatch.setattr(traced_layers, "_pre_attention", counted)
+    return calls
+
+
+def test_a_slipped_hand_off_shows_in_the_outputs(
+    tiny_stack, kernel_path_on_cpu, monkeypatch
+):
+    """Negative control: the next layers compute from the rows handed to them (a slip
+    in them changes every block's outputs)."""
+    monkeypatch.setattr(groups, "launch_groups", norm_standing_launch(tiny_stack))
+    accepted = [16, 4, 11]
+    want, _ = verify_run(tiny_stack, True, accepted, residual_norms=True)
+    handed = traced_layers._handed
+
+    def slipped(layer, x):
+        rows = handed(layer, x)
+        return None if rows is None else rows + 1.0
+
+    monkeypatch.setattr(traced_layers, "_handed", slipped)
+    got, _ = verify_run(tiny_stack, True, accepted, residual_norms=True)
+    assert not any(mx.array_equal(g, w).item() for g, w in zip(got, want))
+
+
+def test_a_hand_off_is_taken_only_by_its_layer_for_that_very_output(
+    tiny_stack, kernel_path_on_cpu, monkeypatch
+):
+    """The rows go to the linked successor and only for the array its predecessor
+    returned; any other call clears them. Links join consecutive traced layers while the
+    residual norms are on, and go at uninstall."""
+    monkeypatch.setattr(groups, "launch_groups", norm_standing_launch(tiny_stack))
+    first, second = tiny_stack.layers[:2]
+    output, normed = mx.zeros((1, 2, 8)), mx.ones((1, 2, 8))
+    for layer, given, taken in (
+        (second, output, True),
+        (second, mx.zeros((1, 2, 8)), False),
+        (first, output, False),
+    ):
+        traced_layers._HANDOFF.value = (output, normed, second)
+        handed = traced_layers._handed(layer, given)
+        assert (handed is normed) is taken
+        assert traced_layers._HANDOFF.value is None
+    assert traced_layers._handed(second, output) is None
+    layers = tiny_stack.layers
+    with KernelPatch(tiny_stack, traced_layers=True, residual_norms=True):
+        successors = [traced_layers.successor_norm(layer) for layer in layers]
+        assert successors[:-1] == [layer.input_layernorm for layer in layers[1:]]
+        assert successors[-1] is None
+        # Held by the instance, not as a child module.
+        assert traced_layers.SUCCESSOR not in layers[0]
+    assert all(traced_layers.SUCCESSOR not in vars(layer) for layer in layers)
+    with KernelPatch(tiny_stack, traced_layers=True, residual_norms=False):
+        assert all(traced_layers.successor_norm(layer) is None for layer in layers)
+
+
+def _is_residual(layer: nn.Module) -> bool:
+    base = getattr(type(layer), kernel_patch._ORIGINAL_CLASS, None)
+    return base is not None and type(layer) is kernel_patch._SUBCLASSES.get(
+        ("residual", base)
+    )
+
+
+def test_cudas_traced_layers_take_the_residual_norms_unless_told(
+    tiny_stack, kernel_path_on_cpu, monkeypatch
+):
+    """On CUDA with no switch the traced layers run the residual norms (and hand off)
+    while eager layers keep mlx's ops; the argument and the switch turn them off, and
+    other backends keep them off."""
+    monkeypatch.delenv(residual_layers.RESIDUAL_NORMS_ENV)
+    with KernelPatch(tiny_stack, traced_layers=True) as patch:
+        assert patch.route.residual_norms
+        assert traced_layers.successor_norm(tiny_stack.layers[0]) is not None
+    with KernelPatch(tiny_stack, traced_layers=False):
+        assert not any(map(_is_residual, tiny_stack.layers))
+        assert not any(map(_is_traced, tiny_stack.layers))
+    with KernelPatch(tiny_stack, traced_layers=False, residual_norms=True):
+        assert all(map(_is_residual, tiny_stack.layers))
+    with KernelPatch(tiny_stack, traced_layers=True, residual_norms=False) as patch:
+        assert not patch.route.residual_norms
+    monkeypatch.setenv(residual_layers.RESIDUAL_NORMS_ENV, "0")
+    with KernelPatch(tiny_stack, traced_layers=True) as patch:
+        assert not patch.route.residual_norms
+    monkeypatch.delenv(residual_layers.RESIDUAL_NORMS_ENV)
+    monkeypatch.setattr(backend, "BACKEND", "metal")
+    assert not residual_layers.residual_norms_wanted(traced=True)
 
 
 # --------------------------------------------------------------------- CUDA
