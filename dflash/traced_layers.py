@@ -572,7 +572,8 @@ def layer_forward(
     form = post_call.form
     bound = attention.bound_arrays(post_call.plan, *sources)
     residual = (residual_norms, use_kernel)
-    next_norm = successor_norm(layer) if residual_norms else None
+    successor = layer.__dict__.get(SUCCESSOR) if residual_norms else None
+    next_norm = None if successor is None else successor.input_layernorm
     post = _replay(
         traces.post,
         (post_call.geometry,) + residual + (id(next_norm),),
@@ -584,7 +585,7 @@ def layer_forward(
     )
     if next_norm is None:
         return out
-    _HANDOFF.value = (out[0], out[1], layer.__dict__[SUCCESSOR])
+    _HANDOFF.value = (out[0], out[1], successor)
     return out[0]
 
 
