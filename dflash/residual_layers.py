@@ -220,16 +220,16 @@ def forward_matches(layer: nn.Module, base: type) -> bool:
         hidden = layer.post_attention_layernorm.weight.shape[0]
         probe = mx.random.normal((1, 3, hidden), key=mx.random.key(0)).astype(dtype)
         own = base.__call__(layer, probe, None, None)
-        ours = layer_forward(layer, probe, None, None, use_kernel=False)
-        _VERDICTS[verdict] = own.dtype == ours.dtype and bool(mx.array_equal(own, ours))
-        # The hand-off: the last launch's next norm gives what the class's own input
-        # norm gives the layer's output (the layer's own input norm stands in for the
-        # next layer's: the same class).
+        # :func:`layer_forward` with the hand-off: its next norm must give what the
+        # class's own input norm gives the output (the layer's own input norm stands in
+        # for the next layer's: the same class).
         attended = layer.self_attn(layer.input_layernorm(probe), None, None)
-        _, normed = after_attention(
+        ours, normed = after_attention(
             layer, probe, attended, False, layer.input_layernorm
         )
-        _VERDICTS[verdict] = _VERDICTS[verdict] and bool(
-            mx.array_equal(normed, layer.input_layernorm(own))
+        _VERDICTS[verdict] = (
+            own.dtype == ours.dtype
+            and bool(mx.array_equal(own, ours))
+            and bool(mx.array_equal(normed, layer.input_layernorm(own)))
         )
     return _VERDICTS[verdict]
