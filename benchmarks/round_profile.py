@@ -61,6 +61,7 @@ from dflash.kernel_patch import (
     VERIFY_KERNELS_ENV,
 )
 from dflash.metal.backend import COMPILE_ENV
+from dflash.metal.prefetch import PREFETCH_ENV
 from dflash.metal.tensor_qmm import (
     CHUNK_MAJOR_SCALES_ENV,
     DENORMAL_IN_PLACE_ENV,
@@ -213,6 +214,8 @@ KERNEL_ARMS = {
     "default-unprepared": None,
     "default-residual": None,
     "default-unresidual": None,
+    "default-unfetched": None,
+    "default-fetched32": None,
     "default-ungated": None,
     "default-unstacked": None,
     "default-swiglu": None,
@@ -287,6 +290,11 @@ ARM_SUFFIXES = {
         "1",
     ),  # post-norms, adds, pre-norm fused (eager too)
     "unresidual": (RESIDUAL_NORMS_ENV, "0"),  # mlx's norms and adds (before session 58)
+    "unfetched": (
+        PREFETCH_ENV,
+        "0",
+    ),  # no L2 prefetch of the MLP's weights (before s59)
+    "fetched32": (PREFETCH_ENV, "32"),  # 32 MB of them asked for instead of 16
     "ungated": (GATE_EPILOGUE_ENV, "0"),  # Glimmer's gate as mlx's ops after attention
     "unstacked": (KV_BLOCK_ENV, "0"),  # the plane stacks k and v (two copies a layer)
     "swiglu": (SWIGLU_ENV, "1"),  # the MLP's silu and product in the gate/up launch

@@ -147,6 +147,10 @@ class FusedProjections:
         # first member launched, planned once (compiled where backend.compile_bound
         # says so).
         self._bound: Dict[tuple, Callable[[mx.array], List[mx.array]]] = {}
+        # The arrays the whole stack's tensor-core launch streams (its ``reads``:
+        # the weights, then the scales repack), once one is bound; what a launch
+        # before it may ask into the L2 (dflash.metal.prefetch).
+        self.reads: Optional[tuple] = None
 
     def serves(self, index: int, member: nn.Module) -> bool:
         """Whether ``member`` (member ``index``) still holds its views of the stack; one
@@ -184,6 +188,21 @@ class FusedProjections:
             product = bound(x)
         return dict(enumerate(product, start=first))
 
+    def reads_for(self, x: mx.array, use_kernel: Optional[bool]) -> Optional[tuple]:
+        """The arrays the whole stack's launch for inputs like ``x`` streams (its
+        ``reads``), binding that launch now if it is not yet (host work only: the call
+        itself binds it otherwise); None for the mlx form or a launch that is not the
+        tensor-core form.
+
+        Shapes: x ``(..., K)``.
+        """
+        if self.form != "kernel":
+            return None
+        key = (x.shape, x.dtype, use_kernel, 0)
+        if key not in self._bound:
+            self._bound[key] = self._bind(x, use_kernel, self._rows_from(0))
+        return self.reads
+
     def _rows_from(self, first: int) -> "_Rows":
         """The stack's rows of members ``first`` on (views, evaluated once: a trace
         that captured a lazy slice would run it again at every replay)."""
@@ -206,6 +225,8 @@ class FusedProjections:
             bits=self.bits, group_size=self.group_size, use_kernel=use_kernel,
             members=rows.splits, lead=lead,
         )  # fmt: skip
+        if rows is self._tails[0] and getattr(matmul, "reads", None):
+            self.reads = matmul.reads
         splits = rows.splits
         # Stored member by member (the tensor-core form): each member is a view.
         edges = getattr(matmul, "member_edges", ())

@@ -99,7 +99,7 @@ from .fused_projections import (
     fuse_wanted,
     sibling_sets,
 )
-from .metal import backend, heads, qmm, tensor_qmm
+from .metal import backend, heads, prefetch, qmm, tensor_qmm
 from .metal.attention import KeyPlane, small_query_attention, visible_bounds
 from .metal.qmm import bind_matmul, compile_around
 from .taps import target_layers
@@ -782,6 +782,8 @@ def _unswap(module: nn.Module, trace_options: Optional[tuple] = None) -> None:
     module.__dict__.pop("_dflash_route", None)
     module.__dict__.pop(_BOUND, None)
     module.__dict__.pop(traced_layers_module.SUCCESSOR, None)
+    module.__dict__.pop(traced_layers_module.MLP_GROUP, None)
+    module.__dict__.pop(traced_layers_module.L2_PLAN, None)
     traces = module.__dict__.pop(_TRACES, None)
     if traces is not None and trace_options is not None:
         # On the layer itself, so they go with it (a table would keep the layer alive).
@@ -796,6 +798,30 @@ def _link_successors(order: List[nn.Module], traced: List[nn.Module]) -> None:
     for layer, successor in zip(order, order[1:]):
         if id(layer) in ids and id(successor) in ids:
             layer.__dict__[traced_layers_module.SUCCESSOR] = successor
+
+
+def _link_mlp_groups(traced: List[nn.Module], megabytes: int) -> None:
+    """Link each traced layer whose MLP's gate / up is one fused kernel launch of
+    quantized weights to that group, for its post-attention residual norm to ask
+    ``megabytes`` of the group's first weights into the L2
+    (:func:`dflash.traced_layers.mlp_prefetch`); none with ``megabytes`` 0. Dense
+    (bf16) groups are not linked: the gain was measured on 4-bit weights only
+    (session 59)."""
+    if megabytes <= 0:
+        return
+    for layer in traced:
+        mlp = getattr(layer, "mlp", None)
+        gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+        slot: Optional[MemberSlot] = getattr(gate, "__dict__", {}).get(_FUSED_SLOT)
+        if (
+            slot is not None
+            and slot.group.form == "kernel"
+            and slot.group.bits is not None
+            and len(slot.group.members) == 2
+            and slot.group.members[0] is gate
+            and slot.group.members[1] is up
+        ):
+            layer.__dict__[traced_layers_module.MLP_GROUP] = (slot.group, megabytes)
 
 
 def _take_kept_traces(layer: nn.Module, trace_options: Optional[tuple]) -> None:
@@ -921,6 +947,11 @@ class KernelPatch:
         drafter_traced: With the drafter's head prep, compile on and the kernel path,
             run each draft layer :mod:`dflash.traced_drafts` serves as two compiled
             replays around its attention. None: :func:`drafter_traced_wanted`.
+        l2_prefetch: Megabytes of each traced layer's MLP fused gate / up weights
+            (quantized ones) that its post-attention residual norm asks into the L2
+            on CUDA (with the traced layers' residual norms; 0: none;
+            :mod:`dflash.metal.prefetch`). None:
+            :func:`dflash.metal.prefetch.megabytes_wanted`.
 
     Raises:
         ValueError: ``model``'s architecture is not one whose attention can be routed.
@@ -949,6 +980,7 @@ class KernelPatch:
         drafter_qkv: Optional[bool] = None,
         drafter_head_prep: Optional[bool] = None,
         drafter_traced: Optional[bool] = None,
+        l2_prefetch: Optional[int] = None,
     ) -> None:
         if attention and not supports(model):
             raise ValueError(
@@ -990,6 +1022,7 @@ class KernelPatch:
         ) and residual_layers.residual_norms_wanted(residual_norms, traced=True)
         wanted = traced_layers_module.traced_layers_wanted(traced_layers)
         self.traced_layers = bool(attention) and wanted
+        self.l2_prefetch = prefetch.megabytes_wanted(l2_prefetch)
         self._groups: List[FusedProjections] = []
         self._patched: List[nn.Module] = []
         self._trace_options: Optional[tuple] = None
@@ -1173,7 +1206,7 @@ class KernelPatch:
         options."""
         parts = (self.attention, self.matmul, self.fuse, self.projections)
         parts += (self.compile_blocks, self.head_prep, self.residual_norms)
-        parts += (self.traced_residual_norms,)
+        parts += (self.traced_residual_norms, self.l2_prefetch)
         # The drafter's own parts (a traced draft layer captures their launches).
         parts += (self.drafter_dense, self.drafter_qkv, self.drafter_traced)
         where = (backend.BACKEND, str(mx.default_device()))
@@ -1281,6 +1314,8 @@ class KernelPatch:
                 _take_kept_traces(layer, self._trace_options)
             if self.route.residual_norms:
                 _link_successors(target_layers(self.model), traced)
+                if backend.BACKEND == "cuda":
+                    _link_mlp_groups(traced, self.l2_prefetch)
         except BaseException:
             self.uninstall()  # all or nothing (members keep equal-valued views)
             raise

@@ -60,6 +60,7 @@ from mlx.utils import tree_flatten
 from .held_norms import centered_scale, is_centered
 from .metal import backend
 from .metal.norms import reference_residual_norm, residual_norm
+from .metal.prefetch import Prefetch
 
 RESIDUAL_NORMS_ENV = "DFLASH_RESIDUAL_NORMS"
 # (module, class name) of the decoder-layer forwards this module re-states (mlx-lm
@@ -150,6 +151,7 @@ def after_attention(
     attended: mx.array,
     use_kernel: Optional[bool],
     next_norm: Optional[nn.Module] = None,
+    prefetch: Optional[Prefetch] = None,
 ) -> Tuple[mx.array, Optional[mx.array]]:
     """The layer after its attention: the post-attention norm, residual and
     pre-feedforward norm as one launch, the MLP, then its norm and residual as another
@@ -162,6 +164,8 @@ def after_attention(
         use_kernel: Passed to :func:`residual_norm`.
         next_norm: The next layer's input norm, taken by the last launch too (the
             traced layers' hand-off), or None.
+        prefetch: The MLP's first weights, for the first launch to ask into the L2
+            (:mod:`dflash.metal.prefetch`), or None.
 
     Shapes: x, attended ``(B, L, H)``; returns ``(B, L, H)`` twice (the second, the
     layer's output normed by ``next_norm``, None without it).
@@ -172,6 +176,7 @@ def after_attention(
         layer.post_attention_layernorm,
         layer.pre_feedforward_layernorm,
         use_kernel,
+        prefetch,
     )
     return _residual(
         layer.mlp(normed), h, layer.post_feedforward_layernorm, next_norm, use_kernel
@@ -184,9 +189,11 @@ def _residual(
     norm: nn.Module,
     next_norm: Optional[nn.Module],
     use_kernel: Optional[bool],
+    prefetch: Optional[Prefetch] = None,
 ) -> Tuple[mx.array, Optional[mx.array]]:
     """``residual + norm(branch)`` and ``next_norm`` of it: one launch when the arrays
-    share a dtype, else mlx's ops (what the layer's own forward computes then).
+    share a dtype (carrying ``prefetch``), else mlx's ops (what the layer's own forward
+    computes then).
 
     Shapes: branch, residual ``(B, L, H)``; returns ``(B, L, H)`` twice (the second None
     without ``next_norm``).
@@ -207,6 +214,7 @@ def _residual(
         next_weight=next_weight,
         next_eps=next_eps,
         use_kernel=use_kernel,
+        prefetch=prefetch,
     )
 
 

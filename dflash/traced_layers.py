@@ -70,7 +70,7 @@ import mlx.nn as nn
 
 from . import residual_layers
 from .cache.plane import RingPlane
-from .metal import attention, backend, groups, heads
+from .metal import attention, backend, groups, heads, prefetch
 from .residual_layers import NORMS, layer_geometry
 
 TRACED_LAYERS_ENV = "DFLASH_TRACED_LAYERS"
@@ -150,15 +150,19 @@ def _after_attention(
     attended: mx.array,
     residual_norms: bool = False,
     use_kernel: Optional[bool] = None,
+    l2: Optional[prefetch.Prefetch] = None,
 ) -> mx.array:
     """The post-attention norm and residual, then the MLP with its norms and residual;
     with ``residual_norms``, each norm-add(-norm) group as one launch
-    (:func:`dflash.residual_layers.after_attention`, ``use_kernel`` passed on).
+    (:func:`dflash.residual_layers.after_attention`, ``use_kernel`` and the MLP's
+    prefetch ``l2`` passed on).
 
     Shapes: x, attended ``(B, L, H)``; returns ``(B, L, H)``.
     """
     if residual_norms:
-        return residual_layers.after_attention(layer, x, attended, use_kernel)[0]
+        return residual_layers.after_attention(
+            layer, x, attended, use_kernel, prefetch=l2
+        )[0]
     h = x + layer.post_attention_layernorm(attended)
     return h + layer.post_feedforward_layernorm(
         layer.mlp(layer.pre_feedforward_layernorm(h))
@@ -212,6 +216,7 @@ def _post_attention(
     form: attention.KernelForm,
     residual_norms: Tuple[bool, Optional[bool]],
     next_norm: Optional[nn.Module],
+    l2: Optional[prefetch.Prefetch],
     x: mx.array,
     queries: mx.array,
     gate: mx.array,
@@ -227,6 +232,11 @@ def _post_attention(
         next_norm: With the residual norms on, the next layer's input norm, which the
             last launch also takes (the hand-off): the trace then returns the output
             and the output normed by it. None: the output alone.
+        l2: With the residual norms on, what the first of them also asks into the
+            L2 (the MLP's first weights: :mod:`dflash.metal.prefetch`), or None. Its
+            arrays are the trace's constants, not inputs: the MLP's own launch
+            captures the same weights, and mlx refuses a trace whose input is also
+            one of its constants.
         x: The layer's input (the residual).
         queries: The prepared queries.
         gate: The output gate, as its projection gives it.
@@ -248,9 +258,9 @@ def _post_attention(
     out = attention.launch_attention(form, queries, *arrays, gate, stored)
     if next_norm is not None:
         return residual_layers.after_attention(
-            layer, x, attn.o_proj(out), residual_norms[1], next_norm
+            layer, x, attn.o_proj(out), residual_norms[1], next_norm, l2
         )
-    return _after_attention(layer, x, attn.o_proj(out), *residual_norms)
+    return _after_attention(layer, x, attn.o_proj(out), *residual_norms, l2)
 
 
 class _Replay:
@@ -574,10 +584,12 @@ def layer_forward(
     residual = (residual_norms, use_kernel)
     successor = layer.__dict__.get(SUCCESSOR) if residual_norms else None
     next_norm = None if successor is None else successor.input_layernorm
+    l2 = mlp_prefetch(layer, x, use_kernel) if residual_norms else None
+    # The plan is kept on the layer (and by the trace): its id names it.
     post = _replay(
         traces.post,
-        (post_call.geometry,) + residual + (id(next_norm),),
-        lambda: partial(_post_attention, layer, form, residual, next_norm),
+        (post_call.geometry,) + residual + (id(next_norm), id(l2)),
+        lambda: partial(_post_attention, layer, form, residual, next_norm, l2),
     )
     launch = form.launch
     out = post(
@@ -616,3 +628,40 @@ def _handed(layer: nn.Module, x: mx.array) -> Optional[mx.array]:
     _HANDOFF.value = None
     output, normed, successor = handed
     return normed if output is x and successor is layer else None
+
+
+# ------------------------------------------------------------------ the L2 prefetch
+#
+# With the residual norms on, the kernel patch links a traced layer whose MLP's gate /
+# up is one fused launch to that group (``MLP_GROUP``, with the megabytes to ask for):
+# the post-attention residual norm then also asks the group's first weights into the
+# L2 (dflash.metal.prefetch), which the MLP's first matmul reads next. A prefetch
+# changes no result; only the launch's grid and inputs differ.
+
+MLP_GROUP = "_dflash_mlp_group"
+# A layer's plan for its link and input geometry (the link, the geometry, the plan).
+L2_PLAN = "_dflash_l2_plan"
+
+
+def mlp_prefetch(
+    layer: nn.Module, x: mx.array, use_kernel: Optional[bool]
+) -> Optional[prefetch.Prefetch]:
+    """The prefetch of ``layer``'s MLP's fused gate / up for inputs like ``x`` (the
+    layer's input: the MLP's has its shape and dtype), or None: not linked, not the
+    tensor-core form, or nothing to ask for. The launch is bound here if the MLP has
+    not bound it yet, so the first trace made already carries the prefetch. Planned
+    once per link and input geometry (kept on the layer).
+
+    Shapes: x ``(B, L, H)``.
+    """
+    linked = layer.__dict__.get(MLP_GROUP)
+    if linked is None:
+        return None
+    kept = layer.__dict__.get(L2_PLAN)
+    if kept is not None and kept[0] is linked and kept[1] == (x.shape, x.dtype):
+        return kept[2]
+    group, megabytes = linked
+    reads = group.reads_for(x, use_kernel)
+    plan = prefetch.plan(reads, megabytes) if reads else None
+    layer.__dict__[L2_PLAN] = (linked, (x.shape, x.dtype), plan)
+    return plan

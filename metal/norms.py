@@ -46,6 +46,7 @@ import mlx.core as mx
 from . import backend, groups
 from .groups import GroupKernelSpec, float_params, int_params
 from .heads import vector_width
+from .prefetch import Prefetch, with_prefetch
 
 THREADS = 128
 LANES = 32
@@ -376,8 +377,10 @@ def kernel_residual_norm(
     eps: float,
     next_weight: Optional[mx.array] = None,
     next_eps: Optional[float] = None,
+    prefetch: Optional[Prefetch] = None,
 ) -> Tuple[mx.array, Optional[mx.array]]:
-    """One launch of :data:`RESIDUAL_NORM`.
+    """One launch of :data:`RESIDUAL_NORM` (with ``prefetch``, of its form carrying
+    prefetch CTAs: :func:`dflash.metal.prefetch.with_prefetch`, CUDA only).
 
     Shapes: as :func:`reference_residual_norm`.
     """
@@ -387,19 +390,24 @@ def kernel_residual_norm(
     has_next = next_weight is not None
     ints = int_params(dim, block, chunks, NEXT if has_next else 0)
     fparams = _float_params(eps, next_eps if has_next else 0.0)
+    inputs = [
+        branch,
+        residual,
+        weight,
+        next_weight if has_next else groups.unused_input(branch.dtype),
+        ints,
+        fparams,
+    ]
+    spec, ctas = RESIDUAL_NORM, rows
+    if prefetch is not None:
+        spec, ctas = with_prefetch(RESIDUAL_NORM), rows + prefetch.fetchers
+        inputs += prefetch.inputs
     h, normed = groups.launch_replayed(
-        RESIDUAL_NORM,
-        [
-            branch,
-            residual,
-            weight,
-            next_weight if has_next else groups.unused_input(branch.dtype),
-            ints,
-            fparams,
-        ],
+        spec,
+        inputs,
         [branch.shape, branch.shape if has_next else (1,)],
         [branch.dtype, branch.dtype],
-        rows,
+        ctas,
         branch.dtype,
     )
     return h, normed if has_next else None
@@ -414,6 +422,7 @@ def residual_norm(
     next_weight: Optional[mx.array] = None,
     next_eps: Optional[float] = None,
     use_kernel: Optional[bool] = None,
+    prefetch: Optional[Prefetch] = None,
 ) -> Tuple[mx.array, Optional[mx.array]]:
     """``residual + rms_norm(branch, weight, eps)`` and, given ``next_weight``, the RMS
     norm of that sum, in one launch on a GPU.
@@ -428,6 +437,9 @@ def residual_norm(
         use_kernel: None: the kernel on a GPU backend, the reference elsewhere;
             True / False force one form (the reference also where the kernel does
             not take the row width).
+        prefetch: Another launch's bytes for the kernel's launch to ask into the L2
+            as well (:mod:`dflash.metal.prefetch`; CUDA's kernel only, ignored
+            elsewhere: it changes no result).
 
     Shapes: branch, residual ``(..., D)``; weights ``(D,)``; returns ``(..., D)`` twice.
 
@@ -446,7 +458,9 @@ def residual_norm(
         and kernel_serves(branch.shape[-1], branch.dtype)
         and branch.size > 0
     ):
+        if backend.BACKEND != "cuda":
+            prefetch = None
         return kernel_residual_norm(
-            branch, residual, weight, eps, next_weight, next_eps
+            branch, residual, weight, eps, next_weight, next_eps, prefetch
         )
     return reference_residual_norm(branch, residual, weight, eps, next_weight, next_eps)

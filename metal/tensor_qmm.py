@@ -2977,7 +2977,9 @@ def bind_tensor_core(
         ``dtype``, the result declared ``(*lead, N)``: the kernels index by their
         scalars, never by shapes, so no reshape is needed on either side (each would
         be one more array to build and encode at every call); its ``counters``
-        attribute is how many zeroed counters a launch takes (0: none).
+        attribute is how many zeroed counters a launch takes (0: none); its
+        ``reads`` attribute, the arrays its weight stream reads (the weights, then
+        the scales and biases as repacked for it, each once).
         ``counters=None`` takes them from the pool; a caller that compiles the call
         passes them in (:func:`~dflash.metal.qmm.compile_around`), as a region
         captured by a trace would be reused by every replay.
@@ -3052,6 +3054,8 @@ def bind_tensor_core(
 
     launch.counters = plan.counters
     launch.member_edges = edges
+    # The arrays its weight stream reads (the scales / biases as repacked for it).
+    launch.reads = tuple({id(a): a for a in weights[:-1]}.values())
     return launch
 
 

@@ -82,7 +82,7 @@ def test_norms_of_another_dtype_keep_mlx_lms_bits(monkeypatch) -> None:
     mlx-lm's bits are kept."""
     launches = []
 
-    def kernel(branch, residual, weight, eps, next_weight, next_eps):
+    def kernel(branch, residual, weight, eps, next_weight, next_eps, prefetch=None):
         launches.append((branch.dtype, next_weight is not None))
         return rn.reference_residual_norm(
             branch, residual, weight, eps, next_weight, next_eps

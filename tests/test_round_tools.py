@@ -17,7 +17,7 @@ from dflash.folded_attention import FOLDED_ENV
 from dflash.fused_projections import FUSED_ENV
 from dflash.held_norms import HELD_NORMS_ENV, held_norms_wanted
 from dflash.kernel_patch import COMPILED_BLOCKS_ENV, VERIFY_KERNELS_ENV
-from dflash.metal import tensor_qmm
+from dflash.metal import prefetch, tensor_qmm
 from dflash.prepared_heads import HEAD_PREP_ENV, head_prep_wanted
 from dflash.residual_layers import RESIDUAL_NORMS_ENV, residual_norms_wanted
 from dflash.traced_drafts import DRAFTER_TRACED_ENV
@@ -142,6 +142,12 @@ def test_unheld_arms_turn_the_held_norms_off_for_their_block(monkeypatch):
     with round_profile.kernel_arm("default-unresidual"):
         assert not residual_norms_wanted(traced=True)
     assert not residual_norms_wanted() and RESIDUAL_NORMS_ENV not in os.environ
+    monkeypatch.delenv(prefetch.PREFETCH_ENV, raising=False)
+    with round_profile.kernel_arm("default-unfetched"):
+        assert prefetch.megabytes_wanted() == 0
+    with round_profile.kernel_arm("default-fetched32"):
+        assert prefetch.megabytes_wanted() == 32
+    assert prefetch.megabytes_wanted() == prefetch.DEFAULT_MEGABYTES
     monkeypatch.delenv(tensor_qmm.SCALED_B_ENV, raising=False)
     with round_profile.kernel_arm("default-unscaled"):
         assert not tensor_qmm.scaled_b(4) and not tensor_qmm.scaled_b(8)

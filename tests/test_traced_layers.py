@@ -42,7 +42,7 @@ from dflash import (
 from dflash.bench.scale_target import BRANCH_SCALE, randomize
 from dflash.cache.checkpoint import SpeculativeCheckpoint
 from dflash.kernel_patch import KernelPatch
-from dflash.metal import attention, backend, groups, heads, norms, tensor_qmm
+from dflash.metal import attention, backend, groups, heads, norms, prefetch, tensor_qmm
 
 cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA backend")
 FLOATS = (mx.float32, mx.bfloat16, mx.float16)
@@ -574,7 +574,7 @@ def norm_standing_launch(model, slip: float = 0.0):
     assert next_eps == layer.input_layernorm.eps
 
     def launch(spec, inputs, output_shapes, output_dtypes, count, dtype):
-        if spec.base != "residual_norm":
+        if spec.base not in ("residual_norm", "residual_norm_l2"):
             return mixing_launch(
                 spec, inputs, output_shapes, output_dtypes, count, dtype
             )
@@ -599,6 +599,7 @@ def test_traced_residual_norms_give_the_eager_residual_layers_outputs(
     compute."""
     launched = []
     standing = norm_standing_launch(tiny_stack)
+    monkeypatch.setenv(prefetch.PREFETCH_ENV, "0")  # launches counted by name
 
     def counting(spec, *rest):
         launched.append(spec.base)
@@ -624,6 +625,68 @@ def test_traced_residual_norms_give_the_eager_residual_layers_outputs(
     plain, _ = verify_run(tiny_stack, True, accepted)
     assert "residual_norm" not in launched
     _assert_same(plain, got)
+
+
+def test_the_post_norm_asks_the_mlps_first_weights_into_the_l2_changing_nothing(
+    kernel_path_on_cpu, monkeypatch
+):
+    """With the residual norms on CUDA, each traced layer's first residual norm (the
+    one before its MLP) carries the prefetch CTAs over its MLP's fused gate / up from
+    its first trace on: the grid grows by the fetchers, the inputs end with the very
+    weights the MLP's launch streams, its scales repack as words and the ranges. The
+    outputs equal those without it; ``DFLASH_L2_PREFETCH=0`` and uninstall remove it.
+    (A stack whose K takes the tensor-core form, which the prefetch plans from.)"""
+    model = wide_heads_stack(2)
+    standing = norm_standing_launch(model)
+    carried = []
+
+    def recording(spec, inputs, shapes, dtypes, count, dtype):
+        if spec.base == "residual_norm_l2":
+            rows = inputs[0].size // inputs[0].shape[-1]
+            # The launch is traced (launch_replayed): its inputs are stand-ins here.
+            _, words, params = inputs[-3:]
+            carried.append((count, rows, words.dtype, params.size))
+        return standing(spec, inputs, shapes, dtypes, count, dtype)
+
+    monkeypatch.setattr(groups, "launch_groups", recording)
+    accepted = [16, 4, 11]
+    monkeypatch.setenv(prefetch.PREFETCH_ENV, "0")
+    want, _ = verify_run(model, True, accepted, residual_norms=True)
+    assert carried == []
+    monkeypatch.delenv(prefetch.PREFETCH_ENV)
+    layers = model.layers
+    with KernelPatch(model, traced_layers=True, residual_norms=True):
+        linked = [layer.__dict__[traced_layers.MLP_GROUP] for layer in layers]
+    assert [megabytes for _, megabytes in linked] == [prefetch.DEFAULT_MEGABYTES] * 2
+    assert all(g.members[0] is l.mlp.gate_proj for (g, _), l in zip(linked, layers))
+    assert all(traced_layers.MLP_GROUP not in vars(layer) for layer in layers)
+    planned = []
+    mlp_prefetch = traced_layers.mlp_prefetch
+
+    def recorded(layer, x, use_kernel):
+        plan = mlp_prefetch(layer, x, use_kernel)
+        planned.append((layer.__dict__[traced_layers.MLP_GROUP][0], plan))
+        return plan
+
+    monkeypatch.setattr(traced_layers, "mlp_prefetch", recorded)
+    got, _ = verify_run(model, True, accepted, residual_norms=True)
+    _assert_same(got, want)
+    # At every call: the weights the MLP's own launch streams, and its scales repack.
+    assert len(planned) == len(layers) * len(accepted)
+    for group, plan in planned:
+        assert plan.weight is group.weight is group.reads[0]
+        assert plan.scales.nbytes == group.reads[1].nbytes
+    assert len({id(group.weight) for group, _ in planned}) == len(layers)
+    ranges = prefetch.HEAD_WORDS + 2 * prefetch.RANGE_WORDS
+    assert carried
+    for count, rows, words, size in carried:
+        assert count == rows + prefetch.FETCHERS
+        assert words == mx.uint32 and size == ranges
+    # Dense (bf16) MLPs are not linked: measured on 4-bit weights only.
+    dense = layer_stack.build_layers("tiny", "bf16", 1)
+    with KernelPatch(dense, traced_layers=True, residual_norms=True) as patch:
+        assert patch.route.residual_norms
+        assert traced_layers.MLP_GROUP not in vars(dense.layers[0])
 
 
 def _count_input_norms(model, monkeypatch) -> List[int]:
@@ -774,6 +837,31 @@ def test_cuda_traced_residual_norms_give_the_traced_bits_at_glimmers_width():
     want, _ = verify_run(model, True, accepted, context=2100)
     got, _ = verify_run(model, True, accepted, context=2100, residual_norms=True)
     _assert_same(got, want)
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_l2_prefetch_keeps_the_bits_at_glimmers_width(monkeypatch):
+    """The post norms' prefetch CTAs (on by default) change no bit of any block, and
+    each layer's MLP was linked for them."""
+    model = layer_stack.build_layers("full", "4bit", 2)
+    accepted = [16, 3, 16, 7, 1]
+    monkeypatch.setenv(prefetch.PREFETCH_ENV, "0")
+    want, _ = verify_run(model, True, accepted, context=2100, residual_norms=True)
+    monkeypatch.setenv(prefetch.PREFETCH_ENV, "16")
+    planned = []
+    mlp_prefetch = traced_layers.mlp_prefetch
+
+    def recorded(layer, x, use_kernel):
+        plan = mlp_prefetch(layer, x, use_kernel)
+        planned.append(plan)
+        return plan
+
+    monkeypatch.setattr(traced_layers, "mlp_prefetch", recorded)
+    got, _ = verify_run(model, True, accepted, context=2100, residual_norms=True)
+    _assert_same(got, want)
+    assert len(planned) == 2 * len(accepted) and all(planned)
+    assert all(plan.megabytes == 16 for plan in planned)
 
 
 def standing_launch(spec, inputs, output_shapes, output_dtypes, count, dtype):
