@@ -18,9 +18,12 @@ all of theirs in the L2.
 
 :func:`with_prefetch` derives such a launch from any :class:`GroupKernelSpec` (CUDA
 only): its CTAs past the spec's own come first in the body and return. The residual
-norm before a traced layer's MLP carries one for the MLP's fused gate / up
+norm before a traced layer's MLP carries one for the MLP's fused 4-bit gate / up
 (:mod:`dflash.traced_layers`), ``DFLASH_L2_PREFETCH`` megabytes of it (default
-:data:`DEFAULT_MEGABYTES`; 0 turns it off).
+:data:`DEFAULT_MEGABYTES`; 0 turns it off). In τ = 6 rounds on an H100 (session 59)
+that took the matmuls 393-414 µs less a round and the norms 215-273 µs more (the
+prefetch CTAs keep the launch open while they issue): device busy 0.9-3.1 % less, the
+same bits.
 """
 
 from __future__ import annotations
