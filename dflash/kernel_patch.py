@@ -783,7 +783,6 @@ def _unswap(module: nn.Module, trace_options: Optional[tuple] = None) -> None:
     module.__dict__.pop(_BOUND, None)
     module.__dict__.pop(traced_layers_module.SUCCESSOR, None)
     module.__dict__.pop(traced_layers_module.MLP_GROUP, None)
-    module.__dict__.pop(traced_layers_module.L2_PLAN, None)
     traces = module.__dict__.pop(_TRACES, None)
     if traces is not None and trace_options is not None:
         # On the layer itself, so they go with it (a table would keep the layer alive).
@@ -849,13 +848,15 @@ def forget_traces(model: Optional[nn.Module] = None) -> None:
     Kept traces hold the arrays they captured: a model whose weights were replaced
     keeps the old ones alive until its next install drops them (or until this). With
     ``model``, the chunk-major copies of its scales and biases are dropped too
-    (:func:`~dflash.metal.tensor_qmm.chunk_major`).
+    (:func:`~dflash.metal.tensor_qmm.chunk_major`), and its layers' L2 prefetch plans
+    (:func:`dflash.traced_layers.mlp_prefetch`), which hold the arrays they ask for.
     """
     global _trace_epoch
     _trace_epoch = object()
     if model is not None:
         for module in model.modules():
             module.__dict__.pop(_KEPT_TRACES, None)
+            module.__dict__.pop(traced_layers_module.L2_PLAN, None)
         arrays = [a for _, a in tree_flatten(model.parameters())]
         tensor_qmm.forget_chunk_major(arrays)
 

@@ -639,7 +639,7 @@ def _handed(layer: nn.Module, x: mx.array) -> Optional[mx.array]:
 # changes no result; only the launch's grid and inputs differ.
 
 MLP_GROUP = "_dflash_mlp_group"
-# A layer's plan for its link and input geometry (the link, the geometry, the plan).
+# A layer's plan (kept across installs while it plans the arrays its MLP reads).
 L2_PLAN = "_dflash_l2_plan"
 
 
@@ -649,19 +649,24 @@ def mlp_prefetch(
     """The prefetch of ``layer``'s MLP's fused gate / up for inputs like ``x`` (the
     layer's input: the MLP's has its shape and dtype), or None: not linked, not the
     tensor-core form, or nothing to ask for. The launch is bound here if the MLP has
-    not bound it yet, so the first trace made already carries the prefetch. Planned
-    once per link and input geometry (kept on the layer).
+    not bound it yet, so the first trace made already carries the prefetch.
+
+    The plan is kept on the layer across installs while it plans the very arrays the
+    launch reads: the post trace's key names it, so a later install takes back the
+    traces an earlier one kept.
 
     Shapes: x ``(B, L, H)``.
     """
     linked = layer.__dict__.get(MLP_GROUP)
     if linked is None:
         return None
-    kept = layer.__dict__.get(L2_PLAN)
-    if kept is not None and kept[0] is linked and kept[1] == (x.shape, x.dtype):
-        return kept[2]
     group, megabytes = linked
     reads = group.reads_for(x, use_kernel)
-    plan = prefetch.plan(reads, megabytes) if reads else None
-    layer.__dict__[L2_PLAN] = (linked, (x.shape, x.dtype), plan)
+    if not reads:
+        return None
+    kept: Optional[prefetch.Prefetch] = layer.__dict__.get(L2_PLAN)
+    if kept is not None and kept.plans(reads, megabytes):
+        return kept
+    plan = prefetch.plan(reads, megabytes)
+    layer.__dict__[L2_PLAN] = plan
     return plan

@@ -224,6 +224,7 @@ class Prefetch:
         params: ``l2_params`` (evaluated).
         fetchers: The CTAs a launch adds.
         megabytes: The weights' megabytes asked for.
+        source: The matmul's ``reads`` it was planned from.
     """
 
     weight: mx.array
@@ -231,10 +232,19 @@ class Prefetch:
     params: mx.array
     fetchers: int
     megabytes: int
+    source: tuple = ()
 
     @property
     def inputs(self) -> list[mx.array]:
         return [self.weight, self.scales, self.params]
+
+    def plans(self, reads: Sequence[mx.array], megabytes: int) -> bool:
+        """Whether this is the plan of ``reads`` (the very arrays) and ``megabytes``."""
+        return (
+            megabytes == self.megabytes
+            and len(reads) == len(self.source)
+            and all(a is b for a, b in zip(reads, self.source))
+        )
 
 
 def plan(reads: Sequence[mx.array], megabytes: int) -> Optional[Prefetch]:
@@ -263,4 +273,4 @@ def plan(reads: Sequence[mx.array], megabytes: int) -> Optional[Prefetch]:
     words = mx.view(scales, mx.uint32) if asks_scales else weight
     params = mx.array(params_of(ranges, FETCHERS), dtype=mx.int32)
     mx.eval(weight, words, params)
-    return Prefetch(weight, words, params, FETCHERS, megabytes)
+    return Prefetch(weight, words, params, FETCHERS, megabytes, tuple(reads))

@@ -136,6 +136,11 @@ def test_a_plan_hands_the_matmuls_own_arrays_and_the_scales_as_words_unchanged()
     assert mx.get_active_memory() - before < 4096
     assert plan.params.tolist()[:3] == [prefetch.FETCHERS, 0, 2]
     assert plan.inputs == [plan.weight, plan.scales, plan.params]
+    # It plans those very arrays, at that size: not equal copies, not another size.
+    assert plan.plans((weight, repack), 1)
+    assert not plan.plans((weight, repack), 2)
+    assert not plan.plans((weight, mx.array(repack)), 1)
+    assert not plan.plans((weight,), 1)
     assert prefetch.plan((weight, repack), 0) is None
     assert prefetch.plan((), 4) is None
     # Scales whose rows are no whole words: the weights alone, the weights again.

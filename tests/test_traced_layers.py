@@ -677,6 +677,17 @@ def test_the_post_norm_asks_the_mlps_first_weights_into_the_l2_changing_nothing(
         assert plan.weight is group.weight is group.reads[0]
         assert plan.scales.nbytes == group.reads[1].nbytes
     assert len({id(group.weight) for group, _ in planned}) == len(layers)
+    # Kept across installs: a second run plans nothing new and takes back the traces
+    # the first kept (no launch traced again).
+    first_plans = {id(plan) for _, plan in planned}
+    planned.clear()
+    traced_before = len(carried)
+    again, _ = verify_run(model, True, accepted, residual_norms=True)
+    _assert_same(again, want)
+    assert {id(plan) for _, plan in planned} == first_plans
+    assert len(carried) == traced_before
+    kernel_patch.forget_traces(model)
+    assert all(traced_layers.L2_PLAN not in vars(layer) for layer in layers)
     ranges = prefetch.HEAD_WORDS + 2 * prefetch.RANGE_WORDS
     assert carried
     for count, rows, words, size in carried:
