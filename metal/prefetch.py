@@ -4,7 +4,8 @@ A verify layer's 4-bit MLP matmuls read their weights at ~1.6 TB/s of the device
 (an H100), while the launches between the matmuls (a norm is one CTA a row) leave the
 memory idle. Session 59 measured (``benchmarks/l2_prefetch.py``, an H100) that a fused
 gate / up whose first 16 MB were asked into the L2 by the launch before it takes 7.5 µs
-less (83.4 -> 75.6-76.0 µs at 16 rows, 76.1 -> 68.2-68.6 at one row), mlp down 3.4 µs
+less (82.7-83.4 -> 75.6-76.3 µs at 16 rows in 6 of 8 timings, 80.8 in two; 76.0-76.2 ->
+68.2-69.8 at one row), mlp down 3.4 µs
 less, and 32 MB gains no more; a one-wave call (o_proj, the fused q / k / v / gate)
 gains under 1 µs even with every byte in the L2 (its fixed costs dominate).
 
