@@ -66,8 +66,7 @@ from .verify_kernels import (
 
 THREADS = 256
 # A weight chunk: 256 four-bit weights of a column, 128 bytes (one L2 line).
-CHUNK_BYTES = 128
-BULK_BYTES = prefetch.BULK_BYTES
+CHUNK_BYTES = prefetch.LINE
 # CTAs of the gap kernel that copy x through (the first only waits).
 COPIERS = 16
 
@@ -191,8 +190,8 @@ def byte_ranges(
     if arm.kind == "linear":
         share = min(1.0, arm.amount * 2**20 / weight_bytes)
         return [
-            (0, 0, _whole_lines(share * weight_bytes), 0, 1),
-            (1, 0, _whole_lines(share * scale_bytes), 0, 1),
+            (0, 0, prefetch.whole_lines(int(share * weight_bytes)), 0, 1),
+            (1, 0, prefetch.whole_lines(int(share * scale_bytes)), 0, 1),
         ]
     _, splits, per_split = tensor_qmm.split_plan(depth, columns, 4)
     lead = min(int(arm.amount), per_split)
@@ -210,16 +209,12 @@ def byte_ranges(
     return ranges
 
 
-def _whole_lines(nbytes: float) -> int:
-    return int(nbytes) // CHUNK_BYTES * CHUNK_BYTES
-
-
 def gap_params(spin_us: float, x_count: int) -> list[int]:
     """The gap kernel's own scalars (its prefetch's are ``prefetch.params_of``)."""
     return [int(spin_us * 1000), x_count]
 
 
-def _median_by(kernels: list, key: str) -> list[float]:
+def _durations(kernels: list, key: str) -> list[float]:
     return [d for name, _, d in kernels if key in name]
 
 
@@ -285,21 +280,23 @@ def _time_arm(
 ) -> dict:  # fmt: skip
     fetchers = args.prefetch_ctas if ranges else 0
     separate = placement == "separate"
-    asks = [
-        prefetch.params_of(ranges, 0 if separate else fetchers, method == "bulk"),
-        prefetch.params_of(ranges, fetchers, method == "bulk"),
-    ]
-    params = [mx.array(gap_params(gap, x.size), dtype=mx.int32)]
-    params += [mx.array(ask, dtype=mx.int32) for ask in asks]
-    params.append(mx.array(gap_params(0.0, x.size), dtype=mx.int32))
+    bulk = method == "bulk"
+    # The waiting launch's scalars and ranges; a separate launch's (no wait, all the
+    # prefetch CTAs) before it.
+    waiting = [gap_params(gap, x.size)]
+    waiting.append(prefetch.params_of(ranges, 0 if separate else fetchers, bulk))
+    alone = [gap_params(0.0, x.size), prefetch.params_of(ranges, fetchers, bulk)]
+    waiting, alone = (
+        [mx.array(v, dtype=mx.int32) for v in p] for p in (waiting, alone)
+    )
     words = [mx.view(r, mx.uint32) for r in repacks]
-    mx.eval(params, words)
+    mx.eval(waiting, alone, words)
 
-    def gap_launch(source: mx.array, i: int, which: int, ctas: int) -> mx.array:
-        own = params[0] if which == 0 else params[3]
+    def gap_launch(source: mx.array, i: int, params: list, ctas: int) -> mx.array:
+        own, asks = params
         (y,) = launch_groups(
             GAP_SPEC,
-            [source, own, sets[i][0], words[i], params[1 + which]],
+            [source, own, sets[i][0], words[i], asks],
             [x.shape],
             [x.dtype],
             1 + COPIERS + ctas,
@@ -308,8 +305,8 @@ def _time_arm(
         return y
 
     def pair(i: int) -> mx.array:
-        source = gap_launch(x, i, 1, fetchers) if separate else x
-        return bound[i](gap_launch(source, i, 0, 0 if separate else fetchers))
+        source = gap_launch(x, i, alone, fetchers) if separate else x
+        return bound[i](gap_launch(source, i, waiting, 0 if separate else fetchers))
 
     out = pair(0)
     mx.eval(out)
@@ -319,8 +316,8 @@ def _time_arm(
             mx.eval(pair(rep % len(sets)))
 
     kernels = cupti_kernel_events(calls)
-    gaps = _median_by(kernels, "l2_prefetch_gap")
-    matmuls = _median_by(kernels, "tensor_q4")
+    gaps = _durations(kernels, "l2_prefetch_gap")
+    matmuls = _durations(kernels, "tensor_q4")
     # A separate prefetch launch is every other gap kernel: their medians add.
     launches = 2 if separate else 1
     gap_us = (

@@ -177,16 +177,23 @@ class FusedProjections:
     ) -> Dict[int, mx.array]:
         """Members ``first`` on: their columns of ``x @ stack.T``, by member index (one
         launch)."""
-        rows = self._rows_from(first)
         if self.form == "mlx":
+            rows = self._rows_from(first)
             product = mx.split(self._mlx_product(x, rows), rows.splits, axis=-1)
         else:
-            key = (x.shape, x.dtype, use_kernel, first)
-            bound = self._bound.get(key)
-            if bound is None:
-                bound = self._bound[key] = self._bind(x, use_kernel, rows)
-            product = bound(x)
+            product = self._bound_for(x, use_kernel, first)(x)
         return dict(enumerate(product, start=first))
+
+    def _bound_for(
+        self, x: mx.array, use_kernel: Optional[bool], first: int
+    ) -> Callable[[mx.array], List[mx.array]]:
+        """The kernel form's launch of members ``first`` on for inputs like ``x``,
+        bound on first use."""
+        key = (x.shape, x.dtype, use_kernel, first)
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = self._bound[key] = self._bind(x, use_kernel, self._rows_from(first))
+        return bound
 
     def reads_for(self, x: mx.array, use_kernel: Optional[bool]) -> Optional[tuple]:
         """The arrays the whole stack's launch for inputs like ``x`` streams (its
@@ -198,9 +205,7 @@ class FusedProjections:
         """
         if self.form != "kernel":
             return None
-        key = (x.shape, x.dtype, use_kernel, 0)
-        if key not in self._bound:
-            self._bound[key] = self._bind(x, use_kernel, self._rows_from(0))
+        self._bound_for(x, use_kernel, 0)
         return self.reads
 
     def _rows_from(self, first: int) -> "_Rows":

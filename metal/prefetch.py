@@ -178,7 +178,7 @@ def prefix_ranges(
     taken = wanted // row_bytes  # whole columns
     if taken == 0:
         return []
-    ranges: list[Range] = [(0, 0, _whole_lines(taken * row_bytes), 0, 1)]
+    ranges: list[Range] = [(0, 0, whole_lines(taken * row_bytes), 0, 1)]
     if scales_shape is None:
         return ranges
     if len(scales_shape) == 3 and scales_shape[1] == columns:
@@ -188,11 +188,12 @@ def prefix_ranges(
         if run % 16 == 0 and per_column * columns % 16 == 0:
             ranges.append((1, 0, run, per_column * columns, chunks))
     elif scales_shape[0] == columns:
-        ranges.append((1, 0, _whole_lines(taken * (scales_bytes // columns)), 0, 1))
+        ranges.append((1, 0, whole_lines(taken * (scales_bytes // columns)), 0, 1))
     return ranges
 
 
-def _whole_lines(nbytes: int) -> int:
+def whole_lines(nbytes: int) -> int:
+    """``nbytes`` down to whole 128-byte lines."""
     return nbytes // LINE * LINE
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -102,3 +103,40 @@ def test_probe_refuses_bad_flags_and_the_cpu(capsys) -> None:
         assert (
             capsys.readouterr().err.strip() == "l2_prefetch: needs mlx's CUDA backend"
         )
+
+
+@pytest.mark.parametrize("placement", ["fused", "separate"])
+def test_each_placement_hands_its_launches_the_wait_and_the_prefetch_ctas(
+    placement: str, monkeypatch
+) -> None:
+    """Fused: one gap launch that waits and carries the prefetch CTAs. Separate: a
+    launch of the prefetch CTAs alone (no wait), then the waiting launch without
+    them. Every launch reads the weights and the repack as words."""
+    launched = []
+
+    def launch(spec, inputs, shapes, dtypes, ctas, dtype):
+        source, own, weight, words, asks = inputs
+        launched.append((own.tolist(), asks.tolist()[0], ctas, weight, words.dtype))
+        return [source]
+
+    monkeypatch.setattr(l2_prefetch, "launch_groups", launch)
+    monkeypatch.setattr(l2_prefetch, "cupti_kernel_events", lambda run: run() or [])
+    args = l2_prefetch.parse_args(["--reps", "2", "--prefetch-ctas", "8"])
+    args.bandwidth = 1e12
+    x = mx.ones((2, 256), dtype=mx.bfloat16)
+    weight = mx.zeros((16, 32), dtype=mx.uint32)
+    repack = mx.zeros((1, 16, 8), dtype=mx.bfloat16)
+    ranges = [(0, 0, 128, 0, 1)]
+    row = l2_prefetch._time_arm(
+        args, "o_proj", 2, x, [(weight, None, None)], [lambda y: y], [repack], 5.0,
+        l2_prefetch.Arm("linear", 1), "line", placement, ranges, weight.nbytes,
+    )  # fmt: skip
+    copies = 1 + l2_prefetch.COPIERS
+    if placement == "fused":
+        want = [([5000, 512], 8, copies + 8)]
+    else:
+        want = [([0, 512], 8, copies + 8), ([5000, 512], 0, copies)]
+    got = [(own, fetchers, ctas) for own, fetchers, ctas, _, _ in launched]
+    assert got == want * 3  # the first pair, then each of the two timed
+    assert all(w is weight and dt == mx.uint32 for _, _, _, w, dt in launched)
+    assert row["placement"] == placement and row["prefetch_ctas"] == 8
