@@ -24,7 +24,10 @@ norm before a traced layer's MLP carries one for the MLP's fused 4-bit gate / up
 :data:`DEFAULT_MEGABYTES`; 0 turns it off). In τ = 6 rounds on an H100 (session 59)
 that took the matmuls 393-414 µs less a round and the norms 215-273 µs more (the
 prefetch CTAs keep the launch open while they issue): device busy 0.9-3.1 % less, the
-same bits.
+same bits. A tensor-core matmul's launch can carry the same CTAs
+(``bind_tensor_core``'s ``prefetch=``); session 60 measured o_proj carrying the gate /
+up's and the gate / up carrying mlp down's (``benchmarks/carried_prefetch.py``, an
+H100): each carrier grew 3.5-4.2 µs, as the norm had, so the norm keeps them.
 """
 
 from __future__ import annotations
@@ -249,10 +252,13 @@ class Prefetch:
         )
 
 
-def plan(reads: Sequence[mx.array], megabytes: int) -> Optional[Prefetch]:
+def plan(
+    reads: Sequence[mx.array], megabytes: int, fetchers: int = FETCHERS
+) -> Optional[Prefetch]:
     """The prefetch of a bound tensor-core matmul's weight stream (its ``reads``:
-    the weights, then the scales repack), ``megabytes`` of its weights; None when
-    there is nothing to ask for (0 megabytes, or no weights).
+    the weights, then the scales repack), ``megabytes`` of its weights, asked by
+    ``fetchers`` CTAs; None when there is nothing to ask for (0 megabytes, or no
+    weights).
 
     The arrays are evaluated here: a trace must not capture a lazy one.
     """
@@ -273,6 +279,6 @@ def plan(reads: Sequence[mx.array], megabytes: int) -> Optional[Prefetch]:
         return None
     asks_scales = any(which == 1 for which, *_ in ranges)
     words = mx.view(scales, mx.uint32) if asks_scales else weight
-    params = mx.array(params_of(ranges, FETCHERS), dtype=mx.int32)
+    params = mx.array(params_of(ranges, fetchers), dtype=mx.int32)
     mx.eval(weight, words, params)
-    return Prefetch(weight, words, params, FETCHERS, megabytes, tuple(reads))
+    return Prefetch(weight, words, params, fetchers, megabytes, tuple(reads))

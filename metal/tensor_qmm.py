@@ -127,6 +127,7 @@ import mlx.core as mx
 
 from . import backend, groups
 from .groups import GroupKernelSpec, int_params
+from .prefetch import Prefetch, with_prefetch
 from .sources import CUDA
 
 THREADS = 128
@@ -2579,6 +2580,7 @@ def cluster_spec(spec: GroupKernelSpec, cluster: int) -> GroupKernelSpec:
 # at every chunk (the copy issue 244 -> 320, static). Off, kept as the measured try.
 PERSISTENT = False
 PERSISTENT_ENV = "DFLASH_QMM_PERSISTENT"
+PERSISTENT_SUFFIX = "_persist"
 # Bytes of the scratch slot past the two K groups' exchange: the merge's flag.
 _FLAG_BYTES = 16
 
@@ -2766,7 +2768,7 @@ def persistent_spec(spec: GroupKernelSpec) -> GroupKernelSpec:
     helpers = spec.helpers if spec.helpers.startswith(bounds) else bounds + spec.helpers
     return dataclasses.replace(
         spec,
-        base=f"{spec.base}_persist",
+        base=spec.base + PERSISTENT_SUFFIX,
         helpers=helpers,
         body=_persistent(spec.body, mtiles),
     )
@@ -2984,6 +2986,11 @@ def bind_tensor_core(
         passes them in (:func:`~dflash.metal.qmm.compile_around`), as a region
         captured by a trace would be reused by every replay.
 
+        ``prefetch`` (:class:`~dflash.metal.prefetch.Prefetch`, CUDA only): the
+        launch also carries that many CTAs past its own that ask another launch's
+        weights into the L2 and exit (:func:`carrier_spec`); the result's bits are
+        the same.
+
         ``members`` (the first column of each sibling after the first, of a fused
         call) asks for the member-major store: where :func:`member_edges` takes them,
         the launch's ``member_edges`` attribute holds them and the result is the flat
@@ -3029,17 +3036,18 @@ def bind_tensor_core(
     shapes = (out_shape if plan.reduce_params is None else (1,), plan.shapes[1])
     reduce_shapes = [out_shape]
 
-    def launch(x: mx.array, counters: Optional[mx.array] = None) -> mx.array:
+    def launch(
+        x: mx.array,
+        counters: Optional[mx.array] = None,
+        prefetch: Optional[Prefetch] = None,
+    ) -> mx.array:
         if counters is None:
             counters = groups.launch_counters(plan.counters)
-        y, partial = groups.launch_groups(
-            plan.spec,
-            [x, *weights, counters],
-            shapes,
-            out_dtypes,
-            plan.groups,
-            dtype,
-        )
+        spec, ctas, inputs = plan.spec, plan.groups, [x, *weights, counters]
+        if prefetch is not None:
+            spec, ctas = carrier_spec(spec), ctas + prefetch.fetchers
+            inputs += prefetch.inputs
+        y, partial = groups.launch_groups(spec, inputs, shapes, out_dtypes, ctas, dtype)
         if plan.reduce_params is None:
             return y
         (y,) = groups.launch_groups(
@@ -3057,6 +3065,23 @@ def bind_tensor_core(
     # The arrays its weight stream reads (the scales / biases as repacked for it).
     launch.reads = tuple({id(a): a for a in weights[:-1]}.values())
     return launch
+
+
+def carrier_spec(spec: GroupKernelSpec) -> GroupKernelSpec:
+    """A matmul kernel carrying prefetch CTAs
+    (:func:`dflash.metal.prefetch.with_prefetch`): CTAs past its own, which its body
+    never sees (it indexes its work by ``group`` and its scalars, never by the grid).
+
+    Raises:
+        ValueError: The plan's kernel is a cluster-sum or persistent form (a cluster
+            must be whole; a persistent grid strides by the grid).
+    """
+    if spec.cluster > 1 or spec.base.endswith(PERSISTENT_SUFFIX):
+        raise ValueError(
+            f"{spec.base} cannot carry prefetch CTAs (a cluster-sum or "
+            "persistent form)"
+        )
+    return with_prefetch(spec)
 
 
 def scale_arrays(

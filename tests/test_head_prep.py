@@ -472,6 +472,27 @@ def test_cuda_kernel_gives_mlxs_bits_at_glimmer_shapes(seq, start, dtype) -> Non
 
 @pytest.mark.cuda
 @cuda
+@pytest.mark.parametrize("seq", [1, 16])
+@pytest.mark.parametrize("start", [0, 4096, 32768])
+@pytest.mark.parametrize("q_heads", [32, 8])
+def test_cuda_kernel_gives_mlxs_bits_at_the_drafters_shapes(
+    seq, start, q_heads
+) -> None:
+    """The Muse Glimmer drafter's heads (32 query and 8 key heads of 128, both norms
+    weighted, RoPE base 500000): a draft block, and a context append, whose keys stand
+    in the queries' slot too (8 heads in both)."""
+    case = Case(
+        mx.bfloat16, 128, 1, seq, q_heads, 8, start, 500000.0, True, True, 1.0, 1e-5, 3
+    )
+    queries, keys, weights = case.arrays()
+    arguments = case.arguments(weights)
+    got = heads.head_prep(queries, keys, use_kernel=True, **arguments)
+    want = heads.head_prep(queries, keys, use_kernel=False, **arguments)
+    assert _same_bits(got, want)
+
+
+@pytest.mark.cuda
+@cuda
 @settings(max_examples=20, deadline=None)
 @given(case=cases(dims=(64, 128), max_seq=16))
 def test_cuda_kernel_is_batch_invariant(case: Case) -> None:

@@ -6,6 +6,7 @@ arrays the matmul's own launch reads (the scales as a uint32 view, no copy)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -16,7 +17,7 @@ from support.compilers import NVCC, needs_nvcc
 from support.group_emulator import check_cuda
 from support.prefetch_walk import LINE, walked_lines
 
-from dflash.metal import norms, prefetch
+from dflash.metal import norms, prefetch, tensor_qmm
 from dflash.metal.groups import GroupKernelSpec
 from dflash.metal.sources import METAL
 
@@ -182,3 +183,71 @@ def test_cuda_a_norm_carrying_prefetch_ctas_gives_its_own_bits(rows: int) -> Non
         assert mx.array_equal(plain[0], carried[0]).item()
         if nxt is not None:
             assert mx.array_equal(plain[1], carried[1]).item()
+
+
+def _shipped_matmul_forms() -> list:
+    """The tensor-core matmul kernels Glimmer's verify calls launch by default (the
+    two-K-group forms: 4-bit groups of 64 in place, denormal and scaled, and dense),
+    at both row tiles."""
+    keys = [(4, 1), (4, 2)]
+    return (
+        [tensor_qmm.IN_PLACE_SPECS[(2, key, 64)] for key in keys]
+        + [tensor_qmm.DENORMAL_SPECS[(2, key, 64)] for key in keys]
+        + [tensor_qmm.SCALED_SPECS[(2, key, 64)] for key in keys]
+        + [tensor_qmm.FORM_SPECS[(False, 2)][(0, rows)] for rows in (1, 2)]
+    )
+
+
+@needs_nvcc
+def test_matmuls_carrying_prefetch_ctas_compile_for_sm90_without_spills(
+    tmp_path: Path,
+) -> None:
+    """Each shipped matmul form carrying prefetch CTAs compiles within its launch
+    bounds (at most 128 registers a thread, no spill): the walk must not push the
+    body's registers."""
+    specs = [tensor_qmm.carrier_spec(spec) for spec in _shipped_matmul_forms()]
+    result = check_cuda(
+        specs, tmp_path, NVCC, dtypes=(mx.bfloat16,), flags=("-Xptxas", "-v")
+    )
+    assert result.ok, f"{result.command}\n{result.log}"
+    spills = re.findall(
+        r"(\d+) bytes spill stores, (\d+) bytes spill loads", result.log
+    )
+    assert spills and all(a == "0" and b == "0" for a, b in spills), result.log
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", result.log)]
+    assert len(registers) >= len(specs) and max(registers) <= 128, result.log
+
+
+def test_a_carrier_keeps_the_body_and_refuses_cluster_and_persistent_forms() -> None:
+    form = tensor_qmm.IN_PLACE_SPECS[(2, (4, 2), 64)]
+    carrier = tensor_qmm.carrier_spec(form)
+    assert carrier.body.endswith(form.body)
+    assert carrier.shared_memory == form.shared_memory
+    assert carrier.input_names == form.input_names + prefetch.INPUT_NAMES
+    with pytest.raises(ValueError, match="cluster-sum or persistent"):
+        tensor_qmm.carrier_spec(tensor_qmm.cluster_spec(form, 2))
+    persistent = tensor_qmm.persistent_spec(tensor_qmm.SCALED_SPECS[(2, (4, 2), 64)])
+    with pytest.raises(ValueError, match="cluster-sum or persistent"):
+        tensor_qmm.carrier_spec(persistent)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("rows", [1, 16])
+def test_cuda_a_matmul_carrying_prefetch_ctas_gives_its_own_bits(rows: int) -> None:
+    """An o_proj-sized 4-bit matmul whose launch carries 32 prefetch CTAs over the
+    first 16 MB of a gate / up-sized weight gives the plain launch's bits."""
+    depth, columns = 4096, 6656
+    dense = (0.02 * mx.random.normal((columns, depth))).astype(mx.bfloat16)
+    weight, scales, biases = mx.quantize(dense, group_size=64, bits=4)
+    other = mx.random.randint(0, 2**30, (8192, 6656 // 8)).astype(mx.uint32)
+    repack = mx.random.normal((26, 8192, 8)).astype(mx.bfloat16)
+    x = mx.random.normal((rows, depth)).astype(mx.bfloat16)
+    mx.eval(weight, scales, biases, other, repack, x)
+    launch = tensor_qmm.bind_tensor_core(
+        rows, depth, weight, scales, biases, 4, 64, mx.bfloat16
+    )
+    plan = prefetch.plan((other, repack), 16)
+    plain, carried = launch(x), launch(x, prefetch=plan)
+    mx.eval(plain, carried)
+    assert mx.array_equal(plain, carried).item()
