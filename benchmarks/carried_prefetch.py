@@ -43,15 +43,9 @@ from dflash.metal import prefetch, qmm
 from dflash.metal.groups import launch_groups
 
 from .common import cupti_kernel_events, write_json
-from .l2_prefetch import COPIERS, GAP_SPEC, gap_params
-from .matmul_variants import SHAPES, weight_copies
-from .verify_kernels import (
-    GLIMMER,
-    _weights,
-    add_bandwidth_argument,
-    per_call_meta,
-    run_on_cuda,
-)
+from .l2_prefetch import COPIERS, GAP_SPEC, cold_weight_sets, gap_params
+from .matmul_variants import SHAPES
+from .verify_kernels import add_bandwidth_argument, per_call_meta, run_on_cuda
 
 PAIRS = {
     "o_proj>gate_up": ("o_proj", "mlp gate+up fused"),
@@ -66,14 +60,8 @@ class Side:
     """One side of a pair: its weight copies bound for ``rows`` rows, and its input."""
 
     def __init__(self, shape: str, rows: int, cold_bytes: int) -> None:
-        depth, columns = SHAPES[shape]
-        first = _weights(GLIMMER, depth, columns, 4)
-        self.nbytes = first[3]
-        sets = [first[:3]] + [
-            _weights(GLIMMER, depth, columns, 4)[:3]
-            for _ in range(weight_copies(self.nbytes, cold_bytes) - 1)
-        ]
-        self.x = mx.random.normal((rows, depth)).astype(mx.bfloat16)
+        sets, self.nbytes = cold_weight_sets(shape, cold_bytes)
+        self.x = mx.random.normal((rows, SHAPES[shape][0])).astype(mx.bfloat16)
         mx.eval(self.x)
         self.bound = [
             qmm.bind_matmul(

@@ -223,12 +223,7 @@ def run(args: argparse.Namespace) -> dict:
     result = {"meta": per_call_meta(args, l2_bytes=args.l2_bytes), "rows": []}
     for shape in args.shapes:
         depth, columns = SHAPES[shape]
-        first = _weights(GLIMMER, depth, columns, 4)
-        nbytes = first[3]
-        sets = [first[:3]] + [
-            _weights(GLIMMER, depth, columns, 4)[:3]
-            for _ in range(weight_copies(nbytes, args.cold_bytes) - 1)
-        ]
+        sets, nbytes = cold_weight_sets(shape, args.cold_bytes)
         for rows in args.rows:
             x = mx.random.normal((rows, depth)).astype(mx.bfloat16)
             mx.eval(x)
@@ -265,6 +260,20 @@ def run(args: argparse.Namespace) -> dict:
                         print(json.dumps(row), flush=True)
                         write_json(args.json, result)
     return result
+
+
+def cold_weight_sets(shape: str, cold_bytes: int) -> tuple[list, int]:
+    """Random 4-bit weights of a Glimmer projection (:data:`SHAPES`) as copies spanning
+    ``cold_bytes``, so that calls taking them in turn find none in the L2; returns the
+    ``(weight, scales, biases)`` copies and one copy's bytes."""
+    depth, columns = SHAPES[shape]
+    first = _weights(GLIMMER, depth, columns, 4)
+    nbytes = first[3]
+    sets = [first[:3]] + [
+        _weights(GLIMMER, depth, columns, 4)[:3]
+        for _ in range(weight_copies(nbytes, cold_bytes) - 1)
+    ]
+    return sets, nbytes
 
 
 def _ways(args: argparse.Namespace, ranges: list) -> list[tuple[str, str]]:
