@@ -3073,8 +3073,8 @@ def carrier_spec(spec: GroupKernelSpec) -> GroupKernelSpec:
     never sees (it indexes its work by ``group`` and its scalars, never by the grid).
 
     Raises:
-        ValueError: The plan's kernel is a cluster-sum or persistent form (a cluster
-            must be whole; a persistent grid strides by the grid).
+        ValueError: ``spec`` is a cluster-sum or persistent form: both opt-in, their
+            grids planned for their own CTAs alone, and not tested carrying others.
     """
     if spec.cluster > 1 or spec.base.endswith(PERSISTENT_SUFFIX):
         raise ValueError(
