@@ -20,7 +20,7 @@ Each asks the target's first ``--megabytes`` (whole columns and their scales:
 ``dflash.metal.prefetch.plan``) with ``--fetchers`` CTAs. Pairs: ``o_proj>gate_up``
 (the norm between them) and ``gate_up>down`` (mlx's SwiGLU between them). It reports
 the medians of each launch's device time (CUPTI) and their sum, and checks both
-matmuls' bits against the ``none`` arm's.
+matmuls' bits against the first arm's (``none`` by default).
 
 GPU (torch's interpreter, for CUPTI)::
 

@@ -27,7 +27,7 @@ prefetch CTAs keep the launch open while they issue): device busy 0.9-3.1 % less
 same bits. A tensor-core matmul's launch can carry the same CTAs
 (``bind_tensor_core``'s ``prefetch=``); session 60 measured o_proj carrying the gate /
 up's and the gate / up carrying mlp down's (``benchmarks/carried_prefetch.py``, an
-H100): each carrier grew 3.5-4.2 µs, as the norm had, so the norm keeps them.
+H100): each carrier grew 3.0-4.2 µs, as the norm had, so the norm keeps them.
 """
 
 from __future__ import annotations
