@@ -191,14 +191,17 @@ def _bare_launch(kernel, x: mx.array) -> mx.array:
 @contextmanager
 def stubbed_launches() -> Iterator[None]:
     """Our kernel path forced as on CUDA, each launch replaced by lazy zeros of its
-    outputs.
+    outputs that depend on its inputs.
 
     What is left of an op's build is our wrappers' Python (checks, plans, parameter
     arrays) and mlx's graph ops around the launch, not the launch's binding.
     """
 
     def launch_groups(spec, inputs, output_shapes, output_dtypes, count, dtype):
-        return [mx.zeros(shape, dt) for shape, dt in zip(output_shapes, output_dtypes)]
+        # Tied to the inputs (one ``Depends`` node, as a launch is one node): a stand-in
+        # with no inputs would let ``mx.compile`` drop every op that feeds a launch.
+        zeros = [mx.zeros(shape, dt) for shape, dt in zip(output_shapes, output_dtypes)]
+        return mx.depends(zeros, list(inputs))
 
     def use_kernel_path(use_kernel: Optional[bool], auto: bool) -> bool:
         return use_kernel is not False

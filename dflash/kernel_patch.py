@@ -92,7 +92,7 @@ from . import folded_attention as folded
 from . import gated_mlp, prepared_heads, residual_layers, traced_drafts
 from . import traced_layers as traced_layers_module
 from .cache.checkpoint import DEFERRED, RingPlaneCheckpoint
-from .cache.plane import KvPlane, RingPlane, kv_halves
+from .cache.plane import KvPlane, RingPlane
 from .fused_projections import (
     FusedProjections,
     MemberSlot,
@@ -101,6 +101,7 @@ from .fused_projections import (
 )
 from .metal import backend, heads, prefetch, qmm, tensor_qmm
 from .metal.attention import KeyPlane, small_query_attention, visible_bounds
+from .metal.layout import stacked_halves
 from .metal.qmm import bind_matmul, compile_around
 from .taps import target_layers
 
@@ -255,12 +256,13 @@ def _key_source(cache: KvPlane, keys: mx.array, values: mx.array, count: int, wi
         and guard.start == start
         and guard.pending.shape[cache.kv_axis] == count
     ):
-        # A verify block held back: the ring as it was before the block, then the block.
+        # A verify block held back: the ring as it was before the block, then the block
+        # (a stacked launch output or ``mx.stack``: row-contiguous, one view a half).
         meta = guard.meta
         plane = KeyPlane.from_kv(
             cache.kv, meta.len, meta.origin_logical, meta.origin_physical
         )
-        return (plane, *kv_halves(guard.pending))
+        return (plane, *stacked_halves(guard.pending))
     first, _ = visible_bounds(start, window or 0, True, cache.offset)
     if first >= cache.origin_logical:
         # The chunk was written and nothing a query needs was evicted.

@@ -202,12 +202,11 @@ def _pre_attention(
     ``(2, B, Hkv, L, D)`` and the gate ``(B, L, Hq * D)``.
     """
     attn = layer.self_attn
-    batch, length, _ = x.shape
     h = x if handed else layer.input_layernorm(x)
-    queries = attn.q_proj(h).reshape(batch, length, attn.n_heads, attn.head_dim)
-    keys = attn.k_proj(h).reshape(batch, length, attn.n_kv_heads, attn.head_dim)
-    values = attn.v_proj(h).reshape(batch, length, attn.n_kv_heads, attn.head_dim)
-    queries, block = heads.launch_head_prep(queries, keys, prep, prep_ints, values)
+    # The head prep takes the projections with their heads merged: no reshapes.
+    queries, block = heads.launch_head_prep(
+        attn.q_proj(h), attn.k_proj(h), prep, prep_ints, attn.v_proj(h), attn.head_dim
+    )
     return queries, block, attn.gate_proj(h)
 
 
@@ -246,9 +245,10 @@ def _post_attention(
     Shapes: x ``(B, L, H)``; queries ``(B, L, Hq, D)``; gate ``(B, L, Hq * D)``;
     returns ``(B, L, H)``.
 
-    Besides the launches, the trace holds only the views the matmuls' counters and
-    the fused projections' members need: each view is one more array that every
-    replay builds and mlx's encode visits.
+    Besides the launches, the trace holds only one view per fused projection's member
+    and at most one split of the counters: each view is one more array that every
+    replay builds and mlx's encode visits (session 61: 23.75 graph nodes a verify
+    layer, from 38.25; ``benchmarks.graph_nodes``).
     """
     attn = layer.self_attn
     batch, length, _ = x.shape
@@ -266,22 +266,24 @@ def _post_attention(
 class _Replay:
     """One trace of a layer half: its compiled function and the counters a call takes.
 
-    The first call runs the half eagerly and counts the counters its launches take;
-    later calls replay the trace with one fresh pool region of that many.
+    The first call runs the half eagerly and counts the counters its launches take
+    (each launch's region); later calls replay the trace with one fresh pool region of
+    that many, which the trace cuts by those regions.
     """
 
-    __slots__ = ("function", "compiled", "counters")
+    __slots__ = ("function", "compiled", "counters", "regions")
 
     def __init__(self, function: Callable) -> None:
         self.function = function
         self.compiled: Optional[Callable] = None
         self.counters = 0
+        self.regions: Tuple[int, ...] = ()
 
     def __call__(self, *inputs: mx.array) -> Any:
         if self.compiled is None:
             with groups.counter_feed(groups.CounterFeed()) as feed:
                 out = self.function(*inputs)
-            self.counters = feed.taken
+            self.counters, self.regions = feed.taken, tuple(feed.sizes)
             self.compiled = backend.compile_traced(self._fed)
             return out
         # A half whose launches take no counters gets a placeholder: no region cut
@@ -292,7 +294,8 @@ class _Replay:
         return self.compiled(counters, *inputs)
 
     def _fed(self, counters: mx.array, *inputs: mx.array) -> Any:
-        with groups.counter_feed(groups.CounterFeed(counters)):
+        # Cut by the regions counted: one split (or none) instead of a slice a launch.
+        with groups.counter_feed(groups.CounterFeed(counters, self.regions)):
             return self.function(*inputs)
 
 

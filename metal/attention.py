@@ -44,7 +44,7 @@ import numpy as np
 
 from . import backend, groups, tensor_attention
 from .groups import GroupKernelSpec, float_params, indent, int_params
-from .layout import leading_view
+from .layout import stacked_halves
 
 # Keys per chunk: the unit of the fixed reduction order (absolute positions).
 CHUNK = 256
@@ -95,13 +95,14 @@ class KeyPlane:
         origin_logical: int = 0,
         origin_physical: int = 0,
     ) -> "KeyPlane":
-        """A plane from a stacked K/V buffer (its halves are views, not copies).
+        """A plane from a stacked K/V buffer (its halves are views, not copies: one
+        node each, so ``kv`` must be row-contiguous, as a plane's buffer is).
 
         Shapes: kv ``(2, B, Hkv, C, D)``.
         """
         if kv.ndim != 5 or kv.shape[0] != 2:
             raise ValueError(f"kv must have shape (2, B, Hkv, C, D), got {kv.shape}")
-        keys, values = leading_view(kv, 0), leading_view(kv, 1)
+        keys, values = stacked_halves(kv)
         return cls(keys, values, length, origin_logical, origin_physical)
 
     @property

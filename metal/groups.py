@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import functools
 import hashlib
+import itertools
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional, Sequence
@@ -363,34 +364,74 @@ class CounterFeed:
     A compiled function that launches several counter-taking kernels takes one
     counters array as an input and, while tracing, cuts every launch's region from
     it: each replay is then given a fresh pool region, and no fill runs inside it.
+    Given the ``sizes`` a counting feed recorded, the regions are cut by one split
+    (a lone region is the array itself): one graph node a replay instead of one a
+    launch, each of them host work at every replay (session 61).
 
     Attributes:
         source: The array regions are cut from (None: counting, regions come from
             the pool).
         taken: Counters handed out so far.
+        sizes: Counting: each region's size, in order. Given with ``source``: the
+            regions the call will take (it must take exactly these).
     """
 
-    def __init__(self, source: Optional[mx.array] = None) -> None:
+    def __init__(
+        self, source: Optional[mx.array] = None, sizes: Optional[Sequence[int]] = None
+    ) -> None:
         self.source = source
         self.taken = 0
+        self.sizes: list[int] = [] if sizes is None else list(sizes)
+        self._regions: Optional[list[mx.array]] = None
 
     def take(self, count: int) -> mx.array:
         """The next ``count`` counters.
 
         Raises:
-            RuntimeError: the source array has fewer than ``count`` left.
+            RuntimeError: the source array has fewer than ``count`` left, or the call
+                asks for another region than the ``sizes`` given.
         """
         start, end = self.taken, self.taken + count
         if self.source is None:
             self.taken = end
+            self.sizes.append(count)
             return COUNTER_POOL.take(count)
         if end > self.source.shape[0]:
             raise RuntimeError(
                 f"a counter feed of {self.source.shape[0]} counters was asked for "
                 f"{end}: the call launches more than when it was counted"
             )
+        if not self.sizes:
+            self.taken = end
+            return self.source[start:end]
+        index = self._given
+        if index >= len(self.sizes) or self.sizes[index] != count:
+            raise RuntimeError(
+                f"a counter feed counted as regions {self.sizes} was asked for "
+                f"{count} counters as region {index}: the call launches otherwise "
+                "than when it was counted"
+            )
         self.taken = end
-        return self.source[start:end]
+        self._given += 1
+        return self._cut()[index]
+
+    _given = 0
+
+    def _cut(self) -> list[mx.array]:
+        """The regions of ``sizes``, cut once: the source itself for a lone region,
+        else one split."""
+        if self._regions is None:
+            if sum(self.sizes) != self.source.shape[0]:
+                raise RuntimeError(
+                    f"a counter feed of {self.source.shape[0]} counters was given "
+                    f"regions {self.sizes}"
+                )
+            if len(self.sizes) == 1:
+                self._regions = [self.source]
+            else:
+                edges = list(itertools.accumulate(self.sizes[:-1]))
+                self._regions = mx.split(self.source, edges)
+        return self._regions
 
 
 _FEED: contextvars.ContextVar[Optional[CounterFeed]] = contextvars.ContextVar(

@@ -441,15 +441,29 @@ def launch_head_prep(
     prep: Prep,
     ints: mx.array,
     values: Optional[mx.array] = None,
+    head_dim: Optional[int] = None,
 ) -> Tuple[mx.array, mx.array]:
     """:func:`kernel_head_prep` with its integer scalars given (:func:`head_prep_ints`
     of these shapes and ``prep``; ``prep.start`` is not read here), so that a traced
     caller can take them as an input.
 
-    Shapes: as :func:`kernel_head_prep`; ints ``(8,)``.
+    Args:
+        queries, keys, prep, values: As :func:`kernel_head_prep`.
+        ints: :func:`head_prep_ints` of the call.
+        head_dim: Given, the inputs come with their heads merged on the last axis,
+            as the projections give them (the kernel reads the same row-major
+            elements, so the caller's reshapes, a graph node each, are not needed);
+            the outputs are shaped as without it.
+
+    Shapes: as :func:`kernel_head_prep`, or with ``head_dim`` queries ``(B, S, Hq *
+    D)`` and keys and values ``(B, S, Hkv * D)``; ints ``(8,)``.
     """
-    batch, seq, q_heads, dim = queries.shape
-    k_heads = keys.shape[2]
+    if head_dim is None:
+        batch, seq, q_heads, dim = queries.shape
+        k_heads = keys.shape[2]
+    else:
+        (batch, seq, q_width), dim = queries.shape, head_dim
+        q_heads, k_heads = q_width // dim, keys.shape[2] // dim
     q_rows, k_rows = batch * seq * q_heads, batch * seq * k_heads
     fparams = _float_params(
         prep.eps,
@@ -461,7 +475,7 @@ def launch_head_prep(
     )
     blank = groups.unused_input(queries.dtype)
     if values is None:
-        k_shape, rows = keys.shape, q_rows + k_rows
+        k_shape, rows = (batch, seq, k_heads, dim), q_rows + k_rows
     else:
         k_shape, rows = (2, batch, k_heads, seq, dim), q_rows + 2 * k_rows
     q_out, k_out = groups.launch_replayed(
@@ -475,7 +489,7 @@ def launch_head_prep(
             ints,
             fparams,
         ],
-        [queries.shape, k_shape],
+        [(batch, seq, q_heads, dim), k_shape],
         [queries.dtype, queries.dtype],
         -(-rows // ROWS_PER_GROUP),
         queries.dtype,

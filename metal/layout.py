@@ -32,6 +32,43 @@ def leading_view(array: mx.array, index: int) -> mx.array:
     return mx.squeeze(array[index : index + 1], axis=0)
 
 
+@functools.lru_cache(maxsize=1024)
+def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a row-contiguous array of ``shape``."""
+    strides = [1] * len(shape)
+    for axis in range(len(shape) - 2, -1, -1):
+        strides[axis] = strides[axis + 1] * shape[axis + 1]
+    return tuple(strides)
+
+
+def contiguous_view(array: mx.array, shape: Sequence[int], offset: int = 0) -> mx.array:
+    """``prod(shape)`` consecutive elements of ``array`` from flat element ``offset``,
+    as one row-contiguous view of ``shape`` (one graph node).
+
+    A slice then a reshape (or a squeeze) is two nodes, and every node of a forward
+    is host work each time it is built, replayed and encoded (session 61). mlx
+    flattens ``array`` first: nothing for a 1-D array (a launch's flat output), a
+    view of a row-contiguous one, a copy of a strided one (its logical elements are
+    read either way), one node more for any of more than one axis.
+    """
+    shape = tuple(shape)
+    return mx.as_strided(array, shape, row_major_strides(shape), offset)
+
+
+def stacked_halves(kv: mx.array) -> tuple[mx.array, mx.array]:
+    """``kv[0]`` and ``kv[1]`` of a stacked ``(2, ...)`` array, as two graph nodes for
+    both halves: the stack axis merged into the next (a view of a row-contiguous
+    ``kv``, as a plane buffer or a launch's stacked output is; a copy otherwise), then
+    one split. :func:`leading_view` makes two nodes a half.
+
+    Shapes: kv ``(2, B, *S)``; returns ``(B, *S)`` twice.
+    """
+    shape = kv.shape
+    merged = kv.reshape(2 * shape[1], *shape[2:])
+    keys, values = mx.split(merged, 2)
+    return keys, values
+
+
 ROW_DTYPES: tuple[mx.Dtype, ...] = (mx.float16, mx.bfloat16, mx.float32)
 
 # Kernel indices are 32-bit: one launch may touch at most this many words.

@@ -127,6 +127,7 @@ import mlx.core as mx
 
 from . import backend, groups
 from .groups import GroupKernelSpec, int_params
+from .layout import contiguous_view
 from .prefetch import Prefetch, with_prefetch
 from .sources import CUDA
 
@@ -3116,8 +3117,9 @@ def leading_shape(rows: int, lead: Optional[Sequence[int]]) -> tuple[int, ...]:
 def member_views(
     y: mx.array, edges: Sequence[int], lead: Optional[Sequence[int]] = None
 ) -> list[mx.array]:
-    """Each member's ``(*lead, width)`` result in a member-major ``y`` (views: one
-    slice and one reshape each).
+    """Each member's ``(*lead, width)`` result in a member-major ``y`` (one view node
+    each: :func:`~dflash.metal.layout.contiguous_view` of the launch's row-contiguous
+    output).
 
     Shapes: y ``(rows * N,)`` (or ``(rows, N)``), members stored as blocks at
     ``edges``; ``lead`` multiplies to ``rows`` (default: ``y``'s first extent);
@@ -3125,10 +3127,9 @@ def member_views(
     """
     lead = (y.shape[0],) if lead is None else tuple(lead)
     rows = math.prod(lead)
-    flat = y if y.ndim == 1 else y.reshape(-1)
-    bounds = (0, *edges, flat.size // rows)
+    bounds = (0, *edges, y.size // rows)
     return [
-        flat[lo * rows : hi * rows].reshape(*lead, hi - lo)
+        contiguous_view(y, (*lead, hi - lo), lo * rows)
         for lo, hi in zip(bounds, bounds[1:])
     ]
 

@@ -272,6 +272,42 @@ def test_each_token_of_a_stacked_block_gets_the_bits_it_gets_alone(
     assert_each_token_of_the_block_gets_its_bits_alone(case)
 
 
+def launch_merged_and_split(case: Case, stacked: bool):
+    """One launch of ``case`` with the heads split ``(B, S, H, D)`` and one with them
+    merged ``(B, S, H * D)`` as the projections give them (``head_dim``)."""
+    queries, keys, weights = case.arrays()
+    values = case.values() if stacked else None
+    arguments = case.arguments(weights)
+    prep = heads.Prep(
+        arguments["eps"], arguments["k_eps"], arguments["q_weight"],
+        arguments["k_weight"], arguments["q_scale"], 1.0, arguments["rope_base"],
+        1.0, arguments["start"],
+    )  # fmt: skip
+    ints = heads.head_prep_ints(queries.shape, case.k_heads, prep, stacked)
+    split = heads.launch_head_prep(queries, keys, prep, ints, values)
+
+    def merge(array):
+        return None if array is None else array.reshape(case.batch, case.seq, -1)
+
+    merged = heads.launch_head_prep(
+        merge(queries), merge(keys), prep, ints, merge(values), head_dim=case.dim
+    )
+    return merged, split
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=_SHARED)
+@given(case=cases(), stacked=st.booleans())
+def test_emulated_merged_heads_give_the_split_heads_outputs(
+    metal_on_cpu, case: Case, stacked: bool
+) -> None:
+    """A traced layer hands the head prep its projections with the heads merged
+    (no reshapes): the launch reads the same elements, so it gives the same shapes
+    and bits as with the heads split."""
+    merged, split = launch_merged_and_split(case, stacked)
+    assert [a.shape for a in merged] == [a.shape for a in split], case
+    assert _same_bits(merged, split), case
+
+
 @pytest.mark.parametrize("name", sorted(STACK_MUTANTS))
 def test_stacked_block_mutants_fail_the_oracle(
     metal_on_cpu, monkeypatch, name: str
@@ -532,3 +568,13 @@ def test_cuda_stacked_block_gives_mlxs_bits_at_glimmer_shapes(seq, dtype) -> Non
 @given(case=cases(dims=(64, 128), max_seq=16))
 def test_cuda_stacked_block_is_batch_invariant(case: Case) -> None:
     assert_each_token_of_the_block_gets_its_bits_alone(case)
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=30, deadline=None)
+@given(case=cases(), stacked=st.booleans())
+def test_cuda_merged_heads_give_the_split_heads_outputs(case: Case, stacked) -> None:
+    merged, split = launch_merged_and_split(case, stacked)
+    assert [a.shape for a in merged] == [a.shape for a in split], case
+    assert _same_bits(merged, split), case
