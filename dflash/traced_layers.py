@@ -247,7 +247,7 @@ def _post_attention(
 
     Besides the launches, the trace holds only one view per fused projection's member
     and at most one split of the counters: each view is one more array that every
-    replay builds and mlx's encode visits (session 61: 23.75 graph nodes a verify
+    replay builds and mlx's encode visits (session 61: 22.25 graph nodes a verify
     layer, from 38.25; ``benchmarks.graph_nodes``).
     """
     attn = layer.self_attn

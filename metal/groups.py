@@ -310,12 +310,24 @@ class CounterPool:
     launch costs a fill kernel each (four a decoder layer); regions of one pooled
     array cost one fill per :attr:`size` counters. A region is never handed out twice,
     so launches never share one, whatever mlx runs concurrently.
+
+    Regions are cut ahead, per size asked, :data:`REGIONS_A_CUT` at a time: one slice
+    of the fill and one split of it. A region then costs a quarter of a graph node,
+    where a slice a region was one node a replay (two a traced layer, each host work
+    at every replay; session 61).
+
+    Attributes:
+        size: Counters a fill holds.
+        fills: Fills made so far.
     """
 
     def __init__(self, size: int = 1 << 16) -> None:
         self.size = size
-        self._zeros: Optional[mx.array] = None
-        self._next = size
+        self.fills = 0
+        # Per region size: the regions cut and not handed out (last first), and the
+        # fill they are cut from with its first counter not cut yet.
+        self._cut: dict[int, list[tuple[int, int, mx.array]]] = {}
+        self._source: dict[int, tuple[int, mx.array, int]] = {}
         self._lock = threading.Lock()
 
     def _fill(self) -> mx.array:
@@ -323,15 +335,38 @@ class CounterPool:
 
     def take(self, count: int) -> mx.array:
         """``count`` (>= 1) zeroed counters no other call of this pool gets."""
+        return self.take_located(count)[2]
+
+    def take_located(self, count: int) -> tuple[int, int, mx.array]:
+        """:meth:`take`, with where the region lies: ``(fill, start, region)``, the
+        fill's number (0 for a region longer than a fill: zeros of its own) and the
+        region's first counter in it."""
         if count > self.size:
-            return mx.zeros((count,), mx.int32)
+            return 0, 0, mx.zeros((count,), mx.int32)
         with self._lock:
-            if self._next + count > self.size:
-                self._zeros, self._next = self._fill(), 0
-            start, self._next = self._next, self._next + count
-            return self._zeros[start : start + count]
+            regions = self._cut.get(count)
+            if not regions:
+                regions = self._cut[count] = self._cut_ahead(count)
+            return regions.pop()
+
+    def _cut_ahead(self, count: int) -> list[tuple[int, int, mx.array]]:
+        """The next regions of ``count`` (last first): a new fill when this size's
+        fill has no room left for one."""
+        number, fill, start = self._source.get(count, (0, None, self.size))
+        if start + count > self.size:
+            self.fills += 1
+            number, fill, start = self.fills, self._fill(), 0
+        regions = min(REGIONS_A_CUT, (self.size - start) // count)
+        end = start + regions * count
+        block = fill if (start, end) == (0, self.size) else fill[start:end]
+        pieces = mx.split(block, regions) if regions > 1 else [block]
+        self._source[count] = (number, fill, end)
+        return [(number, start + i * count, p) for i, p in enumerate(pieces)][::-1]
 
 
+# Regions of one size cut at a time: mlx makes a split of up to 10 pieces one node,
+# of more one slice a piece.
+REGIONS_A_CUT = 8
 COUNTER_POOL = CounterPool()
 
 

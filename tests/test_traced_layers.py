@@ -251,14 +251,14 @@ def test_each_replay_takes_its_own_counters(
     tiny_stack, kernel_path_on_cpu, monkeypatch
 ):
     regions = []
-    real = groups.CounterPool.take
+    real = groups.CounterPool.take_located
 
-    def take(pool, count):
-        region = real(pool, count)
-        regions.append((id(pool._zeros), pool._next - count, count))
-        return region
+    def take_located(pool, count):
+        fill, start, region = real(pool, count)
+        regions.append((fill, start, count))
+        return fill, start, region
 
-    monkeypatch.setattr(groups.CounterPool, "take", take)
+    monkeypatch.setattr(groups.CounterPool, "take_located", take_located)
     verify_run(tiny_stack, True, [16, 16, 16])
     # The tiny stack's launches take none: its replays cut no region.
     assert not regions
