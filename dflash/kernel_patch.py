@@ -257,7 +257,7 @@ def _key_source(cache: KvPlane, keys: mx.array, values: mx.array, count: int, wi
         and guard.pending.shape[cache.kv_axis] == count
     ):
         # A verify block held back: the ring as it was before the block, then the block
-        # (a stacked launch output or ``mx.stack``: row-contiguous, one view a half).
+        # (its halves two graph nodes: ``stacked_halves``).
         meta = guard.meta
         plane = KeyPlane.from_kv(
             cache.kv, meta.len, meta.origin_logical, meta.origin_physical

@@ -418,6 +418,7 @@ class CounterFeed:
         self.taken = 0
         self.sizes: list[int] = [] if sizes is None else list(sizes)
         self._regions: Optional[list[mx.array]] = None
+        self._given = 0  # regions handed out (with sizes given)
 
     def take(self, count: int) -> mx.array:
         """The next ``count`` counters.
@@ -449,8 +450,6 @@ class CounterFeed:
         self.taken = end
         self._given += 1
         return self._cut()[index]
-
-    _given = 0
 
     def _cut(self) -> list[mx.array]:
         """The regions of ``sizes``, cut once: the source itself for a lone region,
