@@ -10,6 +10,7 @@ from .demo import demo_available, load_demo
 from .dflash_round import dflash_generate_step
 from .drafter import DFlashDrafter, DrafterConfig, DrafterContext, DraftProposal
 from .generation import generate, generate_step, stream_generate
+from .launch_mode import prefer_direct_launches
 from .loader import DrafterLoadError, load_drafter, save_drafter
 from .sampling import SamplingParams, make_sampler
 from .speculative import speculative_generate_step
@@ -35,6 +36,7 @@ __all__ = [
     "load_prompt_cache",
     "make_prompt_cache",
     "make_sampler",
+    "prefer_direct_launches",
     "save_drafter",
     "save_prompt_cache",
     "speculative_generate_step",

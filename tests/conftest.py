@@ -178,6 +178,19 @@ def assert_lossless(
         return
 
 
+@pytest.fixture(autouse=True)
+def _cuda_graphs_setting_restored(monkeypatch):
+    """The commands set ``MLX_USE_CUDA_GRAPHS`` (:mod:`dflash.launch_mode`); whatever a
+    test sets, the next test sees the process's own value."""
+    name = "MLX_USE_CUDA_GRAPHS"
+    value = os.environ.get(name)
+    monkeypatch.setenv(name, "")  # records the value to put back after the test
+    if value is None:
+        monkeypatch.delenv(name)
+    else:
+        monkeypatch.setenv(name, value)
+
+
 @pytest.fixture
 def glimmer():
     return tiny_model("muse_glimmer", seed=0)

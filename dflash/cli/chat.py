@@ -26,6 +26,7 @@ from typing import Any, Iterator, List, Optional
 
 import mlx.core as mx
 
+from ..launch_mode import prefer_direct_launches
 from .common import (
     DEMO_NAME,
     Models,
@@ -312,6 +313,7 @@ def run(args: argparse.Namespace) -> None:
     Args:
         args: Parsed ``dflash-chat`` flags.
     """
+    prefer_direct_launches()  # before any GPU evaluation: mlx reads it once
     make_cli_sampler(args)  # refuses bad settings before any model loads
     mx.random.seed(args.seed)
     if args.load_session:  # a file for other models is refused before they load

@@ -13,6 +13,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from ..launch_mode import prefer_direct_launches
 from .common import (
     DEMO_NAME,
     DraftRounds,
@@ -228,6 +229,7 @@ def run(args: argparse.Namespace) -> None:
     """
     from .. import stream_generate
 
+    prefer_direct_launches()  # before any GPU evaluation: mlx reads it once
     _check_flags(args)
     make_cli_sampler(args)  # refuses bad settings before any model loads
     if args.seed is not None:

@@ -27,6 +27,7 @@ from ..cli.common import (
     number,
     run_cli,
 )
+from ..launch_mode import prefer_direct_launches
 from .policy import POLICIES, SHIFT
 
 PROG = "dflash-server"
@@ -315,6 +316,7 @@ def serve(args) -> None:
     """Load the models, bind the port, and serve until interrupted."""
     uvicorn, create_app = _server_stack()
 
+    prefer_direct_launches()  # before any GPU evaluation: mlx reads it once
     _check_sampling(args)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(message)s"
