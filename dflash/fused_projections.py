@@ -36,13 +36,13 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .metal import backend, tensor_qmm
-from .metal.qmm import bind_matmul, compile_around
+from .metal import backend, qmm, tensor_qmm
+from .metal.qmm import BoundMatmul, bind_matmul, compile_around
 from .metal.tensor_qmm import member_views
 
 # Member names per parent: an attention module's input projections, an MLP's gate / up.
@@ -51,6 +51,11 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj", "gate_proj"), ("gate_proj", "up_proj"
 FUSED_ENV = "DFLASH_FUSED_PROJECTIONS"
 # How the stacked product is computed: our small-row kernel, or mlx's own matmul.
 FORMS = ("kernel", "mlx")
+# The attribute (in the instance dict) holding a member's MemberSlot, as the kernel
+# patch sets it.
+MEMBER_SLOT = "_dflash_fused"
+# An answer not worked out yet (None is one).
+_UNSET = object()
 
 
 def fuse_wanted() -> bool:
@@ -145,8 +150,12 @@ class FusedProjections:
         }
         # The kernel form's members' columns per input (shape, dtype, use_kernel) and
         # first member launched, planned once (compiled where backend.compile_bound
-        # says so).
+        # says so); the whole fused output per input, where asked for.
         self._bound: Dict[tuple, Callable[[mx.array], List[mx.array]]] = {}
+        # The launch each of those wraps (bound once, shared by both).
+        self._matmuls: Dict[tuple, BoundMatmul] = {}
+        # member_offsets' answer per input (shape, dtype, use_kernel).
+        self._offsets: Dict[tuple, Optional[Tuple[int, ...]]] = {}
         # The arrays the whole stack's tensor-core launch streams (its ``reads``:
         # the weights, then the scales repack), once one is bound; what a launch
         # before it may ask into the L2 (dflash.metal.prefetch).
@@ -192,8 +201,111 @@ class FusedProjections:
         key = (x.shape, x.dtype, use_kernel, first)
         bound = self._bound.get(key)
         if bound is None:
-            bound = self._bound[key] = self._bind(x, use_kernel, self._rows_from(first))
+            rows = self._rows_from(first)
+            matmul = self._matmul_for(x, use_kernel, first, rows)
+            bound = self._bound[key] = self._bind(x, matmul, rows)
         return bound
+
+    def _matmul_for(
+        self,
+        x: mx.array,
+        use_kernel: Optional[bool],
+        first: int,
+        rows: Optional["_Rows"] = None,
+    ) -> BoundMatmul:
+        """The kernel form's launch of members ``first`` on (their stacked ``rows``,
+        looked up if not given) for inputs like ``x`` (bound on first use; host work
+        only)."""
+        key = (x.shape, x.dtype, use_kernel, first)
+        matmul = self._matmuls.get(key)
+        if matmul is None:
+            rows = self._rows_from(first) if rows is None else rows
+            matmul = self._matmuls[key] = self._bind_matmul(x, use_kernel, rows)
+        return matmul
+
+    def member_offsets(
+        self, x: mx.array, use_kernel: Optional[bool]
+    ) -> Optional[Tuple[int, ...]]:
+        """Where each member's columns of ``x`` start in the whole stack's fused
+        output (:meth:`fused_output`), in elements: member ``i``'s ``(rows, N_i)``
+        block is row-contiguous from there (``rows`` the rows of ``x``). None where
+        that output is not member-major: the mlx form, a set built with ``tails``,
+        a launch that is not the tensor-core form or stores the plain layout, or an
+        input the members' own patched calls would not hand to this set's launch
+        (its dtype not the stack's, or one the kernels do not take). Binds the
+        launch if it is not yet (host work only); memoised per input geometry.
+
+        Args:
+            x: An input like those to come (its shape and dtype are what count).
+            use_kernel: The kernel choice the members' calls pass.
+
+        Returns:
+            One element offset a member, in member order, or None.
+
+        Shapes: x ``(..., K)``.
+        """
+        key = (x.shape, x.dtype, use_kernel)
+        offsets = self._offsets.get(key, _UNSET)
+        if offsets is _UNSET:
+            offsets = self._offsets[key] = self._member_offsets(x, use_kernel)
+        return offsets
+
+    def _member_offsets(
+        self, x: mx.array, use_kernel: Optional[bool]
+    ) -> Optional[Tuple[int, ...]]:
+        """:meth:`member_offsets` worked out (a memo miss)."""
+        if self.form != "kernel" or self.tails or not self._takes(x):
+            return None
+        edges = getattr(self._matmul_for(x, use_kernel, 0), "member_edges", ())
+        if not edges:
+            return None
+        rows = x.size // x.shape[-1]
+        return tuple(first * rows for first in (0, *edges))
+
+    def _takes(self, x: mx.array) -> bool:
+        """Whether each member's patched call hands ``x`` to this set's launch (the
+        kernel patch's matmul arguments: a dtype the kernels take and the stack's
+        own, a quantization they take, K a multiple of 8)."""
+        depth = x.shape[-1] if x.ndim else 0
+        if x.dtype not in qmm.DTYPES or depth % 8 or x.size // max(depth, 1) < 1:
+            return False
+        if self.scales is None:
+            return self.weight.dtype == x.dtype
+        return (
+            self.bits in qmm.BITS
+            and self.group_size in qmm.GROUP_SIZES
+            and self.scales.dtype == x.dtype
+            and self.biases.dtype == x.dtype
+        )
+
+    def fused_output(
+        self, x: mx.array, use_kernel: Optional[bool]
+    ) -> Optional[Tuple[mx.array, Tuple[int, ...]]]:
+        """The whole stack's output for ``x`` as its one launch stores it, and each
+        member's element offset in it (:meth:`member_offsets`), with no view of any
+        member: for kernels that read the members in place (the head prep, the gated
+        fold). The same launch and bits as the members' own calls (which take views
+        of this output); None where :meth:`member_offsets` is None.
+
+        Args:
+            x: The members' input.
+            use_kernel: The kernel choice the members' calls pass.
+
+        Returns:
+            ``(y, offsets)``, or None (nothing launched).
+
+        Shapes: x ``(..., K)``; y the flat ``(rows * N,)`` output, member ``i`` its
+        ``(rows, N_i)`` block from ``offsets[i]`` on.
+        """
+        offsets = self.member_offsets(x, use_kernel)
+        if offsets is None:
+            return None
+        key = (x.shape, x.dtype, use_kernel, "fused")
+        run = self._bound.get(key)
+        if run is None:
+            matmul = self._matmul_for(x, use_kernel, 0)
+            run = self._bound[key] = compile_around(matmul, matmul)
+        return run(x), offsets
 
     def reads_for(self, x: mx.array, use_kernel: Optional[bool]) -> Optional[tuple]:
         """The arrays the whole stack's launch for inputs like ``x`` streams (its
@@ -205,7 +317,7 @@ class FusedProjections:
         """
         if self.form != "kernel":
             return None
-        self._bound_for(x, use_kernel, 0)
+        self._matmul_for(x, use_kernel, 0)
         return self.reads
 
     def _rows_from(self, first: int) -> "_Rows":
@@ -220,18 +332,25 @@ class FusedProjections:
             rows = self._tails[first] = _Rows(*arrays, splits)
         return rows
 
-    def _bind(self, x: mx.array, use_kernel: Optional[bool], rows: "_Rows"):
-        """``x -> columns of x @ rows.T`` per member, for inputs of ``x``'s shape and
-        dtype, planned once."""
+    def _bind_matmul(
+        self, x: mx.array, use_kernel: Optional[bool], rows: "_Rows"
+    ) -> BoundMatmul:
+        """The launch of ``x @ rows.T`` for inputs of ``x``'s shape and dtype (the
+        members' edges asked for the member-major store)."""
         depth = x.shape[-1]
-        lead = x.shape[:-1]
         matmul = bind_matmul(
             (x.size // depth, depth), x.dtype, rows.weight, rows.scales, rows.biases,
             bits=self.bits, group_size=self.group_size, use_kernel=use_kernel,
-            members=rows.splits, lead=lead,
+            members=rows.splits, lead=x.shape[:-1],
         )  # fmt: skip
         if rows is self._tails[0] and getattr(matmul, "reads", None):
             self.reads = matmul.reads
+        return matmul
+
+    def _bind(self, x: mx.array, matmul: BoundMatmul, rows: "_Rows"):
+        """``x -> columns of x @ rows.T`` per member through ``matmul``, for inputs of
+        ``x``'s shape and dtype."""
+        lead = x.shape[:-1]
         splits = rows.splits
         # Stored member by member (the tensor-core form): each member is a view.
         edges = getattr(matmul, "member_edges", ())
@@ -368,7 +487,8 @@ def _kept_stack(members: List[nn.Module]) -> Optional[dict]:
 
 
 class MemberSlot:
-    """A member's place in its group (kept on the layer as a plain attribute)."""
+    """A member's place in its group (kept on the layer as a plain attribute, named
+    :data:`MEMBER_SLOT`)."""
 
     def __init__(self, group: FusedProjections, index: int) -> None:
         self.group = group

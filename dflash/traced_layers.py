@@ -10,7 +10,10 @@ blocks over a dflash KV plane), :func:`layer_forward` runs a layer as:
 
 1. one replay of the **pre-attention trace**: the input norm, the fused q/k/v/gate
    launch and the head prep, whose integers (the RoPE position among them) come in as
-   an array;
+   an array; where the fused launch stores its members as blocks (the tensor-core
+   form), the head prep reads q, k and v in place in its output, and the gated fold
+   below the gate, at the members' offsets (:func:`fused_offsets`): no view of a
+   member, each a graph node every replay builds and encodes;
 2. the plane's bookkeeping in Python: the block is handed to
    ``update_and_fetch_block`` (held back under a checkpoint, written otherwise) and the
    attention's plan is made, as the route makes it (once a step for each attention kind:
@@ -68,7 +71,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import residual_layers
+from . import fused_projections, residual_layers
 from .cache.plane import RingPlane
 from .metal import attention, backend, groups, heads, prefetch
 from .residual_layers import NORMS, layer_geometry
@@ -187,10 +190,82 @@ def forward_matches(layer: nn.Module, base: type) -> bool:
 # ------------------------------------------------------------------ the traces
 
 
+# The attention's projections one fused set must hold, in this order, for the head
+# prep and the gated fold to read them in place.
+FUSED_MEMBERS = ("q_proj", "k_proj", "v_proj", "gate_proj")
+
+
+@dataclass(frozen=True)
+class _Fused:
+    """The attention's q / k / v / gate projections served by one member-major fused
+    launch, read in place: its set, the kernel choice its members' calls pass, and
+    each member's element offset in its output (:func:`fused_offsets`)."""
+
+    group: fused_projections.FusedProjections
+    use_kernel: Optional[bool]
+    offsets: Tuple[int, int, int, int]
+
+
+def fused_offsets(
+    layer: nn.Module, x: mx.array, handed: bool, use_kernel: Optional[bool]
+) -> Optional[Tuple[int, int, int, int]]:
+    """Where q, k, v and the gate start in the one fused output of ``layer``'s
+    attention projections for the pre-attention trace's input ``x`` (elements), or
+    None where the trace takes the projections one call each: they are not exactly
+    one fused set of :data:`FUSED_MEMBERS` in that order, each member still served by
+    it, whose launch for the projections' input is member-major
+    (:meth:`~dflash.fused_projections.FusedProjections.member_offsets`), with each
+    member as wide as its heads.
+
+    Args:
+        layer: A layer :func:`serves` takes.
+        x: The trace's input: the layer's input, or with ``handed`` the rows the
+            previous layer normed for it (the projections' input itself).
+        handed: See ``x``.
+        use_kernel: The route's choice, which the members' patched calls pass.
+
+    Returns:
+        ``(q, k, v, gate)`` element offsets, or None.
+
+    Shapes: x ``(B, L, H)``.
+    """
+    attn = layer.self_attn
+    members = [getattr(attn, name, None) for name in FUSED_MEMBERS]
+    slot = getattr(members[0], "__dict__", {}).get(fused_projections.MEMBER_SLOT)
+    if slot is None:
+        return None
+    group = slot.group
+    if len(group.members) != len(members):
+        return None
+    # Each member called alone would take its columns of this set's launch.
+    for index, (member, held) in enumerate(zip(members, group.members)):
+        own = getattr(member, "__dict__", {}).get(fused_projections.MEMBER_SLOT)
+        if (
+            member is not held
+            or own is None
+            or own.group is not group
+            or own.index != index
+            or not group.serves(index, member)
+        ):
+            return None
+    # The projections see the input norm's rows: x's shape, and x's dtype where the
+    # norm's weight has it (else the members' calls see another dtype than x's).
+    weight = getattr(layer.input_layernorm, "weight", None)
+    if not handed and (weight is None or weight.dtype != x.dtype):
+        return None
+    q_width, kv_width = attn.n_heads * attn.head_dim, attn.n_kv_heads * attn.head_dim
+    widths = tuple(stop - start for start, stop in group.bounds)
+    if widths != (q_width, kv_width, kv_width, q_width):
+        return None
+    offsets = group.member_offsets(x, use_kernel)
+    return None if offsets is None else tuple(offsets)
+
+
 def _pre_attention(
     layer: nn.Module,
     prep: heads.Prep,
     handed: bool,
+    fused: Optional[_Fused],
     x: mx.array,
     prep_ints: mx.array,
 ) -> Tuple[mx.array, mx.array, mx.array]:
@@ -198,11 +273,33 @@ def _pre_attention(
     first half, in its order); with ``handed``, ``x`` is the input already normed (the
     previous layer's hand-off).
 
+    With ``fused``, the projections are the one launch of their fused set, whose
+    member-major output the head prep reads q, k and v from in place (at the offsets
+    ``prep_ints`` carries: :func:`_pre_call`) and which stands for the gate too: no
+    view of any member is made (one graph node each, every replay).
+
     Shapes: x ``(B, L, H)``; returns queries ``(B, L, Hq, D)``, the stacked block
-    ``(2, B, Hkv, L, D)`` and the gate ``(B, L, Hq * D)``.
+    ``(2, B, Hkv, L, D)`` and the gate ``(B, L, Hq * D)``, or with ``fused`` the fused
+    output ``(B * L * N,)`` (the gate from ``fused.offsets[3]`` on).
     """
     attn = layer.self_attn
     h = x if handed else layer.input_layernorm(x)
+    if fused is not None:
+        made = fused.group.fused_output(h, fused.use_kernel)
+        if made is None or made[1] != fused.offsets:
+            raise RuntimeError(
+                f"the fused projections' output for {h.shape} {h.dtype} is not the "
+                f"one planned (offsets {fused.offsets}, now "
+                f"{None if made is None else made[1]})"
+            )
+        y = made[0]
+        batch, length, _ = h.shape
+        queries, block = heads.launch_head_prep(
+            y, y, prep, prep_ints, y, attn.head_dim,
+            offsets=fused.offsets[:3],
+            geometry=(batch, length, attn.n_heads, attn.n_kv_heads),
+        )  # fmt: skip
+        return queries, block, y
     # The head prep takes the projections with their heads merged: no reshapes.
     queries, block = heads.launch_head_prep(
         attn.q_proj(h), attn.k_proj(h), prep, prep_ints, attn.v_proj(h), attn.head_dim
@@ -238,17 +335,20 @@ def _post_attention(
             one of its constants.
         x: The layer's input (the residual).
         queries: The prepared queries.
-        gate: The output gate, as its projection gives it.
+        gate: The output gate, as its projection gives it, or the fused q / k / v /
+            gate output it lies in (from ``form.gate_offset`` on: the fold reads it
+            in place).
         *arrays: :func:`dflash.metal.attention.launch_attention`'s arrays after the
             queries: the bound plane and block, then the integer and float scalars.
 
-    Shapes: x ``(B, L, H)``; queries ``(B, L, Hq, D)``; gate ``(B, L, Hq * D)``;
-    returns ``(B, L, H)``.
+    Shapes: x ``(B, L, H)``; queries ``(B, L, Hq, D)``; gate ``(B, L, Hq * D)`` (or
+    the fused ``(B * L * N,)``); returns ``(B, L, H)``.
 
-    Besides the launches, the trace holds only one view per fused projection's member
-    and at most one split of the counters: each view is one more array that every
-    replay builds and mlx's encode visits (session 61: 22.25 graph nodes a verify
-    layer, from 38.25; ``benchmarks.graph_nodes``).
+    Besides the launches, the trace holds only one view per member of the MLP's fused
+    gate / up and at most one split of the counters: each view is one more array that
+    every replay builds and mlx's encode visits (session 61: 22.25 graph nodes a verify
+    layer, from 38.25; the attention's q / k / v / gate read in place, 18.25;
+    ``benchmarks.graph_nodes``).
     """
     attn = layer.self_attn
     batch, length, _ = x.shape
@@ -316,7 +416,10 @@ class LayerTraces:
         sizes: Each module of the layer and its number of entries then.
         kind: The interned :func:`_attention_kind` of the layer's attention then (its
             settings are read when the traces are made, as the traces capture them).
-        pre: Pre-attention replays per input shape and dtype.
+        fused: :func:`fused_offsets` per pre-attention input (shape, dtype, whether
+            handed): worked out once while the layer holds these arrays.
+        pre: Pre-attention replays per input shape and dtype, hand-off and fused
+            offsets.
         post: Post-attention replays per interned geometry (input shapes, the
             attention form) and residual-norm choice.
     """
@@ -326,6 +429,7 @@ class LayerTraces:
     arrays: List[mx.array]
     sizes: Tuple[List[nn.Module], List[int]]
     kind: int
+    fused: Dict[tuple, Optional[Tuple[int, ...]]] = field(default_factory=dict)
     pre: Dict[tuple, _Replay] = field(default_factory=dict)
     post: Dict[tuple, _Replay] = field(default_factory=dict)
 
@@ -462,12 +566,25 @@ def _memo(table: Dict[tuple, Any], key: tuple, make: Callable[[], Any]) -> Any:
     return entry
 
 
-def _pre_call(attn: nn.Module, x: mx.array, start: int) -> _PreCall:
-    """The head prep of a call at ``start`` (a memo miss)."""
+def _pre_call(
+    attn: nn.Module,
+    x: mx.array,
+    start: int,
+    offsets: Optional[Tuple[int, ...]] = None,
+) -> _PreCall:
+    """The head prep of a call at ``start`` (a memo miss); with ``offsets`` (the
+    fused q / k / v / gate output's, :func:`fused_offsets`), reading q, k and v in
+    place there."""
     prep = prep_of(attn, start)
     batch, length, _ = x.shape
     q_shape = (batch, length, attn.n_heads, attn.head_dim)
-    return _PreCall(prep, heads.head_prep_ints(q_shape, attn.n_kv_heads, prep, True))
+    if offsets is None:
+        ints = heads.head_prep_ints(q_shape, attn.n_kv_heads, prep, True)
+    else:
+        ints = heads.head_prep_ints(
+            q_shape, attn.n_kv_heads, prep, True, offsets=tuple(offsets[:3])
+        )
+    return _PreCall(prep, ints)
 
 
 def _post_call(
@@ -478,8 +595,11 @@ def _post_call(
     window: Optional[int],
     chunk: int,
     start: int,
+    gate_offset: int = 0,
 ) -> _PostCall:
-    """The attention's plan, form and scalars and the trace's geometry (a memo miss).
+    """The attention's plan, form and scalars and the trace's geometry (a memo miss);
+    the gated fold reads its gate from element ``gate_offset`` on (of the fused
+    projections' output, or 0: the gate's own array).
 
     Raises:
         ValueError: The route refuses the call (:func:`attention.make_plan`).
@@ -489,11 +609,11 @@ def _post_call(
         queries.transpose(0, 2, 1, 3), plane, block_keys, block_values,
         window=window, causal=True, query_start=start, chunk=chunk,
     )  # fmt: skip
-    form = attention.kernel_form(plan, queries.dtype, gated=True)
+    form = attention.kernel_form(plan, queries.dtype, True, gate_offset)
     bound = attention.bound_arrays(plan, plane, block_keys, block_values)
     launch = form.launch
     geometry = (form.spec, launch.chunk_shapes, launch.chunk_groups, launch.out_shape)
-    geometry += (launch.fold_groups, form.dtype, x.shape, x.dtype)
+    geometry += (launch.fold_groups, form.dtype, x.shape, x.dtype, gate_offset)
     geometry += tuple((array.shape, array.dtype) for array in bound)
     floats = groups.float_params(float(attn.scale), 0.0)
     return _PostCall(
@@ -508,6 +628,7 @@ def _post_key(
     window: Optional[int],
     chunk: int,
     start: int,
+    gate_offset: int = 0,
 ) -> tuple:
     """Every input :func:`_post_call` reads, as a key (the queries follow from ``x``
     and the kind)."""
@@ -517,7 +638,7 @@ def _post_key(
     return (
         kind, x.shape, x.dtype, keys.shape, keys.dtype, plane.values.shape,
         plane.length, plane.origin_logical, plane.origin_physical, block, window,
-        chunk, start,
+        chunk, start, gate_offset,
     )  # fmt: skip
 
 
@@ -559,18 +680,31 @@ def layer_forward(
     attn = layer.self_attn
     length = x.shape[1]
     start = cache.offset
+    handed = _handed(layer, x)
+    source = x if handed is None else handed
+    # Whether the projections are one member-major launch read in place (once per
+    # input geometry while the layer holds its arrays).
+    fused_key = (source.shape, source.dtype, handed is not None)
+    offsets = traces.fused.get(fused_key, _UNSET)
+    if offsets is _UNSET:
+        offsets = fused_offsets(layer, source, handed is not None, use_kernel)
+        traces.fused[fused_key] = offsets
     pre_call = _memo(
         _PRE_CALLS,
-        (traces.kind, x.shape, start),
-        lambda: _pre_call(attn, x, start),
+        (traces.kind, x.shape, start, offsets),
+        lambda: _pre_call(attn, x, start, offsets),
     )
-    handed = _handed(layer, x)
     pre = _replay(
         traces.pre,
-        (x.shape, x.dtype, handed is not None),
-        lambda: partial(_pre_attention, layer, pre_call.prep, handed is not None),
-    )
-    queries, block, gate = pre(x if handed is None else handed, pre_call.ints)
+        (x.shape, x.dtype, handed is not None, offsets),
+        lambda: partial(
+            _pre_attention, layer, pre_call.prep, handed is not None,
+            _fused(attn, offsets, use_kernel),
+        ),
+    )  # fmt: skip
+    # With offsets, ``gate`` is the fused output, the gate from offsets[3] on.
+    queries, block, gate = pre(source, pre_call.ints)
+    gate_offset = 0 if offsets is None else offsets[3]
 
     fetched = cache.update_and_fetch_block(block, fetch=False)
     keys, values = (None, None) if fetched is None else fetched
@@ -579,8 +713,10 @@ def layer_forward(
     query_start = cache.offset - length
     post_call = _memo(
         _POST_CALLS,
-        _post_key(traces.kind, x, sources, window, chunk, query_start),
-        lambda: _post_call(attn, x, queries, sources, window, chunk, query_start),
+        _post_key(traces.kind, x, sources, window, chunk, query_start, gate_offset),
+        lambda: _post_call(
+            attn, x, queries, sources, window, chunk, query_start, gate_offset
+        ),
     )
     form = post_call.form
     bound = attention.bound_arrays(post_call.plan, *sources)
@@ -602,6 +738,20 @@ def layer_forward(
         return out
     _HANDOFF.value = (out[0], out[1], successor)
     return out[0]
+
+
+# An entry not worked out yet (None is one).
+_UNSET = object()
+
+
+def _fused(
+    attn: nn.Module, offsets: Optional[Tuple[int, ...]], use_kernel: Optional[bool]
+) -> Optional[_Fused]:
+    """The :class:`_Fused` a pre-attention trace with ``offsets`` takes (None: none)."""
+    if offsets is None:
+        return None
+    slot = attn.q_proj.__dict__[fused_projections.MEMBER_SLOT]
+    return _Fused(slot.group, use_kernel, tuple(offsets))
 
 
 # ------------------------------------------------------------------ the hand-off

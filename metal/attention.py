@@ -700,7 +700,8 @@ ATTEND_CHUNKS_BODY = (
 # row sees (sum > 0), then sum and weighted values rescaled by exp(m_u - M), added in
 # ascending chunk order; a chunk the row does not see adds an exact zero. The output is
 # stored (B, S, Hq, D), so the model's transpose back to (B, S, Hq * D) is a view, not a
-# copy. params: total, dim, n_chunks, n_heads, n_queries.
+# copy. params: total, dim, n_chunks, n_heads, n_queries, and the gated fold's
+# gate_offset (the element its gate starts at; 0 in every other call).
 #
 # Up to FOLD_HELD chunks (a call over fewer than ~8k keys), every load is issued first
 # into registers: one wait on memory, not one per unrolled batch of eight in each pass.
@@ -891,9 +892,12 @@ DFL_FN float dfl_sigmoid(float x) {
 #endif
 """
 FOLD_STORE = "  out[((b * n_queries + s) * n_heads + h) * dim + d] = T(acc / l);\n"
+# The gate is read from element fold_params[5] on (0 but where it is a member of one
+# fused, member-major projection output handed over whole: no view of it is made).
 FOLD_GATED_STORE = (
-    "  const int at = ((b * n_queries + s) * n_heads + h) * dim + d;\n"
-    "  out[at] = DFL_GATED(acc / l, gate[at]);\n"
+    "  const int stored = ((b * n_queries + s) * n_heads + h) * dim + d;\n"
+    "  const int at = fold_params[5] + stored;\n"
+    "  out[stored] = DFL_GATED(acc / l, gate[at]);\n"
 )
 FOLD_GATED = GroupKernelSpec(
     base="fold_gated",
@@ -946,7 +950,8 @@ def kernel_serves(plan: Plan) -> bool:
 
 @dataclass(frozen=True)
 class Launch:
-    """The two launches of one plan: parameter arrays, shapes, group counts."""
+    """The two launches of one plan: parameter arrays, shapes, group counts (the
+    fold's integers end with the gate's offset, 0 but for a gate read in place)."""
 
     ints: mx.array
     chunk_shapes: tuple[Shape, Shape]
@@ -957,9 +962,10 @@ class Launch:
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch(plan: Plan, rows_per_group: int) -> Launch:
+def _launch(plan: Plan, rows_per_group: int, gate_offset: int = 0) -> Launch:
     """:class:`Launch` of ``plan`` when a chunk pass group takes ``rows_per_group``
-    query rows (memoised: a step's layers of one kind share it)."""
+    query rows and a gated fold reads its gate from element ``gate_offset`` on
+    (memoised: a step's layers of one kind share it)."""
     group = plan.heads // plan.kv_heads
     row_blocks = -(-group * plan.queries // rows_per_group)
     ints = int_params(
@@ -974,7 +980,9 @@ def _launch(plan: Plan, rows_per_group: int) -> Launch:
         ints=ints,
         chunk_shapes=(rows + (plan.chunks, 2), rows + (plan.chunks, plan.dim)),
         chunk_groups=plan.batch * plan.kv_heads * plan.chunks * row_blocks,
-        fold_ints=int_params(total, plan.dim, plan.chunks, plan.heads, plan.queries),
+        fold_ints=int_params(
+            total, plan.dim, plan.chunks, plan.heads, plan.queries, gate_offset
+        ),
         out_shape=(plan.batch, plan.queries, plan.heads, plan.dim),
         fold_groups=-(-total // THREADS),
     )
@@ -1022,34 +1030,76 @@ def kernel_attention(
 @dataclass(frozen=True)
 class KernelForm:
     """What the two launches of a plan are, apart from their arrays: the chunk pass's
-    spec, the geometry (:class:`Launch`, with the plan's integer scalars) and whether
-    the fold applies a gate. Calls of equal forms differ only in their inputs."""
+    spec, the geometry (:class:`Launch`, with the plan's integer scalars), whether
+    the fold applies a gate and the element of its input the gate starts at. Calls of
+    equal forms differ only in their inputs."""
 
     spec: GroupKernelSpec
     launch: Launch
     dtype: mx.Dtype
     gated: bool
+    gate_offset: int = 0
 
 
-def kernel_form(plan: Plan, dtype: mx.Dtype, gated: bool) -> KernelForm:
+def kernel_form(
+    plan: Plan, dtype: mx.Dtype, gated: bool, gate_offset: int = 0
+) -> KernelForm:
     """The :class:`KernelForm` of ``plan`` for ``dtype`` queries.
 
+    Args:
+        plan: The call's plan.
+        dtype: The queries' dtype.
+        gated: Whether the fold applies an output gate.
+        gate_offset: With ``gated``, the element of the gate's input at which the gate
+            starts (its ``(B, S, Hq * D)`` elements follow in order there): a fused
+            projection's member-major output can be handed over whole, no view of
+            the gate made. It is carried in ``launch.fold_ints``.
+
+    Returns:
+        The form (its launch memoised per plan, group rows and gate offset).
+
     Raises:
-        ValueError: the kernel's compile-time limits do not cover ``plan``.
+        ValueError: the kernel's compile-time limits do not cover ``plan``, or
+            ``gate_offset`` is not an int >= 0 (0 without a gate) that an int32
+            index holds with the gate after it.
     """
+    _check_gate_offset(plan, gated, gate_offset)
     if not kernel_serves(plan):
         raise ValueError(
             f"the attention kernel serves 8 <= head_dim <= {KERNEL_MAX_DIM} and chunk <= "
             f"{KERNEL_MAX_CHUNK}, got head_dim {plan.dim} and chunk {plan.chunk}"
         )
     layout = tensor_layout() if uses_tensor_cores(plan, dtype) else None
-    launch = _launch(plan, layout.rows if layout is not None else ROWS)
+    launch = _launch(plan, layout.rows if layout is not None else ROWS, gate_offset)
     spec = (
         ATTEND_CHUNKS
         if layout is None
         else tensor_attention.attend_spec(plan.dim, layout)
     )
-    return KernelForm(spec, launch, dtype, bool(gated))
+    return KernelForm(spec, launch, dtype, bool(gated), gate_offset)
+
+
+# The most elements an int32 index of the fold reaches.
+MAX_INDEX = 2**31 - 1
+
+
+def _check_gate_offset(plan: Plan, gated: bool, gate_offset: int) -> None:
+    """Raise ValueError for a ``gate_offset`` :func:`kernel_form` cannot take."""
+    if gate_offset == 0 and type(gate_offset) is int:
+        return  # every call but a gate read in place
+    total = plan.batch * plan.heads * plan.queries * plan.dim
+    if (
+        isinstance(gate_offset, bool)
+        or not isinstance(gate_offset, int)
+        or gate_offset < 0
+        or gate_offset + total > MAX_INDEX
+    ):
+        raise ValueError(
+            f"gate_offset must be an int >= 0 with its {total} gate elements after it "
+            f"inside int32, got {gate_offset!r}"
+        )
+    if not gated:
+        raise ValueError(f"gate_offset {gate_offset} given for an ungated fold")
 
 
 def bound_arrays(
@@ -1090,18 +1140,34 @@ def launch_attention(
         keys, values, block_keys, block_values: :func:`bound_arrays` of the call.
         ints: The chunk pass's integer scalars (``form.launch.ints`` of the call's plan).
         floats: ``(scale, softcap or 0)`` as float32.
-        fold_ints: The fold's (``form.launch.fold_ints``).
-        gate: The output gate, given exactly when ``form.gated``.
+        fold_ints: The fold's (``form.launch.fold_ints``: the gate's offset among
+            them).
+        gate: The output gate, given exactly when ``form.gated``: read from element
+            ``form.gate_offset`` of it on.
         stored_shape: Given, the shape the fold's ``(B, S, Hq, D)`` buffer is
             declared in and returned as it is (a caller that merges the heads, as
             ``(B, S, Hq * D)``, then needs no transpose or reshape; the fold indexes
             by its scalars, not by shapes).
 
     Shapes: queries ``(B, S, Hq, D)``; gate ``(B, S, Hq, D)`` or any shape of its
-    elements in that order; returns ``(B, Hq, S, D)``, a transposed view of the
-    ``(B, S, Hq, D)`` buffer the fold stores (``stored_shape``: that buffer).
+    elements in that order (from ``form.gate_offset`` on: any array holding them
+    there); returns ``(B, Hq, S, D)``, a transposed view of the ``(B, S, Hq, D)``
+    buffer the fold stores (``stored_shape``: that buffer).
+
+    Raises:
+        ValueError: a gate read in place (``form.gate_offset``) whose elements run
+            past the end of ``gate``.
     """
     launch = form.launch
+    if form.gate_offset:
+        # A gate handed over whole: its reads must stay inside it (checked before
+        # anything is launched).
+        stop = form.gate_offset + math.prod(launch.out_shape)
+        if gate is None or stop > gate.size:
+            raise ValueError(
+                f"gate_offset {form.gate_offset} reads the gate up to element {stop}, "
+                f"past the {None if gate is None else gate.size} elements given"
+            )
     out_shape = launch.out_shape if stored_shape is None else tuple(stored_shape)
     stats, weighted = groups.launch_groups(
         form.spec,

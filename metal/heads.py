@@ -81,7 +81,10 @@ HEAD_PREP_HELPERS = """
 
 # One row (a head of a token, q rows first, then k rows, then, with STACK_KV, the v rows
 # to copy) per 32 threads; lane l holds vectors l and l + 32 of the row.
-# params: q_rows, k_rows, dim, q_heads, k_heads, seq, start, flags.
+# params: q_rows, k_rows, dim, q_heads, k_heads, seq, start, flags, then the element
+# offsets q_offset, k_offset, v_offset at which q, k and v start in their inputs (0 but
+# where the three are one fused, member-major projection output, handed over whole so
+# that no view of a member is a graph node).
 # fparams: q_eps, k_eps, q_scale, k_scale, log2(rope base), rope scale.
 HEAD_PREP_BODY = f"""
   const int ROWS = {ROWS_PER_GROUP};
@@ -94,6 +97,9 @@ HEAD_PREP_BODY = f"""
   const int seq = params[5];
   const int start = params[6];
   const int flags = params[7];
+  const int q_offset = params[8];
+  const int k_offset = params[9];
+  const int v_offset = params[10];
   const int VEC = int(16 / sizeof(T));
   const bool stacked = (flags & {STACK_KV}) != 0;
   const int slot = int(lid) / LANES;
@@ -117,7 +123,8 @@ HEAD_PREP_BODY = f"""
     if (live && vector * VEC < dim) {{
       for (int j = 0; j < VEC; ++j) {{
         const int e = vector * VEC + j;
-        const float t = is_q ? float(q[r * dim + e]) : float(k[r * dim + e]);
+        const float t = is_q ? float(q[q_offset + r * dim + e])
+                              : float(k[k_offset + r * dim + e]);
         sum = DFL_FMA(t, t, sum);
       }}
     }}
@@ -149,7 +156,8 @@ HEAD_PREP_BODY = f"""
     if (live && vector * VEC < dim) {{
       for (int j = 0; j < VEC; ++j) {{
         const int e = vector * VEC + j;
-        const float x = is_q ? float(q[r * dim + e]) : float(k[r * dim + e]);
+        const float x = is_q ? float(q[q_offset + r * dim + e])
+                              : float(k[k_offset + r * dim + e]);
         T value = T(x * normalizer);
         if (weighted) {{
           const float w = is_q ? float(q_weight[e]) : float(k_weight[e]);
@@ -180,7 +188,7 @@ HEAD_PREP_BODY = f"""
     for (int j = 0; j < VEC; ++j) {{
       const int e = vector * VEC + j;
       if (is_v) {{
-        k_out[out_row * dim + e] = v[r * dim + e];
+        k_out[out_row * dim + e] = v[v_offset + r * dim + e];
         continue;
       }}
       float value = normed[slot][e];
@@ -416,14 +424,67 @@ def kernel_head_prep(
     return launch_head_prep(queries, keys, prep, ints, values)
 
 
+# The most elements an int32 index of the body reaches.
+MAX_INDEX = 2**31 - 1
+# No offsets: each of q, k and v starts its own input.
+NO_OFFSETS = (0, 0, 0)
+
+
+def _check_offsets(offsets: Tuple[int, ...]) -> Tuple[int, int, int]:
+    """``offsets`` as a tuple of three ints >= 0 that an int32 index holds.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if not isinstance(offsets, (tuple, list)) or len(offsets) != 3:
+        raise ValueError(
+            f"offsets must be (q_offset, k_offset, v_offset), got {offsets!r}"
+        )
+    for name, offset in zip(("q_offset", "k_offset", "v_offset"), offsets):
+        if (
+            isinstance(offset, bool)
+            or not isinstance(offset, (int, np.integer))
+            or not 0 <= offset <= MAX_INDEX
+        ):
+            raise ValueError(
+                f"{name} must be an int in [0, {MAX_INDEX}], got {offset!r}"
+            )
+    return tuple(int(offset) for offset in offsets)
+
+
 def head_prep_ints(
-    q_shape: Tuple[int, ...], k_heads: int, prep: Prep, stacked: bool
+    q_shape: Tuple[int, ...],
+    k_heads: int,
+    prep: Prep,
+    stacked: bool,
+    offsets: Tuple[int, int, int] = NO_OFFSETS,
 ) -> mx.array:
-    """The launch's integer scalars (memoised): the runtime part of a head prep,
+    """The launch's integer scalars (memoised: :func:`~dflash.metal.groups.int_params`
+    keeps one array per set of values): the runtime part of a head prep,
     ``prep.start`` among them, which :func:`launch_head_prep` reads as an array.
 
-    Shapes: q_shape ``(B, S, Hq, D)``.
+    Args:
+        q_shape: The queries' heads ``(B, S, Hq, D)``.
+        k_heads: The keys' (and values') head count ``Hkv``.
+        prep: The head prep.
+        stacked: Whether the values come too (the stacked block).
+        offsets: ``(q_offset, k_offset, v_offset)``: the element at which the
+            queries', keys' and values' heads start in their inputs (see
+            :func:`launch_head_prep`'s ``offsets``; the same ones).
+
+    Returns:
+        The 11 int32 scalars: the 8 of the geometry, start and flags, then the
+        offsets.
+
+    Shapes: q_shape ``(B, S, Hq, D)``; returns ``(11,)``.
+
+    Raises:
+        ValueError: an offset is not an int in ``[0, 2**31 - 1]``.
     """
+    # The default skips the check: every unfused call takes it.
+    q_offset, k_offset, v_offset = (
+        NO_OFFSETS if offsets is NO_OFFSETS else _check_offsets(offsets)
+    )
     batch, seq, q_heads, dim = q_shape
     flags = (
         (Q_WEIGHT if prep.q_weight is not None else 0)
@@ -432,7 +493,30 @@ def head_prep_ints(
         | (STACK_KV if stacked else 0)
     )
     q_rows, k_rows = batch * seq * q_heads, batch * seq * k_heads
-    return int_params(q_rows, k_rows, dim, q_heads, k_heads, seq, prep.start, flags)
+    return int_params(
+        q_rows, k_rows, dim, q_heads, k_heads, seq, prep.start, flags,
+        q_offset, k_offset, v_offset,
+    )  # fmt: skip
+
+
+def _check_fused_reads(
+    arrays: Tuple[Tuple[str, Optional[mx.array], int, int], ...], dim: int
+) -> None:
+    """Raise ValueError unless each named input holds its heads from its offset on.
+
+    Args:
+        arrays: ``(name, input, offset, rows)`` per read input (None: not read).
+        dim: The head dim.
+    """
+    for name, given, offset, rows in arrays:
+        if given is None:
+            continue
+        stop = offset + rows * dim
+        if stop > given.size or stop > MAX_INDEX:
+            raise ValueError(
+                f"{name}_offset {offset} reads {rows} heads of {dim} up to element "
+                f"{stop}, past the {given.size} elements of {name} (or int32)"
+            )
 
 
 def launch_head_prep(
@@ -442,6 +526,8 @@ def launch_head_prep(
     ints: mx.array,
     values: Optional[mx.array] = None,
     head_dim: Optional[int] = None,
+    offsets: Optional[Tuple[int, int, int]] = None,
+    geometry: Optional[Tuple[int, int, int, int]] = None,
 ) -> Tuple[mx.array, mx.array]:
     """:func:`kernel_head_prep` with its integer scalars given (:func:`head_prep_ints`
     of these shapes and ``prep``; ``prep.start`` is not read here), so that a traced
@@ -449,21 +535,46 @@ def launch_head_prep(
 
     Args:
         queries, keys, prep, values: As :func:`kernel_head_prep`.
-        ints: :func:`head_prep_ints` of the call.
+        ints: :func:`head_prep_ints` of the call (with ``offsets``: of the same
+            offsets).
         head_dim: Given, the inputs come with their heads merged on the last axis,
             as the projections give them (the kernel reads the same row-major
             elements, so the caller's reshapes, a graph node each, are not needed);
             the outputs are shaped as without it.
+        offsets: ``(q_offset, k_offset, v_offset)``, with ``head_dim`` and
+            ``geometry``: the queries', keys' and values' heads are read from those
+            elements of their inputs on, each row-major ``(B, S, H * D)`` there. So
+            one member-major fused projection output can stand for all three (the
+            same array given as ``queries``, ``keys`` and ``values``: each member a
+            block at its offset), and no view of a member is made. Checked here (the
+            kernel reads them from ``ints``).
+        geometry: ``(B, S, Hq, Hkv)`` of the heads, with ``offsets`` (the inputs'
+            shapes then tell nothing of them).
 
     Shapes: as :func:`kernel_head_prep`, or with ``head_dim`` queries ``(B, S, Hq *
-    D)`` and keys and values ``(B, S, Hkv * D)``; ints ``(8,)``.
+    D)`` and keys and values ``(B, S, Hkv * D)``, or with ``offsets`` any arrays that
+    hold their heads from the offsets on; ints ``(11,)``; the outputs as without
+    ``head_dim``.
+
+    Returns:
+        ``(queries, keys)`` prepared, or ``(queries, block)`` with ``values``.
+
+    Raises:
+        ValueError: ``offsets`` without ``head_dim`` and ``geometry`` (or these
+            without ``offsets``), an offset that is not an int >= 0, a read past the
+            end of its input, or inputs of different dtypes.
     """
-    if head_dim is None:
-        batch, seq, q_heads, dim = queries.shape
-        k_heads = keys.shape[2]
+    if offsets is None and geometry is None:
+        if head_dim is None:
+            batch, seq, q_heads, dim = queries.shape
+            k_heads = keys.shape[2]
+        else:
+            (batch, seq, q_width), dim = queries.shape, head_dim
+            q_heads, k_heads = q_width // dim, keys.shape[2] // dim
     else:
-        (batch, seq, q_width), dim = queries.shape, head_dim
-        q_heads, k_heads = q_width // dim, keys.shape[2] // dim
+        batch, seq, q_heads, k_heads, dim = _fused_geometry(
+            queries, keys, values, head_dim, offsets, geometry
+        )
     q_rows, k_rows = batch * seq * q_heads, batch * seq * k_heads
     fparams = _float_params(
         prep.eps,
@@ -495,6 +606,60 @@ def launch_head_prep(
         queries.dtype,
     )
     return q_out, k_out
+
+
+def _fused_geometry(
+    queries: mx.array,
+    keys: mx.array,
+    values: Optional[mx.array],
+    head_dim: Optional[int],
+    offsets: Optional[Tuple[int, int, int]],
+    geometry: Optional[Tuple[int, int, int, int]],
+) -> Tuple[int, int, int, int, int]:
+    """``(B, S, Hq, Hkv, D)`` of a :func:`launch_head_prep` call with ``offsets``,
+    checked.
+
+    Raises:
+        ValueError: as :func:`launch_head_prep`.
+    """
+    if offsets is None or geometry is None or head_dim is None:
+        raise ValueError(
+            "offsets, geometry and head_dim go together: got offsets "
+            f"{offsets!r}, geometry {geometry!r}, head_dim {head_dim!r}"
+        )
+    q_offset, k_offset, v_offset = _check_offsets(offsets)
+    if (
+        not isinstance(geometry, (tuple, list))
+        or len(geometry) != 4
+        or any(
+            isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1
+            for n in geometry
+        )
+    ):
+        raise ValueError(
+            f"geometry must be (B, S, Hq, Hkv) of ints >= 1, got {geometry!r}"
+        )
+    dim = head_dim
+    if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)) or dim < 1:
+        raise ValueError(f"head_dim must be an int >= 1, got {head_dim!r}")
+    dtypes = {queries.dtype, keys.dtype} | (
+        {values.dtype} if values is not None else set()
+    )
+    if len(dtypes) != 1:
+        raise ValueError(
+            f"queries, keys and values must share a dtype, got {sorted(map(str, dtypes))}"
+        )
+    batch, seq, q_heads, k_heads = (int(n) for n in geometry)
+    q_rows, k_rows = batch * seq * q_heads, batch * seq * k_heads
+    _check_fused_reads(
+        (
+            ("q", queries, q_offset, q_rows),
+            ("k", keys, k_offset, k_rows),
+            ("v", values, v_offset, k_rows),
+        ),
+        int(dim),
+    )
+    return batch, seq, q_heads, k_heads, int(dim)
 
 
 def head_prep(

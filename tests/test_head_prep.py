@@ -69,9 +69,23 @@ STACK_MUTANTS = {
 }
 
 
+# The queries and keys read from the start of their inputs, whatever their offsets.
+OFFSET_MUTANTS = {
+    "offsets_ignored": dataclasses.replace(
+        heads.HEAD_PREP,
+        base="head_prep_offsets_ignored",
+        body=heads.HEAD_PREP.body.replace("q[q_offset + ", "q[").replace(
+            "k[k_offset + ", "k["
+        ),
+    ),
+}
+assert OFFSET_MUTANTS["offsets_ignored"].body.count("_offset + r") == 1  # v's only
+
+
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
     specs = list(heads.SPECS) + list(MUTANTS.values()) + list(STACK_MUTANTS.values())
+    specs += list(OFFSET_MUTANTS.values())
     return built_emulator(GroupEmulator, tmp_path_factory, "head_prep_emulator", specs)
 
 
@@ -394,6 +408,221 @@ def test_mutants_fail_the_oracle(metal_on_cpu, monkeypatch, name: str) -> None:
     assert not all(np.array_equal(_bits(g), w) for g, w in zip(got, want))
 
 
+# ------------------------------------------- q / k / v read in place at offsets
+
+
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """A member-major fused projection output holding ``case``'s queries, keys and
+    values (and a gate) as blocks, in ``order``, ``gaps`` elements before each block
+    (other members' columns, or anything: never read)."""
+
+    case: Case
+    stacked: bool
+    order: tuple
+    gaps: tuple
+
+    def arrays(self):
+        """``(y, offsets, copies)``: the fused output, the q / k / v offsets in it, and
+        the queries, keys and values as separate arrays with the heads merged."""
+        case = self.case
+        queries, keys, _ = case.arrays()
+        merged = {
+            "q": queries.reshape(case.batch, case.seq, -1),
+            "k": keys.reshape(case.batch, case.seq, -1),
+            "v": case.values().reshape(case.batch, case.seq, -1),
+            "gate": mx.random.normal(
+                queries.shape, key=mx.random.key(case.seed + 2)
+            ).astype(case.dtype),
+        }
+        parts, offsets, at = [], {}, 0
+        for index, (name, gap) in enumerate(zip(self.order, self.gaps)):
+            filler = 8 * mx.random.normal((gap,), key=mx.random.key(index))
+            parts.append(filler.astype(case.dtype))
+            offsets[name] = at + gap
+            block = merged[name].reshape(-1)
+            parts.append(block)
+            at += gap + block.size
+        # The fused output holds copies of the separate arrays (a concatenation).
+        y = mx.concatenate(parts)
+        copies = [merged[name] for name in "qkv"]
+        mx.eval(y, copies)
+        return y, (offsets["q"], offsets["k"], offsets["v"]), copies
+
+
+@st.composite
+def fused_cases(draw, dims=(16, 32, 64, 128, 256), max_seq=9):
+    return Fused(
+        case=draw(cases(dims=dims, max_seq=max_seq)),
+        stacked=draw(st.booleans()),
+        order=tuple(draw(st.permutations(["q", "k", "v", "gate"]))),
+        gaps=tuple(draw(st.lists(st.integers(0, 70), min_size=4, max_size=4))),
+    )
+
+
+def _prep(case: Case, weights) -> heads.Prep:
+    arguments = case.arguments(weights)
+    return heads.Prep(
+        arguments["eps"], arguments["k_eps"], arguments["q_weight"],
+        arguments["k_weight"], arguments["q_scale"], 1.0, arguments["rope_base"],
+        1.0, arguments["start"],
+    )  # fmt: skip
+
+
+def launch_in_place_and_copied(fused: Fused, offsets=None):
+    """One launch reading q, k and v in place in the fused output at their offsets
+    (``offsets``: these instead, for the launch's integers only), and one reading
+    the copied arrays (heads merged, no offsets)."""
+    case = fused.case
+    y, at, copies = fused.arrays()
+    prep = _prep(case, case.arrays()[2])
+    q_shape = (case.batch, case.seq, case.q_heads, case.dim)
+    ints = heads.head_prep_ints(
+        q_shape, case.k_heads, prep, fused.stacked, offsets=offsets or at
+    )
+    geometry = (case.batch, case.seq, case.q_heads, case.k_heads)
+    in_place = heads.launch_head_prep(
+        y, y, prep, ints, y if fused.stacked else None, case.dim,
+        offsets=at, geometry=geometry,
+    )  # fmt: skip
+    plain_ints = heads.head_prep_ints(q_shape, case.k_heads, prep, fused.stacked)
+    queries, keys, values = copies
+    copied = heads.launch_head_prep(
+        queries, keys, prep, plain_ints, values if fused.stacked else None, case.dim
+    )
+    return in_place, copied
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=_SHARED)
+@given(fused=fused_cases())
+def test_emulated_offsets_read_a_fused_output_as_the_copied_arrays(
+    metal_on_cpu, fused: Fused
+) -> None:
+    """The head prep handed one member-major fused output (q, k, v and a gate as
+    blocks, in any order, anything between them) with the members' offsets gives the
+    shapes and bits it gives the three arrays copied out of it."""
+    in_place, copied = launch_in_place_and_copied(fused)
+    assert [a.shape for a in in_place] == [a.shape for a in copied], fused
+    assert _same_bits(in_place, copied), fused
+
+
+def test_emulated_offsets_default_to_the_bits_without_them(metal_on_cpu) -> None:
+    """Every caller that gives no offsets reads its inputs from their start, as the
+    kernel did before the offsets (zeros among its integers)."""
+    case = Case(mx.bfloat16, 64, 1, 3, 2, 1, 9, 10000.0, True, False, 3.87, 1e-5, 4)
+    queries, keys, weights = case.arrays()
+    prep = _prep(case, weights)
+    ints = heads.head_prep_ints(queries.shape, case.k_heads, prep, False)
+    assert np.array(ints).tolist()[8:11] == [0, 0, 0]
+    zero = heads.head_prep_ints(
+        queries.shape, case.k_heads, prep, False, offsets=(0, 0, 0)
+    )
+    assert zero is ints  # memoised: the same array
+    got = heads.launch_head_prep(queries, keys, prep, ints)
+    want = oracle_head_prep(queries, keys, **case.arguments(weights))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(_bits(g), w)
+
+
+@pytest.mark.parametrize("slip", ["q_one_head_on", "k_at_v", "offsets_ignored"])
+def test_a_wrong_offset_gives_other_bits(metal_on_cpu, monkeypatch, slip) -> None:
+    """Negative controls: the queries read one head later, the keys read at the
+    values' offset, or a body that ignores the offsets: other bits than the copies'."""
+    case = Case(mx.bfloat16, 64, 1, 4, 3, 2, 17, 10000.0, False, True, 3.87, 1e-5, 8)
+    fused = Fused(case, True, ("q", "k", "v", "gate"), (5, 0, 3, 1))
+    _, (q, k, v), _ = fused.arrays()
+    if slip == "offsets_ignored":
+        monkeypatch.setattr(heads, "HEAD_PREP", OFFSET_MUTANTS[slip])
+        offsets = None
+    else:
+        offsets = (q + case.dim, k, v) if slip == "q_one_head_on" else (q, v, v)
+    in_place, copied = launch_in_place_and_copied(fused, offsets)
+    assert not _same_bits(in_place, copied)
+
+
+@pytest.mark.parametrize(
+    "offsets, message",
+    [
+        ((0, -1, 0), "k_offset must be an int"),
+        ((0, 0, 1.5), "v_offset must be an int"),
+        ((True, 0, 0), "q_offset must be an int"),
+        ((2**31, 0, 0), "q_offset must be an int"),
+        ((0, 0), r"offsets must be \(q_offset, k_offset, v_offset\)"),
+        ([0, 0, 0, 0], r"offsets must be \(q_offset, k_offset, v_offset\)"),
+    ],
+)
+def test_bad_offsets_are_refused_before_anything_is_made(
+    monkeypatch, offsets, message
+) -> None:
+    calls = []
+    monkeypatch.setattr(groups, "launch_groups", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(groups, "launch_replayed", lambda *a, **k: calls.append(a))
+    made = []
+    real = groups.int_params
+    monkeypatch.setattr(heads, "int_params", lambda *v: made.append(v) or real(*v))
+    prep = heads.Prep(1e-5)
+    y = mx.zeros((4096,))
+    with pytest.raises(ValueError, match=message):
+        heads.head_prep_ints((1, 2, 2, 32), 1, prep, True, offsets=offsets)
+    with pytest.raises(ValueError, match=message):
+        heads.launch_head_prep(
+            y, y, prep, real(0), y, 32, offsets=offsets, geometry=(1, 2, 2, 1)
+        )
+    assert not calls and not made
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        # 2 * 2 * 32 = 128 query elements from 4000 on: past the 4096.
+        (
+            dict(offsets=(4000, 0, 0)),
+            "q_offset 4000 reads 4 heads of 32 up to element 4128",
+        ),
+        (dict(offsets=(0, 4090, 0)), "k_offset 4090 reads 2 heads"),
+        (dict(offsets=(0, 0, 4033)), "v_offset 4033 reads 2 heads"),
+        (dict(geometry=None), "offsets, geometry and head_dim go together"),
+        (dict(offsets=None), "offsets, geometry and head_dim go together"),
+        (dict(head_dim=None), "offsets, geometry and head_dim go together"),
+        (dict(geometry=(1, 2, 0, 1)), r"geometry must be \(B, S, Hq, Hkv\)"),
+        (dict(geometry=(1, 2, 2)), r"geometry must be \(B, S, Hq, Hkv\)"),
+        (dict(keys=mx.zeros((4096,), mx.float16)), "must share a dtype"),
+    ],
+)
+def test_offsets_that_read_past_their_input_are_refused(
+    monkeypatch, change, message
+) -> None:
+    """A launch with offsets checks every read lies inside its input (and the
+    arguments that go with them) before anything is launched."""
+    calls = []
+    monkeypatch.setattr(groups, "launch_groups", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(groups, "launch_replayed", lambda *a, **k: calls.append(a))
+    y = mx.zeros((4096,))
+    arguments = dict(
+        queries=y, keys=y, prep=heads.Prep(1e-5), ints=groups.int_params(0),
+        values=y, head_dim=32, offsets=(0, 128, 192), geometry=(1, 2, 2, 1),
+    )  # fmt: skip
+    arguments.update(change)
+    with pytest.raises(ValueError, match=message):
+        heads.launch_head_prep(**arguments)
+    assert not calls
+
+
+def test_offsets_read_up_to_the_last_element(monkeypatch) -> None:
+    """The bounds are exact: a block that ends on the input's last element is taken."""
+    calls = []
+    monkeypatch.setattr(
+        groups, "launch_replayed", lambda *a, **k: calls.append(a) or [None, None]
+    )
+    y = mx.zeros((4096,))
+    # q: 128 elements, k and v: 64 each.
+    heads.launch_head_prep(
+        y, y, heads.Prep(1e-5), groups.int_params(0), y, 32,
+        offsets=(4096 - 128, 4096 - 64, 4096 - 64), geometry=(1, 2, 2, 1),
+    )  # fmt: skip
+    assert len(calls) == 1
+
+
 # ---------------------------------------------------------- the wrapper
 
 
@@ -578,3 +807,32 @@ def test_cuda_merged_heads_give_the_split_heads_outputs(case: Case, stacked) -> 
     merged, split = launch_merged_and_split(case, stacked)
     assert [a.shape for a in merged] == [a.shape for a in split], case
     assert _same_bits(merged, split), case
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=40, deadline=None)
+@given(fused=fused_cases(max_seq=17))
+def test_cuda_offsets_read_a_fused_output_as_the_copied_arrays(fused: Fused) -> None:
+    in_place, copied = launch_in_place_and_copied(fused)
+    assert [a.shape for a in in_place] == [a.shape for a in copied], fused
+    assert _same_bits(in_place, copied), fused
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("seq", [1, 16])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_cuda_offsets_give_mlxs_bits_at_glimmer_shapes(seq, dtype) -> None:
+    """Glimmer's fused q / k / v / gate output (32 query and 2 key heads of 128,
+    member-major, gaps of nothing): the launch reading it in place gives the copies'
+    bits, which are mlx's own ops' (the reference)."""
+    case = Case(dtype, 128, 1, seq, 32, 2, 4096, 500000.0, False, False, 3.87, 1e-5, 6)
+    fused = Fused(case, True, ("q", "k", "v", "gate"), (0, 0, 0, 0))
+    in_place, copied = launch_in_place_and_copied(fused)
+    assert _same_bits(in_place, copied)
+    queries, keys, weights = case.arrays()
+    want = heads.head_prep(
+        queries, keys, values=case.values(), use_kernel=False, **case.arguments(weights)
+    )
+    assert _same_bits(in_place, want)

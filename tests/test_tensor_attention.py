@@ -394,8 +394,16 @@ NOT_RUN_SINCE_CHANGED |= (
 # DFlash agreement (15 passed); calls E-G: full-size loops lossless.
 RAN_ON_THE_H200 |= {
     attention.FOLD_CHUNKS.name("cuda"),
-    attention.FOLD_GATED.name("cuda"),
+    "dflash_fold_gated_3e95804992",
     tensor_attention.attend_spec(128, tensor_attention.WIDE).name("cuda"),
+}
+# Session 62: the head prep reads q, k and v at element offsets (its params 11 ints)
+# and the gated fold its gate at one (fold_params' sixth), so that a traced layer hands
+# them the fused q / k / v / gate output whole: new texts.
+RAN_ON_THE_H200 -= {"dflash_head_prep_01ffae6b5c", "dflash_fold_gated_3e95804992"}
+NOT_RUN_SINCE_CHANGED |= {
+    heads.HEAD_PREP.name("cuda"),
+    attention.FOLD_GATED.name("cuda"),
 }
 
 

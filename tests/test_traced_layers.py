@@ -34,6 +34,7 @@ from mlx_lm.models import muse_glimmer
 
 from benchmarks import layer_stack
 from dflash import (
+    fused_projections,
     kernel_patch,
     prepared_heads,
     residual_layers,
@@ -48,15 +49,52 @@ cuda = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs mlx's CUDA b
 FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 
 
+def _size(shape) -> int:
+    size = 1
+    for extent in shape:
+        size *= extent
+    return size
+
+
+def _read_in_place(spec, inputs, output_shapes) -> list:
+    """The elements the head prep and the gated fold read of their inputs: q, k and
+    (with the stacked block) v, or the gate, from the offsets their integer scalars
+    end with on (a traced layer hands them one fused projection output), and those
+    scalars without the offsets; every other launch's inputs as they are. So a stand-in
+    mixing what it reads gives the eager layer's outputs exactly when the offsets
+    select the eager layer's arrays (the kernels' own reads at offsets are checked,
+    emulated, in tests/test_head_prep.py and tests/test_fused_offsets.py)."""
+
+    def taken(array, offset, size):
+        return mx.take(array.reshape(-1), offset + mx.arange(size, dtype=mx.int32))
+
+    if spec.base == heads.HEAD_PREP.base:
+        q, k, v, q_weight, k_weight, params, fparams = inputs
+        stacked = len(output_shapes[1]) == 5
+        k_size = _size(output_shapes[1]) // (2 if stacked else 1)
+        return [
+            taken(q, params[8], _size(output_shapes[0])),
+            taken(k, params[9], k_size),
+            taken(v, params[10], k_size) if stacked else v,
+            q_weight, k_weight, params[:8], fparams,
+        ]  # fmt: skip
+    if spec.base == attention.FOLD_GATED.base:
+        stats, weighted, fold_params, gate = inputs
+        gate = taken(gate, fold_params[5], _size(output_shapes[0]))
+        return [stats, weighted, fold_params[:5], gate]
+    return inputs
+
+
 def mixing_launch(spec, inputs, output_shapes, output_dtypes, count, dtype):
     """A stand-in launch whose outputs depend on every input, in integers only (so a
     fused trace computes the eager bits): the int32 inputs through their sums, the
     float ones through the sum of their integer parts and how many of their elements
     are positive; each output is that
     number plus the element's index, modulo 97 (bounded, and no two rows alike, so a
-    norm after it keeps the difference)."""
+    norm after it keeps the difference). The head prep and the gated fold mix what
+    they read (:func:`_read_in_place`)."""
     mixed = mx.array(0, mx.int32)
-    for array in inputs:
+    for array in _read_in_place(spec, inputs, output_shapes):
         if array.dtype == mx.int32:
             mixed = mixed + mx.sum(array) % 61
         elif array.dtype in FLOATS:
@@ -64,10 +102,7 @@ def mixing_launch(spec, inputs, output_shapes, output_dtypes, count, dtype):
             mixed = mixed + mx.sum((array > 0).astype(mx.int32)) % 61
     outs = []
     for index, (shape, out_dtype) in enumerate(zip(output_shapes, output_dtypes)):
-        size = 1
-        for extent in shape:
-            size *= extent
-        pattern = mx.arange(size, dtype=mx.int32).reshape(shape)
+        pattern = mx.arange(_size(shape), dtype=mx.int32).reshape(shape)
         outs.append(((pattern + mixed + index) % 97).astype(out_dtype))
     return outs
 
@@ -164,9 +199,9 @@ def test_a_trace_that_keeps_its_first_integers_is_caught(
     first = {}
     real = heads.head_prep_ints
 
-    def stale(q_shape, k_heads, prep, stacked):
+    def stale(q_shape, k_heads, prep, stacked, **offsets):
         key = (q_shape, k_heads, prep.rope_base)  # a sliding layer's, a full one's
-        return first.setdefault(key, real(q_shape, k_heads, prep, stacked))
+        return first.setdefault(key, real(q_shape, k_heads, prep, stacked, **offsets))
 
     monkeypatch.setattr(heads, "head_prep_ints", stale)
     got, _ = verify_run(tiny_stack, True, accepted)
@@ -707,10 +742,10 @@ def _count_input_norms(model, monkeypatch) -> List[int]:
     index = {id(layer): i for i, layer in enumerate(model.layers)}
     pre_attention = traced_layers._pre_attention
 
-    def counted(layer, prep, handed, x, prep_ints):
+    def counted(layer, prep, handed, *rest):
         if not handed:
             calls.append(index[id(layer)])
-        return pre_attention(layer, prep, handed, x, prep_ints)
+        return pre_attention(layer, prep, handed, *rest)
 
     monkeypatch.setattr(traced_layers, "_pre_attention", counted)
     return calls
@@ -922,7 +957,8 @@ def test_the_replays_hold_only_the_views_the_members_need(
     monkeypatch.setattr(groups, "launch_groups", standing_launch)
     counted = _replay_primitives(monkeypatch, tmp_path, wide_heads_stack(2))
     pre, post = counted["pre"], counted["post"]
-    assert pre["AsStrided"] == 4 and post["AsStrided"] == 2, (pre, post)
+    # q / k / v / gate are read in place in the fused output: no view of them.
+    assert pre["AsStrided"] == 0 and post["AsStrided"] == 2, (pre, post)
     for view in ("Reshape", "Transpose", "Squeeze"):
         assert pre[view] == post[view] == 0, (view, dict(pre), dict(post))
     # The counters region a replay is given comes from the pool, outside the trace
@@ -931,6 +967,155 @@ def test_the_replays_hold_only_the_views_the_members_need(
     assert pre["Slice"] <= 1 and post["Slice"] <= 1, (pre, post)
     assert pre["Split"] <= 1 + 1 and post["Split"] <= 1 + 1, (pre, post)
     assert pre["Depends"] == 2 and post["Depends"] == 5  # the launches
+
+
+def test_without_the_member_major_store_the_replays_take_the_members_views(
+    kernel_path_on_cpu, monkeypatch, tmp_path
+):
+    """Where the fused launch stores the plain layout (``DFLASH_QMM_MEMBER_MAJOR=0``)
+    nothing is read in place: the pre-attention trace takes the four members' views
+    (one node each) as before, and the same launches."""
+    monkeypatch.setenv(tensor_qmm.MEMBER_MAJOR_ENV, "0")
+    monkeypatch.setattr(groups, "launch_groups", standing_launch)
+    counted = _replay_primitives(monkeypatch, tmp_path, wide_heads_stack(2))
+    pre, post = counted["pre"], counted["post"]
+    assert pre["Split"] >= 1 and pre["AsStrided"] == 0, (pre, post)  # mx.split
+    assert pre["Depends"] == 2 and post["Depends"] == 5
+
+
+# ------------------------------------------------------- the members read in place
+
+
+@pytest.fixture(scope="module")
+def wide_stack():
+    """Two layers whose q / k / v / gate take the member-major tensor-core launch."""
+    return wide_heads_stack(2)
+
+
+def _in_place_calls(monkeypatch) -> list:
+    """Record the ``offsets`` each head prep launch is given (None: the members)."""
+    calls = []
+    real = heads.launch_head_prep
+
+    def recorded(*args, **kwargs):
+        calls.append(kwargs.get("offsets"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(heads, "launch_head_prep", recorded)
+    return calls
+
+
+@settings(
+    max_examples=3,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],  # patches only
+)
+@given(accepted=st.lists(st.integers(1, 16), min_size=3, max_size=5))
+def test_traced_layers_reading_the_fused_output_in_place_give_the_eager_outputs(
+    wide_stack, kernel_path_on_cpu, monkeypatch, accepted
+):
+    """With the tensor-core matmuls (member-major fused q / k / v / gate), the traces
+    hand the head prep and the gated fold the fused output with the members' offsets,
+    and give the eager layers' outputs (whose launches take the members' views) at
+    every step: the stand-in mixes what each launch reads at its offsets."""
+    # Each install traces anew (kept traces would not launch the head prep again).
+    monkeypatch.setenv(kernel_patch.KEEP_TRACES_ENV, "0")
+    want, offsets = verify_run(wide_stack, False, accepted, context=48)
+    calls = _in_place_calls(monkeypatch)
+    used = []
+    real_traces = traced_layers._traces
+
+    def recorded_traces(layer, slot):
+        used.append(real_traces(layer, slot))
+        return used[-1]
+
+    monkeypatch.setattr(traced_layers, "_traces", recorded_traces)
+    got, traced_offsets = verify_run(wide_stack, True, accepted, context=48)
+    assert traced_offsets == offsets
+    _assert_same(got, want)
+    rows, q_width, kv_width = 16, 4 * 128, 2 * 128
+    member = (0, rows * q_width, rows * (q_width + kv_width))
+    # Each layer's pre trace (its first, eager call and its trace) reads in place.
+    assert len(calls) >= len(wide_stack.layers), calls
+    assert all(call == member for call in calls), calls
+    fused = member + (rows * (q_width + 2 * kv_width),)
+    for traces in used:
+        assert set(traces.fused.values()) == {fused}
+        assert all(key[-1] == fused for key in traces.pre), traces.pre.keys()
+
+
+@pytest.mark.parametrize("slip", ["queries_read_the_gate", "gate_reads_the_queries"])
+def test_a_wrong_offset_read_in_place_shows_in_the_outputs(
+    wide_stack, kernel_path_on_cpu, monkeypatch, slip
+):
+    """Negative controls: the head prep told to read the queries where the gate lies,
+    or the fold the gate where the queries lie (both in bounds, both the right size),
+    change the outputs."""
+    accepted = [16, 5, 9]
+    want, _ = verify_run(wide_stack, False, accepted, context=48)
+    if slip == "queries_read_the_gate":
+        real_ints = heads.head_prep_ints
+
+        def slipped_ints(q_shape, k_heads, prep, stacked, offsets=heads.NO_OFFSETS):
+            if offsets != heads.NO_OFFSETS:
+                q, k, v = offsets
+                offsets = (2 * v - k, k, v)  # the gate's block
+            return real_ints(q_shape, k_heads, prep, stacked, offsets)
+
+        monkeypatch.setattr(heads, "head_prep_ints", slipped_ints)
+    else:
+        real_form = attention.kernel_form
+
+        def slipped_form(plan, dtype, gated, gate_offset=0):
+            return real_form(plan, dtype, gated, 0)  # the queries' block
+
+        monkeypatch.setattr(attention, "kernel_form", slipped_form)
+    got, _ = verify_run(wide_stack, True, accepted, context=48)
+    assert not any(mx.array_equal(g, w).item() for g, w in zip(got, want))
+
+
+def test_the_fused_output_is_read_in_place_only_for_its_one_set_in_order(
+    wide_stack, tiny_stack, kernel_path_on_cpu, monkeypatch
+):
+    """``fused_offsets``: the four members of one member-major set in q / k / v /
+    gate order, each still served by it, each as wide as its heads, the projections'
+    input of the stack's dtype; None otherwise (the trace then takes the members'
+    views)."""
+    x = mx.zeros((1, 16, wide_stack.args.hidden_size), mx.bfloat16)
+    with KernelPatch(wide_stack, traced_layers=True) as patch:
+        layer = wide_stack.layers[0]
+        use = patch.route.use_kernel
+        assert traced_layers.fused_offsets(layer, x, False, use) == (
+            0, 8192, 12288, 16384
+        )  # fmt: skip
+        # An input of another dtype than the stack's: the members run alone.
+        wide = x.astype(mx.float32)
+        assert traced_layers.fused_offsets(layer, wide, True, use) is None
+        # Not the four in order: the set's members reordered.
+        group = layer.self_attn.q_proj.__dict__[fused_projections.MEMBER_SLOT].group
+        monkeypatch.setattr(group, "members", group.members[::-1])
+        assert traced_layers.fused_offsets(layer, x, False, use) is None
+        monkeypatch.undo()
+    # A member given a new array since it was stacked: no longer served by the set.
+    with KernelPatch(wide_stack, traced_layers=True) as patch:
+        layer = wide_stack.layers[1]
+        use = patch.route.use_kernel
+        attn = layer.self_attn
+        kept = attn.k_proj.weight
+        attn.k_proj.weight = mx.array(kept)
+        try:
+            assert traced_layers.fused_offsets(layer, x, False, use) is None
+        finally:
+            attn.k_proj.weight = kept
+    # The tiny stack's fused launch (K < 256) stores the plain layout.
+    tiny = mx.zeros((1, 16, tiny_stack.args.hidden_size), mx.bfloat16)
+    with KernelPatch(tiny_stack, traced_layers=True) as patch:
+        layer = tiny_stack.layers[0]
+        assert traced_layers.fused_offsets(layer, tiny, False, None) is None
+
+
+def test_the_member_slot_is_the_kernel_patchs() -> None:
+    assert fused_projections.MEMBER_SLOT == kernel_patch._FUSED_SLOT
 
 
 def test_forget_traces_drops_the_chunk_major_copies_of_the_models_arrays() -> None:
