@@ -6,8 +6,9 @@ and at each commit (every ~1 GB of inputs or 100 kernels) updates a cached execu
 graph and launches it. A DFlash round at 4-bit is paced by the host's build and encode of
 the verify forward (~470 launches), and on an H100 (session 62) the same rounds with
 ``MLX_USE_CUDA_GRAPHS=0`` (each kernel launched as it is encoded) took a median of
-17.5 ms against 22.3 ms, and 96-token generations 291-322 ms against 339-380 ms, in 3 of
-3 alternated process pairs, every run lossless. mlx-lm's own plain decoding was ~6 %
+17.5 ms against 22.2 ms, and 96-token generations a median of 301 ms against 354 ms
+(5 and 4 processes over two leases; faster in 3 of 4 alternated pairs), every run
+lossless. mlx-lm's own plain decoding was ~6 %
 slower that way, so the choice is ours to make only where our loop runs.
 
 mlx reads ``MLX_USE_CUDA_GRAPHS`` once, at its first GPU evaluation in the process, so

@@ -397,14 +397,14 @@ RAN_ON_THE_H200 |= {
     "dflash_fold_gated_3e95804992",
     tensor_attention.attend_spec(128, tensor_attention.WIDE).name("cuda"),
 }
-# Session 62: the head prep reads q, k and v at element offsets (its params 11 ints)
-# and the gated fold its gate at one (fold_params' sixth), so that a traced layer hands
-# them the fused q / k / v / gate output whole: new texts.
+# Session 62 (an H100, docs/benchmarks/h100-2026-12-06-s62, T/): the head prep reads
+# q, k and v at element offsets (its params 11 ints) and the gated fold its gate at one
+# (fold_params' sixth), so that a traced layer hands them the fused q / k / v / gate
+# output whole. In these texts: the head prep's and the offsets' `cuda` tests (43,
+# mlx's bits and the copied arrays' bits), the traced layers' (4, the eager bits at
+# Glimmer's width) and the folds' (5).
 RAN_ON_THE_H200 -= {"dflash_head_prep_01ffae6b5c", "dflash_fold_gated_3e95804992"}
-NOT_RUN_SINCE_CHANGED |= {
-    heads.HEAD_PREP.name("cuda"),
-    attention.FOLD_GATED.name("cuda"),
-}
+RAN_ON_THE_H200 |= {"dflash_head_prep_f571d7ee08", "dflash_fold_gated_9673575981"}
 
 
 def names_digest(names: set) -> str:

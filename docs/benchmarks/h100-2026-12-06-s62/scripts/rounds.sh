@@ -8,6 +8,7 @@ export PYTHONUNBUFFERED=1
 mkdir -p $OUT/R
 ROOT=$PWD
 dir=$PWD/.sweep/s62/${TREE:-cur}
+[ "${TREE:-cur}" = root ] && dir=$PWD
 i=0
 for arm in $1; do
   i=$((i+1))
