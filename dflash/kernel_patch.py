@@ -94,6 +94,7 @@ from . import traced_layers as traced_layers_module
 from .cache.checkpoint import DEFERRED, RingPlaneCheckpoint
 from .cache.plane import KvPlane, RingPlane
 from .fused_projections import (
+    MEMBER_SLOT,
     FusedProjections,
     MemberSlot,
     fuse_wanted,
@@ -111,8 +112,8 @@ SUPPORTED_ARCHITECTURES = ("muse_glimmer", "llama", "qwen3", "gemma3_text", "coh
 
 # Marks a patched subclass; its value is the class it replaced.
 _ORIGINAL_CLASS = "_dflash_kernel_original_class"
-# A fused member's MemberSlot (plain attribute of the layer).
-_FUSED_SLOT = "_dflash_fused"
+# A fused member's MemberSlot (plain attribute of the layer; the traced layers read it).
+_FUSED_SLOT = MEMBER_SLOT
 # A matmul layer's (or block's) bound forwards by input geometry (plain attribute, while
 # installed).
 _BOUND = "_dflash_bound"

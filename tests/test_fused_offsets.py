@@ -35,7 +35,6 @@ from support.attention_cases import Case, bits, build, cases
 from support.compilers import built_emulator
 from support.group_emulator import GroupEmulator
 
-from dflash import fused_projections
 from dflash.fused_projections import FusedProjections
 from dflash.metal import attention, backend, groups, tensor_qmm
 
@@ -355,9 +354,3 @@ def test_cuda_gate_at_an_offset_gives_the_gates_own_bits_at_glimmer_shapes(
     in_place = launch_gated(built, buffer, before)
     own = launch_gated(built, gate)
     assert np.array_equal(bits(in_place), bits(own))
-
-
-def test_the_member_slot_name_is_the_kernel_patchs() -> None:
-    from dflash import kernel_patch
-
-    assert fused_projections.MEMBER_SLOT == kernel_patch._FUSED_SLOT

@@ -1114,8 +1114,17 @@ def test_the_fused_output_is_read_in_place_only_for_its_one_set_in_order(
         assert traced_layers.fused_offsets(layer, tiny, False, None) is None
 
 
-def test_the_member_slot_is_the_kernel_patchs() -> None:
-    assert fused_projections.MEMBER_SLOT == kernel_patch._FUSED_SLOT
+def test_each_fused_member_holds_its_slot_under_the_name_the_traced_layers_read(
+    tiny_stack,
+) -> None:
+    with KernelPatch(tiny_stack, traced_layers=True):
+        attn = tiny_stack.layers[0].self_attn
+        for index, name in enumerate(traced_layers.FUSED_MEMBERS):
+            slot = getattr(attn, name).__dict__[fused_projections.MEMBER_SLOT]
+            assert slot.index == index and slot.group.members[index] is getattr(
+                attn, name
+            )
+    assert fused_projections.MEMBER_SLOT not in attn.q_proj.__dict__
 
 
 def test_forget_traces_drops_the_chunk_major_copies_of_the_models_arrays() -> None:
