@@ -267,15 +267,10 @@ class FusedProjections:
         kernel patch's matmul arguments: a dtype the kernels take and the stack's
         own, a quantization they take, K a multiple of 8)."""
         depth = x.shape[-1] if x.ndim else 0
-        if x.dtype not in qmm.DTYPES or depth % 8 or x.size // max(depth, 1) < 1:
+        if depth % 8 or x.size // max(depth, 1) < 1:
             return False
-        if self.scales is None:
-            return self.weight.dtype == x.dtype
-        return (
-            self.bits in qmm.BITS
-            and self.group_size in qmm.GROUP_SIZES
-            and self.scales.dtype == x.dtype
-            and self.biases.dtype == x.dtype
+        return qmm.arrays_served(
+            x.dtype, self.weight, self.scales, self.biases, self.bits, self.group_size
         )
 
     def fused_output(

@@ -737,24 +737,15 @@ def drafter_traced_wanted(value: Optional[bool] = None) -> bool:
 
 def _matmul_args(layer: nn.Module, dtype: mx.Dtype):
     """``(weight, scales, biases, bits, group_size)`` of ``layer``, or None if unserved."""
-    if dtype not in qmm.DTYPES:
-        return None
     weight = layer["weight"]
     if isinstance(layer, nn.QuantizedLinear):
-        biases = layer.get("biases")
-        if (
-            getattr(layer, "mode", "affine") != "affine"
-            or layer.bits not in qmm.BITS
-            or layer.group_size not in qmm.GROUP_SIZES
-            or biases is None
-            or layer["scales"].dtype != dtype
-            or biases.dtype != dtype
-        ):
+        if getattr(layer, "mode", "affine") != "affine":
             return None
-        return weight, layer["scales"], biases, layer.bits, layer.group_size
-    if weight.dtype != dtype:
-        return None
-    return weight, None, None, None, None
+        args = (weight, layer["scales"], layer.get("biases"), layer.bits)
+        args += (layer.group_size,)
+    else:
+        args = (weight, None, None, None, None)
+    return args if qmm.arrays_served(dtype, *args) else None
 
 
 def _children(module: nn.Module) -> List[nn.Module]:

@@ -44,7 +44,7 @@ import numpy as np
 
 from . import backend, groups, tensor_attention
 from .groups import GroupKernelSpec, float_params, indent, int_params
-from .layout import stacked_halves
+from .layout import MAX_LAUNCH_WORDS, checked_offset, stacked_halves
 
 # Keys per chunk: the unit of the fixed reduction order (absolute positions).
 CHUNK = 256
@@ -1079,24 +1079,16 @@ def kernel_form(
     return KernelForm(spec, launch, dtype, bool(gated), gate_offset)
 
 
-# The most elements an int32 index of the fold reaches.
-MAX_INDEX = 2**31 - 1
-
-
 def _check_gate_offset(plan: Plan, gated: bool, gate_offset: int) -> None:
     """Raise ValueError for a ``gate_offset`` :func:`kernel_form` cannot take."""
     if gate_offset == 0 and type(gate_offset) is int:
         return  # every call but a gate read in place
+    checked_offset("gate_offset", gate_offset)
     total = plan.batch * plan.heads * plan.queries * plan.dim
-    if (
-        isinstance(gate_offset, bool)
-        or not isinstance(gate_offset, int)
-        or gate_offset < 0
-        or gate_offset + total > MAX_INDEX
-    ):
+    if gate_offset + total > MAX_LAUNCH_WORDS:
         raise ValueError(
-            f"gate_offset must be an int >= 0 with its {total} gate elements after it "
-            f"inside int32, got {gate_offset!r}"
+            f"gate_offset {gate_offset}: its {total} gate elements after it are not "
+            "inside int32"
         )
     if not gated:
         raise ValueError(f"gate_offset {gate_offset} given for an ungated fold")

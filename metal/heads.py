@@ -47,6 +47,7 @@ import numpy as np
 
 from . import backend, groups
 from .groups import GroupKernelSpec, float_params, int_params
+from .layout import MAX_LAUNCH_WORDS, checked_offset
 
 THREADS = 256
 LANES = 32
@@ -424,8 +425,6 @@ def kernel_head_prep(
     return launch_head_prep(queries, keys, prep, ints, values)
 
 
-# The most elements an int32 index of the body reaches.
-MAX_INDEX = 2**31 - 1
 # No offsets: each of q, k and v starts its own input.
 NO_OFFSETS = (0, 0, 0)
 
@@ -440,16 +439,8 @@ def _check_offsets(offsets: Tuple[int, ...]) -> Tuple[int, int, int]:
         raise ValueError(
             f"offsets must be (q_offset, k_offset, v_offset), got {offsets!r}"
         )
-    for name, offset in zip(("q_offset", "k_offset", "v_offset"), offsets):
-        if (
-            isinstance(offset, bool)
-            or not isinstance(offset, (int, np.integer))
-            or not 0 <= offset <= MAX_INDEX
-        ):
-            raise ValueError(
-                f"{name} must be an int in [0, {MAX_INDEX}], got {offset!r}"
-            )
-    return tuple(int(offset) for offset in offsets)
+    names = ("q_offset", "k_offset", "v_offset")
+    return tuple(map(checked_offset, names, offsets))
 
 
 def head_prep_ints(
@@ -512,7 +503,7 @@ def _check_fused_reads(
         if given is None:
             continue
         stop = offset + rows * dim
-        if stop > given.size or stop > MAX_INDEX:
+        if stop > given.size or stop > MAX_LAUNCH_WORDS:
             raise ValueError(
                 f"{name}_offset {offset} reads {rows} heads of {dim} up to element "
                 f"{stop}, past the {given.size} elements of {name} (or int32)"

@@ -75,6 +75,25 @@ ROW_DTYPES: tuple[mx.Dtype, ...] = (mx.float16, mx.bfloat16, mx.float32)
 MAX_LAUNCH_WORDS = 2**31 - 1
 
 
+def checked_offset(name: str, offset: object) -> int:
+    """``offset`` as an element offset a kernel reads its input from: an int >= 0
+    that a 32-bit index holds.
+
+    Raises:
+        ValueError: anything else, naming ``name``.
+    """
+    if (
+        isinstance(offset, bool)
+        or not isinstance(offset, (int, np.integer))
+        or not 0 <= offset <= MAX_LAUNCH_WORDS
+    ):
+        raise ValueError(
+            f"{name} must be an int >= 0 that a 32-bit index holds (at most "
+            f"{MAX_LAUNCH_WORDS}), got {offset!r}"
+        )
+    return int(offset)
+
+
 @dataclass(frozen=True)
 class RowGeometry:
     """Shape of a plane buffer seen as rows.

@@ -53,6 +53,31 @@ TENSOR_CORES = True
 # ----------------------------------------------------------------- contract
 
 
+def arrays_served(
+    dtype: mx.Dtype,
+    weight: mx.array,
+    scales: Optional[mx.array],
+    biases: Optional[mx.array],
+    bits: Optional[int],
+    group_size: Optional[int],
+) -> bool:
+    """Whether the kernel path takes inputs of ``dtype`` against these arrays: a
+    dtype it takes, and the weights' own (dense), or affine scales and biases of
+    that dtype with bits and a group size it has a form for. The one rule a patched
+    layer and a fused set both ask (their calls must agree on who launches)."""
+    if dtype not in DTYPES:
+        return False
+    if scales is None:
+        return weight.dtype == dtype
+    return (
+        bits in BITS
+        and group_size in GROUP_SIZES
+        and biases is not None
+        and scales.dtype == dtype
+        and biases.dtype == dtype
+    )
+
+
 def _geometry_key(array: Optional[mx.array]) -> Optional[tuple]:
     return None if array is None else (tuple(array.shape), array.dtype)
 
