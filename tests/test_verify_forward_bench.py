@@ -1,0 +1,96 @@
+"""benchmarks.verify_forward: the loop's verify forward timed per arm, its bound counted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import verify_forward
+from dflash.bench.scale import build_scale_pair
+from dflash.bench.scale_target import embedding_bytes, parameter_bytes
+from dflash.cache import RingPlane, make_prompt_cache
+
+
+def test_each_arm_times_every_forward_and_each_forward_commits_its_rows(tmp_path):
+    out = tmp_path / "verify.json"
+    argv = ["--kernels", "off,default", "--reps", "2", "--warmup", "1", "--commit", "5"]
+    verify_forward.main([*argv, "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["environment"]["command"].endswith(
+        " ".join(argv + ["--json", str(out)])
+    )
+    assert list(report["wall_ms"]) == ["off", "default"]
+    assert all(0 < t["min"] <= t["median"] for t in report["wall_ms"].values())
+    # Three repetitions of two arms, each forward keeping 5 of its 16 rows.
+    assert (report["rows"], report["commit"]) == (16, 5)
+    assert report["context_end"] == report["context_start"] + 3 * 2 * 5
+    assert report["bound_ms"] == pytest.approx(
+        1e3 * report["bound_bytes"] / report["bandwidth"], abs=1e-3
+    )
+    assert "device" not in report
+
+
+def test_the_bound_reads_the_weights_once_and_the_rows_the_planes_hold():
+    target, _ = build_scale_pair("tiny", "4bit", 0)
+    cache = make_prompt_cache(target)
+    assert verify_forward.kv_bytes(cache) == 0
+    target(verify_forward.mx.arange(40)[None], cache=cache)
+    verify_forward.mx.eval([c.state for c in cache])
+    config = target.args
+    row = 2 * config.num_key_value_heads * config.head_dim * 2  # keys and values, bf16
+    # A sliding layer's ring holds at most its window; a full layer every row.
+    expected = sum(
+        row * (min(40, plane.window) if isinstance(plane, RingPlane) else 40)
+        for plane in cache
+    )
+    assert any(isinstance(plane, RingPlane) for plane in cache)
+    assert verify_forward.kv_bytes(cache) == expected
+    table = embedding_bytes(target)
+    rows = target.model.embed_tokens.weight.shape[0]
+    assert verify_forward.step_read_bytes(target, expected) == (
+        parameter_bytes(target) - table + table // rows + expected
+    )
+
+
+def test_device_reports_per_forward_kernels_and_the_ratio(monkeypatch, tmp_path):
+    """``--device``: a stand-in CUPTI trace whose kernels overlap (busy and summed time
+    differ), divided by the forwards it covered."""
+    trace = [("gemm", 0.0, 10.0), ("norm", 5.0, 10.0), ("gemm", 30.0, 4.0)]
+    seen = []
+
+    def fake_trace(run):
+        seen.append(run())
+        return trace, []
+
+    monkeypatch.setattr(verify_forward, "cupti_trace", fake_trace)
+    out = tmp_path / "verify.json"
+    argv = ["--kernels", "default", "--reps", "1", "--warmup", "0", "--device"]
+    argv += ["--device-forwards", "2", "--bandwidth", "1e9"]
+    verify_forward.main([*argv, "--json", str(out)])
+    report = json.loads(out.read_text())
+    profile = report["device"]["default"]
+    assert (profile["forwards"], profile["kernels"]) == (2, 1.5)
+    assert (profile["busy_ms"], profile["sum_ms"]) == (0.0095, 0.012)
+    assert profile["top_us"] == [["gemm", 1.0, 7.0], ["norm", 0.5, 5.0]]
+    assert profile["over_bound"] == round(0.0095 / report["bound_ms"], 2)
+    assert len(seen) == 1
+    # One warm-up forward of the arm and the two traced ones, 7 rows kept each.
+    assert report["context_end"] == report["context_start"] + (1 + 1 + 2) * 7
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--reps", "0"], "--reps must be at least 1"),
+        (["--rows", "4", "--commit", "5"], "--commit 5 is more than --rows 4"),
+        (["--device-forwards", "0"], "--device-forwards must be at least 1"),
+        (["--kernels", "off,off"], "an arm repeats"),
+        (["--kernels", "sideways"], "unknown kernel arm"),
+    ],
+)
+def test_bad_arguments_are_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        verify_forward.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
