@@ -20,7 +20,9 @@ their summed time, the span from the first start to the last end (``span``: ``bu
 plus the device's idle gaps), and the costliest kernel names.
 
 Each ``--kernels`` arm (:data:`benchmarks.round_profile.KERNEL_ARMS`) holds
-:func:`dflash.kernel_patch.verify_kernels` around its calls, as the loop does: ``off``,
+:func:`dflash.kernel_patch.verify_kernels` and the norms' held scales
+(:func:`dflash.held_norms.held_norms`, since session 63) around its calls, as the loop
+does: ``off``,
 ``default``, and the drafter's opt-in parts ``default-drafterqkv`` (its q / k / v as one
 stack), ``default-drafterheads`` (its q / k norms and RoPE as one launch),
 ``default-draftermlx`` (its bf16 projections on mlx's matmul, each sibling set one
@@ -53,6 +55,7 @@ from dflash.bench.measure import _prefill_dflash
 from dflash.bench.report import environment
 from dflash.bench.scale import build_scale_pair, scale_prompts
 from dflash.bench.scale_target import QUANTS
+from dflash.held_norms import held_norms
 
 from .common import busy_us, cupti_trace, write_json
 from .round_profile import _kernel_arms, kernel_arm
@@ -125,6 +128,7 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
                 with (
                     kernel_arm(arm),
                     kernel_patch.verify_kernels(target, drafter) as patch,
+                    held_norms(target, drafter),
                 ):
                     patched[arm] = _patch_summary(patch)
                     for part in PARTS:
@@ -134,7 +138,11 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
         device = {}
         if args.device:
             for arm in args.kernels:
-                with kernel_arm(arm), kernel_patch.verify_kernels(target, drafter):
+                with (
+                    kernel_arm(arm),
+                    kernel_patch.verify_kernels(target, drafter),
+                    held_norms(target, drafter),
+                ):
                     device[arm] = {part: device_kernels(parts[part]) for part in PARTS}
     report: Dict[str, Any] = {"environment": environment(command), "patch": patched}
     if device:

@@ -4,7 +4,8 @@ Issue 16's goal is stated on this number: the 16-token verify forward of full-si
 Glimmer at most 1.6x the time of reading its bytes once at the device's peak bandwidth.
 Sessions 47-62 inferred it from a whole round (the round's device time less the draft's);
 this measures it directly, as the loop runs it: after a prefill of ``--context`` tokens on
-the scale pair (dflash caches, the drafter's taps attached and started early), each
+the scale pair (dflash caches; the loop's context: the verify kernels, the drafter's taps
+attached and started early, the norms' scales held, the folded block route), each
 forward opens a :class:`~dflash.cache.SpeculativeCheckpoint`, runs the target over
 ``--rows`` tokens under the verify kernels of the arm, takes the tapped features and
 commits ``--commit`` rows (a round's kept rows: the commit's stores then run inside the
@@ -29,11 +30,12 @@ Run (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -44,6 +46,7 @@ from dflash.bench.report import environment
 from dflash.bench.scale import build_scale_pair, scale_prompts
 from dflash.bench.scale_target import QUANTS, step_read_bytes
 from dflash.cache import SpeculativeCheckpoint
+from dflash.held_norms import held_norms
 from dflash.taps import TargetTaps
 
 from .common import busy_us, cupti_trace, write_json
@@ -63,6 +66,22 @@ def kv_bytes(cache: Sequence[Any]) -> int:
         rows = plane.kv.shape[plane.kv_axis]
         total += plane.kv.nbytes // rows * plane.len
     return total
+
+
+@contextlib.contextmanager
+def loop_context(target, drafter) -> Iterator[TargetTaps]:
+    """What ``dflash_generate_step`` holds around its rounds, in its order: the verify
+    kernels, the drafter's taps (started early), the norms' ``1 + weight`` held (else
+    each of Glimmer's four norms a layer adds it again: 208 small kernels a forward)
+    and the folded block route. Yields the taps."""
+    taps = TargetTaps(target, drafter.config.target_layer_ids, start_early=True)
+    with (
+        kernel_patch.verify_kernels(target, drafter),
+        taps,
+        held_norms(target, drafter),
+        kernel_patch.attention_route(target),
+    ):
+        yield taps
 
 
 def forward_call(
@@ -125,15 +144,10 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
         cache, _ = _prefill_dflash(target, drafter, prompt[: args.context])
         block = prompt[args.context :][None]
         bound_bytes = step_read_bytes(target, kv_bytes(cache))
-        ids = drafter.config.target_layer_ids
         for rep in range(args.warmup + args.reps):
             order = args.kernels if rep % 2 == 0 else args.kernels[::-1]
             for arm in order:
-                with (
-                    kernel_arm(arm),
-                    kernel_patch.verify_kernels(target, drafter),
-                    TargetTaps(target, ids, start_early=True) as taps,
-                ):
+                with kernel_arm(arm), loop_context(target, drafter) as taps:
                     call = forward_call(target, cache, taps, block, args.commit)
                     mx.synchronize()
                     start = time.perf_counter()
@@ -142,11 +156,7 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
                         walls[arm].append(1e3 * (time.perf_counter() - start))
         if args.device:
             for arm in args.kernels:
-                with (
-                    kernel_arm(arm),
-                    kernel_patch.verify_kernels(target, drafter),
-                    TargetTaps(target, ids, start_early=True) as taps,
-                ):
+                with kernel_arm(arm), loop_context(target, drafter) as taps:
                     call = forward_call(target, cache, taps, block, args.commit)
                     call()  # this arm's traces made before the capture
                     device[arm] = device_profile(call, args.device_forwards)

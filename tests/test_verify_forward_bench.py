@@ -94,3 +94,15 @@ def test_bad_arguments_are_one_line(argv, message, capsys):
         verify_forward.parse_args(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_forward_runs_in_the_loops_context_with_the_norms_held():
+    """The loop holds each Gemma-style norm's ``1 + weight`` (``held_norms``); a harness
+    without it adds it again at every norm (208 kernels a full-size forward)."""
+    target, drafter = build_scale_pair("tiny", "4bit", 0)
+    norm = target.model.layers[0].input_layernorm
+    own = type(norm)
+    with verify_forward.loop_context(target, drafter) as taps:
+        assert type(norm) is not own and isinstance(norm, own)
+        assert taps.layer_ids == tuple(drafter.config.target_layer_ids)
+    assert type(norm) is own

@@ -1,0 +1,240 @@
+"""The verify forward's device time against the bound of the bytes it reads.
+
+Issue 16's goal is stated on this number: the 16-token verify forward of full-size Muse
+Glimmer at most 1.6x the time of reading its bytes once at the device's peak bandwidth.
+Sessions 47-62 inferred it from a whole round (the round's device time less the draft's);
+this measures it directly, as the loop runs it: after a prefill of ``--context`` tokens on
+the scale pair (dflash caches, the drafter's taps attached and started early), each
+forward opens a :class:`~dflash.cache.SpeculativeCheckpoint`, runs the target over
+``--rows`` tokens under the verify kernels of the arm, takes the tapped features and
+commits ``--commit`` rows (a round's kept rows: the commit's stores then run inside the
+next forward, as in the loop). Per arm it reports:
+
+* ``wall_ms``: a synced forward's wall time (median; the host's build and encode are in it);
+* with ``--device`` (a GPU, PyTorch in the interpreter for CUPTI): ``busy_ms`` (the time in
+  which at least one kernel ran, per forward), ``kernels`` per forward, the costliest
+  kernel names, and ``busy_ms`` over the bound (``bound_ms``: the weights once, one
+  embedding row, and the KV rows the planes hold, at ``--bandwidth`` or the device's peak).
+
+Arms (``--kernels``: :data:`benchmarks.round_profile.KERNEL_ARMS`) alternate forward by
+forward, the order reversed every other repetition. ``--rows 1 --commit 1`` times a plain
+decode step the same way.
+
+Run (from the repository root)::
+
+    python -m benchmarks.verify_forward --scale full --quant 4bit --context 4096 \\
+        --kernels default,off --device --json docs/benchmarks/.../verify-forward.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import Counter
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from dflash import kernel_patch
+from dflash.bench.measure import _prefill_dflash
+from dflash.bench.report import environment
+from dflash.bench.scale import build_scale_pair, scale_prompts
+from dflash.bench.scale_target import QUANTS, step_read_bytes
+from dflash.cache import SpeculativeCheckpoint
+from dflash.taps import TargetTaps
+
+from .common import busy_us, cupti_trace, write_json
+from .round_profile import _kernel_arms, kernel_arm
+from .verify_kernels import add_bandwidth_argument, resolve_bandwidth
+
+# Kernel names listed per arm with ``--device`` (the costliest by summed time).
+TOP_KERNELS = 16
+
+
+def kv_bytes(cache: Sequence[Any]) -> int:
+    """Bytes of the K / V rows the planes hold (what a forward's attention reads)."""
+    total = 0
+    for plane in cache:
+        if plane.kv is None:
+            continue
+        rows = plane.kv.shape[plane.kv_axis]
+        total += plane.kv.nbytes // rows * plane.len
+    return total
+
+
+def forward_call(
+    model, cache: Sequence[Any], taps: TargetTaps, block: mx.array, commit: int
+) -> Callable[[], None]:
+    """One verify forward as the loop runs it: checkpoint, forward, taps, commit.
+
+    Shapes: block ``(1, rows)``.
+    """
+
+    def call() -> None:
+        checkpoint = SpeculativeCheckpoint.begin(cache, block.shape[1])
+        try:
+            logits = model(block, cache=cache)
+            features = taps.pop()
+            mx.eval(logits, features)
+        except BaseException:
+            checkpoint.rollback()
+            raise
+        checkpoint.commit(commit)
+
+    return call
+
+
+def device_profile(call: Callable[[], None], forwards: int) -> Dict[str, Any]:
+    """Kernels, busy time and the costliest names per forward over ``forwards`` calls
+    (CUPTI)."""
+
+    def run() -> None:
+        for _ in range(forwards):
+            call()
+        mx.synchronize()
+
+    kernels = cupti_trace(run)[0]
+    summed: Counter = Counter()
+    counts: Counter = Counter()
+    for name, _, duration in kernels:
+        summed[name[:100]] += duration
+        counts[name[:100]] += 1
+    return {
+        "forwards": forwards,
+        "kernels": round(len(kernels) / forwards, 1),
+        "busy_ms": round(busy_us(kernels) / forwards / 1e3, 4),
+        "sum_ms": round(sum(summed.values()) / forwards / 1e3, 4),
+        "top_us": [
+            [name, round(counts[name] / forwards, 2), round(us / forwards, 1)]
+            for name, us in summed.most_common(TOP_KERNELS)
+        ],
+    }
+
+
+def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
+    """Prefill, then alternate the arms forward by forward; the report (times in ms)."""
+    began = time.time()
+    target, drafter = build_scale_pair(args.scale, args.quant, 0)
+    prompt = scale_prompts(target, args.context + args.rows, 1, 0)[0]
+    walls: Dict[str, List[float]] = {arm: [] for arm in args.kernels}
+    device: Dict[str, Any] = {}
+    with mx.stream(generation_stream):
+        cache, _ = _prefill_dflash(target, drafter, prompt[: args.context])
+        block = prompt[args.context :][None]
+        bound_bytes = step_read_bytes(target, kv_bytes(cache))
+        ids = drafter.config.target_layer_ids
+        for rep in range(args.warmup + args.reps):
+            order = args.kernels if rep % 2 == 0 else args.kernels[::-1]
+            for arm in order:
+                with (
+                    kernel_arm(arm),
+                    kernel_patch.verify_kernels(target, drafter),
+                    TargetTaps(target, ids, start_early=True) as taps,
+                ):
+                    call = forward_call(target, cache, taps, block, args.commit)
+                    mx.synchronize()
+                    start = time.perf_counter()
+                    call()
+                    if rep >= args.warmup:
+                        walls[arm].append(1e3 * (time.perf_counter() - start))
+        if args.device:
+            for arm in args.kernels:
+                with (
+                    kernel_arm(arm),
+                    kernel_patch.verify_kernels(target, drafter),
+                    TargetTaps(target, ids, start_early=True) as taps,
+                ):
+                    call = forward_call(target, cache, taps, block, args.commit)
+                    call()  # this arm's traces made before the capture
+                    device[arm] = device_profile(call, args.device_forwards)
+    bound_ms = 1e3 * bound_bytes / args.bandwidth
+    report: Dict[str, Any] = {
+        "environment": environment(command),
+        "rows": args.rows,
+        "commit": args.commit,
+        "bound_bytes": bound_bytes,
+        "device_name": args.device_name,
+        "bandwidth": args.bandwidth,
+        "bound_ms": round(bound_ms, 3),
+        "context_start": args.context,
+        "context_end": cache[0].offset,
+        "wall_ms": {
+            arm: {
+                "median": round(statistics.median(times), 3),
+                "min": round(min(times), 3),
+            }
+            for arm, times in walls.items()
+        },
+    }
+    for arm, profile in device.items():
+        profile["over_bound"] = round(profile["busy_ms"] / bound_ms, 2)
+    if device:
+        report["device"] = device
+    report["total_s"] = round(time.time() - began, 1)
+    return report
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.verify_forward")
+    parser.add_argument("--scale", choices=("full", "tiny"), default="tiny")
+    parser.add_argument("--quant", choices=QUANTS, default="4bit")
+    parser.add_argument("--context", type=int, default=64, help="prompt tokens")
+    parser.add_argument("--rows", type=int, default=16, help="tokens a forward takes")
+    parser.add_argument("--commit", type=int, default=7, help="rows a forward keeps")
+    parser.add_argument("--kernels", type=_kernel_arms, default=["default", "off"])
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--device", action="store_true", help="CUPTI kernels per forward, per arm"
+    )
+    parser.add_argument(
+        "--device-forwards", type=int, default=8, help="forwards traced per arm"
+    )
+    add_bandwidth_argument(parser)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    for name, least in (
+        ("context", 2),
+        ("rows", 1),
+        ("commit", 1),
+        ("reps", 1),
+        ("warmup", 0),
+        ("device_forwards", 1),
+    ):
+        if getattr(args, name) < least:
+            parser.error(f"--{name.replace('_', '-')} must be at least {least}")
+    if args.commit > args.rows:
+        parser.error(f"--commit {args.commit} is more than --rows {args.rows}")
+    if len(set(args.kernels)) != len(args.kernels):
+        parser.error(f"an arm repeats in --kernels {','.join(args.kernels)}")
+    resolve_bandwidth(args)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    command = " ".join(["python -m benchmarks.verify_forward", *given])
+    report = run(args, command)
+    write_json(args.json, report)
+    print(
+        f"rows {report['rows']}, bound {report['bound_ms']} ms "
+        f"({report['bound_bytes'] / 1e9:.2f} GB at {report['bandwidth'] / 1e12:.2f} TB/s)",
+        flush=True,
+    )
+    for arm, wall in report["wall_ms"].items():
+        line = f"{arm}: wall {wall['median']} ms (min {wall['min']})"
+        profile = report.get("device", {}).get(arm)
+        if profile:
+            line += (
+                f"; device busy {profile['busy_ms']} ms, {profile['over_bound']}x the "
+                f"bound, {profile['kernels']} kernels"
+            )
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
