@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash import kernel_patch
+from dflash import dflash_round, kernel_patch
 from dflash.bench.measure import _prefill_dflash
 from dflash.bench.report import environment
 from dflash.bench.scale import build_scale_pair, scale_prompts
@@ -71,10 +71,18 @@ def kv_bytes(cache: Sequence[Any]) -> int:
 @contextlib.contextmanager
 def loop_context(target, drafter) -> Iterator[TargetTaps]:
     """What ``dflash_generate_step`` holds around its rounds, in its order: the verify
-    kernels, the drafter's taps (started early), the norms' ``1 + weight`` held (else
-    each of Glimmer's four norms a layer adds it again: 208 small kernels a forward)
-    and the folded block route. Yields the taps."""
-    taps = TargetTaps(target, drafter.config.target_layer_ids, start_early=True)
+    kernels, the drafter's taps (started early, paced as ``DFLASH_EVAL_EVERY`` asks;
+    ``auto``'s per-round choice is not made here), the norms' ``1 + weight`` held
+    (else each of Glimmer's four norms a layer adds it again: 208 small kernels a
+    forward) and the folded block route. Yields the taps."""
+    every, _ = dflash_round.eval_pacing()
+    taps = TargetTaps(
+        target,
+        drafter.config.target_layer_ids,
+        start_early=True,
+        eval_every=every,
+        eval_tail=dflash_round.eval_tail(),
+    )
     with (
         kernel_patch.verify_kernels(target, drafter),
         taps,

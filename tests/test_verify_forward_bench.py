@@ -106,3 +106,21 @@ def test_the_forward_runs_in_the_loops_context_with_the_norms_held():
         assert type(norm) is not own and isinstance(norm, own)
         assert taps.layer_ids == tuple(drafter.config.target_layer_ids)
     assert type(norm) is own
+
+
+def test_the_loops_pacing_reaches_the_taps(monkeypatch):
+    """``DFLASH_EVAL_EVERY=3`` paces the harness's taps as it paces the loop's: more
+    decoder layers start their output early (their class swapped while held)."""
+    target, drafter = build_scale_pair("tiny", "4bit", 0)
+    layers = target.model.layers
+    own = [type(layer) for layer in layers]
+
+    def swapped() -> int:
+        with verify_forward.loop_context(target, drafter):
+            return sum(type(layer) is not cls for layer, cls in zip(layers, own))
+
+    monkeypatch.delenv("DFLASH_EVAL_EVERY", raising=False)
+    taps_only = swapped()
+    monkeypatch.setenv("DFLASH_EVAL_EVERY", "3")
+    assert swapped() > taps_only >= len(set(drafter.config.target_layer_ids))
+    assert [type(layer) for layer in layers] == own
