@@ -40,13 +40,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash import dflash_round, kernel_patch
+from dflash import dflash_round
 from dflash.bench.measure import _prefill_dflash
 from dflash.bench.report import environment
 from dflash.bench.scale import build_scale_pair, scale_prompts
 from dflash.bench.scale_target import QUANTS, step_read_bytes
 from dflash.cache import SpeculativeCheckpoint
-from dflash.held_norms import held_norms
 from dflash.taps import TargetTaps
 
 from .common import busy_us, cupti_trace, write_json
@@ -70,25 +69,14 @@ def kv_bytes(cache: Sequence[Any]) -> int:
 
 @contextlib.contextmanager
 def loop_context(target, drafter) -> Iterator[TargetTaps]:
-    """What ``dflash_generate_step`` holds around its rounds, in its order: the verify
-    kernels, the drafter's taps (started early, paced as ``DFLASH_EVAL_EVERY`` asks;
-    ``auto``'s per-round choice is not made here), the norms' ``1 + weight`` held
-    (else each of Glimmer's four norms a layer adds it again: 208 small kernels a
-    forward) and the folded block route. Yields the taps."""
-    every, _ = dflash_round.eval_pacing()
-    taps = TargetTaps(
-        target,
-        drafter.config.target_layer_ids,
-        start_early=True,
-        eval_every=every,
-        eval_tail=dflash_round.eval_tail(),
-    )
-    with (
-        kernel_patch.verify_kernels(target, drafter),
-        taps,
-        held_norms(target, drafter),
-        kernel_patch.attention_route(target),
-    ):
+    """What ``dflash_generate_step`` holds around its rounds
+    (:func:`dflash.dflash_round.round_context`: the verify kernels, the taps, the
+    norms' ``1 + weight`` held, without which each of Glimmer's four norms a layer adds
+    it again, and the folded block route), with its taps
+    (:func:`~dflash.dflash_round.round_taps`; ``auto``'s per-round pacing is not
+    chosen here). Yields the taps."""
+    taps, _ = dflash_round.round_taps(target, drafter)
+    with dflash_round.round_context(target, drafter, taps):
         yield taps
 
 

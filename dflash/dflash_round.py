@@ -7,8 +7,9 @@ kept rows are committed, and the drafter's context grows by the target features 
 those rows.
 """
 
+import contextlib
 import os
-from typing import Any, Generator, List, Optional, Tuple
+from typing import Any, Generator, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -254,6 +255,36 @@ class DFlashSpeculator:
         return cache_room(self.cache)
 
 
+def round_taps(model: nn.Module, drafter) -> Tuple[TargetTaps, bool]:
+    """The drafter's taps on ``model`` as the rounds take them (started early, paced as
+    ``DFLASH_EVAL_EVERY`` asks, read once so the taps and the pacer agree), and whether
+    the pacing is chosen per round (``auto``)."""
+    every, auto = eval_pacing()
+    taps = TargetTaps(
+        model,
+        drafter.config.target_layer_ids,
+        start_early=True,
+        eval_every=every,
+        eval_tail=eval_tail(),
+    )
+    return taps, auto
+
+
+@contextlib.contextmanager
+def round_context(model: nn.Module, drafter, taps: TargetTaps) -> Iterator[None]:
+    """What a DFlash generation holds around its rounds, in this order: the verify
+    kernels (before the taps: a tapped layer keeps mlx-lm's forward), the taps, the
+    norms' ``1 + weight`` held and the folded block route (benchmarks that time a
+    round's parts hold the same)."""
+    with (
+        verify_kernels(model, drafter),
+        taps,
+        held_norms(model, drafter),
+        attention_route(model),
+    ):
+        yield
+
+
 def session_context(drafter, prompt_cache) -> Any:
     """The drafter context that continues ``prompt_cache``'s session (made if it is new).
 
@@ -354,23 +385,9 @@ def dflash_generate_step(
     stats.block_size = block_size
     progress = prompt_progress_callback or (lambda *_: None)
     sampling = Sampling(sampler, logits_processors, prompt[:-1])
-    every, auto = eval_pacing()  # read once: the taps and the pacer agree
-    taps = TargetTaps(
-        model,
-        drafter.config.target_layer_ids,
-        start_early=True,
-        eval_every=every,
-        eval_tail=eval_tail(),
-    )
+    taps, auto = round_taps(model, drafter)
     pacer = round_pacer(model, drafter, taps, block_size) if auto else None
-    # The kernels before the taps: a tapped layer keeps mlx-lm's forward.
-    with (
-        mx.stream(stream),
-        verify_kernels(model, drafter),
-        taps,
-        held_norms(model, drafter),
-        attention_route(model),
-    ):
+    with mx.stream(stream), round_context(model, drafter, taps):
         speculator = DFlashSpeculator(
             model, drafter, prompt_cache, context, taps, sampling, pacer
         )
