@@ -702,6 +702,8 @@ def variant(
     denormal_specs = dict(tensor_qmm.DENORMAL_SPECS)
     in_place_specs = dict(tensor_qmm.IN_PLACE_SPECS)
     swiglu_specs = dict(tensor_qmm.SWIGLU_SCALED_SPECS)
+    swiglu_denormal_specs = dict(tensor_qmm.SWIGLU_DENORMAL_SPECS)
+    swiglu_in_place_specs = dict(tensor_qmm.SWIGLU_IN_PLACE_SPECS)
     layout_x_stride = tensor_qmm.Layout.x_stride
     try:
         if x_stride is not None:
@@ -731,6 +733,8 @@ def variant(
         tensor_qmm.DENORMAL_SPECS.update(denormal_specs)
         tensor_qmm.IN_PLACE_SPECS.update(in_place_specs)
         tensor_qmm.SWIGLU_SCALED_SPECS.update(swiglu_specs)
+        tensor_qmm.SWIGLU_DENORMAL_SPECS.update(swiglu_denormal_specs)
+        tensor_qmm.SWIGLU_IN_PLACE_SPECS.update(swiglu_in_place_specs)
         tensor_qmm.launch_plan.cache_clear()
         tensor_qmm._wave_split.cache_clear()
 
@@ -791,9 +795,16 @@ def _rebuild(
     tables = [
         (tensor_qmm.SWIGLU_SCALED_SPECS, {"swiglu": True}),
         (tensor_qmm.DENORMAL_SPECS, {"denormal": True}),
+        (tensor_qmm.SWIGLU_DENORMAL_SPECS, {"swiglu": True, "denormal": True}),
     ]
     if in_place:
         tables.append((tensor_qmm.IN_PLACE_SPECS, {"denormal": True, "in_place": True}))
+        tables.append(
+            (
+                tensor_qmm.SWIGLU_IN_PLACE_SPECS,
+                {"swiglu": True, "denormal": True, "in_place": True},
+            )
+        )
     for table, form in tables:
         for groups, key, size in table:
             table[(groups, key, size)] = tensor_qmm._spec(

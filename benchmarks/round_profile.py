@@ -64,6 +64,7 @@ from dflash.metal.backend import COMPILE_ENV
 from dflash.metal.prefetch import PREFETCH_ENV
 from dflash.metal.tensor_qmm import (
     CHUNK_MAJOR_SCALES_ENV,
+    CLUSTER_SUM_ENV,
     DENORMAL_IN_PLACE_ENV,
     FOLDED_OFFSET_ENV,
     INTERLEAVED_SCALES_ENV,
@@ -249,6 +250,8 @@ KERNEL_ARMS = {
     "default-ileave": None,
     "default-cmajor": None,
     "default-persist": None,
+    "default-cluster": None,
+    "default-uncluster": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -310,6 +313,8 @@ ARM_SUFFIXES = {
     "inplace": (DENORMAL_IN_PLACE_ENV, "1"),  # the denormal decode's pairs in place
     "shifted": (DENORMAL_IN_PLACE_ENV, "0"),  # its pairs shifted (before session 52)
     "persist": (PERSISTENT_ENV, "1"),  # multi-wave matmuls on resident CTAs (s56)
+    "cluster": (CLUSTER_SUM_ENV, "1"),  # a K split summed in a cluster (graphs off)
+    "uncluster": (CLUSTER_SUM_ENV, "0"),
 }
 # Suffixes that set several switches (each pair as above).
 ARM_SUFFIX_SETS = {

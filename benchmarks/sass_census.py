@@ -431,6 +431,13 @@ def _forms() -> dict[str, Callable[[], object]]:
         ),
         "q4-m1-g64-swiglu": lambda: tensor_qmm.SWIGLU_SCALED_SPECS[(2, (4, 1), 64)],
         "q4-m2-g64-swiglu": lambda: tensor_qmm.SWIGLU_SCALED_SPECS[(2, (4, 2), 64)],
+        # SwiGLU with the pairs in place (session 64): the gate / up's own decode.
+        "q4-m1-g64-swiglu-inplace": lambda: tensor_qmm.SWIGLU_IN_PLACE_SPECS[
+            (2, (4, 1), 64)
+        ],
+        "q4-m2-g64-swiglu-inplace": lambda: tensor_qmm.SWIGLU_IN_PLACE_SPECS[
+            (2, (4, 2), 64)
+        ],
         "dense-m1": lambda: tensor_qmm.FORM_SPECS[(False, 2)][(0, 1)],
         "dense-m2": lambda: tensor_qmm.FORM_SPECS[(False, 2)][(0, 2)],
         # The persistent forms (session 56) of the default 4-bit and dense ones.
@@ -457,6 +464,8 @@ DEFAULT_FORMS = (
     "q4-m1-g64-folded",
     "q4-m1-g64-swiglu",
     "q4-m2-g64-swiglu",
+    "q4-m1-g64-swiglu-inplace",
+    "q4-m2-g64-swiglu-inplace",
     "dense-m1",
     "dense-m2",
 )

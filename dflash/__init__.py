@@ -1,5 +1,7 @@
 """mlx-dflash: lossless speculative decoding for mlx-lm with exact, O(block) cache rollback."""
 
+# First: it records what the process had before dflash allocated anything.
+from . import launch_mode  # isort: skip
 from .cache import (
     SpeculativeCheckpoint,
     load_prompt_cache,
@@ -42,3 +44,5 @@ __all__ = [
     "speculative_generate_step",
     "stream_generate",
 ]
+
+launch_mode.note_imported()

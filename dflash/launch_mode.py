@@ -23,7 +23,32 @@ from __future__ import annotations
 import os
 from typing import MutableMapping, Optional
 
+import mlx.core as mx
+
 GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
+_OFF = ("0", "false", "off", "no")
+
+# What the process had when dflash was imported (this module is the package's first
+# import): the variable, and whether mlx had allocated anything yet (a GPU evaluation
+# allocates its outputs, so a zero peak means mlx cannot have read the variable).
+_GRAPHS_AT_IMPORT = os.environ.get(GRAPHS_ENV)
+_NOTHING_ALLOCATED_BEFORE_IMPORT = mx.get_peak_memory() == 0
+# The peak once dflash's own modules are imported (:func:`note_imported`), and whether
+# :func:`prefer_direct_launches` set the variable with nothing allocated since.
+_peak_after_import: Optional[int] = None
+_set_before_use = False
+
+
+def note_imported() -> None:
+    """Record the peak memory once the package is imported (its constants allocated,
+    nothing evaluated): :func:`prefer_direct_launches` compares against it."""
+    global _peak_after_import
+    if _peak_after_import is None:
+        _peak_after_import = mx.get_peak_memory()
+
+
+def _is_off(value: Optional[str]) -> bool:
+    return value is not None and value.strip().lower() in _OFF
 
 
 def prefer_direct_launches(environ: Optional[MutableMapping[str, str]] = None) -> bool:
@@ -38,8 +63,37 @@ def prefer_direct_launches(environ: Optional[MutableMapping[str, str]] = None) -
         True where this call set ``MLX_USE_CUDA_GRAPHS=0``; False where the variable
         was already set (by the user, or by an earlier call), which is kept as it is.
     """
+    global _set_before_use
     environ = os.environ if environ is None else environ
     if GRAPHS_ENV in environ:
         return False
     environ[GRAPHS_ENV] = "0"
+    if environ is os.environ:
+        _set_before_use = _nothing_evaluated()
     return True
+
+
+def _nothing_evaluated() -> bool:
+    """Whether mlx can have evaluated nothing yet: nothing was allocated before dflash
+    was imported, and nothing since beyond the package's own constants."""
+    return (
+        _NOTHING_ALLOCATED_BEFORE_IMPORT
+        and _peak_after_import is not None
+        and mx.get_peak_memory() <= _peak_after_import
+    )
+
+
+def direct_launches_known() -> bool:
+    """Whether mlx launches every kernel directly in this process, for certain.
+
+    True when ``MLX_USE_CUDA_GRAPHS`` is off now and either was already off when
+    dflash was imported (the user's setting, made before any evaluation as mlx
+    requires) or :func:`prefer_direct_launches` set it before anything was evaluated.
+    A setting made later is not known to have reached mlx (it reads the variable at
+    its first GPU evaluation), so this is False: what depends on direct launches (the
+    cluster-sum matmul, :data:`dflash.metal.tensor_qmm.CLUSTER_SUM`) is then not
+    taken by default.
+    """
+    if not _is_off(os.environ.get(GRAPHS_ENV)):
+        return False
+    return _is_off(_GRAPHS_AT_IMPORT) or _set_before_use

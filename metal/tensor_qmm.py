@@ -106,7 +106,10 @@ as 4 chunks (:func:`cta_overhead_chunks`) the fused gate/up takes 2 K splits, no
 98.1 -> 85.9 us with 16 rows (2.76x the bound), 80.6 -> 73.6 with 1. Session 42
 (``docs/benchmarks/h200-2026-12-04-s42``): the split summed inside a thread-block
 cluster (:func:`cluster_spec`, the same bits) takes o_proj 18.0 -> 13.4 us with 16
-rows, but mlx's CUDA graphs lose its cluster shape, so it is off (:data:`CLUSTER_SUM`).
+rows, but mlx's CUDA graphs lose its cluster shape, so it was off until session 64
+(``docs/benchmarks/h100-2026-12-06-s64``: the 4-bit verify forward 11.23 -> 10.60 ms of
+device time on an H100), and is now on where launches are known to be direct
+(:data:`CLUSTER_SUM`).
 Dense weights price a CTA at 8 chunks since session 46, from session 44's per-call
 times (``docs/benchmarks/h200-2026-12-04-s44``): the bf16 fused q/k/v/gate 44.9 -> 38.7
 us with 16 rows, every other bf16 shape of the target and drafter even.
@@ -125,6 +128,7 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
+from ..launch_mode import direct_launches_known
 from . import backend, groups
 from .groups import GroupKernelSpec, int_params
 from .layout import contiguous_view
@@ -174,13 +178,19 @@ REDUCE_THREADS = 256
 # clusters (compute capability 9.0 on); other calls keep the merge. MAX_CLUSTER is 4,
 # as measured on the H200 (16 rows, graphs off): o_proj 18.0 -> 13.4 us (4 splits),
 # q/k/v/gate 27.2 -> 23.3 (3), gate / up 85.7 -> 80.5 (2), but down 42.4 -> 59.3 (5;
-# probably clusters of 5 leave CTA slots of a GPC idle). ``DFLASH_QMM_CLUSTER_SUM``
-# (on/off) decides when set; read at each bind. Off, and refused while mlx records
-# CUDA graphs: mlx 0.32.4 updates a cached graph's kernel node to a new kernel without
-# its compile-time cluster shape (its own check covers captured child graphs only),
-# and the H200 then ran cluster kernels, and kernels after them, wrongly (session 42).
-# With ``MLX_USE_CUDA_GRAPHS=0`` every launch is direct and keeps the shape.
-CLUSTER_SUM = False
+# probably clusters of 5 leave CTA slots of a GPC idle). Never while mlx records CUDA
+# graphs: mlx 0.32.4 updates a cached graph's kernel node to a new kernel without its
+# compile-time cluster shape (its own check covers captured child graphs only), and
+# the H200 then ran cluster kernels, and kernels after them, wrongly (session 42).
+# With ``MLX_USE_CUDA_GRAPHS=0`` every launch is direct and keeps the shape. On by
+# default since session 64, where direct launches are known
+# (:func:`dflash.launch_mode.direct_launches_known`: the variable off before anything
+# was evaluated, as the dflash commands set it): on an H100 the 4-bit 16-token verify
+# forward took 10.60 ms of device time against 11.23 (its matmuls 7.84 against 8.48
+# ms), bf16 23.15 against 23.75, the loop lossless and the cluster bits equal to the
+# merge's. ``DFLASH_QMM_CLUSTER_SUM`` (on/off) decides when set (on: wherever the
+# variable is off now); read at each bind.
+CLUSTER_SUM = True
 CLUSTER_SUM_ENV = "DFLASH_QMM_CLUSTER_SUM"
 MAX_CLUSTER = 4
 # Sum a K split's partials in the matmul launch (its last CTA per column tile) rather
@@ -295,10 +305,15 @@ def merge_split_sum() -> bool:
 def cluster_sum() -> bool:
     """Whether a call bound now sums a K split of 2 to :data:`MAX_CLUSTER` inside a
     thread-block cluster (see :data:`CLUSTER_SUM`): ``DFLASH_QMM_CLUSTER_SUM`` when
-    set, else the default; never on a device without clusters."""
+    set (never while ``MLX_USE_CUDA_GRAPHS`` is on), else the default where direct
+    launches are known (:func:`dflash.launch_mode.direct_launches_known`); never on a
+    device without clusters."""
     switch = backend.env_switch(CLUSTER_SUM_ENV)
-    wanted = CLUSTER_SUM if switch is None else switch
-    return wanted and not mlx_cuda_graphs() and device_clusters()
+    if switch is None:
+        wanted = CLUSTER_SUM and direct_launches_known()
+    else:
+        wanted = switch and not mlx_cuda_graphs()
+    return wanted and device_clusters()
 
 
 def mlx_cuda_graphs() -> bool:
@@ -2855,6 +2870,34 @@ IN_PLACE_SPECS = {
     )
     for key, spec_layout in ((k, LAYOUTS[k[1]]) for k in DENORMAL_SPECS)
 }
+# The SwiGLU forms with the denormal decode (session 64): the gate / up launch keeps the
+# plain launch's decode, so DFLASH_SWIGLU=1 no longer gives it up (by the SASS census
+# the scaled SwiGLU form ran 383 instructions a warp a chunk, the pairs in place 298,
+# SwiGLU with them 301). Keyed as DENORMAL_SPECS; the same bits as the scaled SwiGLU
+# forms (the decode is exact); their `cuda` tests passed on an H100 (session 64).
+SWIGLU_DENORMAL_SPECS = {
+    key: _spec(
+        LAYOUTS[key[1]],
+        k_groups=key[0],
+        swiglu=True,
+        scaled=True,
+        group_size=key[2],
+        denormal=True,
+    )
+    for key in DENORMAL_SPECS
+}
+SWIGLU_IN_PLACE_SPECS = {
+    key: _spec(
+        LAYOUTS[key[1]],
+        k_groups=key[0],
+        swiglu=True,
+        scaled=True,
+        group_size=key[2],
+        denormal=True,
+        in_place=True,
+    )
+    for key in DENORMAL_SPECS
+}
 MATMUL_SPECS = FORM_SPECS[(False, 1)]
 FOLDED_SPECS = FORM_SPECS[(True, 1)]
 K2_SPECS = FORM_SPECS[(False, 2)]
@@ -2879,6 +2922,8 @@ SPECS = (
     + tuple(DENORMAL_SPECS.values())
     + tuple(IN_PLACE_SPECS.values())
     + tuple(SWIGLU_SCALED_SPECS.values())
+    + tuple(SWIGLU_DENORMAL_SPECS.values())
+    + tuple(SWIGLU_IN_PLACE_SPECS.values())
     + (REDUCE_SPEC,)
 )
 
@@ -3014,11 +3059,7 @@ def bind_tensor_core(
     chunk_major_scales()
     interleaved_scales()
     scaled = scaled_b(bits)
-    decode = (
-        scale_decode(scales)
-        if scaled and not swiglu and denormal_q4(bits)
-        else "scaled"
-    )
+    decode = scale_decode(scales) if scaled and denormal_q4(bits) else "scaled"
     denormal = decode != "scaled"
     in_place = decode == "in_place" and denormal_in_place(bits)
     plan = launch_plan(
@@ -3215,7 +3256,10 @@ def launch_plan(
                 f"the SwiGLU form takes N a multiple of {COLUMNS} with a merged or no K "
                 f"split and no member edges, got N={columns}, {splits} splits"
             )
-        if scaled and bits is not None:
+        if denormal and scaled and bits == 4:
+            table = SWIGLU_IN_PLACE_SPECS if in_place else SWIGLU_DENORMAL_SPECS
+            spec = table[(k_groups, key, group_size)]
+        elif scaled and bits is not None:
             spec = SWIGLU_SCALED_SPECS[(k_groups, key, group_size)]
         else:
             spec = SWIGLU_SPECS[(k_groups, key)]

@@ -2,13 +2,22 @@
 a value the user set (dflash.launch_mode)."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from dflash import prefer_direct_launches
+from dflash import launch_mode, prefer_direct_launches
 from dflash.cli import chat, generate
 from dflash.launch_mode import GRAPHS_ENV
 from dflash.server import cli as server_cli
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_mark(monkeypatch):
+    """The commands' ``prefer_direct_launches`` marks the module: undone after."""
+    monkeypatch.setattr(launch_mode, "_set_before_use", launch_mode._set_before_use)
 
 
 def test_direct_launches_are_asked_for_only_where_nothing_was_chosen():
@@ -24,6 +33,7 @@ def test_direct_launches_are_asked_for_only_where_nothing_was_chosen():
 
 
 def test_the_process_environment_is_the_default(monkeypatch):
+    monkeypatch.setattr(launch_mode, "_set_before_use", False)
     monkeypatch.delenv(GRAPHS_ENV, raising=False)
     assert prefer_direct_launches() is True
     assert os.environ[GRAPHS_ENV] == "0"
@@ -69,3 +79,65 @@ def test_each_command_chooses_before_its_models_load_and_keeps_the_users_value(
         monkeypatch.setenv(GRAPHS_ENV, given)
     assert _seen_at_model_load(monkeypatch, module, attribute, main, argv) == expected
     assert "stopped at the model load" in capsys.readouterr().err
+
+
+def _known_in_a_fresh_process(code: str, graphs=None) -> str:
+    """What ``code`` prints in a new interpreter (``MLX_USE_CUDA_GRAPHS`` as given)."""
+    env = {k: v for k, v in os.environ.items() if k != GRAPHS_ENV}
+    if graphs is not None:
+        env[GRAPHS_ENV] = graphs
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+_ASK = (
+    "import dflash\n"
+    "from dflash.launch_mode import direct_launches_known as known\n"
+    "print(dflash.prefer_direct_launches(), known())\n"
+)
+_EVALUATE = "import mlx.core as mx\nmx.eval(mx.ones((64, 64)) + 1)\n"
+
+
+@pytest.mark.parametrize(
+    "code, graphs, expected",
+    [
+        (_ASK, None, "True True"),  # asked first thing, as the commands do
+        (_EVALUATE + _ASK, None, "True False"),  # mlx may have read it already
+        ("import dflash\n" + _EVALUATE + _ASK.split("\n", 1)[1], None, "True False"),
+        (_ASK, "0", "False True"),  # the user's setting, there from the start
+        (_ASK, "1", "False False"),
+    ],
+)
+def test_direct_launches_are_known_only_if_set_before_any_evaluation(
+    code, graphs, expected
+):
+    """``direct_launches_known`` (what the cluster-sum matmul's default needs): the
+    variable off from the start, or set by ``prefer_direct_launches`` before mlx
+    allocated anything beyond dflash's own constants; not where an evaluation came
+    first (mlx reads the variable at its first one), nor with the graphs on."""
+    assert _known_in_a_fresh_process(code, graphs) == expected
+
+
+def test_direct_launches_are_not_known_once_the_variable_is_turned_back_on(
+    monkeypatch,
+):
+    monkeypatch.setattr(launch_mode, "_GRAPHS_AT_IMPORT", "0")
+    monkeypatch.setenv(GRAPHS_ENV, "0")
+    assert launch_mode.direct_launches_known()
+    monkeypatch.setenv(GRAPHS_ENV, "1")
+    assert not launch_mode.direct_launches_known()
+    monkeypatch.delenv(GRAPHS_ENV)
+    assert not launch_mode.direct_launches_known()
+
+
+def test_a_mapping_other_than_the_environment_is_not_taken_as_mlxs(monkeypatch):
+    monkeypatch.setattr(launch_mode, "_set_before_use", False)
+    monkeypatch.setattr(launch_mode, "_GRAPHS_AT_IMPORT", None)
+    monkeypatch.delenv(GRAPHS_ENV, raising=False)
+    assert prefer_direct_launches({}) is True
+    assert not launch_mode._set_before_use

@@ -3159,8 +3159,15 @@ def test_emulated_staging_variants_give_the_shipped_swiglu_bits(
 
 
 def _check_staged_swiglu(scaled, rng, rows: int, staged: dict, same: bool) -> None:
-    """Three SwiGLU calls with ``staged`` in place of the shipped forms: their bits
-    equal the shipped ones (``same``) or differ from them."""
+    """Three SwiGLU calls with ``staged`` in place of the scaled forms (the denormal
+    decode off, so the bind takes that table): their bits equal the scaled forms'
+    (``same``) or differ from them."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(tensor_qmm.DENORMAL_Q4_ENV, "0")
+        _check_staged_swiglu_calls(scaled, rng, rows, staged, same)
+
+
+def _check_staged_swiglu_calls(scaled, rng, rows, staged, same) -> None:
     for chunks, group in ((3, 64), (1, 128), (2, 32)):
         depth = chunks * 256
         x = rng.standard_normal((rows, depth)).astype(np.float32)
@@ -3567,12 +3574,20 @@ def test_cluster_plan_takes_splits_of_two_to_four(chunks, columns, rows, bits) -
 
 
 def test_cluster_sum_is_refused_while_mlx_records_cuda_graphs(monkeypatch) -> None:
-    """Off by default; on only with its switch, a device with clusters and mlx's CUDA
-    graphs off (mlx 0.32.4 updates a graph's kernel node without its cluster shape)."""
+    """On by default only where direct launches are known (the graphs' variable off
+    before anything was evaluated); with its switch, wherever mlx's CUDA graphs are
+    off now; never with them on (mlx 0.32.4 updates a graph's kernel node without its
+    cluster shape), nor on a device without clusters."""
     monkeypatch.setattr(tensor_qmm, "device_clusters", lambda: True)
     monkeypatch.delenv(tensor_qmm.CLUSTER_SUM_ENV, raising=False)
     monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "0")
-    assert tensor_qmm.CLUSTER_SUM is False and not tensor_qmm.cluster_sum()
+    assert tensor_qmm.CLUSTER_SUM is True
+    for known in (False, True):
+        monkeypatch.setattr(tensor_qmm, "direct_launches_known", lambda: known)
+        assert tensor_qmm.cluster_sum() is known
+    monkeypatch.setenv(tensor_qmm.CLUSTER_SUM_ENV, "0")
+    assert not tensor_qmm.cluster_sum()
+    monkeypatch.setattr(tensor_qmm, "direct_launches_known", lambda: False)
     monkeypatch.setenv(tensor_qmm.CLUSTER_SUM_ENV, "1")
     assert tensor_qmm.cluster_sum()
     for graphs in (None, "1", "true"):
