@@ -2870,34 +2870,32 @@ IN_PLACE_SPECS = {
     )
     for key, spec_layout in ((k, LAYOUTS[k[1]]) for k in DENORMAL_SPECS)
 }
+
+
+def swiglu_decode_specs(in_place: bool) -> dict:
+    """The SwiGLU forms with the denormal decode (``in_place``: its pairs in place),
+    keyed as :data:`DENORMAL_SPECS`."""
+    return {
+        key: _spec(
+            LAYOUTS[key[1]],
+            k_groups=key[0],
+            swiglu=True,
+            scaled=True,
+            group_size=key[2],
+            denormal=True,
+            in_place=in_place,
+        )
+        for key in DENORMAL_SPECS
+    }
+
+
 # The SwiGLU forms with the denormal decode (session 64): the gate / up launch keeps the
 # plain launch's decode, so DFLASH_SWIGLU=1 no longer gives it up (by the SASS census
 # the scaled SwiGLU form ran 383 instructions a warp a chunk, the pairs in place 298,
 # SwiGLU with them 301). Keyed as DENORMAL_SPECS; the same bits as the scaled SwiGLU
 # forms (the decode is exact); their `cuda` tests passed on an H100 (session 64).
-SWIGLU_DENORMAL_SPECS = {
-    key: _spec(
-        LAYOUTS[key[1]],
-        k_groups=key[0],
-        swiglu=True,
-        scaled=True,
-        group_size=key[2],
-        denormal=True,
-    )
-    for key in DENORMAL_SPECS
-}
-SWIGLU_IN_PLACE_SPECS = {
-    key: _spec(
-        LAYOUTS[key[1]],
-        k_groups=key[0],
-        swiglu=True,
-        scaled=True,
-        group_size=key[2],
-        denormal=True,
-        in_place=True,
-    )
-    for key in DENORMAL_SPECS
-}
+SWIGLU_DENORMAL_SPECS = swiglu_decode_specs(False)
+SWIGLU_IN_PLACE_SPECS = swiglu_decode_specs(True)
 MATMUL_SPECS = FORM_SPECS[(False, 1)]
 FOLDED_SPECS = FORM_SPECS[(True, 1)]
 K2_SPECS = FORM_SPECS[(False, 2)]
