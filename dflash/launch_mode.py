@@ -40,9 +40,13 @@ _set_before_use = False
 
 
 def note_imported() -> None:
-    """Record the peak memory once the package is imported (its constants allocated,
-    nothing evaluated): :func:`prefer_direct_launches` compares against it."""
+    """Once the package is imported (its constants allocated, nothing evaluated):
+    record the peak memory, which :func:`prefer_direct_launches` compares against, and
+    hand :func:`direct_launches_known` to the kernel layer, which cannot import it."""
     global _peak_after_import
+    from .metal import backend
+
+    backend.set_direct_launches_probe(direct_launches_known)
     if _peak_after_import is None:
         _peak_after_import = mx.get_peak_memory()
 

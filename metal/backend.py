@@ -54,6 +54,24 @@ BACKEND: Optional[str] = _detect_backend()
 NATIVE_BACKEND: Optional[str] = BACKEND
 
 
+# Whether mlx launches every kernel directly in this process for certain (its CUDA graphs
+# known off): the kernel layer cannot see how the process started, so dflash's
+# ``launch_mode`` hands its answer in at import (:func:`set_direct_launches_probe`).
+_direct_launches_probe: Callable[[], bool] = lambda: False
+
+
+def set_direct_launches_probe(probe: Callable[[], bool]) -> None:
+    """Take ``probe`` as the answer of :func:`direct_launches_known`."""
+    global _direct_launches_probe
+    _direct_launches_probe = probe
+
+
+def direct_launches_known() -> bool:
+    """Whether mlx's CUDA graphs are known off in this process (False until a probe is
+    set; see ``dflash.launch_mode.direct_launches_known``)."""
+    return bool(_direct_launches_probe())
+
+
 def env_switch(name: str) -> Optional[bool]:
     """An on/off environment switch: ``1/true/on/yes`` True, ``0/false/off/no`` False.
 

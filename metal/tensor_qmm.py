@@ -128,7 +128,6 @@ from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 
-from ..launch_mode import direct_launches_known
 from . import backend, groups
 from .groups import GroupKernelSpec, int_params
 from .layout import contiguous_view
@@ -310,7 +309,7 @@ def cluster_sum() -> bool:
     device without clusters."""
     switch = backend.env_switch(CLUSTER_SUM_ENV)
     if switch is None:
-        wanted = CLUSTER_SUM and direct_launches_known()
+        wanted = CLUSTER_SUM and backend.direct_launches_known()
     else:
         wanted = switch and not mlx_cuda_graphs()
     return wanted and device_clusters()

@@ -141,3 +141,11 @@ def test_a_mapping_other_than_the_environment_is_not_taken_as_mlxs(monkeypatch):
     monkeypatch.delenv(GRAPHS_ENV, raising=False)
     assert prefer_direct_launches({}) is True
     assert not launch_mode._set_before_use
+
+
+def test_the_kernel_layer_asks_the_launch_mode():
+    """The cluster sum's default reads ``direct_launches_known`` through the kernel
+    layer's probe, which the package hands in at import."""
+    from dflash.metal import backend
+
+    assert backend._direct_launches_probe is launch_mode.direct_launches_known

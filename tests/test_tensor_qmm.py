@@ -38,7 +38,7 @@ from test_verify_kernels import (
 
 from benchmarks import matmul_variants, round_profile
 from dflash.fused_projections import FusedProjections
-from dflash.metal import qmm, tensor_qmm
+from dflash.metal import backend, qmm, tensor_qmm
 from dflash.metal.qmm import small_row_matmul
 from dflash.metal.tensor_qmm import Layout, member_views, physical_k, split_plan
 
@@ -2973,9 +2973,11 @@ def test_chunk_major_switch_is_on_and_yields_to_unit_scales(monkeypatch) -> None
         tensor_qmm.SWIGLU_SCALED_SPECS,
         tensor_qmm.DENORMAL_SPECS,
         tensor_qmm.IN_PLACE_SPECS,
+        tensor_qmm.SWIGLU_DENORMAL_SPECS,
+        tensor_qmm.SWIGLU_IN_PLACE_SPECS,
     )
     scaled = [s for t in tables for key, s in t.items() if key[1][0] == 4]
-    assert len(scaled) == 4 * 2 * 2 * len(tensor_qmm.GROUP_SIZES)
+    assert len(scaled) == 6 * 2 * 2 * len(tensor_qmm.GROUP_SIZES)
     # (Groups of 64 and 128 read the interleaved repack, the default since session 56.)
     assert all(
         tensor_qmm.reads_chunk_major(spec) or tensor_qmm.reads_interleaved(spec)
@@ -3583,11 +3585,11 @@ def test_cluster_sum_is_refused_while_mlx_records_cuda_graphs(monkeypatch) -> No
     monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "0")
     assert tensor_qmm.CLUSTER_SUM is True
     for known in (False, True):
-        monkeypatch.setattr(tensor_qmm, "direct_launches_known", lambda: known)
+        monkeypatch.setattr(backend, "direct_launches_known", lambda: known)
         assert tensor_qmm.cluster_sum() is known
     monkeypatch.setenv(tensor_qmm.CLUSTER_SUM_ENV, "0")
     assert not tensor_qmm.cluster_sum()
-    monkeypatch.setattr(tensor_qmm, "direct_launches_known", lambda: False)
+    monkeypatch.setattr(backend, "direct_launches_known", lambda: False)
     monkeypatch.setenv(tensor_qmm.CLUSTER_SUM_ENV, "1")
     assert tensor_qmm.cluster_sum()
     for graphs in (None, "1", "true"):
