@@ -16,6 +16,10 @@ the choice must be made before that. The ``dflash`` generate, chat and server co
 make it at their start; a library caller may call :func:`prefer_direct_launches` first
 thing. A value the user set is always kept. On Metal and the CPU the variable is not
 read, and nothing changes.
+
+:func:`direct_launches_known` says whether the variable is known to have reached mlx
+off (off before anything was evaluated). The cluster-sum matmul, which gives wrong bits
+under mlx's graphs, is the default only then (session 64).
 """
 
 from __future__ import annotations
