@@ -33,7 +33,6 @@ def test_direct_launches_are_asked_for_only_where_nothing_was_chosen():
 
 
 def test_the_process_environment_is_the_default(monkeypatch):
-    monkeypatch.setattr(launch_mode, "_set_before_use", False)
     monkeypatch.delenv(GRAPHS_ENV, raising=False)
     assert prefer_direct_launches() is True
     assert os.environ[GRAPHS_ENV] == "0"
