@@ -365,15 +365,17 @@ def test_persistent_texts_keep_their_tokens_when_compacted() -> None:
 
 @needs_nvcc
 def test_persistent_forms_compile_for_sm90_within_the_bounds(tmp_path: Path) -> None:
-    """Every persistent form of the shipped forms compiles for sm_90 with no spills
-    within 128 registers (two CTAs an SM, as the plain forms)."""
+    """Every persistent form of the shipped forms compiles for sm_90 (bfloat16) with
+    no spills within 128 registers (two CTAs an SM, as the plain forms)."""
     specs = [
         tensor_qmm.persistent_spec(spec)
         for spec in tensor_qmm.SPECS
         if tensor_qmm.persistent_serves(spec)
     ]
     assert len(specs) == 26
-    assert_within_bounds(specs, tmp_path, NVCC, HALF)
+    # An opt-in form measured slower (session 56): compile-checked in bfloat16 alone
+    # (its float16 conversions are the shipped forms'; the emulator runs both types).
+    assert_within_bounds(specs, tmp_path, NVCC, [mx.bfloat16])
 
 
 @pytest.mark.cuda

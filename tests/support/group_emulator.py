@@ -293,6 +293,32 @@ def cuda_ptx(unit: Path, workdir: Path, compiler: str = "nvcc") -> str:
     return out.read_text()
 
 
+def write_cuda_units(
+    specs: Sequence[GroupKernelSpec],
+    workdir: Path,
+    dtypes: Optional[Sequence[mx.Dtype]] = None,
+) -> Path:
+    """Write the translation unit :func:`check_cuda` compiles (every spec at each of
+    ``dtypes``, default its own, in a namespace of its own) and the shim of mlx's
+    device headers under ``workdir/include``; returns the unit's path."""
+    workdir = Path(workdir)
+    header = workdir / "include/mlx/backend/cuda/device/utils.cuh"
+    header.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(CUDA_SHIM, header)
+    shutil.copyfile(CUDA_UNARY_SHIM, header.parent / "unary_ops.cuh")
+    # mlx's device headers once, outside the units' namespaces (the bodies name their
+    # functors from the global namespace, where mlx's JIT puts them).
+    parts = [CUDA_DEFAULT_HEADER, '#include "mlx/backend/cuda/device/unary_ops.cuh"\n']
+    for i, spec in enumerate(specs):
+        for dtype in spec.dtypes if dtypes is None else dtypes:
+            parts.append(f"namespace unit{i}_{type_suffix(dtype)} {{\n")
+            parts.append(cuda_unit(spec, dtype, default_header=False))
+            parts.append("}\n")
+    source = workdir / "group_bodies.cu"
+    source.write_text("\n".join(parts))
+    return source
+
+
 def check_cuda(
     specs: Sequence[GroupKernelSpec],
     workdir: Path,
@@ -311,20 +337,7 @@ def check_cuda(
     extra nvcc flags (e.g. ``-Xptxas -v`` for register counts).
     """
     workdir = Path(workdir)
-    header = workdir / "include/mlx/backend/cuda/device/utils.cuh"
-    header.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(CUDA_SHIM, header)
-    shutil.copyfile(CUDA_UNARY_SHIM, header.parent / "unary_ops.cuh")
-    # mlx's device headers once, outside the units' namespaces (the bodies name their
-    # functors from the global namespace, where mlx's JIT puts them).
-    parts = [CUDA_DEFAULT_HEADER, '#include "mlx/backend/cuda/device/unary_ops.cuh"\n']
-    for i, spec in enumerate(specs):
-        for dtype in spec.dtypes if dtypes is None else dtypes:
-            parts.append(f"namespace unit{i}_{type_suffix(dtype)} {{\n")
-            parts.append(cuda_unit(spec, dtype, default_header=False))
-            parts.append("}\n")
-    source = workdir / "group_bodies.cu"
-    source.write_text("\n".join(parts))
+    source = write_cuda_units(specs, workdir, dtypes)
     command = [compiler, "-std=c++17", "-arch=sm_90", "-cubin", "-Werror=all-warnings"]
     command += list(flags) + [
         "-I",
@@ -333,6 +346,22 @@ def check_cuda(
         str(workdir / "group_bodies.cubin"),
     ]
     return run_compiler(command + [str(source)], workdir)
+
+
+def entry_registers(log: str) -> dict[str, int]:
+    """The registers ptxas gave each kernel of a :func:`check_cuda` log (``-Xptxas
+    -v``), by the unit's namespace (``unit{i}_{type}``: spec ``i`` at a type)."""
+    registers, unit = {}, None
+    for line in log.splitlines():
+        entry = re.search(r"Compiling entry function '_ZN(\d+)", line)
+        if entry:
+            start = entry.end()
+            unit = line[start : start + int(entry.group(1))]
+        used = re.search(r"Used (\d+) registers", line)
+        if used and unit is not None:
+            registers[unit] = int(used.group(1))
+            unit = None
+    return registers
 
 
 def assert_within_bounds(

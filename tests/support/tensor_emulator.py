@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 import mlx.core as mx
 
@@ -662,6 +662,9 @@ class TensorEmulator(DriverLauncher):
         compiler: C++ compiler.
         cuda_branches: Compile the units with ``__CUDACC__`` defined (their CUDA
             branches; the emulated helpers stand in for CUDA's maths functions).
+        bfloat16_only: Specs built in ``bfloat16`` alone (variants whose tests run
+            them at that type; the build's time is its units'). Launching one at
+            another type raises ``KeyError``.
 
     Attributes:
         late: Land ``cp.async`` copies at their wait (else at issue); settable
@@ -679,6 +682,7 @@ class TensorEmulator(DriverLauncher):
         specs: Sequence[GroupKernelSpec] = tensor_qmm.SPECS,
         compiler: str = "g++",
         cuda_branches: bool = False,
+        bfloat16_only: Collection[GroupKernelSpec] = (),
     ) -> None:
         super().__init__()
         self.workdir = Path(workdir)
@@ -687,11 +691,18 @@ class TensorEmulator(DriverLauncher):
         self.eager = False
         self.misaligned = False
         self.binary = self.workdir / "tensor_emulator"
+        narrowed = {id(spec) for spec in bfloat16_only}
+        self.built: set[str] = set()
         units, cases = [], []
         for i, spec in enumerate(self.specs):
-            for dtype in spec.dtypes:
+            if self.specs.index(spec) != i:
+                continue  # listed again: key() names its first place
+            dtypes = (mx.bfloat16,) if id(spec) in narrowed else spec.dtypes
+            assert all(dtype in spec.dtypes for dtype in dtypes), spec.base
+            for dtype in dtypes:
                 units.append(_unit(i, spec, dtype, cuda_branches))
                 cases.append(_case(i, spec, dtype))
+                self.built.add(_unit_name(i, dtype))
         driver = _DRIVER + _GROUP_ACCESS
         driver += driver_main(
             ("groups", "threads"), "".join(cases), CANARY_BYTES, CANARY
@@ -704,7 +715,10 @@ class TensorEmulator(DriverLauncher):
         self.build = run_compiler(command, self.workdir)
 
     def key(self, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
-        return _unit_name(self.specs.index(spec), dtype)
+        name = _unit_name(self.specs.index(spec), dtype)
+        if name not in self.built:
+            raise KeyError(f"{spec.base} was not built in {dtype} (bfloat16_only)")
+        return name
 
     def run_options(self) -> tuple[dict[str, str], bytes]:
         env = {"DFL_CP_LATE": "1"} if self.late else {}
