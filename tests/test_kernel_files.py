@@ -192,9 +192,11 @@ def test_a_path_names_its_text(a, b) -> None:
     assert same == (a == b)
 
 
-def _ptx(unit: str, workdir: Path, name: str) -> str:
+def _ptx(units: dict[str, str], workdir: Path, name: str) -> str:
+    """The PTX of ``units`` in one translation unit (one nvcc run), each in its own
+    namespace."""
     source = workdir / f"{name}.cu"
-    source.write_text(unit)
+    source.write_text(group_emulator.namespaced_cuda(units))
     return group_emulator.cuda_ptx(source, workdir, NVCC)
 
 
@@ -216,6 +218,7 @@ def test_the_included_unit_compiles_to_the_inline_units_ptx(tmp_path: Path) -> N
     # Sets up the shim of mlx's device headers in workdir/include.
     assert group_emulator.check_cuda(specs[:1], workdir, NVCC, dtypes=[mx.bfloat16]).ok
     texts = tmp_path / "texts"
+    inline_units, included_units = {}, {}
     for i, spec in enumerate(specs):
         small = dataclasses.replace(
             spec, helpers=compact_text(spec.helpers), body=compact_text(spec.body)
@@ -225,13 +228,16 @@ def test_the_included_unit_compiles_to_the_inline_units_ptx(tmp_path: Path) -> N
             spec.name(CUDA), source, header, spec.input_names, texts
         )
         assert stubs is not None
-        inline = group_emulator.cuda_unit(small, mx.bfloat16)
+        inline = group_emulator.cuda_unit(small, mx.bfloat16, default_header=False)
         assert inline.count(source) == 1 and (not header or inline.count(header) == 1)
         included = inline.replace(source, stubs[0])
         if header:
             included = included.replace(header, stubs[1])
         assert len(included) < len(inline) - len(source) // 2
-        assert _ptx(included, workdir, f"in{i}") == _ptx(inline, workdir, f"il{i}")
+        inline_units[f"unit{i}"], included_units[f"unit{i}"] = inline, included
+    # Every unit in one nvcc run a side (the namespaces keep their helpers apart).
+    inline_ptx = _ptx(inline_units, workdir, "inline")
+    assert _ptx(included_units, workdir, "included") == inline_ptx
 
 
 def test_every_cuda_kernel_the_package_builds_is_included(tmp_path, monkeypatch):

@@ -306,17 +306,25 @@ def write_cuda_units(
     header.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(CUDA_SHIM, header)
     shutil.copyfile(CUDA_UNARY_SHIM, header.parent / "unary_ops.cuh")
+    units = {
+        f"unit{i}_{type_suffix(dtype)}": cuda_unit(spec, dtype, default_header=False)
+        for i, spec in enumerate(specs)
+        for dtype in (spec.dtypes if dtypes is None else dtypes)
+    }
+    source = workdir / "group_bodies.cu"
+    source.write_text(namespaced_cuda(units))
+    return source
+
+
+def namespaced_cuda(units: dict[str, str]) -> str:
+    """One CUDA translation unit of ``units`` (namespace name: unit text without
+    mlx's default header), each in its namespace after the header."""
     # mlx's device headers once, outside the units' namespaces (the bodies name their
     # functors from the global namespace, where mlx's JIT puts them).
     parts = [CUDA_DEFAULT_HEADER, '#include "mlx/backend/cuda/device/unary_ops.cuh"\n']
-    for i, spec in enumerate(specs):
-        for dtype in spec.dtypes if dtypes is None else dtypes:
-            parts.append(f"namespace unit{i}_{type_suffix(dtype)} {{\n")
-            parts.append(cuda_unit(spec, dtype, default_header=False))
-            parts.append("}\n")
-    source = workdir / "group_bodies.cu"
-    source.write_text("\n".join(parts))
-    return source
+    for name, unit in units.items():
+        parts += [f"namespace {name} {{\n", unit, "}\n"]
+    return "\n".join(parts)
 
 
 def check_cuda(
