@@ -30,7 +30,6 @@ from typing import MutableMapping, Optional
 import mlx.core as mx
 
 GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
-_OFF = ("0", "false", "off", "no")
 
 # What the process had when dflash was imported (this module is the package's first
 # import): the variable, and whether mlx had allocated anything yet (a GPU evaluation
@@ -53,10 +52,6 @@ def note_imported() -> None:
     backend.set_direct_launches_probe(direct_launches_known)
     if _peak_after_import is None:
         _peak_after_import = mx.get_peak_memory()
-
-
-def _is_off(value: Optional[str]) -> bool:
-    return value is not None and value.strip().lower() in _OFF
 
 
 def prefer_direct_launches(environ: Optional[MutableMapping[str, str]] = None) -> bool:
@@ -102,6 +97,9 @@ def direct_launches_known() -> bool:
     cluster-sum matmul, :data:`dflash.metal.tensor_qmm.CLUSTER_SUM`) is then not
     taken by default.
     """
-    if not _is_off(os.environ.get(GRAPHS_ENV)):
+    # Imported here: this module is the package's first import, before the kernel layer.
+    from .metal.backend import cuda_graphs_off
+
+    if not cuda_graphs_off(os.environ.get(GRAPHS_ENV)):
         return False
-    return _is_off(_GRAPHS_AT_IMPORT) or _set_before_use
+    return cuda_graphs_off(_GRAPHS_AT_IMPORT) or _set_before_use

@@ -72,18 +72,30 @@ def direct_launches_known() -> bool:
     return bool(_direct_launches_probe())
 
 
-def env_switch(name: str) -> Optional[bool]:
-    """An on/off environment switch: ``1/true/on/yes`` True, ``0/false/off/no`` False.
-
-    Returns:
-        None when ``name`` is unset or holds anything else (the caller's default applies).
-    """
-    value = os.environ.get(name, "").strip().lower()
+def switch_word(value: Optional[str]) -> Optional[bool]:
+    """An on/off word: ``1/true/on/yes`` True, ``0/false/off/no`` False (any case,
+    spaces around ignored); None for None or anything else."""
+    value = (value or "").strip().lower()
     if value in {"1", "true", "on", "yes"}:
         return True
     if value in {"0", "false", "off", "no"}:
         return False
     return None
+
+
+def env_switch(name: str) -> Optional[bool]:
+    """An on/off environment switch (:func:`switch_word` of its value).
+
+    Returns:
+        None when ``name`` is unset or holds anything else (the caller's default applies).
+    """
+    return switch_word(os.environ.get(name))
+
+
+def cuda_graphs_off(value: Optional[str]) -> bool:
+    """Whether ``value`` of ``MLX_USE_CUDA_GRAPHS`` turns mlx's CUDA graphs off (an
+    off word; unset or anything else leaves them on)."""
+    return switch_word(value) is False
 
 
 def strict_switch(name: str, given: Optional[bool], default: bool = True) -> bool:

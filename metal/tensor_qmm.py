@@ -318,8 +318,7 @@ def cluster_sum() -> bool:
 def mlx_cuda_graphs() -> bool:
     """Whether mlx records CUDA graphs in this process (``MLX_USE_CUDA_GRAPHS``, which
     mlx reads once: on unless set to 0 / false / off)."""
-    value = os.environ.get("MLX_USE_CUDA_GRAPHS", "1").strip().lower()
-    return value not in ("0", "false", "off", "no")
+    return not backend.cuda_graphs_off(os.environ.get("MLX_USE_CUDA_GRAPHS"))
 
 
 @functools.lru_cache(maxsize=1)

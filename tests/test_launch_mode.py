@@ -148,3 +148,15 @@ def test_the_kernel_layer_asks_the_launch_mode():
     from dflash.metal import backend
 
     assert backend._direct_launches_probe is launch_mode.direct_launches_known
+
+
+def test_graphs_off_words_are_the_switch_words_and_nothing_else() -> None:
+    """One rule reads ``MLX_USE_CUDA_GRAPHS`` for the launch mode and the kernel layer:
+    an off word (any case, spaces around) turns the graphs off; unset, an on word or
+    anything else leaves them on."""
+    from dflash.metal.backend import cuda_graphs_off
+
+    for value in ("0", "false", " OFF ", "No"):
+        assert cuda_graphs_off(value)
+    for value in (None, "", "1", "on", "maybe", "00"):
+        assert not cuda_graphs_off(value)

@@ -1236,7 +1236,7 @@ BFLOAT16_VARIANTS = (
 def tensor_emulator(tmp_path_factory):
     if GXX is None:
         pytest.skip("g++ not installed")
-    specs = (
+    wide = (
         tuple(tensor_qmm.SPECS)
         + tuple(MUTANTS.values())
         + tuple(K2_SPECS.values())
@@ -1250,15 +1250,14 @@ def tensor_emulator(tmp_path_factory):
         + tuple(
             spec for specs in SAME_BITS_VARIANTS.values() for spec in specs.values()
         )
-        + BFLOAT16_VARIANTS
     )
     # A variant's table may hold a shipped form as it is: that one keeps both types.
-    wide = {id(spec) for spec in specs[: len(specs) - len(BFLOAT16_VARIANTS)]}
+    shared = {id(spec) for spec in wide}
     emulator = TensorEmulator(
         tmp_path_factory.mktemp("tensor_emulator"),
-        specs,
+        wide + BFLOAT16_VARIANTS,
         GXX,
-        bfloat16_only=[spec for spec in BFLOAT16_VARIANTS if id(spec) not in wide],
+        bfloat16_only=[s for s in BFLOAT16_VARIANTS if id(s) not in shared],
     )
     assert emulator.build.ok, emulator.build.log
     return emulator
