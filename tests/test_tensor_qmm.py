@@ -2981,10 +2981,18 @@ def test_chunk_major_repack_is_each_chunks_groups_column_by_column() -> None:
 @needs_nvcc
 def test_repacked_scale_forms_compile_for_sm90_within_the_bounds(tmp_path: Path):
     """Every chunk-major and interleaved-scale form built for the tests compiles for
-    sm_90 with no spills within its launch bounds' 128 registers."""
+    sm_90 with no spills within its launch bounds' 128 registers (the shipped ones
+    among them, the same texts, are compiled with the same bounds above)."""
+    shipped = {
+        spec.name("cuda")
+        for table in _scaled_tables().values()
+        for spec in table.values()
+    }
     tables = [*CMAJOR.values(), *ILEAVE.values()]
     specs = [spec for table in tables for spec in table.values()]
-    assert_within_bounds(specs, tmp_path, NVCC, HALF)
+    others = [spec for spec in specs if spec.name("cuda") not in shipped]
+    assert 0 < len(others) < len(specs)
+    assert_within_bounds(others, tmp_path, NVCC, HALF)
 
 
 def test_chunk_major_switch_is_on_and_yields_to_unit_scales(monkeypatch) -> None:
