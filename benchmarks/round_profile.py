@@ -58,6 +58,7 @@ from dflash.kernel_patch import (
     DRAFTER_DENSE_ENV,
     DRAFTER_HEAD_PREP_ENV,
     DRAFTER_QKV_ENV,
+    STACKED_KV_ENV,
     VERIFY_KERNELS_ENV,
 )
 from dflash.metal.backend import COMPILE_ENV
@@ -252,6 +253,7 @@ KERNEL_ARMS = {
     "default-persist": None,
     "default-cluster": None,
     "default-uncluster": None,
+    "default-wholekv": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -315,6 +317,7 @@ ARM_SUFFIXES = {
     "persist": (PERSISTENT_ENV, "1"),  # multi-wave matmuls on resident CTAs (s56)
     "cluster": (CLUSTER_SUM_ENV, "1"),  # a K split summed in a cluster (graphs off)
     "uncluster": (CLUSTER_SUM_ENV, "0"),
+    "wholekv": (STACKED_KV_ENV, "1"),  # planes and blocks bound stacked (session 66)
 }
 # Suffixes that set several switches (each pair as above).
 ARM_SUFFIX_SETS = {

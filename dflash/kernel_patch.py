@@ -135,6 +135,7 @@ DRAFTER_DENSE_ENV = "DFLASH_DRAFTER_DENSE_KERNEL"
 # Switch for the drafter's q / k / v as one stack (default off: the H200 measured the
 # draft's device time 2 % lower with it in session 47, within what one run separates).
 DRAFTER_QKV_ENV = "DFLASH_DRAFTER_FUSED_QKV"
+STACKED_KV_ENV = "DFLASH_STACKED_KV"
 # Switch for the drafter's q / k norms and RoPE as one launch (default off: likewise,
 # 2.4 % lower).
 DRAFTER_HEAD_PREP_ENV = "DFLASH_DRAFTER_HEAD_PREP"
@@ -162,6 +163,8 @@ class AttentionRoute:
             RoPE) in one launch.
         residual_norms: Traced Glimmer layers run their norm-add(-norm) groups as
             residual-norm launches (:mod:`dflash.residual_layers`).
+        stacked_kv: The attention binds a plane's stacked K/V buffer and a held-back
+            block whole, its values at an offset (:func:`stacked_kv_wanted`).
     """
 
     use_kernel: Optional[bool] = None
@@ -172,6 +175,13 @@ class AttentionRoute:
     swiglu: bool = False
     draft_head_prep: bool = False
     residual_norms: bool = False
+    stacked_kv: bool = False
+
+    @property
+    def key_source(self) -> Callable:
+        """The ``(plane, keys, values, count, window) -> (KeyPlane, block_keys,
+        block_values)`` of this route's calls."""
+        return _stacked_key_source if self.stacked_kv else _key_source
 
     def takes(self, cache: Any, count: int, mask: Any) -> bool:
         """Whether the route serves ``count`` queries over ``cache`` with ``mask``: a
@@ -208,7 +218,7 @@ class AttentionRoute:
         if not self.takes(cache, count, mask):
             return None
         window = cache.window if isinstance(cache, RingPlane) else None
-        plane, block_keys, block_values = _key_source(
+        plane, block_keys, block_values = self.key_source(
             cache, keys, values, count, window
         )
         return small_query_attention(
@@ -243,8 +253,18 @@ def _plain_mask(mask: Any, count: int) -> bool:
     )
 
 
-def _key_source(cache: KvPlane, keys: mx.array, values: mx.array, count: int, window):
+def _key_source(
+    cache: KvPlane,
+    keys: mx.array,
+    values: mx.array,
+    count: int,
+    window,
+    stacked: bool = False,
+):
     """Where the keys of the ``count`` newest positions' queries are, without copying.
+
+    ``stacked``: the plane's buffer and a held-back block are handed over whole, as
+    both keys and values (:class:`KeyPlane`), not as views of their halves.
 
     Returns:
         ``(plane, block_keys, block_values)`` for :func:`small_query_attention`.
@@ -258,22 +278,31 @@ def _key_source(cache: KvPlane, keys: mx.array, values: mx.array, count: int, wi
         and guard.pending.shape[cache.kv_axis] == count
     ):
         # A verify block held back: the ring as it was before the block, then the block
-        # (its halves two graph nodes: ``stacked_halves``).
+        # (its halves two graph nodes: ``stacked_halves``, unless bound whole).
         meta = guard.meta
         plane = KeyPlane.from_kv(
-            cache.kv, meta.len, meta.origin_logical, meta.origin_physical
+            cache.kv, meta.len, meta.origin_logical, meta.origin_physical, stacked
         )
+        if stacked:
+            return plane, guard.pending, guard.pending
         return (plane, *stacked_halves(guard.pending))
     first, _ = visible_bounds(start, window or 0, True, cache.offset)
     if first >= cache.origin_logical:
         # The chunk was written and nothing a query needs was evicted.
         plane = KeyPlane.from_kv(
-            cache.kv, cache.len, cache.origin_logical, cache.origin_physical
+            cache.kv, cache.len, cache.origin_logical, cache.origin_physical, stacked
         )
         return plane, None, None
     # A staged chunk stored at once: ``keys`` is its shadow (live rows then the chunk).
     rows = keys.shape[2]
     return KeyPlane(keys, values, rows, cache.offset - rows, 0), None, None
+
+
+def _stacked_key_source(
+    cache: KvPlane, keys: mx.array, values: mx.array, count: int, window
+):
+    """:func:`_key_source` with the plane and the block handed over stacked."""
+    return _key_source(cache, keys, values, count, window, stacked=True)
 
 
 # ------------------------------------------------------------ module dispatch
@@ -414,7 +443,7 @@ def _traced_class(base: type) -> type:
         if not _traced_serves(route, x, mask, cache):
             return base.__call__(self, x, mask, cache)
         return traced_layers_module.layer_forward(
-            self, x, cache, route.chunk, _key_source, _TRACES,
+            self, x, cache, route.chunk, route.key_source, _TRACES,
             route.residual_norms, route.use_kernel,
         )  # fmt: skip
 
@@ -697,6 +726,20 @@ def drafter_dense_wanted(value: Optional[bool] = None) -> bool:
     return backend.strict_switch(DRAFTER_DENSE_ENV, value, default=False)
 
 
+def stacked_kv_wanted(value: Optional[bool] = None) -> bool:
+    """Whether routed attention binds a plane's stacked K/V buffer and a held-back
+    block whole (the chunk pass reads the values at an offset): four graph nodes
+    fewer a verify layer, the same bits. ``value`` if given, else
+    ``DFLASH_STACKED_KV`` (``0`` / ``1``), else off: the stacked chunk passes'
+    texts have not run on a GPU yet (emulated and compiled here).
+
+    Raises:
+        ValueError: ``DFLASH_STACKED_KV`` is set to something that is not a switch
+            value.
+    """
+    return backend.strict_switch(STACKED_KV_ENV, value, default=False)
+
+
 def drafter_qkv_wanted(value: Optional[bool] = None) -> bool:
     """Whether :class:`KernelPatch` stacks the drafter's q / k / v: ``value`` if given,
     else ``DFLASH_DRAFTER_FUSED_QKV`` (``0`` / ``1``), else off (the H200 measured the
@@ -947,6 +990,9 @@ class KernelPatch:
             on CUDA (with the traced layers' residual norms; 0: none;
             :mod:`dflash.metal.prefetch`). None:
             :func:`dflash.metal.prefetch.megabytes_wanted`.
+        stacked_kv: With ``attention``, bind each plane's stacked K/V buffer and a
+            held-back block whole (no views of their halves; the same bits). None:
+            :func:`stacked_kv_wanted`.
 
     Raises:
         ValueError: ``model``'s architecture is not one whose attention can be routed.
@@ -976,6 +1022,7 @@ class KernelPatch:
         drafter_head_prep: Optional[bool] = None,
         drafter_traced: Optional[bool] = None,
         l2_prefetch: Optional[int] = None,
+        stacked_kv: Optional[bool] = None,
     ) -> None:
         if attention and not supports(model):
             raise ValueError(
@@ -996,6 +1043,7 @@ class KernelPatch:
             prepared_heads.kv_block_wanted(kv_block),
             gated_mlp.swiglu_wanted(swiglu),
             self.head_prep and drafter_head_prep_wanted(drafter_head_prep),
+            stacked_kv=stacked_kv_wanted(stacked_kv),
         )
         self.attention = attention
         self.matmul = matmul

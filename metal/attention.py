@@ -34,6 +34,7 @@ Three forms, one contract:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, fields
@@ -71,14 +72,19 @@ class KeyPlane:
     Logical row ``j < length`` (absolute position ``origin_logical + j``) sits at
     physical row ``(origin_physical + j) % C``. A growing plane has both origins 0.
 
+    The buffers are either two arrays or **stacked**: one ``(2, B, Hkv, C, D)`` buffer
+    given as both, the keys read from its first half and the values from its second
+    (:meth:`from_kv`). The kernels bind a stacked buffer as it is, at an element
+    offset, so a plane costs no view of its halves in the graph.
+
     Attributes:
-        keys: Keys buffer, head-major.
-        values: Values buffer, same shape and dtype.
+        keys: Keys buffer, head-major (stacked: the keys are ``keys[0]``).
+        values: Values buffer, same shape and dtype (stacked: ``values[1]``).
         length: Live rows.
         origin_logical: Absolute position of logical row 0.
         origin_physical: Physical row of logical row 0.
 
-    Shapes: keys, values ``(B, Hkv, C, D)``.
+    Shapes: keys, values ``(B, Hkv, C, D)``, or both ``(2, B, Hkv, C, D)``.
     """
 
     keys: mx.array
@@ -94,16 +100,31 @@ class KeyPlane:
         length: int,
         origin_logical: int = 0,
         origin_physical: int = 0,
+        stacked: bool = False,
     ) -> "KeyPlane":
-        """A plane from a stacked K/V buffer (its halves are views, not copies: one
-        node each, so ``kv`` must be row-contiguous, as a plane's buffer is).
+        """A plane over a stacked K/V buffer as it lies: ``stacked``, the buffer
+        itself as both (no view; the kernels read the values at an offset), else
+        its halves as views (two graph nodes). ``kv`` must be row-contiguous, as a
+        plane's buffer is (mlx would copy it before a launch).
 
         Shapes: kv ``(2, B, Hkv, C, D)``.
         """
         if kv.ndim != 5 or kv.shape[0] != 2:
             raise ValueError(f"kv must have shape (2, B, Hkv, C, D), got {kv.shape}")
-        keys, values = stacked_halves(kv)
+        keys, values = (kv, kv) if stacked else stacked_halves(kv)
         return cls(keys, values, length, origin_logical, origin_physical)
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the keys and values are halves of stacked buffers."""
+        return self.keys.ndim == 5
+
+    def halves(self) -> tuple[mx.array, mx.array]:
+        """The keys and the values as ``(B, Hkv, C, D)`` arrays (views of a stacked
+        buffer's halves: two graph nodes)."""
+        if not self.stacked:
+            return self.keys, self.values
+        return stacked_halves(self.keys)[0], stacked_halves(self.values)[1]
 
     @property
     def end(self) -> int:
@@ -126,6 +147,8 @@ class Plan:
         chunk: Keys per chunk.
         chunk_first: Index of the first chunk any query sees.
         chunks: Number of chunks from ``chunk_first`` on that some query sees.
+        plane_stacked, block_stacked: Whether the plane's (the block's) keys and
+            values are the halves of one ``(2, ...)`` buffer given as both.
     """
 
     batch: int
@@ -144,6 +167,8 @@ class Plan:
     chunk: int
     chunk_first: int
     chunks: int
+    plane_stacked: bool = False
+    block_stacked: bool = False
 
     def __hash__(self) -> int:
         # Hashed once: a plan keys its launch's memo on every call that shares it.
@@ -206,16 +231,21 @@ def _check_arrays(
     block_keys: ArrayKey,
     block_values: ArrayKey,
 ) -> None:
-    """Shapes and dtypes of one call (each array as its ``(shape, dtype)``)."""
+    """Shapes and dtypes of one call (each array as its ``(shape, dtype)``; a stacked
+    pair's shapes are checked as its halves')."""
     (q_shape, q_dtype), (k_shape, k_dtype), (v_shape, v_dtype) = queries, keys, values
     if len(q_shape) != 4:
         raise ValueError(f"queries must be (B, Hq, S, D), got shape {q_shape}")
     if q_dtype not in DTYPES:
         raise ValueError(f"queries dtype {q_dtype} is not bfloat16, float16 or float32")
-    if len(k_shape) != 4 or k_shape != v_shape:
+    if k_shape != v_shape or not (
+        len(k_shape) == 4 or (len(k_shape) == 5 and k_shape[0] == 2)
+    ):
         raise ValueError(
-            f"plane keys {k_shape} and values {v_shape} must be one (B, Hkv, C, D) shape"
+            f"plane keys {k_shape} and values {v_shape} must be one (B, Hkv, C, D) "
+            "shape, or one stacked (2, B, Hkv, C, D) shape"
         )
+    k_shape = k_shape[-4:]
     batch, heads, count, dim = q_shape
     if k_shape[0] != batch or k_shape[3] != dim:
         raise ValueError(f"plane {k_shape} does not fit queries {q_shape}")
@@ -232,7 +262,9 @@ def _check_arrays(
         raise ValueError("block_keys and block_values must be given together")
     if block_keys is not None:
         block_shape = block_keys[0]
-        want = (batch, k_shape[1], block_shape[2] if len(block_shape) == 4 else -1, dim)
+        stacked = len(block_shape) == 5 and block_shape[0] == 2
+        rows = block_shape[-2] if len(block_shape) == 4 or stacked else -1
+        want = (2,) * stacked + (batch, k_shape[1], rows, dim)
         for name, (shape, dtype) in (
             ("block_keys", block_keys),
             ("block_values", block_values),
@@ -290,7 +322,7 @@ def _plan(
     _check_arrays(*arrays)
     (q_shape, _), (k_shape, _), _, block_keys, _ = arrays
     batch, heads, count, dim = q_shape
-    capacity = k_shape[2]
+    capacity = k_shape[-2]
     length = _check_int(length, "length", 0)
     origin_logical = _check_int(origin_logical, "origin_logical", 0)
     origin_physical = _check_int(origin_physical, "origin_physical", 0)
@@ -300,7 +332,7 @@ def _plan(
         raise ValueError(f"origin_physical={origin_physical} outside [0, {capacity})")
     width = 0 if window is None else _check_int(window, "window", 1)
     chunk = _check_int(chunk, "chunk", 1)
-    block = 0 if block_keys is None else block_keys[0][2]
+    block = 0 if block_keys is None else block_keys[0][-2]
     key_end = origin_logical + length + block
     start = (
         key_end - count
@@ -322,9 +354,10 @@ def _plan(
     _, last = visible_bounds(start + count - 1, width, causal, key_end)
     chunk_first = first // chunk
     return Plan(
-        batch, heads, k_shape[1], count, dim, capacity, block, start,
+        batch, heads, k_shape[-3], count, dim, capacity, block, start,
         origin_logical, origin_physical, length, width, bool(causal), chunk,
-        chunk_first, last // chunk - chunk_first + 1,
+        chunk_first, last // chunk - chunk_first + 1, len(k_shape) == 5,
+        block_keys is not None and len(block_keys[0]) == 5,
     )  # fmt: skip
 
 
@@ -341,9 +374,12 @@ def _key_rows(plan: Plan, plane: KeyPlane, block_keys, block_values):
     Shapes: returns two ``(B, Hkv, C + NB + 1, D)`` arrays.
     """
     zero = mx.zeros((plan.batch, plan.kv_heads, 1, plan.dim), dtype=plane.keys.dtype)
-    parts_k = [plane.keys, zero]
-    parts_v = [plane.values, zero]
+    plane_keys, plane_values = plane.halves()
+    parts_k = [plane_keys, zero]
+    parts_v = [plane_values, zero]
     if plan.block:
+        if plan.block_stacked:
+            block_keys, block_values = block_keys[0], block_values[1]
         parts_k.insert(1, block_keys)
         parts_v.insert(1, block_values)
     return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
@@ -861,6 +897,12 @@ ATTEND_CHUNKS = GroupKernelSpec(
     threads=THREADS,
     small_inputs=("fparams",),
 )  # fmt: skip
+# The same pass over stacked planes and blocks (tensor_attention.stacked_body).
+ATTEND_CHUNKS_STACKED = dataclasses.replace(
+    ATTEND_CHUNKS,
+    base="attend_chunks_stacked",
+    body=tensor_attention.stacked_body(ATTEND_CHUNKS_BODY),
+)
 FOLD_CHUNKS = GroupKernelSpec(
     base="fold_chunks",
     input_names=("part_stats", "part_values", "fold_params"),
@@ -910,7 +952,7 @@ FOLD_GATED = GroupKernelSpec(
     threads=THREADS,
     small_inputs=("fold_params",),
 )
-SPECS = (ATTEND_CHUNKS, FOLD_CHUNKS, FOLD_GATED)
+SPECS = (ATTEND_CHUNKS, FOLD_CHUNKS, FOLD_GATED, ATTEND_CHUNKS_STACKED)
 
 
 # ``DFLASH_TENSOR_CORES=0`` keeps CUDA on the scalar body (for comparisons); otherwise
@@ -945,7 +987,14 @@ def kernel_serves(plan: Plan) -> bool:
     """Whether the kernel's compile-time limits cover ``plan``."""
     # head_dim >= 8 keeps every T array at 8+ elements: mlx binds smaller inputs in
     # Metal's constant address space, which the body's pointer selects do not expect.
-    return 8 <= plan.dim <= KERNEL_MAX_DIM and plan.chunk <= KERNEL_MAX_CHUNK
+    # A container's words (a stacked buffer's half: its values' offset) must fit the
+    # kernels' 32-bit indices.
+    half = plan.batch * plan.kv_heads * plan.dim * max(plan.capacity, plan.block)
+    return (
+        8 <= plan.dim <= KERNEL_MAX_DIM
+        and plan.chunk <= KERNEL_MAX_CHUNK
+        and half <= MAX_LAUNCH_WORDS
+    )
 
 
 @dataclass(frozen=True)
@@ -972,7 +1021,7 @@ def _launch(plan: Plan, rows_per_group: int, gate_offset: int = 0) -> Launch:
         plan.batch, plan.heads, plan.kv_heads, plan.queries, plan.dim,
         max(plan.capacity, 1), plan.block, plan.query_start, plan.origin_logical,
         plan.origin_physical, plan.length, plan.window, int(plan.causal), plan.chunk,
-        plan.chunk_first, plan.chunks, row_blocks,
+        plan.chunk_first, plan.chunks, row_blocks, *value_offsets(plan),
     )  # fmt: skip
     rows = (plan.batch, plan.heads, plan.queries)
     total = plan.batch * plan.heads * plan.queries * plan.dim
@@ -986,6 +1035,16 @@ def _launch(plan: Plan, rows_per_group: int, gate_offset: int = 0) -> Launch:
         out_shape=(plan.batch, plan.queries, plan.heads, plan.dim),
         fold_groups=-(-total // THREADS),
     )
+
+
+def value_offsets(plan: Plan) -> tuple[int, int]:
+    """Where the plane's and the block's values start in the arrays the chunk pass
+    binds as ``values`` and ``block_values`` (elements): a stacked buffer's second
+    half, else 0 (and 0 for a container no position falls in)."""
+    half = plan.batch * plan.kv_heads * plan.dim
+    plane = half * plan.capacity if plan.plane_stacked and plan.capacity else 0
+    block = half * plan.block if plan.block_stacked and plan.block else 0
+    return plane, block
 
 
 def kernel_attention(
@@ -1066,16 +1125,18 @@ def kernel_form(
     _check_gate_offset(plan, gated, gate_offset)
     if not kernel_serves(plan):
         raise ValueError(
-            f"the attention kernel serves 8 <= head_dim <= {KERNEL_MAX_DIM} and chunk <= "
-            f"{KERNEL_MAX_CHUNK}, got head_dim {plan.dim} and chunk {plan.chunk}"
+            f"the attention kernel serves 8 <= head_dim <= {KERNEL_MAX_DIM}, chunk <= "
+            f"{KERNEL_MAX_CHUNK} and containers of at most {MAX_LAUNCH_WORDS} "
+            f"elements, got head_dim {plan.dim}, chunk {plan.chunk} and "
+            f"{plan.batch * plan.kv_heads * plan.dim * max(plan.capacity, plan.block)}"
         )
     layout = tensor_layout() if uses_tensor_cores(plan, dtype) else None
     launch = _launch(plan, layout.rows if layout is not None else ROWS, gate_offset)
-    spec = (
-        ATTEND_CHUNKS
-        if layout is None
-        else tensor_attention.attend_spec(plan.dim, layout)
-    )
+    stacked = plan.plane_stacked or plan.block_stacked
+    if layout is None:
+        spec = ATTEND_CHUNKS_STACKED if stacked else ATTEND_CHUNKS
+    else:
+        spec = tensor_attention.attend_spec(plan.dim, layout, stacked)
     return KernelForm(spec, launch, dtype, bool(gated), gate_offset)
 
 

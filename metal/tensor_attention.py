@@ -1183,13 +1183,65 @@ _BODIES = {
 }
 
 
+# Stacked planes and blocks: a ``(2, ...)`` K/V buffer bound whole as both ``keys`` and
+# ``values`` (no view of its halves in the graph), the values read from an element
+# offset the launch passes (0 for a container that is not stacked).
+STACKED_PARAMS = """\
+  const int plane_value_offset = params[17];
+  const int block_value_offset = params[18];
+"""
+# Each chunk pass's value sources, read at those offsets (scalar and tensor-core).
+_STACKED_READS = (
+    (
+        "    v_src = (pos < ring_end ? values : block_values) + off + c;\n",
+        "    v_src = (pos < ring_end ? values + plane_value_offset\n"
+        "                            : block_values + block_value_offset) + off + c;\n",
+    ),
+    (
+        "    auto value = pos < ring_end ? values + off : block_values + off;\n",
+        "    auto value = pos < ring_end ? values + plane_value_offset + off\n"
+        "                                : block_values + block_value_offset + off;\n",
+    ),
+)
+
+
+def stacked_body(body: str) -> str:
+    """``body`` (a chunk pass) reading the values at the launch's value offsets
+    (:data:`STACKED_PARAMS`, declared after the last of ``CHUNK_PARAMS``' ints).
+
+    Raises:
+        AssertionError: ``body`` has no value source this knows, or no params.
+    """
+    anchor = "  const int row_blocks = params[16];\n"
+    if body.count(anchor) != 1:
+        raise AssertionError("expected the chunk pass's params once in the body")
+    body = body.replace(anchor, anchor + STACKED_PARAMS)
+    replaced = 0
+    for old, new in _STACKED_READS:
+        replaced += body.count(old)
+        body = body.replace(old, new)
+    if not replaced:
+        raise AssertionError("found no value source in the body")
+    return body
+
+
+def attend_spec(
+    dim: int, layout: Layout = STREAM, stacked: bool = False
+) -> GroupKernelSpec:
+    """The chunk pass for head dim ``dim`` in ``layout`` (built once, one object
+    however the arguments are passed); ``stacked``: its values read at the launch's
+    offsets (:func:`stacked_body`)."""
+    return _attend_spec(dim, layout, bool(stacked))
+
+
 @functools.lru_cache(maxsize=None)
-def attend_spec(dim: int, layout: Layout = STREAM) -> GroupKernelSpec:
-    """The chunk pass for head dim ``dim`` in ``layout`` (built once per pair)."""
+def _attend_spec(dim: int, layout: Layout, stacked: bool) -> GroupKernelSpec:
+    """:func:`attend_spec`, memoised."""
     from .attention import ATTENTION_HELPERS
 
+    body = _BODIES[layout.name](dim)
     return GroupKernelSpec(
-        base=f"attend_chunks_{layout.name}{dim}",
+        base=f"attend_chunks_{layout.name}{dim}" + "_stacked" * stacked,
         input_names=(
             "queries", "keys", "values", "block_keys", "block_values", "params",
             "fparams",
@@ -1198,7 +1250,7 @@ def attend_spec(dim: int, layout: Layout = STREAM) -> GroupKernelSpec:
         output_names=("part_stats", "part_values"),
         output_types=("float32", "float32"),
         helpers=ATTENTION_HELPERS + TENSOR_HELPERS + _LAYOUT_HELPERS.get(layout.name, ""),
-        body=_BODIES[layout.name](dim),
+        body=stacked_body(body) if stacked else body,
         threads=layout.threads,
         small_inputs=("fparams",),
         backends=(CUDA,),

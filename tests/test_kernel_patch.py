@@ -28,7 +28,7 @@ from test_dflash_loop import random_drafter
 
 from dflash import dflash_generate_step, fused_projections, kernel_patch
 from dflash.cache import SpeculativeCheckpoint, make_prompt_cache
-from dflash.cache.plane import kv_halves
+from dflash.cache.plane import RingPlane, kv_halves
 from dflash.drafter import DraftAttention
 from dflash.generation import generate_step
 from dflash.kernel_patch import KernelPatch, supports
@@ -1211,3 +1211,50 @@ def test_drafter_switches_are_off_by_default_and_read_from_the_environment(
         with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
             KernelPatch(target, drafter)
         monkeypatch.delenv(name)
+
+
+def test_stacked_planes_are_off_by_default_and_read_from_the_environment(
+    monkeypatch,
+) -> None:
+    """``DFLASH_STACKED_KV`` (opt-in until its chunk passes run on a GPU) turns on the
+    route's stacked key source, the argument wins, a value that is no switch is
+    refused by name, and kept traces tell the two routes apart."""
+    target = tiny_model("muse_glimmer", seed=45, window=16)
+    monkeypatch.delenv(kernel_patch.STACKED_KV_ENV, raising=False)
+    off = KernelPatch(target)
+    assert not off.route.stacked_kv
+    assert off.route.key_source is kernel_patch._key_source
+    monkeypatch.setenv(kernel_patch.STACKED_KV_ENV, "1")
+    on = KernelPatch(target)
+    assert on.route.stacked_kv
+    assert on.route.key_source is kernel_patch._stacked_key_source
+    assert on.trace_options() != off.trace_options()
+    assert not KernelPatch(target, stacked_kv=False).route.stacked_kv
+    monkeypatch.setenv(kernel_patch.STACKED_KV_ENV, "maybe")
+    with pytest.raises(
+        ValueError, match=f"{kernel_patch.STACKED_KV_ENV} must be 0 or 1"
+    ):
+        KernelPatch(target)
+
+
+def test_the_stacked_key_source_hands_the_buffers_whole() -> None:
+    """Inside a checkpoint a held-back block and the ring come as the stacked
+    buffers themselves (no views); the plain source hands their halves."""
+    target = tiny_model("muse_glimmer", seed=47, window=16)
+    cache = make_prompt_cache(target)
+    target(mx.random.randint(0, 250, (1, 30), key=mx.random.key(3)), cache)
+    ring = next(plane for plane in cache if isinstance(plane, RingPlane))
+    checkpoint = SpeculativeCheckpoint.begin(cache, 4)
+    target(mx.random.randint(0, 250, (1, 4), key=mx.random.key(4)), cache)
+    plane, block_keys, block_values = kernel_patch._stacked_key_source(
+        ring, None, None, 4, ring.window
+    )
+    assert plane.keys is ring.kv and plane.values is ring.kv and plane.stacked
+    assert block_keys is ring.guard.pending and block_values is ring.guard.pending
+    halves, keys, values = kernel_patch._key_source(ring, None, None, 4, ring.window)
+    assert not halves.stacked and keys.ndim == 4 and values.ndim == 4
+    for got, want in zip(plane.halves(), halves.halves()):
+        assert mx.array_equal(got, want).item()
+    assert mx.array_equal(block_keys[0], keys).item()
+    assert mx.array_equal(block_values[1], values).item()
+    checkpoint.rollback()

@@ -405,6 +405,12 @@ RAN_ON_THE_H200 |= {
 # Glimmer's width) and the folds' (5).
 RAN_ON_THE_H200 -= {"dflash_head_prep_01ffae6b5c", "dflash_fold_gated_3e95804992"}
 RAN_ON_THE_H200 |= {"dflash_head_prep_f571d7ee08", "dflash_fold_gated_9673575981"}
+# Session 66 (no GPU): the chunk passes over stacked planes and blocks (opt-in,
+# DFLASH_STACKED_KV=1), new texts; emulated and compiled here, not run on a GPU.
+NOT_RUN_SINCE_CHANGED |= {
+    tensor_attention.attend_spec(128, layout, True).name("cuda")
+    for layout in tensor_attention.LAYOUTS.values()
+}
 
 
 def names_digest(names: set) -> str:
@@ -416,8 +422,9 @@ def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
     # The computed sets are the texts that ran: a changed text changes its digest.
     assert names_digest(MATMUL_RAN) == RAN_DIGESTS["matmul"]
     shipped = {
-        tensor_attention.attend_spec(128, layout).name("cuda")
+        tensor_attention.attend_spec(128, layout, stacked).name("cuda")
         for layout in tensor_attention.LAYOUTS.values()
+        for stacked in (False, True)
     }
     shipped.add(attention.FOLD_CHUNKS.name("cuda"))
     shipped.add(attention.FOLD_GATED.name("cuda"))

@@ -17,6 +17,7 @@ a buffer reused too early) fail in the modes that can show them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import mlx.core as mx
 import pytest
@@ -25,7 +26,11 @@ from hypothesis import strategies as st
 from support.attention_cases import Case, build, cases, close_to_oracle
 from support.compilers import built_emulator
 from support.tensor_emulator import TensorEmulator
-from test_verify_kernels import assert_batch_invariant, assert_seamless
+from test_verify_kernels import (
+    assert_batch_invariant,
+    assert_seamless,
+    assert_stacked_gives_the_halves_bits,
+)
 
 from dflash.metal import attention, groups, tensor_attention
 from dflash.metal.groups import GroupKernelSpec
@@ -130,9 +135,18 @@ _LAYOUT_SLIPS = {
     },
 }
 _PAIR_AS_STREAM = ("row_sum_shuffle", "divergent_shuffle", "early_read")
-_LAYOUT_SLIPS["pair"].update({slip: _LAYOUT_SLIPS["stream"][slip] for slip in _PAIR_AS_STREAM})
-_WIDE_AS_SPLIT = ("row_sum_shuffle", "divergent_shuffle", "no_wait", "wait_after_barrier")
-_LAYOUT_SLIPS["wide"].update({slip: _LAYOUT_SLIPS["split"][slip] for slip in _WIDE_AS_SPLIT})
+_LAYOUT_SLIPS["pair"].update(
+    {slip: _LAYOUT_SLIPS["stream"][slip] for slip in _PAIR_AS_STREAM}
+)
+_WIDE_AS_SPLIT = (
+    "row_sum_shuffle",
+    "divergent_shuffle",
+    "no_wait",
+    "wait_after_barrier",
+)
+_LAYOUT_SLIPS["wide"].update(
+    {slip: _LAYOUT_SLIPS["split"][slip] for slip in _WIDE_AS_SPLIT}
+)
 # The emulator's modes: (copies land at their wait, not at issue; each warp runs as far
 # as it goes before the next, not all in turn).
 MODES = ((False, False), (True, False), (False, True), (True, True))
@@ -183,6 +197,14 @@ def _mutant(layout: str, slip: str) -> GroupKernelSpec:
 MUTANTS = {key: _mutant(*key) for key in CAUGHT}
 
 
+# The passes over stacked planes and blocks (bfloat16 cases only).
+STACKED = [
+    tensor_attention.attend_spec(dim, tensor_attention.LAYOUTS[name], True)
+    for name in LAYOUTS
+    for dim in DIMS
+]
+
+
 @pytest.fixture(scope="module")
 def tensor_emulator(tmp_path_factory) -> TensorEmulator:
     specs = [
@@ -190,8 +212,9 @@ def tensor_emulator(tmp_path_factory) -> TensorEmulator:
         for name in LAYOUTS
         for dim in DIMS
     ]
-    specs += [attention.FOLD_CHUNKS, *MUTANTS.values()]
-    return built_emulator(TensorEmulator, tmp_path_factory, "attention_emulator", specs)
+    specs += [attention.FOLD_CHUNKS, *MUTANTS.values(), *STACKED]
+    make = functools.partial(TensorEmulator, bfloat16_only=STACKED)
+    return built_emulator(make, tmp_path_factory, "attention_emulator", specs)
 
 
 @pytest.fixture(params=LAYOUTS)
@@ -249,6 +272,26 @@ def test_emulated_tensor_form_is_batch_invariant(emulated, case: Case, mode) -> 
     )
 
 
+@settings(max_examples=16, deadline=None, suppress_health_check=_FIXTURES)
+@given(
+    case=emulated_cases().map(lambda c: dataclasses.replace(c, dtype=mx.bfloat16)),
+    mode=st.sampled_from(MODES),
+)
+def test_emulated_tensor_form_reads_stacked_planes_and_blocks_as_their_halves(
+    emulated, case: Case, mode
+) -> None:
+    """The stacked pass of each layout (values at the launch's offsets) gives the bits
+    of the plain pass over the halves given apart."""
+    emulated.late, emulated.eager = mode
+    before = len(emulated.launched)
+    assert_stacked_gives_the_halves_bits(case, True)
+    passes = [
+        tensor_attention.attend_spec(case.dim, attention.TENSOR_LAYOUT, stacked).base
+        for stacked in (True, False)
+    ]
+    assert emulated.launched[before:][::2] == passes
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=_FIXTURES)
 @given(case=emulated_cases(), turn=st.integers(1, 200))
 def test_emulated_tensor_form_does_not_see_the_seam(
@@ -270,7 +313,7 @@ def _slip_shows(spec: GroupKernelSpec, built) -> bool:
     """Whether the wrapper running ``spec`` misses the oracle or the emulator refuses
     the run (lanes diverging at a warp collective, copies never waited for)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(tensor_attention, "attend_spec", lambda dim, layout: spec)
+        patch.setattr(tensor_attention, "attend_spec", lambda *_: spec)
         try:
             return not close_to_oracle(built, built.attend(True))
         except RuntimeError as error:

@@ -142,17 +142,20 @@ def verify_run(
     accepted: List[int],
     context: int = 40,
     residual_norms: bool = False,
+    **patch,
 ):
     """Verify blocks of 16 rows over planes prefilled with ``context`` rows, each
     committed with its accepted count (so positions move and the rings wrap); the
-    outputs of every block."""
+    outputs of every block (``patch``: more :class:`KernelPatch` keywords)."""
     cache = layer_stack.prefill(model, context)
     blocks = [
         mx.random.normal((1, 16, model.args.hidden_size), key=mx.random.key(i)) * 0.5
         for i in range(len(accepted))
     ]
     outs = []
-    with KernelPatch(model, traced_layers=traced, residual_norms=residual_norms):
+    with KernelPatch(
+        model, traced_layers=traced, residual_norms=residual_norms, **patch
+    ):
         assert all(_is_traced(layer) is traced for layer in model.layers)
         for block, count in zip(blocks, accepted):
             checkpoint = SpeculativeCheckpoint.begin(cache, 16)
@@ -860,6 +863,23 @@ def test_cuda_traced_layers_give_the_eager_bits(accepted):
     want, offsets = verify_run(model, False, accepted, context=100)
     got, traced_offsets = verify_run(model, True, accepted, context=100)
     assert traced_offsets == offsets
+    _assert_same(got, want)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("width", ["wide_heads", "glimmer"])
+def test_cuda_layers_over_stacked_planes_give_the_halves_bits(width):
+    """Traced layers with the planes and blocks bound stacked give the eager layers'
+    bits with their halves bound apart (rings wrapping, blocks partly accepted)."""
+    if width == "glimmer":
+        model, context = layer_stack.build_layers("full", "4bit", 2), 2100
+    else:
+        model, context = wide_heads_stack(4), 100
+    accepted = [16, 3, 16, 7, 1, 12]
+    want, offsets = verify_run(model, False, accepted, context, stacked_kv=False)
+    got, stacked_offsets = verify_run(model, True, accepted, context, stacked_kv=True)
+    assert stacked_offsets == offsets
     _assert_same(got, want)
 
 

@@ -37,6 +37,7 @@ from support.attention_cases import (
     cases,
     close_to_oracle,
     one_query_routes,
+    stacked,
 )
 from support.compilers import GXX, NVCC, built_emulator, needs_gxx, needs_nvcc
 from support.group_emulator import GroupEmulator, check_cuda, check_metal
@@ -63,6 +64,21 @@ def assert_batch_invariant(case: Case, use_kernel) -> None:
             alone = route.attend(use_kernel)
             want = bits(together[:, :, index : index + 1])
             assert np.array_equal(bits(alone), want), (name, index, case)
+
+
+def assert_stacked_gives_the_halves_bits(case: Case, use_kernel) -> mx.array:
+    """The plane and the block stacked, each bound whole as keys and values, give the
+    bits of their halves given apart (returns the stacked call's output)."""
+    built = build(case)
+    together = stacked(built)
+    plan = attention.make_plan(
+        together.queries, together.plane, together.block_keys, together.block_values,
+        window=case.window, causal=case.causal, query_start=None, chunk=case.chunk,
+    )  # fmt: skip
+    assert plan.plane_stacked and plan.block_stacked == (case.block > 0)
+    out = together.attend(use_kernel)
+    assert np.array_equal(bits(out), bits(built.attend(use_kernel))), case
+    return out
 
 
 def assert_near_reference(built, kernel: mx.array) -> None:
@@ -147,6 +163,7 @@ def _plane(c=8, d=16, dtype=mx.float32):
 
 _Q = mx.zeros((1, 4, 2, 16))
 _BK = mx.zeros((1, 2, 2, 16))
+_KV = mx.zeros((2, 1, 2, 8, 16))
 
 
 @pytest.mark.parametrize(
@@ -170,6 +187,26 @@ _BK = mx.zeros((1, 2, 2, 16))
         (
             lambda: small_query_attention(_Q, _plane(), _BK, _BK[:, :1], scale=1.0),
             "shape",
+        ),
+        (
+            lambda: small_query_attention(
+                _Q, KeyPlane(_KV, _KV[0], 4, 10, 3), scale=1.0
+            ),
+            "must be one",
+        ),
+        (
+            lambda: small_query_attention(
+                _Q,
+                KeyPlane(mx.zeros((3, 1, 2, 8, 16)), mx.zeros((3, 1, 2, 8, 16)), 4),
+                scale=1.0,
+            ),
+            "stacked",
+        ),
+        (
+            lambda: small_query_attention(
+                _Q, _plane(), mx.stack([_BK, _BK]), _BK, scale=1.0
+            ),
+            "block_values must have shape",
         ),
         (lambda: small_query_attention(_Q, _plane(), scale=float("nan")), "scale"),
         (
@@ -335,6 +372,81 @@ _CROSSING = [
     Case(1, 2, 2, 16, dtype, True, 10, 57, 8, 8, 4, 10, True, None, 4, seed, skew=1.5)
     for seed, dtype in enumerate((mx.float32, mx.bfloat16, mx.float16))
 ]
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=cases(max_queries=12))
+def test_reference_reads_stacked_planes_and_blocks_as_their_halves(case: Case) -> None:
+    assert_stacked_gives_the_halves_bits(case, False)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=_SHARED)
+@given(case=cases(max_queries=8, **_SMALL))
+def test_metal_body_reads_stacked_planes_and_blocks_as_their_halves(
+    metal_on_cpu, case: Case
+) -> None:
+    before = len(metal_on_cpu.launched)
+    assert_stacked_gives_the_halves_bits(case, True)
+    passes = [attention.ATTEND_CHUNKS_STACKED.base, attention.ATTEND_CHUNKS.base]
+    assert metal_on_cpu.launched[before:][::2] == passes
+
+
+@pytest.mark.parametrize("wrong", ["plane", "block"])
+def test_a_stacked_pass_reading_values_at_the_wrong_offset_fails(
+    metal_on_cpu, monkeypatch, wrong: str
+) -> None:
+    """Negative control: with the plane's (the block's) values read from element 0
+    of its buffer, which holds the keys, the bits are not the halves'."""
+    case = Case(1, 2, 2, 16, mx.float32, True, 24, 60, 6, 6, 5, 20, True, None, 16, 3)
+    built = build(case)
+    want = bits(built.attend(True))
+    right = attention.value_offsets
+
+    def offsets(plan):
+        plane, block = right(plan)
+        return (0, block) if wrong == "plane" else (plane, 0)
+
+    monkeypatch.setattr(attention, "value_offsets", offsets)
+    attention._launch.cache_clear()
+    try:
+        got = bits(stacked(built).attend(True))
+    finally:
+        attention._launch.cache_clear()
+    assert not np.array_equal(got, want)
+
+
+def test_the_route_binding_planes_stacked_keeps_every_tokens_bits(metal_on_cpu) -> None:
+    """End to end through the emulated Metal body: our plain and DFlash decoding with
+    the planes and held-back blocks bound stacked (``stacked_kv``) give every token
+    the logits they give with the halves bound apart."""
+    from conftest import tiny_model
+    from test_dflash_loop import random_drafter
+
+    from dflash import dflash_generate_step
+    from dflash.generation import generate_step
+    from dflash.kernel_patch import KernelPatch
+
+    target = tiny_model("muse_glimmer", seed=1, window=16)
+    target.set_dtype(mx.bfloat16)
+    drafter = random_drafter(target, seed=11, block_size=8)
+    drafter.set_dtype(mx.bfloat16)
+    prompt = mx.random.randint(0, 250, (19,), key=mx.random.key(5))
+    runs = {}
+    for stacked_kv in (False, True):
+        before = len(metal_on_cpu.launched)
+        options = dict(use_kernel=True, matmul=False, head_prep=False)
+        with KernelPatch(target, drafter, stacked_kv=stacked_kv, **options):
+            plain = [bits(y) for _, y in generate_step(prompt, target, max_tokens=24)]
+            spec = dflash_generate_step(prompt, target, drafter, max_tokens=24)
+            runs[stacked_kv] = plain, [bits(y) for _, y, _ in spec]
+        passes = set(metal_on_cpu.launched[before:])
+        stacked_pass = attention.ATTEND_CHUNKS_STACKED.base
+        # (The drafter's context and a staged chunk are not planes: separate arrays.)
+        assert (stacked_pass in passes) is stacked_kv
+    logits = [rows for run in runs.values() for rows in run]
+    assert all(len(rows) == 24 for rows in logits)
+    for rows in logits[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(rows, logits[0]))
 
 
 @pytest.mark.parametrize("case", _CROSSING)
@@ -697,6 +809,15 @@ def test_cuda_is_batch_invariant(case: Case) -> None:
 @given(cases(), st.integers(1, 200))
 def test_cuda_does_not_see_the_seam(case: Case, turn: int) -> None:
     assert_seamless(case, turn, True)
+
+
+@pytest.mark.cuda
+@cuda
+@settings(max_examples=60, deadline=None)
+@given(case=cases())
+def test_cuda_reads_stacked_planes_and_blocks_as_their_halves(case: Case) -> None:
+    out = assert_stacked_gives_the_halves_bits(case, True)
+    assert close_to_oracle(build(case), out), case
 
 
 @pytest.mark.cuda

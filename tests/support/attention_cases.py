@@ -232,6 +232,21 @@ def build(case: Case) -> Built:
     return lay_out(case, keys, values, queries, case.history, case.block)
 
 
+def stacked(built: Built) -> Built:
+    """``built`` with its plane and its block as stacked ``(2, ...)`` buffers, each
+    given whole as both keys and values (``KeyPlane.from_kv(..., stacked=True)``):
+    the same rows where they were."""
+    plane = built.plane
+    kv = mx.stack([plane.keys, plane.values])
+    plane = KeyPlane.from_kv(
+        kv, plane.length, plane.origin_logical, plane.origin_physical, stacked=True
+    )
+    block = None
+    if built.block_keys is not None:
+        block = mx.stack([built.block_keys, built.block_values])
+    return dataclasses.replace(built, plane=plane, block_keys=block, block_values=block)
+
+
 def oracle(built: Built, window: Optional[int] = None) -> np.ndarray:
     """Float64 softmax attention over the visible keys (``window`` overrides the case's).
 

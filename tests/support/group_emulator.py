@@ -271,14 +271,16 @@ def check_metal(specs: Sequence[GroupKernelSpec], workdir: Path, compiler: str =
 
 def package_specs() -> list[GroupKernelSpec]:
     """Every threadgroup kernel the package registers (the modules' ``SPECS``, the
-    two-K-group folded matmuls), and the attention chunk pass at head dim 128."""
+    two-K-group folded matmuls), and the attention chunk pass at head dim 128 (over
+    separate and stacked K/V)."""
     from dflash.metal import attention, heads, norms, qmm, tensor_attention, tensor_qmm
 
     specs = [*attention.SPECS, *heads.SPECS, *norms.SPECS, *qmm.SPECS]
     specs += [*tensor_qmm.SPECS, *tensor_qmm.K2_FOLDED_SPECS.values()]
     specs += [
-        tensor_attention.attend_spec(128, layout)
+        tensor_attention.attend_spec(128, layout, stacked)
         for layout in tensor_attention.LAYOUTS.values()
+        for stacked in (False, True)
     ]
     return specs
 
