@@ -175,7 +175,7 @@ class AttentionRoute:
     swiglu: bool = False
     draft_head_prep: bool = False
     residual_norms: bool = False
-    stacked_kv: bool = False
+    stacked_kv: bool = True
 
     @property
     def key_source(self) -> Callable:
@@ -730,14 +730,15 @@ def stacked_kv_wanted(value: Optional[bool] = None) -> bool:
     """Whether routed attention binds a plane's stacked K/V buffer and a held-back
     block whole (the chunk pass reads the values at an offset): four graph nodes
     fewer a verify layer, the same bits. ``value`` if given, else
-    ``DFLASH_STACKED_KV`` (``0`` / ``1``), else off: the stacked chunk passes'
-    texts have not run on a GPU yet (emulated and compiled here).
+    ``DFLASH_STACKED_KV`` (``0`` / ``1``), else on (session 66, an H100: the verify
+    graph's host time 0.1-0.9 ms lower in 10 of 10 alternated rounds, device time
+    within its noise, every stacked chunk pass's `cuda` test passed).
 
     Raises:
         ValueError: ``DFLASH_STACKED_KV`` is set to something that is not a switch
             value.
     """
-    return backend.strict_switch(STACKED_KV_ENV, value, default=False)
+    return backend.strict_switch(STACKED_KV_ENV, value, default=True)
 
 
 def drafter_qkv_wanted(value: Optional[bool] = None) -> bool:

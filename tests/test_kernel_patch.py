@@ -187,12 +187,13 @@ def test_verify_block_is_read_beside_the_ring(monkeypatch) -> None:
     for kind, (plane, block_keys, kwargs) in zip(kinds, seen):
         assert kwargs["query_start"] == 29
         if kind == "sliding_attention":
-            # The full 16-row ring, untouched, then the 6 held-back rows.
-            assert (plane.length, plane.origin_logical, block_keys.shape[2]) == (
+            # The full 16-row ring, untouched, then the 6 held-back rows (stacked).
+            assert (plane.length, plane.origin_logical, block_keys.shape) == (
                 16,
                 13,
-                6,
+                (2, 1, 2, 6, block_keys.shape[-1]),
             )
+            assert plane.stacked
             assert plane.origin_physical == 13 % 16
             assert kwargs["window"] == 16
         else:
@@ -1213,23 +1214,23 @@ def test_drafter_switches_are_off_by_default_and_read_from_the_environment(
         monkeypatch.delenv(name)
 
 
-def test_stacked_planes_are_off_by_default_and_read_from_the_environment(
+def test_stacked_planes_are_on_by_default_and_read_from_the_environment(
     monkeypatch,
 ) -> None:
-    """``DFLASH_STACKED_KV`` (opt-in until its chunk passes run on a GPU) turns on the
-    route's stacked key source, the argument wins, a value that is no switch is
+    """``DFLASH_STACKED_KV`` (on since session 66) picks the route's stacked key
+    source, ``0`` the halves', the argument wins, a value that is no switch is
     refused by name, and kept traces tell the two routes apart."""
     target = tiny_model("muse_glimmer", seed=45, window=16)
     monkeypatch.delenv(kernel_patch.STACKED_KV_ENV, raising=False)
-    off = KernelPatch(target)
-    assert not off.route.stacked_kv
-    assert off.route.key_source is kernel_patch._key_source
-    monkeypatch.setenv(kernel_patch.STACKED_KV_ENV, "1")
     on = KernelPatch(target)
     assert on.route.stacked_kv
     assert on.route.key_source is kernel_patch._stacked_key_source
+    monkeypatch.setenv(kernel_patch.STACKED_KV_ENV, "0")
+    off = KernelPatch(target)
+    assert not off.route.stacked_kv
+    assert off.route.key_source is kernel_patch._key_source
     assert on.trace_options() != off.trace_options()
-    assert not KernelPatch(target, stacked_kv=False).route.stacked_kv
+    assert KernelPatch(target, stacked_kv=True).route.stacked_kv
     monkeypatch.setenv(kernel_patch.STACKED_KV_ENV, "maybe")
     with pytest.raises(
         ValueError, match=f"{kernel_patch.STACKED_KV_ENV} must be 0 or 1"

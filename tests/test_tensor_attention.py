@@ -405,9 +405,12 @@ RAN_ON_THE_H200 |= {
 # Glimmer's width) and the folds' (5).
 RAN_ON_THE_H200 -= {"dflash_head_prep_01ffae6b5c", "dflash_fold_gated_3e95804992"}
 RAN_ON_THE_H200 |= {"dflash_head_prep_f571d7ee08", "dflash_fold_gated_9673575981"}
-# Session 66 (no GPU): the chunk passes over stacked planes and blocks (opt-in,
-# DFLASH_STACKED_KV=1), new texts; emulated and compiled here, not run on a GPU.
-NOT_RUN_SINCE_CHANGED |= {
+# Session 66 (an H100, docs/benchmarks/h100-2026-12-06-s66, S/): the chunk passes over
+# stacked planes and blocks (DFLASH_STACKED_KV, on since), new texts. Their `cuda` tests:
+# the stacked calls' bits equal to the halves' (60 cases each under the four layouts, the
+# scalar form in the float32 cases), the traced layers over stacked planes against the
+# eager layers over the halves (Glimmer's width and head-128 wrapping rings: 2).
+RAN_ON_THE_H200 |= {
     tensor_attention.attend_spec(128, layout, True).name("cuda")
     for layout in tensor_attention.LAYOUTS.values()
 }
@@ -442,10 +445,9 @@ def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
     assert len(defaults) == 14 and defaults <= RAN_ON_THE_H200
     assert tensor_qmm.K_GROUPS == 2 and tensor_qmm.VECTOR_MERGE
     default_layout = tensor_attention.LAYOUTS[tensor_attention.DEFAULT_LAYOUT]
-    assert (
-        tensor_attention.attend_spec(128, default_layout).name("cuda")
-        in RAN_ON_THE_H200
-    )
+    for stacked in (False, True):
+        spec = tensor_attention.attend_spec(128, default_layout, stacked)
+        assert spec.name("cuda") in RAN_ON_THE_H200
     scaled = {spec.name("cuda") for spec in tensor_qmm.SCALED_SPECS.values()}
     assert scaled <= RAN_ON_THE_H200 and tensor_qmm.SCALED_B
     # The forms a Glimmer 4-bit verify or decode step takes by default ran in their
