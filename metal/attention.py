@@ -124,6 +124,8 @@ class KeyPlane:
         buffer's halves: two graph nodes)."""
         if not self.stacked:
             return self.keys, self.values
+        if self.keys is self.values:
+            return stacked_halves(self.keys)
         return stacked_halves(self.keys)[0], stacked_halves(self.values)[1]
 
     @property
@@ -987,14 +989,17 @@ def kernel_serves(plan: Plan) -> bool:
     """Whether the kernel's compile-time limits cover ``plan``."""
     # head_dim >= 8 keeps every T array at 8+ elements: mlx binds smaller inputs in
     # Metal's constant address space, which the body's pointer selects do not expect.
-    # A container's words (a stacked buffer's half: its values' offset) must fit the
-    # kernels' 32-bit indices.
-    half = plan.batch * plan.kv_heads * plan.dim * max(plan.capacity, plan.block)
     return (
         8 <= plan.dim <= KERNEL_MAX_DIM
         and plan.chunk <= KERNEL_MAX_CHUNK
-        and half <= MAX_LAUNCH_WORDS
+        and container_words(plan) <= MAX_LAUNCH_WORDS
     )
+
+
+def container_words(plan: Plan) -> int:
+    """Elements of the larger container's keys (a stacked buffer's half: its values'
+    offset), which the kernels' 32-bit indices must hold."""
+    return plan.batch * plan.kv_heads * plan.dim * max(plan.capacity, plan.block)
 
 
 @dataclass(frozen=True)
@@ -1128,7 +1133,7 @@ def kernel_form(
             f"the attention kernel serves 8 <= head_dim <= {KERNEL_MAX_DIM}, chunk <= "
             f"{KERNEL_MAX_CHUNK} and containers of at most {MAX_LAUNCH_WORDS} "
             f"elements, got head_dim {plan.dim}, chunk {plan.chunk} and "
-            f"{plan.batch * plan.kv_heads * plan.dim * max(plan.capacity, plan.block)}"
+            f"{container_words(plan)}"
         )
     layout = tensor_layout() if uses_tensor_cores(plan, dtype) else None
     launch = _launch(plan, layout.rows if layout is not None else ROWS, gate_offset)

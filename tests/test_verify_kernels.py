@@ -246,6 +246,22 @@ def test_bad_arguments_raise(call, message: str) -> None:
         call()
 
 
+def test_the_kernel_serves_only_containers_its_32_bit_indices_hold() -> None:
+    """A plane or block past int32 elements (a stacked half: the values' offset)
+    takes the reference, and the kernel form refuses it by name."""
+    plan = attention.make_plan(
+        _Q, _plane(), None, None, window=2, causal=True, query_start=12, chunk=256
+    )
+    assert attention.kernel_serves(plan)
+    rows = (attention.MAX_LAUNCH_WORDS // (2 * 16)) + 1
+    for field in ("capacity", "block"):
+        huge = dataclasses.replace(plan, **{field: rows})
+        assert attention.container_words(huge) > attention.MAX_LAUNCH_WORDS
+        assert not attention.kernel_serves(huge)
+        with pytest.raises(ValueError, match="containers of at most"):
+            attention.kernel_form(huge, mx.float32, False)
+
+
 def test_memoised_plans_keep_every_check() -> None:
     """A plan is looked up by geometry; an integer of another type is checked afresh
     (a bool equal to a cached int is still refused), a numpy int gets the same plan."""
