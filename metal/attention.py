@@ -65,6 +65,17 @@ DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 # ----------------------------------------------------------------- contract
 
 
+def stacked_pair_halves(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    """``keys[0]`` and ``values[1]`` of a stacked pair (one view for both halves when
+    they are one buffer, as a plane's or a block's is).
+
+    Shapes: keys, values ``(2, B, Hkv, N, D)``; returns ``(B, Hkv, N, D)`` twice.
+    """
+    if keys is values:
+        return stacked_halves(keys)
+    return stacked_halves(keys)[0], stacked_halves(values)[1]
+
+
 @dataclass(frozen=True)
 class KeyPlane:
     """A layer's earlier keys and values as they lie in a plane buffer.
@@ -124,9 +135,7 @@ class KeyPlane:
         buffer's halves: two graph nodes)."""
         if not self.stacked:
             return self.keys, self.values
-        if self.keys is self.values:
-            return stacked_halves(self.keys)
-        return stacked_halves(self.keys)[0], stacked_halves(self.values)[1]
+        return stacked_pair_halves(self.keys, self.values)
 
     @property
     def end(self) -> int:
@@ -381,7 +390,7 @@ def _key_rows(plan: Plan, plane: KeyPlane, block_keys, block_values):
     parts_v = [plane_values, zero]
     if plan.block:
         if plan.block_stacked:
-            block_keys, block_values = block_keys[0], block_values[1]
+            block_keys, block_values = stacked_pair_halves(block_keys, block_values)
         parts_k.insert(1, block_keys)
         parts_v.insert(1, block_values)
     return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
@@ -1046,9 +1055,9 @@ def value_offsets(plan: Plan) -> tuple[int, int]:
     """Where the plane's and the block's values start in the arrays the chunk pass
     binds as ``values`` and ``block_values`` (elements): a stacked buffer's second
     half, else 0 (and 0 for a container no position falls in)."""
-    half = plan.batch * plan.kv_heads * plan.dim
-    plane = half * plan.capacity if plan.plane_stacked and plan.capacity else 0
-    block = half * plan.block if plan.block_stacked and plan.block else 0
+    row_words = plan.batch * plan.kv_heads * plan.dim  # a position's, all heads
+    plane = row_words * plan.capacity if plan.plane_stacked and plan.capacity else 0
+    block = row_words * plan.block if plan.block_stacked and plan.block else 0
     return plane, block
 
 
