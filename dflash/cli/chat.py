@@ -171,6 +171,42 @@ class StopRequest:
             signal.signal(signal.SIGINT, previous)
 
 
+class PromptInterrupt:
+    """Ctrl-C at the prompt quits. The press is recorded as well as raised, so that one
+    whose ``KeyboardInterrupt`` was swallowed (raised inside a finalizer that ran while
+    the prompt was being set up) still quits once the read returns."""
+
+    def __init__(self):
+        self.pressed = False
+
+    def _handle(self, signum, frame) -> None:
+        self.pressed = True
+        raise KeyboardInterrupt
+
+    def read(self, prompt: str) -> str:
+        """``input(prompt)``, raising ``KeyboardInterrupt`` for any press during it.
+
+        Args:
+            prompt: The prompt mark.
+
+        Returns:
+            The line read (``EOFError`` at the end of input).
+        """
+        self.pressed = False
+        previous = signal.signal(signal.SIGINT, self._handle)
+        try:
+            line = input(prompt)
+        except EOFError:
+            if self.pressed:
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        if self.pressed:
+            raise KeyboardInterrupt
+        return line
+
+
 class Chat:
     """The REPL: reads messages, streams replies, keeps the session.
 
@@ -191,6 +227,7 @@ class Chat:
             else None
         )
         self.stop = StopRequest()
+        self.prompt = PromptInterrupt()
         self.consistent = True  # False while a reply is being written into the session
 
     def header(self) -> str:
@@ -292,7 +329,7 @@ class Chat:
         """Read and answer messages until ``q``, end of input or Ctrl-C at the prompt."""
         while True:
             try:
-                query = input(PROMPT_MARK)
+                query = self.prompt.read(PROMPT_MARK)
             except EOFError:
                 print()
                 return
