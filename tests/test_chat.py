@@ -127,51 +127,6 @@ def test_any_sequence_of_turns_keeps_the_session_exact(loaded, mode, turns):
     assert_replies_are_greedy_continuations(models.model, chat.session)
 
 
-def swallowing_input(line):
-    """An ``input`` during which Ctrl-C is pressed and its ``KeyboardInterrupt`` swallowed
-    (as one raised inside a finalizer would be), which then reads ``line`` once and then
-    the end of input (``None``: only the end)."""
-
-    lines = iter([line])
-
-    def fake_input(prompt):
-        try:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)  # the handler runs here at the latest
-        except KeyboardInterrupt:
-            pass
-        read = next(lines, None)
-        if read is None:
-            raise EOFError
-        return read
-
-    return fake_input
-
-
-@pytest.mark.parametrize("line", [None, "w5 w6"])
-def test_a_press_at_the_prompt_quits_even_when_its_interrupt_was_swallowed(
-    loaded, line, monkeypatch
-):
-    chat = make_chat(loaded["plain"], "--max-tokens", "5")
-    monkeypatch.setattr(chat_cli, "input", swallowing_input(line), raising=False)
-    with pytest.raises(KeyboardInterrupt):
-        chat.loop()
-    assert chat.session.turns == []  # the line read after the press is not answered
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    # Control: the same read with no press answers the line, then ends at end of input.
-    lines = iter([line])
-
-    def plain_input(prompt):
-        read = next(lines, None)
-        if read is None:
-            raise EOFError
-        return read
-
-    monkeypatch.setattr(chat_cli, "input", plain_input, raising=False)
-    chat.loop()
-    assert chat.session.turns == ([] if line is None else [(2, 5)])
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_reset_starts_an_empty_session(loaded, mode, monkeypatch, capsys):
     models = loaded[mode]
@@ -190,13 +145,16 @@ def test_reset_starts_an_empty_session(loaded, mode, monkeypatch, capsys):
 class ChatProcess:
     """``python -m dflash chat`` with a pipe on stdin and stdout read in the background."""
 
-    def __init__(self, *flags):
+    def __init__(self, *flags, ctrl_c=signal.SIG_DFL):
         self.process = subprocess.Popen(
             [sys.executable, "-m", "dflash", "chat", *flags],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=ROOT,
+            # As a terminal starts it, whatever this process inherited: pytest started
+            # as a background job of a script runs with Ctrl-C ignored, and so would it.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, ctrl_c),
         )
         self.out = b""
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -277,6 +235,22 @@ def test_ctrl_c_stops_a_reply_and_the_next_turn_continues_what_was_shown(
     if reference[-1] == EOS:
         reference = reference[:-1]  # the EOS ends the reply and is not printed
     assert_lossless(models.model, mx.array(context), reference, second_tokens)
+
+
+def test_a_chat_started_with_ctrl_c_ignored_keeps_ignoring_it(saved_pair):  # noqa: F811
+    chat = ChatProcess(
+        "--model", str(saved_pair / "target"), "-m", "40", ctrl_c=signal.SIG_IGN
+    )
+    chat.send("w5 w6")
+    chat.wait_for(lambda out: len(out.partition(chat_cli.PROMPT_MARK)[2].split()) >= 3)
+    chat.process.send_signal(signal.SIGINT)  # mid-reply
+    chat.wait_for(lambda out: out.count(chat_cli.PROMPT_MARK) == 2)
+    chat.process.send_signal(signal.SIGINT)  # at the prompt
+    chat.send("q")
+    code, out, err = chat.finish()
+    assert code == 0, (out, err)
+    ((reply, line),) = replies(out)
+    assert line.startswith("40 tokens") and len(reply.split()) == 40, out
 
 
 # -- sessions on disk --------------------------------------------------------------------
@@ -365,8 +339,8 @@ def test_ctrl_c_at_the_prompt_saves_the_session_and_quits(
     chat.send("w5 w6")
     chat.wait_for(lambda out: out.count(chat_cli.PROMPT_MARK) == 2)
     chat.process.send_signal(signal.SIGINT)
-    code, out, err = chat.finish()
-    assert code == 130 and f"session saved to {path}" in err, (code, out, err)
+    code, _, err = chat.finish()
+    assert code == 130 and f"session saved to {path}" in err
     assert saved(path).turns == [(2, 5)]
 
 

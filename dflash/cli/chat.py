@@ -150,7 +150,8 @@ def turn_tokens(
 
 class StopRequest:
     """Ctrl-C during a reply: the first press asks the reply to stop at the next token, the
-    second raises ``KeyboardInterrupt``."""
+    second raises ``KeyboardInterrupt``. A process started with Ctrl-C ignored (``trap ''
+    INT``, a background job of a script) keeps ignoring it, as Python itself does."""
 
     def __init__(self):
         self.requested = False
@@ -164,47 +165,14 @@ class StopRequest:
     def armed(self) -> Iterator["StopRequest"]:
         """Install the handler for the duration of one reply."""
         self.requested = False
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            yield self
+            return
         previous = signal.signal(signal.SIGINT, self._handle)
         try:
             yield self
         finally:
             signal.signal(signal.SIGINT, previous)
-
-
-class PromptInterrupt:
-    """Ctrl-C at the prompt quits. The press is recorded as well as raised, so that one
-    whose ``KeyboardInterrupt`` was swallowed (raised inside a finalizer that ran while
-    the prompt was being set up) still quits once the read returns."""
-
-    def __init__(self):
-        self.pressed = False
-
-    def _handle(self, signum, frame) -> None:
-        self.pressed = True
-        raise KeyboardInterrupt
-
-    def read(self, prompt: str) -> str:
-        """``input(prompt)``, raising ``KeyboardInterrupt`` for any press during it.
-
-        Args:
-            prompt: The prompt mark.
-
-        Returns:
-            The line read (``EOFError`` at the end of input).
-        """
-        self.pressed = False
-        previous = signal.signal(signal.SIGINT, self._handle)
-        try:
-            line = input(prompt)
-        except EOFError:
-            if self.pressed:
-                raise KeyboardInterrupt from None
-            raise
-        finally:
-            signal.signal(signal.SIGINT, previous)
-        if self.pressed:
-            raise KeyboardInterrupt
-        return line
 
 
 class Chat:
@@ -227,7 +195,6 @@ class Chat:
             else None
         )
         self.stop = StopRequest()
-        self.prompt = PromptInterrupt()
         self.consistent = True  # False while a reply is being written into the session
 
     def header(self) -> str:
@@ -329,7 +296,7 @@ class Chat:
         """Read and answer messages until ``q``, end of input or Ctrl-C at the prompt."""
         while True:
             try:
-                query = self.prompt.read(PROMPT_MARK)
+                query = input(PROMPT_MARK)
             except EOFError:
                 print()
                 return
