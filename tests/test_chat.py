@@ -339,8 +339,8 @@ def test_ctrl_c_at_the_prompt_saves_the_session_and_quits(
     chat.send("w5 w6")
     chat.wait_for(lambda out: out.count(chat_cli.PROMPT_MARK) == 2)
     chat.process.send_signal(signal.SIGINT)
-    code, _, err = chat.finish()
-    assert code == 130 and f"session saved to {path}" in err
+    code, out, err = chat.finish()
+    assert code == 130 and f"session saved to {path}" in err, (code, out, err)
     assert saved(path).turns == [(2, 5)]
 
 
