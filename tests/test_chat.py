@@ -36,6 +36,15 @@ def model_flags(pair, mode):
     return flags + (["--drafter", str(pair / "drafter")] if mode == "dflash" else [])
 
 
+@pytest.fixture(autouse=True)
+def ctrl_c_at_its_default():
+    """Ctrl-C as a terminal's Python has it, whatever this process inherited (pytest run as
+    a background job of a script starts with it ignored, which the chat keeps)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.fixture(scope="module")
 def loaded(saved_pair):  # noqa: F811
     return {
@@ -125,6 +134,31 @@ def test_any_sequence_of_turns_keeps_the_session_exact(loaded, mode, turns):
         if stop_after is not None and stop_after < max_tokens and chat.stop.requested:
             assert reply_size == stop_after
     assert_replies_are_greedy_continuations(models.model, chat.session)
+
+
+def test_a_second_ctrl_c_in_a_reply_quits_and_the_session_is_not_saved(
+    loaded, tmp_path, capsys
+):
+    path = tmp_path / "s.safetensors"
+    chat = make_chat(loaded["plain"], "-m", "30", "--save-session", str(path))
+
+    def pressing_twice(*args, **kwargs):
+        if kwargs.get("end") == "":
+            os.kill(os.getpid(), signal.SIGINT)  # asks the reply to stop
+            os.kill(os.getpid(), signal.SIGINT)  # forces the quit
+        print(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chat_cli, "print", pressing_twice, raising=False)
+        with pytest.raises(KeyboardInterrupt):
+            chat.reply("w5 w6")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert not chat.consistent and chat.session.turns == []
+    chat_cli._save(chat.args, chat)
+    assert not path.exists()
+    assert (
+        "session not saved: a forced quit cut a reply short" in capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
