@@ -273,9 +273,9 @@ def test_ctrl_c_stops_a_reply_and_the_next_turn_continues_what_was_shown(
 
 def test_a_chat_started_with_ctrl_c_ignored_keeps_ignoring_it(saved_pair):  # noqa: F811
     chat = ChatProcess(
-        "--model", str(saved_pair / "target"), "-m", "40", ctrl_c=signal.SIG_IGN
+        "--model", str(saved_pair / "target"), "-m", "200", ctrl_c=signal.SIG_IGN
     )
-    chat.send("w5 w6")
+    chat.send(LONG_PROMPT)  # no EOS in 200 tokens: the press lands mid-reply
     chat.wait_for(lambda out: len(out.partition(chat_cli.PROMPT_MARK)[2].split()) >= 3)
     chat.process.send_signal(signal.SIGINT)  # mid-reply
     chat.wait_for(lambda out: out.count(chat_cli.PROMPT_MARK) == 2)
@@ -284,7 +284,7 @@ def test_a_chat_started_with_ctrl_c_ignored_keeps_ignoring_it(saved_pair):  # no
     code, out, err = chat.finish()
     assert code == 0, (out, err)
     ((reply, line),) = replies(out)
-    assert line.startswith("40 tokens") and len(reply.split()) == 40, out
+    assert line.startswith("200 tokens") and len(reply.split()) == 200, out
 
 
 # -- sessions on disk --------------------------------------------------------------------
