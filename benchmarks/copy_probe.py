@@ -5,7 +5,7 @@ the H200's bound on the large projections (session 25), and more stages or CTAs 
 move them (session 41); an H100 and an H200 time the whole call alike, so the limit is
 not the memory's. This probe reads the same bytes (a projection's ``(N, K / 8)``
 ``uint32`` weights, copies spanning ``--cold-bytes`` as in ``matmul_variants``) with
-nothing else in the kernel, six ways:
+nothing else in the kernel, seven ways:
 
 * ``stream``: a grid-stride loop of 16-byte ``ld.global.cg`` loads over the whole array
   (four a thread in flight): what the device's memory gives a plain read;
@@ -13,6 +13,9 @@ nothing else in the kernel, six ways:
   chunk 128 columns x 128 bytes, a thread's four 16-byte pieces), loaded to registers;
 * ``cpasync-tile``: the same through the matmul's three-stage ``cp.async`` ring into
   shared memory (its padded column stride; what the shipped form does);
+* ``cpasync-slab``: the same ring reading a tile-contiguous repack (each chunk's
+  128 x 128 bytes adjacent, as ``bulk-slab``): the layout's part apart from the copy
+  engine's;
 * ``bulk-tile``: the same ring filled by ``cp.async.bulk`` (one 128-byte bulk copy a
   column and chunk, completing on the stage's mbarrier): the copy engine without a
   tensor map;
@@ -129,40 +132,54 @@ _LDG_TILE = r"""
   }
 """
 
-_CPASYNC_TILE = r"""
+# The matmul's ``cp.async`` ring; ``{address}`` is where piece ``i`` of chunk ``c`` is read.
+_CPASYNC_RING = r"""
   extern __shared__ uint4 dfl_probe_smem[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(dfl_probe_smem);
   const unsigned char* source = bytes + (int(lid) % 8) * 16;
   const int shared_at = (int(lid) / 8) * SW + (int(lid) % 8) * 16;
-  auto issue = [&](int c, int stage) {
+  auto issue = [&](int c, int stage) {{
     #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int col = tile * COLUMNS + int(lid) / 8 + 32 * i;
-      const int n = col < n_cols ? col : n_cols - 1;
+    for (int i = 0; i < 4; ++i) {{
+{address}
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::
                    "r"(dfl_smem(smem + stage * STAGE_BYTES + shared_at + 32 * i * SW)),
-                   "l"(source + size_t(n) * row_bytes + size_t(c) * CHUNK_BYTES)
-                   : "memory");
-    }
-  };
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (c_begin + i < c_end) {
+                   "l"(at) : "memory");
+    }}
+  }};
+  for (int i = 0; i < STAGES - 1; ++i) {{
+    if (c_begin + i < c_end) {{
       issue(c_begin + i, i);
-    }
+    }}
     asm volatile("cp.async.commit_group;\n" ::: "memory");
-  }
-  for (int c = c_begin; c < c_end; ++c) {
+  }}
+  for (int c = c_begin; c < c_end; ++c) {{
     const int i = c - c_begin;
     asm volatile("cp.async.wait_group %0;\n" :: "n"(STAGES - 2) : "memory");
     __syncthreads();
-    if (c + STAGES - 1 < c_end) {
+    if (c + STAGES - 1 < c_end) {{
       issue(c + STAGES - 1, (i + STAGES - 1) % STAGES);
-    }
+    }}
     asm volatile("cp.async.commit_group;\n" ::: "memory");
     fold ^= dfl_fold(*reinterpret_cast<const uint4*>(
         smem + (i % STAGES) * STAGE_BYTES + shared_at));
-  }
+  }}
 """
+
+# The weights as they lie: column ``n``'s row, 128 bytes a chunk.
+_CPASYNC_TILE_ADDRESS = r"""      const int col = tile * COLUMNS + int(lid) / 8 + 32 * i;
+      const int n = col < n_cols ? col : n_cols - 1;
+      const unsigned char* at = source + size_t(n) * row_bytes + size_t(c) * CHUNK_BYTES;"""
+
+# A tile-contiguous repack, as ``bulk-slab`` reads it: chunk ``c`` of tile ``tile`` is
+# one 16 KB slab, its columns' 128 bytes side by side (a warp's copies: 512 bytes in a
+# row), the last tile of an N not a multiple of 128 reading the array's end.
+_CPASYNC_SLAB_ADDRESS = r"""      const size_t slab = size_t(COLUMNS) * CHUNK_BYTES;
+      const size_t last = size_t(n_cols) * row_bytes - slab;
+      size_t base = (size_t(tile) * chunks + c) * slab;
+      base = base < last ? base : last;
+      const unsigned char* at =
+          source + base + size_t(int(lid) / 8 + 32 * i) * CHUNK_BYTES;"""
 
 # Bulk copies into a ring of STAGES stages of 16 KB (dense columns), each stage's
 # mbarrier expecting its 16 KB; ``{issue}`` fills stage ``stage`` with chunk ``c``.
@@ -374,7 +391,18 @@ def probe_specs(shared: Optional[int] = None) -> dict[str, GroupKernelSpec]:
     return {
         "stream": _spec("stream", _STREAM, CHUNK_BYTES, 0),
         "ldg-tile": _spec("ldg-tile", _LDG_TILE, CHUNK_BYTES, shared),
-        "cpasync-tile": _spec("cpasync-tile", _CPASYNC_TILE, padded, shared),
+        "cpasync-tile": _spec(
+            "cpasync-tile",
+            _CPASYNC_RING.format(address=_CPASYNC_TILE_ADDRESS),
+            padded,
+            shared,
+        ),
+        "cpasync-slab": _spec(
+            "cpasync-slab",
+            _CPASYNC_RING.format(address=_CPASYNC_SLAB_ADDRESS),
+            padded,
+            shared,
+        ),
         "bulk-tile": _spec(
             "bulk-tile",
             _BULK_RING.format(issue=_BULK_TILE_ISSUE),

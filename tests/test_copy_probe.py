@@ -30,6 +30,10 @@ def test_probe_kernels_compile_for_sm90_with_their_copy_instructions(
     assert "spill" not in result.log.replace("0 bytes spill", "")
     assert "cp.async.bulk" in specs["bulk-tile"].body
     assert "cp.async.cg" in specs["cpasync-tile"].body
+    assert "cp.async.cg" in specs["cpasync-slab"].body
+    # The slab form reads the repack, not the rows as they lie.
+    assert "row_bytes + size_t(c)" in specs["cpasync-tile"].body
+    assert "row_bytes + size_t(c)" not in specs["cpasync-slab"].body
     assert "cp.async.bulk.tensor.2d" in specs["tma-tile"].body
     assert specs["tma-tile"].input_names[-1] == "tensor_map"
 
