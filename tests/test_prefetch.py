@@ -233,9 +233,13 @@ def test_a_carrier_keeps_the_body_and_refuses_cluster_and_persistent_forms() -> 
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("rows", [1, 16])
-def test_cuda_a_matmul_carrying_prefetch_ctas_gives_its_own_bits(rows: int) -> None:
+def test_cuda_a_matmul_carrying_prefetch_ctas_gives_its_own_bits(
+    monkeypatch, rows: int
+) -> None:
     """An o_proj-sized 4-bit matmul whose launch carries 32 prefetch CTAs over the
     first 16 MB of a gate / up-sized weight gives the plain launch's bits."""
+    # A cluster-sum form (the default where launches are direct) carries none.
+    monkeypatch.setenv(tensor_qmm.CLUSTER_SUM_ENV, "0")
     depth, columns = 4096, 6656
     dense = (0.02 * mx.random.normal((columns, depth))).astype(mx.bfloat16)
     weight, scales, biases = mx.quantize(dense, group_size=64, bits=4)

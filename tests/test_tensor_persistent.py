@@ -402,6 +402,9 @@ def test_persistent_glimmer_calls_give_the_plain_bits_on_the_device(
         return real_launch(spec, inputs, shapes, dtypes, groups, dtype)
 
     monkeypatch.setattr(qmm.groups, "launch_groups", launch)
+    # The plain form, not the cluster sum (the default where launches are direct,
+    # e.g. with mlx's graphs off), which the persistent form does not serve.
+    monkeypatch.setenv(tensor_qmm.CLUSTER_SUM_ENV, "0")
     results = {}
     for persistent in (False, True):
         monkeypatch.setenv(tensor_qmm.PERSISTENT_ENV, "1" if persistent else "0")
