@@ -1,6 +1,6 @@
 #!/bin/bash
-# Session 65 call D: the copy probe's six forms (weights cold), then the verify forward's
-# arms at 4-bit and bf16 (graphs off), in one call.
+# Session 65's call D with session 68's seven probe forms: the copy probe (weights cold),
+# then the verify forward's arms at 4-bit and bf16 (graphs off), in one call.
 set -u
 export PYTHONUNBUFFERED=1
 mkdir -p $OUT/V
