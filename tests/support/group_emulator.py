@@ -47,7 +47,11 @@ import numpy as np
 from dflash.metal.groups import GroupKernelSpec
 from dflash.metal.sources import CUDA, METAL
 
-from .compile_check import CUDA_SHIM, CUDA_UNARY_SHIM
+from .compile_check import (
+    CUDA_SHIM,
+    CUDA_UNARY_SHIM,
+    EMULATOR_FLAGS,
+)
 from .compile_check import METAL_SHIM as SHARED_METAL_SHIM
 from .compile_check import CompileResult, find_compiler, run_compiler
 from .driver import DRIVER_INCLUDES, buffer_args, driver_main
@@ -763,16 +767,7 @@ class GroupEmulator(DriverLauncher):
         )
         source = self.workdir / "group_emulator.cpp"
         source.write_text(_DRIVER_INCLUDES + _metal_file(self.specs) + driver)
-        # -Og: under half of -O1's compile time, about its run time (IEEE maths at both:
-        # ISO C++ contracts no multiply-add), so the same bits.
-        command = [
-            compiler,
-            "-std=c++17",
-            "-Og",
-            "-Wno-attributes",
-            "-o",
-            str(self.binary),
-        ]
+        command = [compiler, *EMULATOR_FLAGS, "-Wno-attributes", "-o", str(self.binary)]
         self.build = run_compiler(command + [str(source)], self.workdir)
 
     def key(self, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:

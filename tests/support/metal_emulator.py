@@ -22,6 +22,7 @@ import numpy as np
 from dflash.metal.sources import KernelSpec
 
 from .compile_check import (
+    EMULATOR_FLAGS,
     METAL_SHIM,
     METAL_TYPES,
     WORDS,
@@ -89,9 +90,7 @@ class MetalEmulator:
         source.write_text(
             DRIVER_INCLUDES + f'#include "{METAL_SHIM}"\n' + "\n".join(units) + main
         )
-        # -Og: under half of -O1's compile time, about its run time (IEEE maths at both:
-        # ISO C++ contracts no multiply-add), so the same bits.
-        command = [compiler, "-std=c++17", "-Og", "-Wno-attributes"]
+        command = [compiler, *EMULATOR_FLAGS, "-Wno-attributes"]
         command += ["-o", str(self.binary), str(source)]
         self.build = run_compiler(command, self.workdir)
 

@@ -53,7 +53,7 @@ from dflash.metal import tensor_attention, tensor_qmm
 from dflash.metal.groups import HEADERS, GroupKernelSpec
 from dflash.metal.sources import CUDA
 
-from .compile_check import METAL_SHIM, run_compiler
+from .compile_check import EMULATOR_FLAGS, METAL_SHIM, run_compiler
 from .driver import buffer_args, driver_main
 from .group_emulator import (
     _DRIVER,
@@ -711,9 +711,7 @@ class TensorEmulator(DriverLauncher):
         # forward declarations bind them to it.
         source = self.workdir / "tensor_emulator.cpp"
         source.write_text(_DRIVER_INCLUDES + SHIM + "".join(units) + driver)
-        # -Og: under half of -O1's compile time, about its run time (IEEE maths at both:
-        # ISO C++ contracts no multiply-add), so the same bits.
-        command = [compiler, "-std=c++17", "-Og", "-o", str(self.binary), str(source)]
+        command = [compiler, *EMULATOR_FLAGS, "-o", str(self.binary), str(source)]
         self.build = run_compiler(command, self.workdir)
 
     def key(self, spec: GroupKernelSpec, dtype: mx.Dtype) -> str:
