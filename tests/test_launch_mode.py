@@ -1,6 +1,7 @@
 """The commands ask mlx's CUDA backend for direct launches before any GPU work, and keep
 a value the user set (dflash.launch_mode)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 
 from dflash import launch_mode, prefer_direct_launches
 from dflash.cli import chat, generate
+from dflash.cli.common import target_is_quantized
 from dflash.launch_mode import GRAPHS_ENV
 from dflash.server import cli as server_cli
 
@@ -64,11 +66,40 @@ COMMANDS = [
     (server_cli, "build_state", server_cli.main, ["--port", "0"]),
 ]
 
+# mlx-lm's config entry for a 4-bit model.
+QUANTIZED = {"model_type": "llama", "quantization": {"group_size": 64, "bits": 4}}
+
+
+def _model_dir(root: Path, config) -> str:
+    """A model folder holding only ``config.json`` (the load is stubbed)."""
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps(config))
+    return str(root)
+
 
 @pytest.mark.parametrize("module, attribute, main, argv", COMMANDS)
-@pytest.mark.parametrize("given, expected", [(None, "0"), ("1", "1"), ("0", "0")])
+@pytest.mark.parametrize(
+    "target, given, expected",
+    [
+        ("quantized", None, "0"),
+        ("quantized", "1", "1"),
+        ("quantized", "0", "0"),
+        ("dense", None, None),  # mlx's graphs: faster for a dense target
+        ("dense", "0", "0"),
+        ("demo", None, None),  # the bundled pair is dense
+    ],
+)
 def test_each_command_chooses_before_its_models_load_and_keeps_the_users_value(
-    monkeypatch, capsys, module, attribute, main, argv, given, expected
+    monkeypatch,
+    capsys,
+    tmp_path,
+    module,
+    attribute,
+    main,
+    argv,
+    target,
+    given,
+    expected,
 ):
     if attribute == "build_state":
         pytest.importorskip("uvicorn")
@@ -76,8 +107,63 @@ def test_each_command_chooses_before_its_models_load_and_keeps_the_users_value(
         monkeypatch.delenv(GRAPHS_ENV, raising=False)
     else:
         monkeypatch.setenv(GRAPHS_ENV, given)
+    if target != "demo":
+        config = QUANTIZED if target == "quantized" else {"model_type": "llama"}
+        argv = argv + ["--model", _model_dir(tmp_path / "model", config)]
     assert _seen_at_model_load(monkeypatch, module, attribute, main, argv) == expected
     assert "stopped at the model load" in capsys.readouterr().err
+
+
+def test_a_dense_target_keeps_mlxs_graphs():
+    environ = {}
+    assert prefer_direct_launches(environ, quantized=False) is False
+    assert environ == {}
+    assert prefer_direct_launches(environ, quantized=True) is True
+    assert environ == {GRAPHS_ENV: "0"}
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        (QUANTIZED, True),
+        ({"model_type": "qwen2", "quantization_config": {"bits": 8}}, True),
+        ({"model_type": "llama"}, False),
+        ({"model_type": "llama", "quantization": None}, False),
+        ("not json {", True),  # unreadable: the old default; the load reports it
+        ([1, 2], True),
+        (None, True),  # no config.json at all
+    ],
+)
+def test_the_targets_quantization_is_read_from_its_config(tmp_path, config, expected):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    if isinstance(config, str):
+        (folder / "config.json").write_text(config)
+    elif config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    assert target_is_quantized(str(folder)) is expected
+
+
+def test_the_demo_pair_is_a_dense_target():
+    assert target_is_quantized(None) is False
+
+
+def test_a_hub_model_is_read_from_the_local_cache_only(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    asked = []
+    cached = {"org/dense": _model_dir(tmp_path / "dense", {"model_type": "llama"})}
+
+    def from_cache(repo_id, filename, *args, **kwargs):
+        asked.append((repo_id, filename))
+        folder = cached.get(repo_id)
+        return None if folder is None else str(Path(folder) / filename)
+
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", from_cache)
+    assert target_is_quantized("org/dense") is False
+    # Not downloaded yet: counted as quantized (direct launches), nothing fetched.
+    assert target_is_quantized("org/elsewhere") is True
+    assert asked == [("org/dense", "config.json"), ("org/elsewhere", "config.json")]
 
 
 def _known_in_a_fresh_process(code: str, graphs=None) -> str:

@@ -43,6 +43,7 @@ from .common import (
     load_models,
     make_cli_sampler,
     names_of,
+    target_is_quantized,
 )
 from .session import (
     Session,
@@ -317,7 +318,8 @@ def run(args: argparse.Namespace) -> None:
     Args:
         args: Parsed ``dflash-chat`` flags.
     """
-    prefer_direct_launches()  # before any GPU evaluation: mlx reads it once
+    # Before any GPU evaluation: mlx reads it once.
+    prefer_direct_launches(quantized=target_is_quantized(args.model))
     make_cli_sampler(args)  # refuses bad settings before any model loads
     mx.random.seed(args.seed)
     if args.load_session:  # a file for other models is refused before they load

@@ -6,6 +6,7 @@ run quietly.
 """
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -302,6 +303,49 @@ class Models:
         if self.notice:
             print(self.notice, file=sys.stderr)
             self.notice = None
+
+
+def target_is_quantized(model: Optional[str]) -> bool:
+    """Whether ``--model``'s ``config.json`` declares quantized weights, read before
+    anything loads (what :func:`dflash.prefer_direct_launches` needs, before mlx's first
+    GPU evaluation).
+
+    A local directory, or a hub model whose config is already in the local cache, is
+    read; nothing is downloaded. A config not at hand or not readable counts as
+    quantized (direct launches, the commands' choice before session 69): the load that
+    follows reports what is wrong with it.
+
+    Args:
+        model: ``--model``, or ``None`` for the bundled demo pair.
+
+    Returns:
+        False for a dense target (no ``quantization`` or ``quantization_config`` entry).
+    """
+    if model is None:
+        from ..demo import DEMO_DIR
+
+        config_file: Any = DEMO_DIR / "target" / "config.json"
+    elif Path(model).expanduser().is_dir():
+        config_file = Path(model).expanduser() / "config.json"
+    else:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            config_file = try_to_load_from_cache(model, "config.json")
+        except Exception:  # not a repo id: the load refuses it with its own message
+            return True
+        if not isinstance(config_file, str):
+            return True
+    try:
+        config = json.loads(Path(config_file).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return True
+    if not isinstance(config, dict):
+        return True
+    return any(
+        isinstance(config.get(key), dict)
+        for key in ("quantization", "quantization_config")
+    )
 
 
 def load_models(

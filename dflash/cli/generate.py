@@ -33,6 +33,7 @@ from .common import (
     make_cli_sampler,
     names_of,
     read_prompt,
+    target_is_quantized,
 )
 from .session import check_names, load_session, read_metadata
 
@@ -229,7 +230,8 @@ def run(args: argparse.Namespace) -> None:
     """
     from .. import stream_generate
 
-    prefer_direct_launches()  # before any GPU evaluation: mlx reads it once
+    # Before any GPU evaluation: mlx reads it once.
+    prefer_direct_launches(quantized=target_is_quantized(args.model))
     _check_flags(args)
     make_cli_sampler(args)  # refuses bad settings before any model loads
     if args.seed is not None:

@@ -26,6 +26,7 @@ from ..cli.common import (
     model_identity,
     number,
     run_cli,
+    target_is_quantized,
 )
 from ..launch_mode import prefer_direct_launches
 from .policy import POLICIES, SHIFT
@@ -316,7 +317,8 @@ def serve(args) -> None:
     """Load the models, bind the port, and serve until interrupted."""
     uvicorn, create_app = _server_stack()
 
-    prefer_direct_launches()  # before any GPU evaluation: mlx reads it once
+    # Before any GPU evaluation: mlx reads it once.
+    prefer_direct_launches(quantized=target_is_quantized(args.model))
     _check_sampling(args)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(message)s"
