@@ -6,7 +6,12 @@ import pytest
 from conftest import greedy_reference, tiny_model
 
 import dflash
-from dflash.cache import GrowingKVCache, IncompatibleCache, RingKVCache, make_prompt_cache
+from dflash.cache import (
+    GrowingKVCache,
+    IncompatibleCache,
+    RingKVCache,
+    make_prompt_cache,
+)
 from dflash.verify.reference import make_reference_cache
 
 ARCHS = ["muse_glimmer", "gemma3_text", "gpt_oss", "cohere2", "qwen3", "llama"]
@@ -37,7 +42,9 @@ def test_make_prompt_cache_mirrors_the_models_own_cache(arch):
 
     model = tiny_model(arch, window=16)
     ours = make_prompt_cache(model, max_context=1000)
-    for plane, theirs in zip(ours, model.make_cache() if hasattr(model, "make_cache") else ours):
+    for plane, theirs in zip(
+        ours, model.make_cache() if hasattr(model, "make_cache") else ours
+    ):
         if isinstance(theirs, RotatingKVCache):
             assert isinstance(plane, RingKVCache) and plane.capacity == 16
         else:
@@ -70,7 +77,9 @@ def test_protocol_surface(glimmer):
     glimmer(mx.random.randint(0, 256, (1, 40)), cache=cache)
     ring, growing = cache[0], cache[3]
     assert ring.size() == 16 and growing.size() == 40
-    assert ring.nbytes == 2 * 16 * 2 * 16 * 4  # K+V, 16 rows, 2 heads x 16 dims, float32
+    assert (
+        ring.nbytes == 2 * 16 * 2 * 16 * 4
+    )  # K+V, 16 rows, 2 heads x 16 dims, float32
     assert not ring.is_trimmable() and growing.is_trimmable()
     with pytest.raises(ValueError, match="cannot trim"):
         ring.trim(2)

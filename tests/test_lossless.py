@@ -2,7 +2,12 @@
 
 import mlx.core as mx
 import pytest
-from conftest import assert_lossless, greedy_reference, mlx_lm_generate_module, tiny_model
+from conftest import (
+    assert_lossless,
+    greedy_reference,
+    mlx_lm_generate_module,
+    tiny_model,
+)
 
 import dflash
 
@@ -16,7 +21,7 @@ GENERATED = 70  # (19 + 70) / 16: the ring wraps at least four times
 @pytest.mark.parametrize("num_draft_tokens", [1, 4, 7])
 def test_speculative_output_equals_target_greedy(arch, seed, num_draft_tokens):
     target = tiny_model(arch, seed=seed, window=WINDOW)
-    draft = tiny_model(arch, seed=seed + 100, window=WINDOW, num_hidden_layers=3 if arch != "gemma3_text" else 3)
+    draft = tiny_model(arch, seed=seed + 100, window=WINDOW, num_hidden_layers=3)
     prompt = mx.random.randint(0, 256, (PROMPT,))
     reference = greedy_reference(target, prompt, GENERATED)
     steps = dflash.speculative_generate_step(
@@ -31,11 +36,15 @@ def test_self_draft_accepts_every_token_and_stays_lossless():
     prompt = mx.random.randint(0, 256, (PROMPT,))
     reference = greedy_reference(target, prompt, 50)
     steps = list(
-        dflash.speculative_generate_step(prompt, target, target, num_draft_tokens=5, max_tokens=50)
+        dflash.speculative_generate_step(
+            prompt, target, target, num_draft_tokens=5, max_tokens=50
+        )
     )
     assert_lossless(target, prompt, reference, [token for token, _, _ in steps])
     # Every round accepts all 5 drafts plus the target's own token.
-    assert [from_draft for _, _, from_draft in steps[:12]] == [True] * 5 + [False] + [True] * 5 + [False]
+    assert [from_draft for _, _, from_draft in steps[:12]] == [True] * 5 + [False] + [
+        True
+    ] * 5 + [False]
 
 
 def test_mlx_lm_speculative_decoding_diverges_on_the_same_setup():
@@ -48,7 +57,11 @@ def test_mlx_lm_speculative_decoding_diverges_on_the_same_setup():
         prompt, target, draft, num_draft_tokens=4, max_tokens=GENERATED
     )
     theirs = [token for token, _, _ in theirs]
-    ours = [token for token, _, _ in dflash.speculative_generate_step(
-        prompt, target, draft, num_draft_tokens=4, max_tokens=GENERATED)]
+    ours = [
+        token
+        for token, _, _ in dflash.speculative_generate_step(
+            prompt, target, draft, num_draft_tokens=4, max_tokens=GENERATED
+        )
+    ]
     assert theirs != reference
     assert_lossless(target, prompt, reference, ours)

@@ -32,4 +32,6 @@ def test_readme_snippet_runs_as_written(index, tmp_path):
         text=True,
         timeout=300,
     )
-    assert result.returncode == 0, f"snippet {index} failed:\n{snippet}\n{result.stderr[-3000:]}"
+    assert (
+        result.returncode == 0
+    ), f"snippet {index} failed:\n{snippet}\n{result.stderr[-3000:]}"

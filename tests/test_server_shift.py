@@ -88,7 +88,9 @@ def test_a_long_conversation_shifts_whole_turns_and_answers_as_a_fresh_server(
     messages = [{"role": "system", "content": "You write short Python functions."}]
     previous_dropped, previous_epoch = 0, 0
     increases = 0
-    for index in range(8):  # shifts at turns 5 and 6; turn 7 continues a shifted session
+    for index in range(
+        8
+    ):  # shifts at turns 5 and 6; turn 7 continues a shifted session
         messages += turn(index)
         shift = shift_chat(messages, count, MAX_CONTEXT, TOKENS)
         body, headers = post_chat(server, messages)

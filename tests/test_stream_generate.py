@@ -20,7 +20,9 @@ def test_stream_generate_yields_mlx_lm_responses(setup):
     prompt = " ".join(f"w{i}" for i in range(5, 30))
     responses = list(
         # The target drafting for itself: every draft is accepted.
-        dflash.stream_generate(target, tokenizer, prompt, max_tokens=40, draft_model=target)
+        dflash.stream_generate(
+            target, tokenizer, prompt, max_tokens=40, draft_model=target
+        )
     )
     assert all(isinstance(r, GenerationResponse) for r in responses)
     assert responses[-1].finish_reason in ("stop", "length")
@@ -35,7 +37,9 @@ def test_generate_with_and_without_draft_agree(setup):
     target, draft, tokenizer = setup
     prompt = " ".join(f"w{i}" for i in range(40, 70))
     plain = dflash.generate(target, tokenizer, prompt, max_tokens=30)
-    speculative = dflash.generate(target, tokenizer, prompt, max_tokens=30, draft_model=draft, num_draft_tokens=3)
+    speculative = dflash.generate(
+        target, tokenizer, prompt, max_tokens=30, draft_model=draft, num_draft_tokens=3
+    )
     assert plain == speculative and len(plain) > 0
 
 
