@@ -47,29 +47,50 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     args = parser.parse_args()
     importlib.import_module("mlx_lm.generate")
-    mlx_generate = sys.modules["mlx_lm.generate"]  # the package attribute is the function
+    mlx_generate = sys.modules[
+        "mlx_lm.generate"
+    ]  # the package attribute is the function
 
     target = tiny_glimmer(0, 8, args.window)
     draft = tiny_glimmer(1, 4, args.window)
     prompt = mx.random.randint(0, 256, (19,))
 
-    greedy = [t for t, _ in mlx_generate.generate_step(prompt, target, max_tokens=args.tokens)]
+    greedy = [
+        t for t, _ in mlx_generate.generate_step(prompt, target, max_tokens=args.tokens)
+    ]
     theirs = mlx_generate.speculative_generate_step(
-        prompt, target, draft, num_draft_tokens=args.num_draft_tokens, max_tokens=args.tokens
+        prompt,
+        target,
+        draft,
+        num_draft_tokens=args.num_draft_tokens,
+        max_tokens=args.tokens,
     )
     theirs = [t for t, _, _ in theirs]
     ours = dflash.speculative_generate_step(
-        prompt, target, draft, num_draft_tokens=args.num_draft_tokens, max_tokens=args.tokens
+        prompt,
+        target,
+        draft,
+        num_draft_tokens=args.num_draft_tokens,
+        max_tokens=args.tokens,
     )
     ours = [t for t, _, _ in ours]
 
-    print(f"target: muse_glimmer, 8 layers, sliding window {args.window}; prompt 19 tokens")
-    for name, tokens in (("target greedy", greedy), ("mlx-lm speculative", theirs), ("dflash speculative", ours)):
+    print(
+        f"target: muse_glimmer, 8 layers, sliding window {args.window}; prompt 19 tokens"
+    )
+    for name, tokens in (
+        ("target greedy", greedy),
+        ("mlx-lm speculative", theirs),
+        ("dflash speculative", ours),
+    ):
         print(f"{name:>20}: {' '.join(map(str, tokens[:24]))} ...")
     for name, tokens in (("mlx-lm", theirs), ("dflash", ours)):
         index = first_difference(greedy, tokens)
-        verdict = "equal to the target's greedy output" if index is None else (
-            f"leaves the target's greedy output at generated token {index}")
+        verdict = (
+            "equal to the target's greedy output"
+            if index is None
+            else (f"leaves the target's greedy output at generated token {index}")
+        )
         print(f"{name}: {verdict}")
 
 

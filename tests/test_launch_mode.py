@@ -246,3 +246,8 @@ def test_graphs_off_words_are_the_switch_words_and_nothing_else() -> None:
         assert cuda_graphs_off(value)
     for value in (None, "", "1", "on", "maybe", "00"):
         assert not cuda_graphs_off(value)
+
+
+def test_a_name_that_is_neither_a_folder_nor_a_repo_id_counts_as_quantized(tmp_path):
+    """The hub refuses the name (no download is tried); the load reports it later."""
+    assert target_is_quantized(str(tmp_path / "no" / "such" / "model")) is True

@@ -321,23 +321,11 @@ def target_is_quantized(model: Optional[str]) -> bool:
     Returns:
         False for a dense target (no ``quantization`` or ``quantization_config`` entry).
     """
-    if model is None:
-        from ..demo import DEMO_DIR
-
-        config_file: Any = DEMO_DIR / "target" / "config.json"
-    elif Path(model).expanduser().is_dir():
-        config_file = Path(model).expanduser() / "config.json"
-    else:
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            config_file = try_to_load_from_cache(model, "config.json")
-        except Exception:  # not a repo id: the load refuses it with its own message
-            return True
-        if not isinstance(config_file, str):
-            return True
+    config_file = _target_config_file(model)
+    if config_file is None:
+        return True
     try:
-        config = json.loads(Path(config_file).read_bytes())
+        config = json.loads(config_file.read_bytes())
     except (OSError, ValueError, RecursionError):
         return True
     if not isinstance(config, dict):
@@ -346,6 +334,24 @@ def target_is_quantized(model: Optional[str]) -> bool:
         isinstance(config.get(key), dict)
         for key in ("quantization", "quantization_config")
     )
+
+
+def _target_config_file(model: Optional[str]) -> Optional[Path]:
+    """Where ``--model``'s ``config.json`` is on this machine, without downloading."""
+    if model is None:
+        from ..demo import DEMO_DIR
+
+        return DEMO_DIR / "target" / "config.json"
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path / "config.json"
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(model, "config.json")
+    except ValueError:  # not a repo id: the load refuses it with its own message
+        return None
+    return Path(cached) if isinstance(cached, str) else None
 
 
 def load_models(

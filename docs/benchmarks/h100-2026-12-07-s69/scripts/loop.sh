@@ -1,6 +1,7 @@
 #!/bin/bash
-# Session 66: whole-loop processes (pacing_ab: our loop against mlx-lm's plain decoding),
-# graphs off; arms G (the default) and W (DFLASH_STACKED_KV=1). Usage: loop.sh "W G G W"
+# Session 66's whole-loop processes (pacing_ab: our loop against mlx-lm's plain decoding)
+# with session 69's arms: G (graphs off, the default), W (DFLASH_STACKED_KV=1), N (graphs
+# on), S (DFLASH_SWIGLU=1); QUANT picks the weights (4bit). Usage: QUANT=bf16 loop.sh "G N"
 set -u
 export PYTHONUNBUFFERED=1
 mkdir -p $OUT/A
