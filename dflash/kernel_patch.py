@@ -1484,7 +1484,7 @@ def dense_dtype(model: nn.Module) -> Optional[str]:
     return form[1] if form is not None and form[0] == "dense" else None
 
 
-def _env_parts() -> Optional[Tuple[str, ...]]:
+def env_parts() -> Optional[Tuple[str, ...]]:
     """``DFLASH_VERIFY_KERNELS``: ``1`` every part, ``0`` none, or a comma list of parts.
 
     Returns:
@@ -1537,7 +1537,7 @@ def wanted_parts(
         return ()
     if use_kernel is not None:
         return VERIFY_KERNEL_PARTS if use_kernel else ()
-    parts = _env_parts()
+    parts = env_parts()
     if parts is not None:
         return parts
     if not (
@@ -1546,11 +1546,27 @@ def wanted_parts(
         and backend.gpu_is_default()
     ):
         return ()
-    parts = VERIFY_KERNELS_BY_DEFAULT.get(backend.BACKEND, ())
-    form = projection_form(model)
+    return measured_parts(backend.BACKEND, architecture(model), projection_form(model))
+
+
+def measured_parts(
+    backend_name: str, architecture_name: str, form: Optional[Tuple[Any, ...]]
+) -> Tuple[str, ...]:
+    """The parts installed by default where measured faster, with nobody saying.
+
+    Args:
+        backend_name: ``"cuda"`` or ``"metal"``.
+        architecture_name: The mlx-lm module name (:func:`architecture`).
+        form: As :func:`projection_form` gives it (None: mixed or unknown).
+
+    Returns:
+        :data:`KERNELS_BY_QUANTIZATION` or :data:`KERNELS_BY_DENSE_DTYPE`'s entry for
+        a measured form, else :data:`VERIFY_KERNELS_BY_DEFAULT`'s for the backend.
+    """
+    parts = VERIFY_KERNELS_BY_DEFAULT.get(backend_name, ())
     if form is None:
         return parts
-    measured = (backend.BACKEND, architecture(model), *form[1:])
+    measured = (backend_name, architecture_name, *form[1:])
     table = KERNELS_BY_QUANTIZATION if form[0] == "affine" else KERNELS_BY_DENSE_DTYPE
     return table.get(measured, parts)
 

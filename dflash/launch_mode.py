@@ -15,7 +15,12 @@ A dense target is the other way round. In bf16 the same rounds are paced by the 
 (reading 55.7 GB of weights), and the graphs' shorter gaps between kernels win: on an
 H100 (session 69) 96-token generations took 441–447 ms with the graphs against 472–475 ms
 without (3 alternated pairs, all lossless), and mlx-lm's plain decoding 2.00 s against
-2.31–2.33 s. So direct launches are asked for a quantized target only.
+2.31–2.33 s. So is a target quantized in a form whose matmuls are mlx's own (8-bit, which
+dflash's quantized kernel does not serve by default): on an H100 (session 70) 96-token
+8-bit generations took 604–620 ms with the graphs against 878–937 ms without (7
+processes, all lossless), and the 8-bit verify forward's device time fell from 47.7 ms to
+33.8 ms with the same 1,709 kernels. So direct launches are asked for only where the
+round is host-paced: a target whose quantized matmuls run dflash's kernel.
 
 mlx reads ``MLX_USE_CUDA_GRAPHS`` once, at its first GPU evaluation in the process, so
 the choice must be made before that. The ``dflash`` generate, chat and server commands
@@ -61,7 +66,7 @@ def note_imported() -> None:
 
 
 def prefer_direct_launches(
-    environ: Optional[MutableMapping[str, str]] = None, *, quantized: bool = True
+    environ: Optional[MutableMapping[str, str]] = None, *, host_paced: bool = True
 ) -> bool:
     """Ask mlx's CUDA backend for direct kernel launches unless the user chose.
 
@@ -69,17 +74,20 @@ def prefer_direct_launches(
 
     Args:
         environ: The environment to set (default ``os.environ``).
-        quantized: Whether the target's weights are quantized. For a dense target
-            (bf16, f16, f32) mlx's graphs are kept: measured faster there.
+        host_paced: Whether the target's rounds are paced by the host: its quantized
+            matmuls run dflash's kernel (4-bit, groups of 64, Muse Glimmer: see
+            :func:`dflash.cli.common.target_prefers_direct_launches`, which reads a
+            model's config). False keeps mlx's graphs, measured faster for a dense
+            target (bf16) and for an 8-bit one.
 
     Returns:
         True where this call set ``MLX_USE_CUDA_GRAPHS=0``; False where the variable
         was already set (by the user, or by an earlier call), which is kept as it is,
-        or where the target is dense.
+        or where ``host_paced`` is False.
     """
     global _set_before_use
     environ = os.environ if environ is None else environ
-    if GRAPHS_ENV in environ or not quantized:
+    if GRAPHS_ENV in environ or not host_paced:
         return False
     environ[GRAPHS_ENV] = "0"
     if environ is os.environ:

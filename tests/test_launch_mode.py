@@ -8,10 +8,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dflash import launch_mode, prefer_direct_launches
 from dflash.cli import chat, generate
-from dflash.cli.common import target_is_quantized
+from dflash.cli.common import (
+    config_architecture,
+    config_projection_form,
+    target_prefers_direct_launches,
+)
 from dflash.launch_mode import GRAPHS_ENV
 from dflash.server import cli as server_cli
 
@@ -66,8 +72,16 @@ COMMANDS = [
     (server_cli, "build_state", server_cli.main, ["--port", "0"]),
 ]
 
-# mlx-lm's config entry for a 4-bit model.
-QUANTIZED = {"model_type": "llama", "quantization": {"group_size": 64, "bits": 4}}
+# mlx-lm's config entry for a 4-bit model whose matmuls run dflash's kernel on CUDA.
+QUANTIZED = {
+    "model_type": "muse_glimmer",
+    "quantization": {"group_size": 64, "bits": 4},
+}
+# One whose matmuls stay mlx's: the device paces its rounds (session 70, an H100).
+EIGHT_BIT = {
+    "model_type": "muse_glimmer",
+    "quantization": {"group_size": 64, "bits": 8},
+}
 
 
 def _model_dir(root: Path, config) -> str:
@@ -85,6 +99,7 @@ def _model_dir(root: Path, config) -> str:
         ("quantized", "1", "1"),
         ("quantized", "0", "0"),
         ("dense", None, None),  # mlx's graphs: faster for a dense target
+        ("8-bit", None, None),  # and for mlx's own quantized matmuls
         ("dense", "0", "0"),
         ("demo", None, None),  # the bundled pair is dense
     ],
@@ -108,25 +123,54 @@ def test_each_command_chooses_before_its_models_load_and_keeps_the_users_value(
     else:
         monkeypatch.setenv(GRAPHS_ENV, given)
     if target != "demo":
-        config = QUANTIZED if target == "quantized" else {"model_type": "llama"}
+        config = {"quantized": QUANTIZED, "8-bit": EIGHT_BIT}.get(
+            target, {"model_type": "llama"}
+        )
         argv = argv + ["--model", _model_dir(tmp_path / "model", config)]
     assert _seen_at_model_load(monkeypatch, module, attribute, main, argv) == expected
     assert "stopped at the model load" in capsys.readouterr().err
 
 
-def test_a_dense_target_keeps_mlxs_graphs():
+def test_a_device_paced_target_keeps_mlxs_graphs():
     environ = {}
-    assert prefer_direct_launches(environ, quantized=False) is False
+    assert prefer_direct_launches(environ, host_paced=False) is False
     assert environ == {}
-    assert prefer_direct_launches(environ, quantized=True) is True
+    assert prefer_direct_launches(environ, host_paced=True) is True
     assert environ == {GRAPHS_ENV: "0"}
+
+
+def _glimmer(**quantization):
+    return {"model_type": "muse_glimmer", "quantization": quantization}
 
 
 @pytest.mark.parametrize(
     "config, expected",
     [
         (QUANTIZED, True),
-        ({"model_type": "qwen2", "quantization_config": {"bits": 8}}, True),
+        (_glimmer(group_size=64, bits=4, mode="affine"), True),
+        (EIGHT_BIT, False),  # mlx's own matmuls: the graphs measured faster
+        (_glimmer(group_size=32, bits=4), False),  # not measured: mlx's matmuls
+        (_glimmer(group_size=64, bits=4, mode="mxfp4"), False),
+        # A layer quantized otherwise, or left dense: the kernels are not installed.
+        (
+            _glimmer(
+                group_size=64, bits=4, **{"lm_head": {"group_size": 64, "bits": 8}}
+            ),
+            False,
+        ),
+        (_glimmer(group_size=64, bits=4, **{"lm_head": False}), False),
+        (
+            _glimmer(
+                group_size=64, bits=4, **{"lm_head": {"group_size": 64, "bits": 4}}
+            ),
+            True,
+        ),
+        (_glimmer(group_size=64, bits=4, **{"lm_head": True}), True),
+        ({"model_type": "llama", "quantization": {"group_size": 64, "bits": 4}}, False),
+        (
+            {"model_type": "qwen2", "quantization_config": {"quant_method": "awq"}},
+            False,
+        ),
         ({"model_type": "llama"}, False),
         ({"model_type": "llama", "quantization": None}, False),
         ("not json {", True),  # unreadable: the old default; the load reports it
@@ -134,18 +178,43 @@ def test_a_dense_target_keeps_mlxs_graphs():
         (None, True),  # no config.json at all
     ],
 )
-def test_the_targets_quantization_is_read_from_its_config(tmp_path, config, expected):
+def test_direct_launches_are_read_from_the_targets_config(tmp_path, config, expected):
     folder = tmp_path / "model"
     folder.mkdir()
     if isinstance(config, str):
         (folder / "config.json").write_text(config)
     elif config is not None:
         (folder / "config.json").write_text(json.dumps(config))
-    assert target_is_quantized(str(folder)) is expected
+    assert target_prefers_direct_launches(str(folder)) is expected
+
+
+@pytest.mark.parametrize(
+    "switch, expected",
+    [("0", False), ("attention", False), ("matmul", True), ("1", True)],
+)
+def test_the_kernel_switch_decides_whose_matmuls_run(
+    monkeypatch, tmp_path, switch, expected
+):
+    """``DFLASH_VERIFY_KERNELS`` installs or withholds the matmul kernel, and with it
+    the host pacing; an 8-bit target asked for the kernel gets direct launches."""
+    monkeypatch.setenv("DFLASH_VERIFY_KERNELS", switch)
+    assert (
+        target_prefers_direct_launches(_model_dir(tmp_path / "m", EIGHT_BIT))
+        is expected
+    )
+    assert (
+        target_prefers_direct_launches(_model_dir(tmp_path / "q", QUANTIZED))
+        is expected
+    )
+
+
+def test_a_bad_kernel_switch_is_left_to_the_load(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_VERIFY_KERNELS", "everything")
+    assert target_prefers_direct_launches(_model_dir(tmp_path / "q", QUANTIZED)) is True
 
 
 def test_the_demo_pair_is_a_dense_target():
-    assert target_is_quantized(None) is False
+    assert target_prefers_direct_launches(None) is False
 
 
 def test_a_hub_model_is_read_from_the_local_cache_only(monkeypatch, tmp_path):
@@ -160,10 +229,16 @@ def test_a_hub_model_is_read_from_the_local_cache_only(monkeypatch, tmp_path):
         return None if folder is None else str(Path(folder) / filename)
 
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", from_cache)
-    assert target_is_quantized("org/dense") is False
-    # Not downloaded yet: counted as quantized (direct launches), nothing fetched.
-    assert target_is_quantized("org/elsewhere") is True
+    assert target_prefers_direct_launches("org/dense") is False
+    # Not downloaded yet: direct launches (the old choice), nothing fetched.
+    assert target_prefers_direct_launches("org/elsewhere") is True
     assert asked == [("org/dense", "config.json"), ("org/elsewhere", "config.json")]
+
+
+def test_the_architecture_is_remapped_as_mlx_lms_load_remaps_it():
+    assert config_architecture({"model_type": "mistral"}) == "llama"
+    assert config_architecture({"model_type": "muse_glimmer"}) == "muse_glimmer"
+    assert config_architecture({"architectures": ["X"]}) is None
 
 
 def _known_in_a_fresh_process(code: str, graphs=None) -> str:
@@ -248,6 +323,72 @@ def test_graphs_off_words_are_the_switch_words_and_nothing_else() -> None:
         assert not cuda_graphs_off(value)
 
 
-def test_a_name_that_is_neither_a_folder_nor_a_repo_id_counts_as_quantized(tmp_path):
+def test_a_name_that_is_neither_a_folder_nor_a_repo_id_asks_for_direct_launches(
+    tmp_path,
+):
     """The hub refuses the name (no download is tried); the load reports it later."""
-    assert target_is_quantized(str(tmp_path / "no" / "such" / "model")) is True
+    assert (
+        target_prefers_direct_launches(str(tmp_path / "no" / "such" / "model")) is True
+    )
+
+
+def _small_glimmer_config() -> dict:
+    """The demo target's config, narrowed so every projection takes groups of 128,
+    with a head of its own."""
+    from dflash.demo import DEMO_DIR
+
+    config = json.loads((DEMO_DIR / "target" / "config.json").read_text())
+    config.update(hidden_size=256, intermediate_size=512, vocab_size=512)
+    config.update(tie_word_embeddings=False)  # an lm_head of its own, a projection
+    config.update(num_hidden_layers=2, layer_types=config["layer_types"][2:4])
+    if isinstance(config.get("layer_rope_theta"), list):
+        config["layer_rope_theta"] = config["layer_rope_theta"][2:4]
+    return config
+
+
+@settings(max_examples=16, deadline=None)
+@given(
+    bits=st.sampled_from([4, 8]),
+    group_size=st.sampled_from([32, 64, 128]),
+    other=st.one_of(
+        st.none(),
+        st.tuples(
+            st.sampled_from(
+                ["lm_head", "model.layers.1.mlp.down_proj", "model.embed_tokens"]
+            ),
+            st.sampled_from([4, 8]),
+            st.sampled_from([32, 64, 128]),
+        ),
+    ),
+)
+def test_the_config_gives_the_form_the_loaded_model_has(bits, group_size, other):
+    """What the config reader sees is what mlx-lm's load builds: a model quantized and
+    saved by mlx-lm (one layer perhaps in another form), loaded back, has the
+    projection form and the architecture read from its ``config.json``."""
+    import tempfile
+
+    import mlx.core as mx
+    from mlx_lm import utils as mlx_lm_utils
+
+    from dflash.kernel_patch import architecture, projection_form
+
+    config = _small_glimmer_config()
+    model_class, args_class = mlx_lm_utils._get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    mx.eval(model.parameters())
+
+    def predicate(path, module):
+        if other is not None and path == other[0]:
+            return {"group_size": other[2], "bits": other[1], "mode": "affine"}
+        return True
+
+    model, saved = mlx_lm_utils.quantize_model(
+        model, config, group_size, bits, quant_predicate=predicate
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        mlx_lm_utils.save_model(folder, model)
+        mlx_lm_utils.save_config(saved, Path(folder) / "config.json")
+        written = json.loads((Path(folder) / "config.json").read_text())
+        loaded, _ = mlx_lm_utils.load_model(Path(folder))
+    assert config_projection_form(written) == projection_form(loaded)
+    assert config_architecture(written) == architecture(loaded)

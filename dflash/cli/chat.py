@@ -43,7 +43,7 @@ from .common import (
     load_models,
     make_cli_sampler,
     names_of,
-    target_is_quantized,
+    target_prefers_direct_launches,
 )
 from .session import (
     Session,
@@ -319,7 +319,7 @@ def run(args: argparse.Namespace) -> None:
         args: Parsed ``dflash-chat`` flags.
     """
     # Before any GPU evaluation: mlx reads it once.
-    prefer_direct_launches(quantized=target_is_quantized(args.model))
+    prefer_direct_launches(host_paced=target_prefers_direct_launches(args.model))
     make_cli_sampler(args)  # refuses bad settings before any model loads
     mx.random.seed(args.seed)
     if args.load_session:  # a file for other models is refused before they load

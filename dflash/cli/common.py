@@ -305,22 +305,31 @@ class Models:
             self.notice = None
 
 
-def target_is_quantized(model: Optional[str]) -> bool:
-    """Whether ``--model``'s ``config.json`` declares quantized weights, read before
-    anything loads (what :func:`dflash.prefer_direct_launches` needs, before mlx's first
-    GPU evaluation).
+def target_prefers_direct_launches(model: Optional[str]) -> bool:
+    """Whether ``--model``'s DFlash rounds are paced by the host, read from its
+    ``config.json`` before anything loads (what :func:`dflash.prefer_direct_launches`
+    needs, before mlx's first GPU evaluation).
+
+    They are where the target's quantized matmuls run dflash's own kernel on CUDA: every
+    projection quantized in one affine form that :data:`dflash.kernel_patch.
+    KERNELS_BY_QUANTIZATION` serves (4-bit, groups of 64, Muse Glimmer), or that
+    ``DFLASH_VERIFY_KERNELS`` asks the matmul of. Elsewhere the device paces the round
+    (mlx's own quantized matmul, or dense weights) and mlx's graphs measured faster: an
+    8-bit target on an H100 (session 70) and a bf16 one (session 69).
 
     A local directory, or a hub model whose config is already in the local cache, is
-    read; nothing is downloaded. A config not at hand or not readable counts as
-    quantized (direct launches, the commands' choice before session 69): the load that
-    follows reports what is wrong with it.
+    read; nothing is downloaded. A config not at hand or not readable gives True (direct
+    launches, the commands' choice before session 69): the load that follows reports
+    what is wrong with it.
 
     Args:
         model: ``--model``, or ``None`` for the bundled demo pair.
 
     Returns:
-        False for a dense target (no ``quantization`` or ``quantization_config`` entry).
+        True where direct launches are measured faster for the target, or it is unknown.
     """
+    from .. import kernel_patch
+
     config_file = _target_config_file(model)
     if config_file is None:
         return True
@@ -330,10 +339,84 @@ def target_is_quantized(model: Optional[str]) -> bool:
         return True
     if not isinstance(config, dict):
         return True
-    return any(
-        isinstance(config.get(key), dict)
-        for key in ("quantization", "quantization_config")
-    )
+    form = config_projection_form(config)
+    if form is None or form[0] != "affine":
+        return False
+    architecture_name = config_architecture(config)
+    if architecture_name not in kernel_patch.SUPPORTED_ARCHITECTURES:
+        return False
+    try:
+        parts = kernel_patch.env_parts()
+    except ValueError:  # the load reports the bad value
+        parts = None
+    if parts is None:
+        parts = kernel_patch.measured_parts("cuda", architecture_name, form)
+    return "matmul" in parts
+
+
+def config_projection_form(config: dict) -> Optional[Tuple[Any, ...]]:
+    """The projection form a model's ``config.json`` gives mlx-lm's load, as
+    :func:`dflash.kernel_patch.projection_form` reads it off the loaded model.
+
+    Args:
+        config: The parsed ``config.json``.
+
+    Returns:
+        ``("affine", bits, group_size)`` when mlx-lm quantizes every projection in that
+        one affine form (its ``quantization`` entry, per-layer entries agreeing, the
+        embedding's aside);
+        ``("dense", None)`` with no quantization entry; None for anything else (a layer
+        left dense or quantized otherwise, another mode, a legacy
+        ``quantization_config`` that mlx-lm converts).
+    """
+    quantization = config.get("quantization")
+    if quantization is None:
+        legacy = config.get("quantization_config")
+        text_config = config.get("text_config")
+        if legacy is None and isinstance(text_config, dict):
+            legacy = text_config.get("quantization_config")
+        return ("dense", None) if legacy is None else None
+    if not isinstance(quantization, dict):
+        return None
+    form = _affine_form(quantization)
+    for key, entry in quantization.items():
+        # The embedding is no projection: its own form changes no matmul.
+        if key in ("group_size", "bits", "mode") or key.endswith("embed_tokens"):
+            continue
+        if entry is False or (isinstance(entry, dict) and _affine_form(entry) != form):
+            return None
+    return form
+
+
+def _affine_form(entry: dict) -> Optional[Tuple[Any, ...]]:
+    """``("affine", bits, group_size)`` of one quantization entry, None if not affine."""
+    bits, group_size = entry.get("bits"), entry.get("group_size")
+    if entry.get("mode", "affine") != "affine":
+        return None
+    if not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in (bits, group_size)
+    ):
+        return None
+    return ("affine", bits, group_size)
+
+
+def config_architecture(config: dict) -> Optional[str]:
+    """The mlx-lm module a ``config.json`` loads as (``model_type`` remapped the way
+    mlx-lm's load remaps it), the name :func:`dflash.kernel_patch.architecture` gives.
+    """
+    from mlx_lm import utils as mlx_lm_utils
+
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        return None
+    architectures = config.get("architectures") or ()
+    if isinstance(architectures, str):
+        architectures = (architectures,)
+    by_architecture = getattr(mlx_lm_utils, "MODEL_ARCHITECTURE_REMAPPING", {})
+    for name in architectures if isinstance(architectures, (list, tuple)) else ():
+        if isinstance(name, str) and (model_type, name) in by_architecture:
+            return by_architecture[(model_type, name)]
+    return mlx_lm_utils.MODEL_REMAPPING.get(model_type, model_type)
 
 
 def _target_config_file(model: Optional[str]) -> Optional[Path]:

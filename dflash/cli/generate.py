@@ -33,7 +33,7 @@ from .common import (
     make_cli_sampler,
     names_of,
     read_prompt,
-    target_is_quantized,
+    target_prefers_direct_launches,
 )
 from .session import check_names, load_session, read_metadata
 
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> None:
     from .. import stream_generate
 
     # Before any GPU evaluation: mlx reads it once.
-    prefer_direct_launches(quantized=target_is_quantized(args.model))
+    prefer_direct_launches(host_paced=target_prefers_direct_launches(args.model))
     _check_flags(args)
     make_cli_sampler(args)  # refuses bad settings before any model loads
     if args.seed is not None:

@@ -26,7 +26,7 @@ from ..cli.common import (
     model_identity,
     number,
     run_cli,
-    target_is_quantized,
+    target_prefers_direct_launches,
 )
 from ..launch_mode import prefer_direct_launches
 from .policy import POLICIES, SHIFT
@@ -318,7 +318,7 @@ def serve(args) -> None:
     uvicorn, create_app = _server_stack()
 
     # Before any GPU evaluation: mlx reads it once.
-    prefer_direct_launches(quantized=target_is_quantized(args.model))
+    prefer_direct_launches(host_paced=target_prefers_direct_launches(args.model))
     _check_sampling(args)
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(message)s"
