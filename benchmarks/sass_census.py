@@ -438,6 +438,9 @@ def _forms() -> dict[str, Callable[[], object]]:
         "q4-m2-g64-swiglu-inplace": lambda: tensor_qmm.SWIGLU_IN_PLACE_SPECS[
             (2, (4, 2), 64)
         ],
+        # The 8-bit scaled forms (session 70: what an 8-bit target would run).
+        "q8-m1-g64": lambda: tensor_qmm.SCALED_SPECS[(2, (8, 1), 64)],
+        "q8-m2-g64": lambda: tensor_qmm.SCALED_SPECS[(2, (8, 2), 64)],
         "dense-m1": lambda: tensor_qmm.FORM_SPECS[(False, 2)][(0, 1)],
         "dense-m2": lambda: tensor_qmm.FORM_SPECS[(False, 2)][(0, 2)],
         # The persistent forms (session 56) of the default 4-bit and dense ones.

@@ -326,7 +326,8 @@ def target_prefers_direct_launches(model: Optional[str]) -> bool:
         model: ``--model``, or ``None`` for the bundled demo pair.
 
     Returns:
-        True where direct launches are measured faster for the target, or it is unknown.
+        True where the target's matmuls would be dflash's kernel on CUDA, or where its
+        config is unknown.
     """
     from .. import kernel_patch
 
