@@ -283,6 +283,19 @@ def test_direct_launches_are_known_only_if_set_before_any_evaluation(
     assert _known_in_a_fresh_process(code, graphs) == expected
 
 
+def test_reading_the_config_first_evaluates_nothing(tmp_path):
+    """The commands read ``--model``'s config (and the kernel tables) before asking:
+    that must allocate nothing, or the cluster sum's default would be lost."""
+    folder = _model_dir(tmp_path / "model", QUANTIZED)
+    code = (
+        "import dflash\n"
+        "from dflash.cli.common import target_prefers_direct_launches as prefers\n"
+        "from dflash.launch_mode import direct_launches_known as known\n"
+        f"print(dflash.prefer_direct_launches(host_paced=prefers({folder!r})), known())\n"
+    )
+    assert _known_in_a_fresh_process(code) == "True True"
+
+
 def test_direct_launches_are_not_known_once_the_variable_is_turned_back_on(
     monkeypatch,
 ):
