@@ -211,6 +211,8 @@ VARIANTS = {
     # Same bits.
     "lean": {"lean": True},
     "paired-lean": {"paired": True, "lean": True},
+    # Session 70: the 8-bit forms' pairs made exact without float32 (same bits).
+    "leanbytes": {"lean_bytes": True},
     # Session 53: the scales and biases a unit of chunks a copy (UNIT_SCALES; same bits).
     # (With the other two scale-layout switches named: see "cmajor" below.)
     "unit": {"unit": True, "cmajor": False, "interleaved": False},
@@ -630,6 +632,7 @@ def variant(
     cmajor: Optional[bool] = None,
     interleaved: Optional[bool] = None,
     persistent: Optional[bool] = None,
+    lean_bytes: Optional[bool] = None,
     edits: Sequence[str] = (),
 ) -> Iterator[None]:
     """Rebuild the tensor-core specs with the given knobs, restoring them after.
@@ -665,6 +668,7 @@ def variant(
             are given).
         persistent: ``PERSISTENT`` (None: unchanged; ``DFLASH_QMM_PERSISTENT``,
             read at each bind, wins where set).
+        lean_bytes: ``LEAN_BYTES`` (None: unchanged): the 8-bit forms' byte decode.
         edits: Names of :data:`EDITS` to apply to the kernels' text.
     """
     knobs = {
@@ -690,6 +694,7 @@ def variant(
         "CHUNK_MAJOR_SCALES": False if edits and cmajor is None else cmajor,
         "INTERLEAVED_SCALES": False if edits and interleaved is None else interleaved,
         "PERSISTENT": persistent,
+        "LEAN_BYTES": lean_bytes,
     }
     texts = (
         "_HELPERS", "_BODY", "_SCALED_Q4_HELPER", "_DIRECT_HELPERS", "_DIRECT_EDITS",

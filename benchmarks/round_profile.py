@@ -69,6 +69,7 @@ from dflash.metal.tensor_qmm import (
     DENORMAL_IN_PLACE_ENV,
     FOLDED_OFFSET_ENV,
     INTERLEAVED_SCALES_ENV,
+    LEAN_BYTES_ENV,
     LEAN_ISSUE_ENV,
     MEMBER_MAJOR_ENV,
     MERGED_SPLIT_SUM_ENV,
@@ -244,6 +245,9 @@ KERNEL_ARMS = {
     "default-paired": None,
     "default-lean": None,
     "default-pairedlean": None,
+    # (At 8 bits no part is on by default: all-leanbytes against all is the A / B.)
+    "all-leanbytes": "1",
+    "matmul-leanbytes": "matmul",
     "default-inplace": None,
     "default-shifted": None,
     "default-unit": None,
@@ -341,6 +345,8 @@ ARM_MATMUL_FORMS = {
     "paired": {"paired": True},
     "lean": {"lean": True},
     "pairedlean": {"paired": True, "lean": True},
+    # The 8-bit forms' byte decode without float32 (session 70; same bits).
+    "leanbytes": {"lean_bytes": True},
     "unit": {"unit": True},  # the scales a unit of chunks a copy (session 53)
     # The scales as mlx lays them out (chunk-major, the default since session 54, off).
     "rowmajor": {"cmajor": False},
@@ -362,6 +368,7 @@ if _SHARED_SUFFIXES:
 MATMUL_KNOB_SWITCHES = {
     "paired": PAIRED_STAGE_ENV,
     "lean": LEAN_ISSUE_ENV,
+    "lean_bytes": LEAN_BYTES_ENV,
     "unit": UNIT_SCALES_ENV,
     "cmajor": CHUNK_MAJOR_SCALES_ENV,
     "interleaved": INTERLEAVED_SCALES_ENV,

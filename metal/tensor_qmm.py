@@ -124,7 +124,7 @@ import os
 import re
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -1465,6 +1465,79 @@ def lean_issue() -> bool:
     return _checked_import_switch(LEAN_ISSUE_ENV, LEAN_ISSUE)
 
 
+# The lean byte decode (session 70; ``DFLASH_QMM_LEAN_BYTES=1``, read at import; off):
+# the 8-bit forms' pair of weights made exact without float32. ``dfl_q8`` puts each
+# byte under float32's 2^23 exponent, subtracts 2^23 and packs the pair (~7
+# instructions a pair: the census's LOP3 / SHF / FADD / F2FP). Here one ``prmt`` puts
+# the two bytes at the two halves' low bytes and one ``lop3`` keeps their low 7 bits
+# under bf16's 2^7 exponent (0x4300 | t = 128 + t, exact); a sign-replicating
+# ``prmt`` and one ``lop3`` make -128 where a byte's top bit is clear and 0 where it
+# is set, and one bf16x2 fma adds it (exact: t, or 128 + t, is the byte). float16
+# holds 1024 + q for every byte, so there the 4-bit way serves (3 instructions). The
+# same exact pair, so the same bits after. Not run on a GPU yet (its speed is not
+# known); 8-bit forms only.
+LEAN_BYTES_DEFAULT = False
+LEAN_BYTES_ENV = "DFLASH_QMM_LEAN_BYTES"
+LEAN_BYTES = _import_switch(LEAN_BYTES_ENV, LEAN_BYTES_DEFAULT)
+
+
+def lean_bytes() -> bool:
+    """Whether the 8-bit forms carry the lean byte decode (:data:`LEAN_BYTES`, taken
+    at import; raises on a bad ``DFLASH_QMM_LEAN_BYTES``)."""
+    return _checked_import_switch(LEAN_BYTES_ENV, LEAN_BYTES)
+
+
+def lean_byte_selectors(p: int) -> Tuple[int, int]:
+    """The ``prmt`` selectors of byte ``p`` of two words (``lo``: bytes 0-3 of the
+    pool, ``hi``: 4-7): the pair's bytes at each half's low byte (and again at its high
+    byte, masked off after), and the same with the sign-replicate bit set.
+
+    Args:
+        p: The byte of each word (0 to 3).
+
+    Returns:
+        ``(spread, sign)``.
+    """
+    if not 0 <= p < 4:
+        raise ValueError(f"a word has bytes 0 to 3, got {p}")
+    spread = p | p << 4 | (4 + p) << 8 | (4 + p) << 12
+    return spread, spread | 0x8888
+
+
+_LEAN_BYTES_HELPERS = r"""
+// Byte p of lo and of hi as an exact pair (lo's in the low half), without float32 (see
+// LEAN_BYTES): 128 + (q & 127) under bf16's 2^7 exponent, less 128 where q < 128.
+DFL_FN uint32_t dfl_q8_lean(uint32_t lo, uint32_t hi, uint32_t spread, uint32_t sign,
+                            const __nv_bfloat16*) {
+  uint32_t r, m, c;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(lo), "r"(hi), "r"(spread));
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(r), "n"(0x007F007F), "n"(0x43004300));
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(m) : "r"(lo), "r"(hi), "r"(sign));
+  asm("lop3.b32 %0, %1, %2, %3, 0x0C;\n" : "=r"(c) : "r"(m), "n"(0xC300C300), "n"(0));
+  asm("fma.rn.bf16x2 %0, %0, %1, %2;\n" : "+r"(r) : "r"(0x3F803F80u), "r"(c));
+  return r;
+}
+// float16 holds 1024 + q for every byte: the 4-bit way.
+DFL_FN uint32_t dfl_q8_lean(uint32_t lo, uint32_t hi, uint32_t spread, uint32_t,
+                            const __half*) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(lo), "r"(hi), "r"(spread));
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(r), "n"(0x00FF00FF), "n"(0x64006400));
+  asm("fma.rn.f16x2 %0, %0, %1, %2;\n" : "+r"(r) : "r"(0x3C003C00u), "r"(0xE400E400u));
+  return r;
+}
+"""
+# The 8-bit load with the lean byte decode, its selectors written in as constants.
+_LEAN_BYTES_LOAD = """
+        const uint2 w = *reinterpret_cast<const uint2*>(col + (8 * sc + 2 * tig) * 4);
+""" + "".join(
+    "        b[{}] = dfl_q8_lean(w.x, w.y, 0x{:04X}u, 0x{:04X}u, tag);\n".format(
+        p, *lean_byte_selectors(p)
+    )
+    for p in range(4)
+)
+
+
 def merge_body(vector: bool) -> str:
     """The matmul body with the vector merge or the merge before it (see
     :data:`VECTOR_MERGE`)."""
@@ -2145,7 +2218,10 @@ def _spec(
         raise ValueError("the scaled-weight form is affine and not folded")
     if group_size is not None and (not affine or group_size not in GROUP_SIZES):
         raise ValueError(f"a constant group size is affine, one of {GROUP_SIZES}")
-    load_b = _LOAD_B[layout.bits] + (_SCALED_LOAD if scaled else "")
+    lean_bytes = LEAN_BYTES and layout.bits == 8
+    load_b = (_LEAN_BYTES_LOAD if lean_bytes else _LOAD_B[layout.bits]) + (
+        _SCALED_LOAD if scaled else ""
+    )
     if in_place:
         load_b = _replaced(_replaced(load_b, *_IN_PLACE_LOADS), *_IN_PLACE_FMA)
     if folded:
@@ -2254,6 +2330,7 @@ def _spec(
     name += "_k2" * (k_groups == 2) + "_swiglu" * swiglu + "_direct" * layout.direct
     name += "_denorm" * denormal + "_inplace" * in_place + "_unit" * unit
     name += "_ileave" if ileave else "_cmajor" * cmajor
+    name += "_lbytes" * lean_bytes
     if affine:
         inputs = ("x", "weight", "scales", "biases", "params", "counters")
         types = ("T", "uint32", "T", "T", "int32", "int32")
@@ -2273,6 +2350,7 @@ def _spec(
         + (_DIRECT_HELPERS if layout.direct else "")
         + (_PAIRED_HELPERS if paired else "")
         + (_LEAN_HELPERS if lean else "")
+        + (_LEAN_BYTES_HELPERS if lean_bytes else "")
         + (_UNIT_HELPERS if unit else "")
         + (_DENORMAL_HELPERS if denormal and not in_place else "")
         + (_IN_PLACE_HELPERS if in_place else "")
@@ -3051,6 +3129,7 @@ def bind_tensor_core(
     vector_merge()  # a bad switch value fails the bind that would use the forms
     paired_stage()
     lean_issue()
+    lean_bytes()
     unit_scales()
     chunk_major_scales()
     interleaved_scales()

@@ -1013,6 +1013,44 @@ assert all(
     for spec in SAME_BITS_VARIANTS["merge-reversed"].values()
 )
 
+# The lean byte decode's forms (tensor_qmm.LEAN_BYTES, session 70): 8-bit, two K
+# groups, unscaled and scaled at every group size, one and two m-tiles.
+with matmul_variants.variant(lean_bytes=True):
+    LEAN_BYTES = {
+        "form": {
+            key: spec
+            for key, spec in tensor_qmm.FORM_SPECS[(False, 2)].items()
+            if key[0] == 8
+        },
+        "scaled": {
+            key: spec
+            for key, spec in tensor_qmm.SCALED_SPECS.items()
+            if key[0] == 2 and key[1][0] == 8
+        },
+    }
+assert all(
+    spec.base.endswith("_lbytes")
+    for table in LEAN_BYTES.values()
+    for spec in table.values()
+)
+
+
+def _unsigned_selectors(spec):
+    """Negative control: the sign selectors without their sign bits (a byte's top bit
+    is then read off the byte itself, not replicated)."""
+    body = spec.body
+    for p in range(4):
+        spread, sign = tensor_qmm.lean_byte_selectors(p)
+        body = body.replace(f"0x{sign:04X}u, tag", f"0x{spread:04X}u, tag")
+    assert body != spec.body
+    return dataclasses.replace(spec, base=spec.base + "_unsigned", body=body)
+
+
+LEAN_BYTES_UNSIGNED = {
+    table: {key: _unsigned_selectors(spec) for key, spec in specs.items()}
+    for table, specs in LEAN_BYTES.items()
+}
+
 # The denormal decode's two-K-group forms (tensor_qmm.DENORMAL_Q4: each nibble decoded
 # as a subnormal, the scale's exponent raised), one and two m-tiles, every group size.
 DENORM_SPECS = {
@@ -1249,6 +1287,12 @@ def tensor_emulator(tmp_path_factory):
         + (IN_PLACE_ONE_SCALE,)
         + tuple(
             spec for specs in SAME_BITS_VARIANTS.values() for spec in specs.values()
+        )
+        + tuple(
+            spec
+            for tables in (LEAN_BYTES, LEAN_BYTES_UNSIGNED)
+            for specs in tables.values()
+            for spec in specs.values()
         )
     )
     # A variant's table may hold a shipped form as it is: that one keeps both types.
@@ -3679,3 +3723,183 @@ def test_a_launch_must_fill_whole_clusters() -> None:
     spec = tensor_qmm.cluster_spec(CLUSTER_BASES[0], 3)
     with pytest.raises(ValueError, match="do not fill clusters of 3"):
         qmm.groups.launch_groups(spec, [], [(1,)], [mx.float32], 4, mx.bfloat16)
+
+
+# ================================================================ lean byte decode
+
+
+def test_the_lean_byte_decode_makes_every_byte_exact() -> None:
+    """The arithmetic of ``dfl_q8_lean`` (tensor_qmm.LEAN_BYTES) for every byte in
+    every position of both words: bf16's 0x4300 | (q & 127) is 128 + (q & 127), and
+    less 128 where the top bit is clear it is q, exact; float16's 0x6400 | q less
+    1024 is q. The selectors pick byte p of each word (the sign ones its top bit)."""
+    rng = np.random.default_rng(70)
+    for p in range(4):
+        spread, sign = tensor_qmm.lean_byte_selectors(p)
+        lo, hi = (int(v) for v in rng.integers(0, 2**32, 2, dtype=np.uint64))
+        pool = lo | hi << 32
+        picked = [(pool >> 8 * (spread >> 4 * i & 7)) & 0xFF for i in range(4)]
+        assert picked == [lo >> 8 * p & 0xFF] * 2 + [hi >> 8 * p & 0xFF] * 2
+        assert all(sign >> 4 * i & 8 for i in range(4))
+        assert sign & 0x7777 == spread
+    for q in range(256):
+        bf16 = np.array([(0x4300 | (q & 0x7F)) << 16], np.uint32).view(np.float32)[0]
+        assert bf16 == 128 + (q & 0x7F)
+        addend = 0.0 if q & 0x80 else -128.0  # 0xC300 where the top bit is clear
+        assert np.array([0xC300 << 16], np.uint32).view(np.float32)[0] == -128.0
+        assert bf16 + addend == q
+        f16 = np.array([0x6400 | q], np.uint16).view(np.float16)[0]
+        assert float(f16) - 1024.0 == q
+
+
+@st.composite
+def eight_bit_cases(draw, max_rows: int = 32, max_chunks: int = 4):
+    """Served 8-bit cases (x, weight, scales, biases, 8, group_size)."""
+    group = draw(st.sampled_from(tensor_qmm.GROUP_SIZES))
+    depth = Layout(8, 1).chunk * draw(st.integers(1, max_chunks))
+    rows = draw(st.integers(1, max_rows))
+    columns = draw(st.integers(1, 200))
+    dtype = draw(st.sampled_from(HALF))
+    return _fixed_case(
+        rows, depth, columns, 8, group, dtype, draw(st.integers(0, 2**16))
+    )
+
+
+def _every_byte_case(dtype, group: int, rows: int = 16) -> tuple:
+    """An 8-bit case whose weight bytes take every value at every byte of every word
+    (each column runs through 0..255 from its own start)."""
+    rng = np.random.default_rng(group)
+    depth, columns = 512, 136
+    q = (np.arange(depth)[None, :] + 37 * np.arange(columns)[:, None]) % 256
+    weight = mx.array(
+        q.astype(np.uint8).reshape(columns, depth // 4, 4).view(np.uint32)[..., 0]
+    )
+    side = (columns, depth // group)
+    scales = mx.array(rng.uniform(0.001, 0.02, side).astype(np.float32)).astype(dtype)
+    biases = mx.array(rng.uniform(-1, 1, side).astype(np.float32)).astype(dtype)
+    x = mx.array(rng.standard_normal((rows, depth)).astype(np.float32)).astype(dtype)
+    return x, weight, scales, biases, 8, group
+
+
+def _lean_bytes_bits(emulated, monkeypatch, case, scaled: bool, tables=LEAN_BYTES):
+    """``case``'s output bits with the lean byte decode's forms, and the shipped ones."""
+    monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1" if scaled else "0")
+    table = "scaled" if scaled else "form"
+    shipped = raw_bits(_kernel(case))
+    return _bits_with_specs(emulated, case, {table: tables[table]}), shipped
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@settings(max_examples=6, deadline=None, suppress_health_check=_FIXTURES)
+@given(case=eight_bit_cases(), late=st.booleans())
+def test_emulated_lean_byte_decode_gives_the_shipped_bits(
+    emulated, monkeypatch, scaled, case, late
+) -> None:
+    """The lean byte decode (``DFLASH_QMM_LEAN_BYTES=1``) feeds the mma the same exact
+    pairs as ``dfl_q8``: every output of the 8-bit forms, unscaled and scaled, keeps
+    the shipped bits, whatever the rows, K, columns, group size and half type."""
+    emulated.late = late
+    lean, shipped = _lean_bytes_bits(emulated, monkeypatch, case, scaled)
+    assert np.array_equal(lean, shipped)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("dtype", HALF)
+def test_emulated_lean_byte_decode_over_every_byte_and_its_negative_control(
+    emulated, monkeypatch, scaled, dtype
+) -> None:
+    """Every byte value at every position: the lean forms keep the shipped bits, and
+    with the sign selectors' sign bits dropped (negative control) bfloat16's bits
+    change (float16's decode takes no sign selector, so there they hold)."""
+    for group in (32, 128):
+        case = _every_byte_case(dtype, group)
+        lean, shipped = _lean_bytes_bits(emulated, monkeypatch, case, scaled)
+        assert np.array_equal(lean, shipped)
+        slip, _ = _lean_bytes_bits(
+            emulated, monkeypatch, case, scaled, tables=LEAN_BYTES_UNSIGNED
+        )
+        assert np.array_equal(slip, shipped) is (dtype == mx.float16)
+
+
+@needs_nvcc
+def test_lean_byte_forms_compile_for_sm90_within_the_bounds(tmp_path: Path) -> None:
+    """The lean byte decode's 8-bit forms compile for sm_90 with no spills, the scaled
+    ones within their launch bounds' 128 registers."""
+    for name, specs, cap in (
+        ("unscaled", list(LEAN_BYTES["form"].values()), 255),
+        ("scaled", list(LEAN_BYTES["scaled"].values()), 128),
+    ):
+        forms = check_cuda(
+            specs, tmp_path / name, NVCC, dtypes=HALF, flags=("-Xptxas", "-v")
+        )
+        assert forms.ok, f"{forms.command}\n{forms.log}"
+        spills = re.findall(
+            r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log
+        )
+        assert len(spills) >= len(specs), forms.log
+        assert all(a == "0" and b == "0" for a, b in spills), forms.log
+        registers = [int(r) for r in re.findall(r"Used (\d+) registers", forms.log)]
+        assert len(registers) >= len(specs) and max(registers) <= cap, forms.log
+
+
+def test_lean_byte_decode_is_off_by_default_and_its_switch_fails_closed(
+    monkeypatch,
+) -> None:
+    """``DFLASH_QMM_LEAN_BYTES`` is off (no shipped form carries the decode; it has not
+    run on a GPU); a value that is not an on/off word fails the next bind, naming it."""
+    assert tensor_qmm.LEAN_BYTES is tensor_qmm.LEAN_BYTES_DEFAULT is False
+    assert not any("_lbytes" in spec.base for spec in tensor_qmm.SPECS)
+    assert not any("_lbytes" in s.base for s in tensor_qmm.SCALED_SPECS.values())
+    assert tensor_qmm.lean_bytes() is False
+    monkeypatch.setenv(tensor_qmm.LEAN_BYTES_ENV, "sometimes")
+    with pytest.raises(ValueError, match="DFLASH_QMM_LEAN_BYTES"):
+        tensor_qmm.lean_bytes()
+
+
+def test_the_lean_byte_decode_touches_only_the_8_bit_forms() -> None:
+    """Built with it, the 4-bit and dense forms keep their texts and names."""
+    with matmul_variants.variant(lean_bytes=True):
+        built = {
+            key: (spec.base, spec.body)
+            for key, spec in tensor_qmm.SCALED_SPECS.items()
+            if key[1][0] == 4
+        }
+        dense = tensor_qmm.FORM_SPECS[(False, 2)][(0, 1)].body
+    for key, (base, body) in built.items():
+        assert (base, body) == (
+            tensor_qmm.SCALED_SPECS[key].base,
+            tensor_qmm.SCALED_SPECS[key].body,
+        )
+    assert dense == tensor_qmm.FORM_SPECS[(False, 2)][(0, 1)].body
+    with pytest.raises(ValueError, match="bytes 0 to 3"):
+        tensor_qmm.lean_byte_selectors(4)
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("shape", GLIMMER)
+@pytest.mark.parametrize("rows", [1, 16, 32])
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
+def test_cuda_lean_byte_decode_gives_the_shipped_bits(
+    monkeypatch, shape, rows, scaled
+) -> None:
+    """Every 8-bit Glimmer projection with the lean byte decode (session 70: built and
+    emulated on the CPU, not yet run here): its forms are the ones launched and they
+    give the shipped forms' bits; row 0 alone has its batch bits."""
+    monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1" if scaled else "0")
+    case = _glimmer_case(*shape, rows, 8)
+    shipped = raw_bits(_kernel(case))
+    launched, launch = [], qmm.groups.launch_groups
+
+    def recorded(spec, *args, **kwargs):
+        launched.append(spec.base)
+        return launch(spec, *args, **kwargs)
+
+    monkeypatch.setattr(qmm.groups, "launch_groups", recorded)
+    with matmul_variants.variant(lean_bytes=True):
+        out = _kernel(case)
+        alone = _kernel(case, slice(0, 1))
+    matmuls = [base for base in launched if base.startswith("tensor_q8")]
+    assert matmuls and all("_lbytes" in base for base in matmuls)
+    assert np.array_equal(raw_bits(out), shipped)
+    assert np.array_equal(raw_bits(alone), raw_bits(out[0:1]))

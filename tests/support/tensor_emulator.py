@@ -76,6 +76,7 @@ MAX_SLOTS = 2048
 EMULATED_HELPERS = (
     tensor_qmm._HELPERS,
     tensor_qmm._LEAN_HELPERS,
+    tensor_qmm._LEAN_BYTES_HELPERS,
     tensor_attention.TENSOR_HELPERS,
     tensor_qmm._SCALED_HELPERS,
     tensor_qmm.launch_bounds(128),
@@ -392,6 +393,43 @@ template <typename H>
 inline uint32_t dfl_q8(uint32_t lo, uint32_t hi, const H* tag) {
   // cvt.rn.*x2.f32 d, hi, lo: the first operand to the upper half.
   return dfl_emu_word(float(lo), tag) | (dfl_emu_word(float(hi), tag) << 16);
+}
+// prmt.b32's default mode: result byte i is byte (nibble i & 7) of hi:lo, or, where
+// the nibble's bit 3 is set, that byte's sign bit over all 8 bits.
+inline uint32_t dfl_emu_prmt(uint32_t lo, uint32_t hi, uint32_t selector) {
+  const uint64_t pool = uint64_t(lo) | (uint64_t(hi) << 32);
+  uint32_t out = 0;
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t nibble = (selector >> (4 * i)) & 0xF;
+    uint32_t byte = uint32_t(pool >> (8 * (nibble & 7))) & 0xFF;
+    if (nibble & 8) byte = (byte & 0x80) ? 0xFF : 0x00;
+    out |= byte << (8 * i);
+  }
+  return out;
+}
+// fma.rn.{bf16,f16}x2 r * 1 + c per half, rounded once.
+template <typename H>
+inline uint32_t dfl_emu_pair_add(uint32_t r, uint32_t c, const H* tag) {
+  uint32_t out = 0;
+  for (int h = 0; h < 2; ++h) {
+    const int shift = 16 * h;
+    const double v = double(dfl_emu_value((r >> shift) & 0xFFFF, tag)) +
+                     double(dfl_emu_value((c >> shift) & 0xFFFF, tag));
+    out |= dfl_emu_word(dfl_emu_round_odd(v), tag) << shift;
+  }
+  return out;
+}
+// The lean byte decode (tensor_qmm.LEAN_BYTES), instruction by instruction.
+inline uint32_t dfl_q8_lean(uint32_t lo, uint32_t hi, uint32_t spread, uint32_t sign,
+                            const __nv_bfloat16* tag) {
+  const uint32_t r = (dfl_emu_prmt(lo, hi, spread) & 0x007F007Fu) | 0x43004300u;
+  const uint32_t c = ~dfl_emu_prmt(lo, hi, sign) & 0xC300C300u;
+  return dfl_emu_pair_add(r, c, tag);
+}
+inline uint32_t dfl_q8_lean(uint32_t lo, uint32_t hi, uint32_t spread, uint32_t,
+                            const __half* tag) {
+  const uint32_t r = (dfl_emu_prmt(lo, hi, spread) & 0x00FF00FFu) | 0x64006400u;
+  return dfl_emu_pair_add(r, 0xE400E400u, tag);
 }
 
 // ----- cp.async: per-thread commit groups, landing early or late -----

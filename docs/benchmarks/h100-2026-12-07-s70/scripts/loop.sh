@@ -16,9 +16,10 @@ for arm in $1; do
     W) envs="MLX_USE_CUDA_GRAPHS=0 DFLASH_STACKED_KV=1" ;;
     N) envs="MLX_USE_CUDA_GRAPHS=1" ;;
     S) envs="MLX_USE_CUDA_GRAPHS=0 DFLASH_SWIGLU=1" ;;
-    # K and M: added after the lease, for callV8.sh (not run yet).
+    # K, M and L: added after the lease, for callV8.sh (not run yet).
     K) envs="MLX_USE_CUDA_GRAPHS=0 DFLASH_VERIFY_KERNELS=1" ;;
     M) envs="MLX_USE_CUDA_GRAPHS=1 DFLASH_VERIFY_KERNELS=1" ;;
+    L) envs="MLX_USE_CUDA_GRAPHS=0 DFLASH_VERIFY_KERNELS=1 DFLASH_QMM_LEAN_BYTES=1" ;;
   esac
   f=$OUT/A/a$i-$arm.txt
   t0=$(date +%s)
