@@ -3903,3 +3903,107 @@ def test_cuda_lean_byte_decode_gives_the_shipped_bits(
     assert matmuls and all("_lbytes" in base for base in matmuls)
     assert np.array_equal(raw_bits(out), shipped)
     assert np.array_equal(raw_bits(alone), raw_bits(out[0:1]))
+
+
+def _ptx_function(text: str, half: str) -> list[tuple[str, list, list]]:
+    """The ``asm`` statements of ``dfl_q8_lean``'s ``half`` overload in ``text``:
+    (instruction, outputs, inputs), each operand as written (``=r``/``+r``/``r``/``n``
+    with its expression)."""
+    start = text.index(f"const {half}*) {{")
+    body = text[start : text.index("\n}\n", start)]
+    operand = re.compile(r'"([=+]?[rn])"\(([^()]+)\)')
+    statements = []
+    for line in body.splitlines():
+        line = line.strip()
+        if not line.startswith("asm("):
+            continue
+        instruction = line[line.index('"') + 1 : line.index(r"\n")]
+        outs, ins = line[line.index(r'\n"') + 3 :].split(":")[1:3]
+        statements.append((instruction, operand.findall(outs), operand.findall(ins)))
+    return statements
+
+
+def _ptx_half_value(word: int, half: str) -> float:
+    if half == "__nv_bfloat16":
+        return float(np.array([word << 16], np.uint32).view(np.float32)[0])
+    return float(np.array([word], np.uint16).view(np.float16)[0])
+
+
+def _ptx_half_word(value: float, half: str) -> int:
+    """``value`` as a 16-bit word (exact values only: the decode's sums are)."""
+    if half == "__nv_bfloat16":
+        bits = int(np.array([value], np.float32).view(np.uint32)[0])
+        assert bits & 0xFFFF == 0, value  # exact in bf16
+        return bits >> 16
+    word = int(np.array([value], np.float16).view(np.uint16)[0])
+    assert _ptx_half_value(word, half) == value
+    return word
+
+
+def _run_ptx(statements, values: dict, half: str) -> dict:
+    """Interpret the statements: ``prmt.b32`` (default mode: a selector nibble's bit 3
+    replicates the byte's sign), ``lop3.b32`` (result bit = LUT bit a·4 + b·2 + c),
+    ``fma.rn.{bf16,f16}x2`` (per half, exact values here)."""
+    values = dict(values)
+    for instruction, outs, ins in statements:
+        names = [name for _, name in outs]
+        operands = [values[name] for kind, name in outs if kind == "+r"]
+        for kind, expr in ins:
+            expr = expr.strip()
+            operands.append(
+                values[expr] if expr in values else int(expr.rstrip("u"), 0)
+            )
+        op, args = instruction.split(" ", 1)
+        immediate = args.split(",")[-1].strip().rstrip(";")
+        if op == "prmt.b32":
+            lo, hi, selector = operands
+            pool, out = lo | hi << 32, 0
+            for i in range(4):
+                nibble = selector >> 4 * i & 0xF
+                byte = pool >> 8 * (nibble & 7) & 0xFF
+                if nibble & 8:
+                    byte = 0xFF if byte & 0x80 else 0
+                out |= byte << 8 * i
+        elif op == "lop3.b32":
+            a, b, c = operands
+            lut = int(immediate, 0)
+            out = 0
+            for i in range(32):
+                index = (a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1)
+                out |= (lut >> index & 1) << i
+        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
+            x, y, z = operands
+            out = 0
+            for shift in (0, 16):
+                value = _ptx_half_value(x >> shift & 0xFFFF, half) * _ptx_half_value(
+                    y >> shift & 0xFFFF, half
+                ) + _ptx_half_value(z >> shift & 0xFFFF, half)
+                out |= _ptx_half_word(value, half) << shift
+        else:
+            raise AssertionError(f"no interpretation of {op}")
+        values[names[0]] = out
+    return values
+
+
+@pytest.mark.parametrize("half", ["__nv_bfloat16", "__half"])
+def test_the_lean_byte_decodes_own_ptx_makes_every_byte_exact(half) -> None:
+    """``dfl_q8_lean``'s inline PTX as written (its selectors, ``lop3`` truth tables
+    and constants), interpreted instruction by instruction: for every byte value at
+    every byte of both words, the pair is the two bytes, exact, lo's in the low half.
+    (The emulator stands its own C++ in for the PTX; this reads the PTX itself.)"""
+    statements = _ptx_function(tensor_qmm._LEAN_BYTES_HELPERS, half)
+    assert [s[0].split(" ")[0] for s in statements][-1].startswith("fma.rn")
+    rng = np.random.default_rng(71)
+    for p in range(4):
+        spread, sign = tensor_qmm.lean_byte_selectors(p)
+        for q in range(256):
+            other = int(rng.integers(0, 256))
+            filler = [int(v) for v in rng.integers(0, 256, 8)]
+            lo_bytes, hi_bytes = filler[:4], filler[4:]
+            lo_bytes[p], hi_bytes[p] = q, other
+            lo = int.from_bytes(bytes(lo_bytes), "little")
+            hi = int.from_bytes(bytes(hi_bytes), "little")
+            start = {"lo": lo, "hi": hi, "spread": spread, "sign": sign}
+            r = _run_ptx(statements, start, half)["r"]
+            assert _ptx_half_value(r & 0xFFFF, half) == q
+            assert _ptx_half_value(r >> 16, half) == other
