@@ -180,24 +180,24 @@ def test_staging_variants_compile_for_sm90_within_the_bounds(
     ones within their launch bounds' 128 registers (no SwiGLU form is compiled here:
     its text has unused variables, which -Werror refuses; NVRTC builds it)."""
     tables = STAGING[variant]
-    for name, specs, cap in (
-        ("unscaled", list(tables["form"].values()), 255),
-        ("scaled", [*tables["scaled"].values(), *tables["denormal"].values()], 128),
-    ):
-        forms = check_cuda(
-            specs,
-            tmp_path / name,
-            NVCC,
-            dtypes=OPT_IN_COMPILED,
-            flags=("-Xptxas", "-v"),
-        )
-        assert forms.ok, f"{forms.command}\n{forms.log}"
-        found = r"(\d+) bytes spill stores, (\d+) bytes spill loads"
-        spills = re.findall(found, forms.log)
-        assert len(spills) >= len(specs), forms.log
-        assert all(a == "0" and b == "0" for a, b in spills), forms.log
-        registers = [int(r) for r in re.findall(r"Used (\d+) registers", forms.log)]
-        assert len(registers) >= len(specs) and max(registers) <= cap, forms.log
+    _assert_opt_in_forms_compile(list(tables["form"].values()), tmp_path / "u", 255)
+    scaled = [*tables["scaled"].values(), *tables["denormal"].values()]
+    _assert_opt_in_forms_compile(scaled, tmp_path / "s", 128)
+
+
+def _assert_opt_in_forms_compile(specs: list, workdir: Path, cap: int) -> None:
+    """``specs`` compile for sm_90 in ``OPT_IN_COMPILED`` with no spills and at most
+    ``cap`` registers each."""
+    forms = check_cuda(
+        specs, workdir, NVCC, dtypes=OPT_IN_COMPILED, flags=("-Xptxas", "-v")
+    )
+    assert forms.ok, f"{forms.command}\n{forms.log}"
+    found = r"(\d+) bytes spill stores, (\d+) bytes spill loads"
+    spills = re.findall(found, forms.log)
+    assert len(spills) >= len(specs), forms.log
+    assert all(a == "0" and b == "0" for a, b in spills), forms.log
+    registers = [int(r) for r in re.findall(r"Used (\d+) registers", forms.log)]
+    assert len(registers) >= len(specs) and max(registers) <= cap, forms.log
 
 
 # The two-K-group forms (the default since the H200 ran them in session 18): compiled,
@@ -3832,25 +3832,10 @@ def test_lean_byte_forms_compile_for_sm90_within_the_bounds(tmp_path: Path) -> N
     """The lean byte decode's 8-bit forms compile for sm_90 with no spills, the scaled
     ones within their launch bounds' 128 registers (bfloat16, as the other opt-in
     forms; its float16 decode is the 4-bit one's)."""
-    for name, specs, cap in (
-        ("unscaled", list(LEAN_BYTES["form"].values()), 255),
-        ("scaled", list(LEAN_BYTES["scaled"].values()), 128),
-    ):
-        forms = check_cuda(
-            specs,
-            tmp_path / name,
-            NVCC,
-            dtypes=OPT_IN_COMPILED,
-            flags=("-Xptxas", "-v"),
-        )
-        assert forms.ok, f"{forms.command}\n{forms.log}"
-        spills = re.findall(
-            r"(\d+) bytes spill stores, (\d+) bytes spill loads", forms.log
-        )
-        assert len(spills) >= len(specs), forms.log
-        assert all(a == "0" and b == "0" for a, b in spills), forms.log
-        registers = [int(r) for r in re.findall(r"Used (\d+) registers", forms.log)]
-        assert len(registers) >= len(specs) and max(registers) <= cap, forms.log
+    _assert_opt_in_forms_compile(list(LEAN_BYTES["form"].values()), tmp_path / "u", 255)
+    _assert_opt_in_forms_compile(
+        list(LEAN_BYTES["scaled"].values()), tmp_path / "s", 128
+    )
 
 
 def test_lean_byte_decode_is_off_by_default_and_its_switch_fails_closed(
