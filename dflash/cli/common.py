@@ -368,7 +368,9 @@ def config_projection_form(config: dict) -> Optional[Tuple[Any, ...]]:
         embedding's aside);
         ``("dense", None)`` with no quantization entry; None for anything else (a layer
         left dense or quantized otherwise, another mode, a legacy
-        ``quantization_config`` that mlx-lm converts).
+        ``quantization_config`` that mlx-lm converts). A layer that mlx-lm's
+        ``quantize_model`` left dense without naming it is not seen: the load decides
+        that from the weights, which are not read here.
     """
     quantization = config.get("quantization")
     if quantization is None:
