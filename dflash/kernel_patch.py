@@ -1484,7 +1484,7 @@ def dense_dtype(model: nn.Module) -> Optional[str]:
     return form[1] if form is not None and form[0] == "dense" else None
 
 
-def env_parts() -> Optional[Tuple[str, ...]]:
+def _env_parts() -> Optional[Tuple[str, ...]]:
     """``DFLASH_VERIFY_KERNELS``: ``1`` every part, ``0`` none, or a comma list of parts.
 
     Returns:
@@ -1537,7 +1537,7 @@ def wanted_parts(
         return ()
     if use_kernel is not None:
         return VERIFY_KERNEL_PARTS if use_kernel else ()
-    parts = env_parts()
+    parts = _env_parts()
     if parts is not None:
         return parts
     if not (
@@ -1546,11 +1546,40 @@ def wanted_parts(
         and backend.gpu_is_default()
     ):
         return ()
-    return measured_parts(backend.BACKEND, architecture(model), projection_form(model))
+    return default_parts(architecture(model), projection_form(model), backend.BACKEND)
+
+
+def default_parts(
+    architecture_name: Optional[str],
+    form: Optional[Tuple[Any, ...]],
+    backend_name: Optional[str],
+) -> Tuple[str, ...]:
+    """The parts installed when no ``use_kernel`` is given, on a GPU that takes them,
+    for a target of this architecture and projection form: known before the model
+    loads (the commands' launch mode reads them off ``config.json``).
+
+    Args:
+        architecture_name: The mlx-lm module name (:func:`architecture`).
+        form: As :func:`projection_form` gives it (None: mixed or unknown).
+        backend_name: ``"cuda"`` or ``"metal"``.
+
+    Returns:
+        Nothing for an architecture :func:`supports` refuses; else what
+        ``DFLASH_VERIFY_KERNELS`` asks for; else :func:`measured_parts`.
+
+    Raises:
+        ValueError: ``DFLASH_VERIFY_KERNELS`` holds something else.
+    """
+    if architecture_name not in SUPPORTED_ARCHITECTURES:
+        return ()
+    parts = _env_parts()
+    if parts is not None:
+        return parts
+    return measured_parts(backend_name, architecture_name, form)
 
 
 def measured_parts(
-    backend_name: str, architecture_name: str, form: Optional[Tuple[Any, ...]]
+    backend_name: Optional[str], architecture_name: str, form: Optional[Tuple[Any, ...]]
 ) -> Tuple[str, ...]:
     """The parts installed by default where measured faster, with nobody saying.
 

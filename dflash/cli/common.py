@@ -318,9 +318,10 @@ def target_prefers_direct_launches(model: Optional[str]) -> bool:
     8-bit target on an H100 (session 70) and a bf16 one (session 69).
 
     A local directory, or a hub model whose config is already in the local cache, is
-    read; nothing is downloaded. A config not at hand or not readable gives True (direct
-    launches, the commands' choice before session 69): the load that follows reports
-    what is wrong with it.
+    read; nothing is downloaded. A config not at hand or not readable, or a
+    ``DFLASH_VERIFY_KERNELS`` that is not a valid value, gives True (direct launches,
+    the commands' choice before session 69): the load that follows reports what is
+    wrong.
 
     Args:
         model: ``--model``, or ``None`` for the bundled demo pair.
@@ -343,15 +344,10 @@ def target_prefers_direct_launches(model: Optional[str]) -> bool:
     form = config_projection_form(config)
     if form is None or form[0] != "affine":
         return False
-    architecture_name = config_architecture(config)
-    if architecture_name not in kernel_patch.SUPPORTED_ARCHITECTURES:
-        return False
     try:
-        parts = kernel_patch.env_parts()
-    except ValueError:  # the load reports the bad value
-        parts = None
-    if parts is None:
-        parts = kernel_patch.measured_parts("cuda", architecture_name, form)
+        parts = kernel_patch.default_parts(config_architecture(config), form, "cuda")
+    except ValueError:  # a bad DFLASH_VERIFY_KERNELS: the load reports it
+        return True
     return "matmul" in parts
 
 
