@@ -211,8 +211,10 @@ VARIANTS = {
     # Same bits.
     "lean": {"lean": True},
     "paired-lean": {"paired": True, "lean": True},
-    # Session 70: the 8-bit forms' pairs made exact without float32 (same bits).
+    # Session 70: the 8-bit forms' pairs made exact without float32 (same bits; the
+    # default since session 71, so "current" takes it too), and the float32 decode.
     "leanbytes": {"lean_bytes": True},
+    "floatbytes": {"lean_bytes": False},
     # Session 53: the scales and biases a unit of chunks a copy (UNIT_SCALES; same bits).
     # (With the other two scale-layout switches named: see "cmajor" below.)
     "unit": {"unit": True, "cmajor": False, "interleaved": False},

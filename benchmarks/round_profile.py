@@ -245,9 +245,12 @@ KERNEL_ARMS = {
     "default-paired": None,
     "default-lean": None,
     "default-pairedlean": None,
-    # (At 8 bits no part is on by default: all-leanbytes against all is the A / B.)
+    # (The lean byte decode is the 8-bit default since session 71: all-floatbytes
+    # against all is the A / B; all-leanbytes names it under a switch set to 1.)
     "all-leanbytes": "1",
     "matmul-leanbytes": "matmul",
+    "all-floatbytes": "1",
+    "matmul-floatbytes": "matmul",
     "default-inplace": None,
     "default-shifted": None,
     "default-unit": None,
@@ -347,6 +350,7 @@ ARM_MATMUL_FORMS = {
     "pairedlean": {"paired": True, "lean": True},
     # The 8-bit forms' byte decode without float32 (session 70; same bits).
     "leanbytes": {"lean_bytes": True},
+    "floatbytes": {"lean_bytes": False},  # the float32 byte decode (before session 71)
     "unit": {"unit": True},  # the scales a unit of chunks a copy (session 53)
     # The scales as mlx lays them out (chunk-major, the default since session 54, off).
     "rowmajor": {"cmajor": False},

@@ -82,7 +82,7 @@ import sys
 from dataclasses import dataclass
 from functools import partial
 from operator import is_
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -1411,9 +1411,21 @@ VERIFY_KERNELS_BY_DEFAULT: Dict[str, Tuple[str, ...]] = {"metal": (), "cuda": ()
 # tokens took a median 0.81 of kernels-off, faster in 5 of 7 passes
 # (docs/benchmarks/h200-2026-12-02-s24; classic rounds not measured). One rule for all
 # three keeps their log-probabilities bit-identical.
+# 8 bits, groups of 64, on an H100 (session 71): 96-token DFlash generations at tau = 6
+# took 340-342 ms with every part against 587 ms with mlx's matmuls (both with mlx's
+# graphs, every run lossless), and the 8-bit verify forward's device time 18.0 ms against
+# 33.2 (docs/benchmarks/h100-2026-12-07-s71; plain tokens not measured at 8 bits).
 KERNELS_BY_QUANTIZATION: Dict[Tuple[str, str, int, int], Tuple[str, ...]] = {
     ("cuda", "muse_glimmer", 4, 64): VERIFY_KERNEL_PARTS,
+    ("cuda", "muse_glimmer", 8, 64): VERIFY_KERNEL_PARTS,
 }
+# Where DFlash rounds measured faster with direct launches (mlx's CUDA graphs off) than
+# with mlx's graphs while dflash's matmul runs, by the same key: 4-bit rounds are paced by
+# the host (sessions 62 and 70: 245 against 300 ms at 4k on an H100). 8-bit ones are not:
+# 340-342 ms with the graphs against 374-380 without (session 71, 7 processes).
+DIRECT_LAUNCHES_BY_QUANTIZATION: FrozenSet[Tuple[str, str, int, int]] = frozenset(
+    {("cuda", "muse_glimmer", 4, 64)}
+)
 # The same rule for a target whose every projection is dense in one dtype, by (backend,
 # architecture, dtype name). bf16 Muse Glimmer on an H200, tau = 6: DFlash decoding ran at
 # 4.04-4.50x mlx-lm's plain decoding with them against 3.00-3.64x without, 5 of 5 process
@@ -1598,6 +1610,36 @@ def measured_parts(
     measured = (backend_name, architecture_name, *form[1:])
     table = KERNELS_BY_QUANTIZATION if form[0] == "affine" else KERNELS_BY_DENSE_DTYPE
     return table.get(measured, parts)
+
+
+def prefers_direct_launches(
+    architecture_name: Optional[str],
+    form: Optional[Tuple[Any, ...]],
+    backend_name: Optional[str],
+) -> bool:
+    """Whether a target of this architecture and projection form runs its DFlash rounds
+    faster with direct launches than with mlx's CUDA graphs, as measured: dflash's
+    matmul is installed (:func:`default_parts`) and the form is in
+    :data:`DIRECT_LAUNCHES_BY_QUANTIZATION`. Elsewhere (dense, mlx's matmuls, a form
+    not measured) mlx's graphs are kept.
+
+    Args:
+        architecture_name: The mlx-lm module name (:func:`architecture`).
+        form: As :func:`projection_form` gives it (None: mixed or unknown).
+        backend_name: ``"cuda"`` or ``"metal"``.
+
+    Returns:
+        True where direct launches measured faster.
+
+    Raises:
+        ValueError: ``DFLASH_VERIFY_KERNELS`` holds something else.
+    """
+    if form is None or form[0] != "affine":
+        return False
+    if "matmul" not in default_parts(architecture_name, form, backend_name):
+        return False
+    key = (backend_name, architecture_name, *form[1:])
+    return key in DIRECT_LAUNCHES_BY_QUANTIZATION
 
 
 def wanted(model: nn.Module, use_kernel: Optional[bool] = None) -> bool:

@@ -15,12 +15,14 @@ A dense target is the other way round. In bf16 the same rounds are paced by the 
 (reading 55.7 GB of weights), and the graphs' shorter gaps between kernels win: on an
 H100 (session 69) 96-token generations took 441–447 ms with the graphs against 472–475 ms
 without (3 alternated pairs, all lossless), and mlx-lm's plain decoding 2.00 s against
-2.31–2.33 s. So is a target quantized in a form whose matmuls are mlx's own (8-bit, which
-dflash's quantized kernel does not serve by default): on an H100 (session 70) 96-token
-8-bit generations took 604–620 ms with the graphs against 878–937 ms without (7
-processes, all lossless), and the 8-bit verify forward's device time fell from 47.7 ms to
-33.8 ms with the same 1,709 kernels. So direct launches are asked for only where the
-round is host-paced: a target whose quantized matmuls run dflash's kernel.
+2.31–2.33 s. So is a target quantized in a form whose matmuls are mlx's own: on an
+H100 (session 70) 96-token 8-bit generations took 604–620 ms with the graphs against
+878–937 ms without (7 processes, all lossless), and the 8-bit verify forward's device
+time fell from 47.7 ms to 33.8 ms with the same 1,709 kernels. And so, unlike 4-bit, is
+an 8-bit target with dflash's matmul (session 71, an H100): 340–342 ms with the graphs
+against 374–380 ms without. So direct launches are asked for only where they measured
+faster: a target whose quantized matmuls run dflash's kernel at 4 bits
+(:data:`dflash.kernel_patch.DIRECT_LAUNCHES_BY_QUANTIZATION`).
 
 mlx reads ``MLX_USE_CUDA_GRAPHS`` once, at its first GPU evaluation in the process, so
 the choice must be made before that. The ``dflash`` generate, chat and server commands
@@ -75,7 +77,7 @@ def prefer_direct_launches(
     Args:
         environ: The environment to set (default ``os.environ``).
         host_paced: Whether the target's rounds are paced by the host: its quantized
-            matmuls run dflash's kernel (4-bit, groups of 64, Muse Glimmer: see
+            matmuls run dflash's kernel at 4 bits (groups of 64, Muse Glimmer: see
             :func:`dflash.cli.common.target_prefers_direct_launches`, which reads a
             model's config). False keeps mlx's graphs, measured faster for a dense
             target (bf16) and for an 8-bit one.

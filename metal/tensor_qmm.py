@@ -1465,7 +1465,7 @@ def lean_issue() -> bool:
     return _checked_import_switch(LEAN_ISSUE_ENV, LEAN_ISSUE)
 
 
-# The lean byte decode (session 70; ``DFLASH_QMM_LEAN_BYTES=1``, read at import; off):
+# The lean byte decode (session 70; ``DFLASH_QMM_LEAN_BYTES``, read at import; on):
 # the 8-bit forms' pair of weights made exact without float32. ``dfl_q8`` puts each
 # byte under float32's 2^23 exponent, subtracts 2^23 and packs the pair (~7
 # instructions a pair: the census's LOP3 / SHF / FADD / F2FP). Here one ``prmt`` puts
@@ -1474,9 +1474,14 @@ def lean_issue() -> bool:
 # ``prmt`` and one ``lop3`` make -128 where a byte's top bit is clear and 0 where it
 # is set, and one bf16x2 fma adds it (exact: t, or 128 + t, is the byte). float16
 # holds 1024 + q for every byte, so there the 4-bit way serves (3 instructions). The
-# same exact pair, so the same bits after. Not run on a GPU yet (its speed is not
-# known); 8-bit forms only.
-LEAN_BYTES_DEFAULT = False
+# same exact pair, so the same bits after. 8-bit forms only, not SwiGLU's (opt-in; not
+# run with it). On by default since session 71 (an H100, full-size Muse Glimmer, 8
+# bits, groups of 64): the same bits as the float32 decode in every cuda test case;
+# the 16-token verify forward's device time 16.4 against 17.3 ms; 96-token DFlash
+# generations 329.6 against 340.7 ms with mlx's graphs (2 and 4 processes) and 360 against
+# 374-380 ms without (3 and 3), all lossless (docs/benchmarks/h100-2026-12-07-s71).
+# ``DFLASH_QMM_LEAN_BYTES=0`` gives the float32 decode back.
+LEAN_BYTES_DEFAULT = True
 LEAN_BYTES_ENV = "DFLASH_QMM_LEAN_BYTES"
 LEAN_BYTES = _import_switch(LEAN_BYTES_ENV, LEAN_BYTES_DEFAULT)
 
@@ -2218,7 +2223,7 @@ def _spec(
         raise ValueError("the scaled-weight form is affine and not folded")
     if group_size is not None and (not affine or group_size not in GROUP_SIZES):
         raise ValueError(f"a constant group size is affine, one of {GROUP_SIZES}")
-    lean_bytes = LEAN_BYTES and layout.bits == 8
+    lean_bytes = LEAN_BYTES and layout.bits == 8 and not swiglu
     load_b = (_LEAN_BYTES_LOAD if lean_bytes else _LOAD_B[layout.bits]) + (
         _SCALED_LOAD if scaled else ""
     )

@@ -636,7 +636,8 @@ def test_default_table_and_dflash_kernels_switch(monkeypatch) -> None:
     "arch, bits, group, dtype, parts",
     [
         ("muse_glimmer", 4, 64, None, kernel_patch.VERIFY_KERNEL_PARTS),  # measured
-        ("muse_glimmer", 8, 64, None, ()),
+        ("muse_glimmer", 8, 64, None, kernel_patch.VERIFY_KERNEL_PARTS),  # s71
+        ("muse_glimmer", 8, 32, None, ()),
         ("muse_glimmer", 4, 32, None, ()),
         ("muse_glimmer", None, None, None, ()),  # float32
         ("muse_glimmer", None, None, mx.bfloat16, kernel_patch.VERIFY_KERNEL_PARTS),
@@ -648,7 +649,7 @@ def test_default_table_and_dflash_kernels_switch(monkeypatch) -> None:
 def test_kernels_default_on_only_where_measured(
     monkeypatch, arch, bits, group, dtype, parts
 ) -> None:
-    """CUDA, Muse Glimmer in 4-bit groups of 64 or dense bf16: plain, classic and DFlash
+    """CUDA, Muse Glimmer in 4- or 8-bit groups of 64 or dense bf16: plain, classic and DFlash
     decoding alike (the generators ask the same question); nothing elsewhere, switched
     off, or on Metal.
     """

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash import launch_mode, prefer_direct_launches
+from dflash import kernel_patch, launch_mode, prefer_direct_launches
 from dflash.cli import chat, generate
 from dflash.cli.common import (
     config_architecture,
@@ -77,7 +77,8 @@ QUANTIZED = {
     "model_type": "muse_glimmer",
     "quantization": {"group_size": 64, "bits": 4},
 }
-# One whose matmuls stay mlx's: the device paces its rounds (session 70, an H100).
+# One whose rounds the device paces, with mlx's matmuls (session 70, an H100) or with
+# dflash's (session 71): mlx's graphs measured faster either way.
 EIGHT_BIT = {
     "model_type": "muse_glimmer",
     "quantization": {"group_size": 64, "bits": 8},
@@ -99,7 +100,7 @@ def _model_dir(root: Path, config) -> str:
         ("quantized", "1", "1"),
         ("quantized", "0", "0"),
         ("dense", None, None),  # mlx's graphs: faster for a dense target
-        ("8-bit", None, None),  # and for mlx's own quantized matmuls
+        ("8-bit", None, None),  # and for an 8-bit one
         ("dense", "0", "0"),
         ("demo", None, None),  # the bundled pair is dense
     ],
@@ -148,7 +149,7 @@ def _glimmer(**quantization):
     [
         (QUANTIZED, True),
         (_glimmer(group_size=64, bits=4, mode="affine"), True),
-        (EIGHT_BIT, False),  # mlx's own matmuls: the graphs measured faster
+        (EIGHT_BIT, False),  # dflash's matmuls: the graphs measured faster
         (_glimmer(group_size=32, bits=4), False),  # not measured: mlx's matmuls
         (_glimmer(group_size=64, bits=4, mode="mxfp4"), False),
         # A layer quantized otherwise, or left dense: the kernels are not installed.
@@ -196,16 +197,32 @@ def test_the_kernel_switch_decides_whose_matmuls_run(
     monkeypatch, tmp_path, switch, expected
 ):
     """``DFLASH_VERIFY_KERNELS`` installs or withholds the matmul kernel, and with it
-    the host pacing; an 8-bit target asked for the kernel gets direct launches."""
+    the host pacing of a 4-bit target; an 8-bit target keeps mlx's graphs either way
+    (measured faster with dflash's matmul and with mlx's)."""
     monkeypatch.setenv("DFLASH_VERIFY_KERNELS", switch)
     assert (
-        target_prefers_direct_launches(_model_dir(tmp_path / "m", EIGHT_BIT))
-        is expected
+        target_prefers_direct_launches(_model_dir(tmp_path / "m", EIGHT_BIT)) is False
     )
     assert (
         target_prefers_direct_launches(_model_dir(tmp_path / "q", QUANTIZED))
         is expected
     )
+
+
+def test_direct_launches_only_where_dflashs_matmul_runs_and_they_measured_faster():
+    """Every form in the direct-launch table installs dflash's matmul by default; an
+    8-bit target installs it and still keeps mlx's graphs; a form whose matmul is
+    mlx's never asks for direct launches."""
+    for key in kernel_patch.DIRECT_LAUNCHES_BY_QUANTIZATION:
+        assert "matmul" in kernel_patch.KERNELS_BY_QUANTIZATION[key]
+    glimmer, cuda = "muse_glimmer", "cuda"
+    assert kernel_patch.prefers_direct_launches(glimmer, ("affine", 4, 64), cuda)
+    assert "matmul" in kernel_patch.default_parts(glimmer, ("affine", 8, 64), cuda)
+    assert not kernel_patch.prefers_direct_launches(glimmer, ("affine", 8, 64), cuda)
+    for form in (("affine", 4, 32), ("dense", "bfloat16"), None):
+        assert not kernel_patch.prefers_direct_launches(glimmer, form, cuda)
+    assert not kernel_patch.prefers_direct_launches("llama", ("affine", 4, 64), cuda)
+    assert not kernel_patch.prefers_direct_launches(glimmer, ("affine", 4, 64), "metal")
 
 
 def test_a_bad_kernel_switch_is_left_to_the_load(monkeypatch, tmp_path):

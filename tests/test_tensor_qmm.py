@@ -223,7 +223,8 @@ def test_two_k_group_forms_are_edits_of_the_shipped_text() -> None:
         one = tensor_qmm.MATMUL_SPECS[key]
         assert spec.threads == 2 * one.threads == 256
         assert spec.shared_memory == one.shared_memory
-        assert spec.base == one.base + "_k2" and "kgroup" in spec.body
+        assert _unlean(spec.base) == _unlean(one.base) + "_k2"
+        assert "kgroup" in spec.body
         assert "kgroup" not in one.body
     with pytest.raises(ValueError, match="k_groups must be 1 or 2"):
         tensor_qmm._spec(Layout(4, 1), k_groups=3)
@@ -1013,25 +1014,42 @@ assert all(
     for spec in SAME_BITS_VARIANTS["merge-reversed"].values()
 )
 
-# The lean byte decode's forms (tensor_qmm.LEAN_BYTES, session 70): 8-bit, two K
-# groups, unscaled and scaled at every group size, one and two m-tiles.
-with matmul_variants.variant(lean_bytes=True):
-    LEAN_BYTES = {
-        "form": {
-            key: spec
-            for key, spec in tensor_qmm.FORM_SPECS[(False, 2)].items()
-            if key[0] == 8
-        },
-        "scaled": {
-            key: spec
-            for key, spec in tensor_qmm.SCALED_SPECS.items()
-            if key[0] == 2 and key[1][0] == 8
-        },
-    }
+
+def _unlean(base: str) -> str:
+    """A form's name less the lean byte decode's ``_lbytes`` (the 8-bit default since
+    session 71), which comes after the suffixes the name checks look for."""
+    return base[: -len("_lbytes")] if base.endswith("_lbytes") else base
+
+
+def _eight_bit_forms(lean_bytes: bool) -> dict:
+    """The 8-bit two-K-group forms, unscaled and scaled at every group size, one and
+    two m-tiles, built with the lean byte decode or the float32 one."""
+    with matmul_variants.variant(lean_bytes=lean_bytes):
+        return {
+            "form": {
+                key: spec
+                for key, spec in tensor_qmm.FORM_SPECS[(False, 2)].items()
+                if key[0] == 8
+            },
+            "scaled": {
+                key: spec
+                for key, spec in tensor_qmm.SCALED_SPECS.items()
+                if key[0] == 2 and key[1][0] == 8
+            },
+        }
+
+
+# The lean byte decode's forms (tensor_qmm.LEAN_BYTES: session 70, the default since
+# session 71) and the float32 decode's, which they are checked against.
+LEAN_BYTES = _eight_bit_forms(True)
+FLOAT_BYTES = _eight_bit_forms(False)
 assert all(
     spec.base.endswith("_lbytes")
     for table in LEAN_BYTES.values()
     for spec in table.values()
+)
+assert not any(
+    "_lbytes" in spec.base for table in FLOAT_BYTES.values() for spec in table.values()
 )
 
 
@@ -1296,7 +1314,7 @@ def tensor_emulator(tmp_path_factory):
         )
         + tuple(
             spec
-            for tables in (LEAN_BYTES, LEAN_BYTES_UNSIGNED)
+            for tables in (LEAN_BYTES, LEAN_BYTES_UNSIGNED, FLOAT_BYTES)
             for specs in tables.values()
             for spec in specs.values()
         )
@@ -2002,7 +2020,7 @@ def test_emulated_two_k_group_form_matches_oracle_and_is_batch_invariant(
     two_k_groups.late = late
     before = len(two_k_groups.launched)
     assert _close_to_matmul_oracle(case, _kernel(case))
-    assert two_k_groups.launched[before].endswith("_k2")
+    assert _unlean(two_k_groups.launched[before]).endswith("_k2")
     _assert_batch_invariant(case)
 
 
@@ -3788,25 +3806,26 @@ def _every_byte_case(dtype, group: int, rows: int = 16) -> tuple:
 
 
 def _lean_bytes_bits(emulated, monkeypatch, case, scaled: bool, tables=LEAN_BYTES):
-    """``case``'s output bits with the lean byte decode's forms, and the shipped ones."""
+    """``case``'s output bits with the lean byte decode's forms (``tables``), and with
+    the float32 decode's."""
     monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1" if scaled else "0")
     table = "scaled" if scaled else "form"
-    shipped = raw_bits(_kernel(case))
-    return _bits_with_specs(emulated, case, {table: tables[table]}), shipped
+    lean = _bits_with_specs(emulated, case, {table: tables[table]})
+    return lean, _bits_with_specs(emulated, case, {table: FLOAT_BYTES[table]})
 
 
 @pytest.mark.parametrize("scaled", [False, True])
 @settings(max_examples=6, deadline=None, suppress_health_check=_FIXTURES)
 @given(case=eight_bit_cases(), late=st.booleans())
-def test_emulated_lean_byte_decode_gives_the_shipped_bits(
+def test_emulated_lean_byte_decode_gives_the_float_decodes_bits(
     emulated, monkeypatch, scaled, case, late
 ) -> None:
-    """The lean byte decode (``DFLASH_QMM_LEAN_BYTES=1``) feeds the mma the same exact
-    pairs as ``dfl_q8``: every output of the 8-bit forms, unscaled and scaled, keeps
-    the shipped bits, whatever the rows, K, columns, group size and half type."""
+    """The lean byte decode (``DFLASH_QMM_LEAN_BYTES``) feeds the mma the same exact
+    pairs as ``dfl_q8``'s float32 decode: every output of the 8-bit forms, unscaled and
+    scaled, keeps its bits, whatever the rows, K, columns, group size and half type."""
     emulated.late = late
-    lean, shipped = _lean_bytes_bits(emulated, monkeypatch, case, scaled)
-    assert np.array_equal(lean, shipped)
+    lean, floated = _lean_bytes_bits(emulated, monkeypatch, case, scaled)
+    assert np.array_equal(lean, floated)
 
 
 @pytest.mark.parametrize("scaled", [False, True])
@@ -3814,17 +3833,17 @@ def test_emulated_lean_byte_decode_gives_the_shipped_bits(
 def test_emulated_lean_byte_decode_over_every_byte_and_its_negative_control(
     emulated, monkeypatch, scaled, dtype
 ) -> None:
-    """Every byte value at every position: the lean forms keep the shipped bits, and
-    with the sign selectors' sign bits dropped (negative control) bfloat16's bits
-    change (float16's decode takes no sign selector, so there they hold)."""
+    """Every byte value at every position: the lean forms keep the float32 decode's
+    bits, and with the sign selectors' sign bits dropped (negative control) bfloat16's
+    bits change (float16's decode takes no sign selector, so there they hold)."""
     for group in (32, 128):
         case = _every_byte_case(dtype, group)
-        lean, shipped = _lean_bytes_bits(emulated, monkeypatch, case, scaled)
-        assert np.array_equal(lean, shipped)
+        lean, floated = _lean_bytes_bits(emulated, monkeypatch, case, scaled)
+        assert np.array_equal(lean, floated)
         slip, _ = _lean_bytes_bits(
             emulated, monkeypatch, case, scaled, tables=LEAN_BYTES_UNSIGNED
         )
-        assert np.array_equal(slip, shipped) is (dtype == mx.float16)
+        assert np.array_equal(slip, floated) is (dtype == mx.float16)
 
 
 @needs_nvcc
@@ -3838,15 +3857,20 @@ def test_lean_byte_forms_compile_for_sm90_within_the_bounds(tmp_path: Path) -> N
     )
 
 
-def test_lean_byte_decode_is_off_by_default_and_its_switch_fails_closed(
+def test_lean_byte_decode_is_on_by_default_and_its_switch_fails_closed(
     monkeypatch,
 ) -> None:
-    """``DFLASH_QMM_LEAN_BYTES`` is off (no shipped form carries the decode; it has not
-    run on a GPU); a value that is not an on/off word fails the next bind, naming it."""
-    assert tensor_qmm.LEAN_BYTES is tensor_qmm.LEAN_BYTES_DEFAULT is False
-    assert not any("_lbytes" in spec.base for spec in tensor_qmm.SPECS)
-    assert not any("_lbytes" in s.base for s in tensor_qmm.SCALED_SPECS.values())
-    assert tensor_qmm.lean_bytes() is False
+    """``DFLASH_QMM_LEAN_BYTES`` is on (session 71): every shipped 8-bit form but
+    SwiGLU's (opt-in, not run with it) carries the decode, no other form does; a value
+    that is not an on/off word fails the next bind, naming it."""
+    assert tensor_qmm.LEAN_BYTES is tensor_qmm.LEAN_BYTES_DEFAULT is True
+    shipped = list(tensor_qmm.SPECS) + list(tensor_qmm.SCALED_SPECS.values())
+    eight = [spec for spec in shipped if spec.base.startswith("tensor_q8")]
+    assert eight and all(
+        spec.base.endswith("_lbytes") is ("_swiglu" not in spec.base) for spec in eight
+    )
+    assert not any("_lbytes" in s.base for s in shipped if s not in eight)
+    assert tensor_qmm.lean_bytes() is True
     monkeypatch.setenv(tensor_qmm.LEAN_BYTES_ENV, "sometimes")
     with pytest.raises(ValueError, match="DFLASH_QMM_LEAN_BYTES"):
         tensor_qmm.lean_bytes()
@@ -3879,12 +3903,13 @@ def test_the_lean_byte_decode_touches_only_the_8_bit_forms() -> None:
 def test_cuda_lean_byte_decode_gives_the_shipped_bits(
     monkeypatch, shape, rows, scaled
 ) -> None:
-    """Every 8-bit Glimmer projection with the lean byte decode (session 70: built and
-    emulated on the CPU, not yet run here): its forms are the ones launched and they
-    give the shipped forms' bits; row 0 alone has its batch bits."""
+    """Every 8-bit Glimmer projection with the lean byte decode (passed on an H100 in
+    session 71): its forms are the ones launched and they give the float32 decode's
+    bits; row 0 alone has its batch bits."""
     monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1" if scaled else "0")
     case = _glimmer_case(*shape, rows, 8)
-    shipped = raw_bits(_kernel(case))
+    with matmul_variants.variant(lean_bytes=False):
+        floated = raw_bits(_kernel(case))
     launched, launch = [], qmm.groups.launch_groups
 
     def recorded(spec, *args, **kwargs):
@@ -3897,7 +3922,7 @@ def test_cuda_lean_byte_decode_gives_the_shipped_bits(
         alone = _kernel(case, slice(0, 1))
     matmuls = [base for base in launched if base.startswith("tensor_q8")]
     assert matmuls and all("_lbytes" in base for base in matmuls)
-    assert np.array_equal(raw_bits(out), shipped)
+    assert np.array_equal(raw_bits(out), floated)
     assert np.array_equal(raw_bits(alone), raw_bits(out[0:1]))
 
 

@@ -306,16 +306,16 @@ class Models:
 
 
 def target_prefers_direct_launches(model: Optional[str]) -> bool:
-    """Whether ``--model``'s DFlash rounds are paced by the host, read from its
-    ``config.json`` before anything loads (what :func:`dflash.prefer_direct_launches`
-    needs, before mlx's first GPU evaluation).
+    """Whether ``--model``'s DFlash rounds measured faster with direct launches than
+    with mlx's CUDA graphs, read from its ``config.json`` before anything loads (what
+    :func:`dflash.prefer_direct_launches` needs, before mlx's first GPU evaluation).
 
-    They are where the target's quantized matmuls run dflash's own kernel on CUDA: every
-    projection quantized in one affine form that :data:`dflash.kernel_patch.
-    KERNELS_BY_QUANTIZATION` serves (4-bit, groups of 64, Muse Glimmer), or that
-    ``DFLASH_VERIFY_KERNELS`` asks the matmul of. Elsewhere the device paces the round
-    (mlx's own quantized matmul, or dense weights) and mlx's graphs measured faster: an
-    8-bit target on an H100 (session 70) and a bf16 one (session 69).
+    They are where the round is paced by the host: dflash's own quantized matmul runs
+    on CUDA (by default, or as ``DFLASH_VERIFY_KERNELS`` asks) in a form where direct
+    launches measured faster (:data:`dflash.kernel_patch.
+    DIRECT_LAUNCHES_BY_QUANTIZATION`: 4-bit, groups of 64, Muse Glimmer). Elsewhere
+    mlx's graphs measured faster: a bf16 target (session 69), an 8-bit one with mlx's
+    matmuls (session 70) and with dflash's (session 71), all on an H100.
 
     A local directory, or a hub model whose config is already in the local cache, is
     read; nothing is downloaded. A config not at hand or not readable, or a
@@ -327,8 +327,8 @@ def target_prefers_direct_launches(model: Optional[str]) -> bool:
         model: ``--model``, or ``None`` for the bundled demo pair.
 
     Returns:
-        True where the target's matmuls would be dflash's kernel on CUDA, or where its
-        config is unknown.
+        True where the target's rounds measured faster with direct launches, or where
+        its config is unknown.
     """
     from .. import kernel_patch
 
@@ -342,13 +342,12 @@ def target_prefers_direct_launches(model: Optional[str]) -> bool:
     if not isinstance(config, dict):
         return True
     form = config_projection_form(config)
-    if form is None or form[0] != "affine":
-        return False
     try:
-        parts = kernel_patch.default_parts(config_architecture(config), form, "cuda")
+        return kernel_patch.prefers_direct_launches(
+            config_architecture(config), form, "cuda"
+        )
     except ValueError:  # a bad DFLASH_VERIFY_KERNELS: the load reports it
         return True
-    return "matmul" in parts
 
 
 def config_projection_form(config: dict) -> Optional[Tuple[Any, ...]]:
