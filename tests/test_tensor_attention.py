@@ -369,16 +369,26 @@ RAN_ON_THE_H200 |= {
 # decode's one-K-group forms have not run in this text: recorded as not run.
 # Session 57 (h100-2026-12-06-s57, A/a3): the one-K-group forms too, interleaved
 # (the denormal test with DFLASH_QMM_TWO_K_GROUPS=0: 30 passed).
+# Session 71 (docs/benchmarks/h100-2026-12-07-s71, call V, on an H100) made the lean
+# byte decode the 8-bit default, which renamed every 8-bit form but SwiGLU's
+# (``_lbytes``). In that text: its own `cuda` test (30 passed: every Glimmer shape, 1 /
+# 16 / 32 rows, unscaled and scaled, groups of 64, two K groups, so both m-tiles) and
+# whole 8-bit rounds, lossless. Its forms of groups of 32 and 128 and of one K group
+# (which no default target takes) are emulated and compiled only: recorded as not run.
 _DENORMAL_RAN = [(k, (4, m), 64) for k in (1, 2) for m in (1, 2)]
+_LEAN_BYTES_RAN = [tensor_qmm.SCALED_SPECS[(2, (8, m), 64)] for m in (1, 2)] + [
+    tensor_qmm.K2_SPECS[(8, m)] for m in (1, 2)
+]
 _DEFAULT_LAUNCHED = (
     [tensor_qmm.K2_SPECS[(0, 1)], tensor_qmm.K2_SPECS[(0, 2)]]
-    + list(tensor_qmm.SCALED_SPECS.values())
+    + [s for s in tensor_qmm.SCALED_SPECS.values() if "_lbytes" not in s.base]
+    + _LEAN_BYTES_RAN
     + [s for k, s in tensor_qmm.SWIGLU_SCALED_SPECS.items() if k[0] == 2]
     + [tensor_qmm.DENORMAL_SPECS[key] for key in _DENORMAL_RAN]
     + [tensor_qmm.IN_PLACE_SPECS[key] for key in _DENORMAL_RAN]
 )
 MATMUL_RAN = {spec.name("cuda") for spec in _DEFAULT_LAUNCHED}
-RAN_DIGESTS = {"matmul": "90bc535aa15c9ee3"}
+RAN_DIGESTS = {"matmul": "5bc9534bf606a027"}  # session 71: the lean 8-bit forms
 RAN_ON_THE_H200 |= MATMUL_RAN
 NOT_RUN_SINCE_CHANGED |= (
     {spec.name("cuda") for spec in tensor_qmm.SPECS}
@@ -437,19 +447,27 @@ def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
     assert shipped == RAN_ON_THE_H200 | NOT_RUN_SINCE_CHANGED
     # Every form the default switches launch ran: dense and scaled, two K groups.
     defaults = {spec.name("cuda") for spec in tensor_qmm.K2_SPECS.values()}
+    # (8 bits: groups of 64, the one form KERNELS_BY_QUANTIZATION installs by default.)
     defaults = {name for name in defaults if "_dense_" in name} | {
         spec.name("cuda")
-        for (groups, _, _), spec in tensor_qmm.SCALED_SPECS.items()
-        if groups == 2
+        for (groups, (bits, _), group), spec in tensor_qmm.SCALED_SPECS.items()
+        if groups == 2 and (bits == 4 or group == 64)
     }
-    assert len(defaults) == 14 and defaults <= RAN_ON_THE_H200
+    assert len(defaults) == 10 and defaults <= RAN_ON_THE_H200
     assert tensor_qmm.K_GROUPS == 2 and tensor_qmm.VECTOR_MERGE
     default_layout = tensor_attention.LAYOUTS[tensor_attention.DEFAULT_LAYOUT]
     for stacked in (False, True):
         spec = tensor_attention.attend_spec(128, default_layout, stacked)
         assert spec.name("cuda") in RAN_ON_THE_H200
     scaled = {spec.name("cuda") for spec in tensor_qmm.SCALED_SPECS.values()}
-    assert scaled <= RAN_ON_THE_H200 and tensor_qmm.SCALED_B
+    assert tensor_qmm.SCALED_B and tensor_qmm.LEAN_BYTES
+    # Every scaled form ran but the lean 8-bit ones no default target takes.
+    assert all(
+        name.startswith("dflash_tensor_q8_")
+        and "_lbytes" in name
+        and "_g64_k2_" not in name
+        for name in scaled - RAN_ON_THE_H200
+    )
     # The forms a Glimmer 4-bit verify or decode step takes by default ran in their
     # text: the pairs in place where its scales allow, else the denormal decode.
     assert tensor_qmm.DENORMAL_Q4 and tensor_qmm.DENORMAL_IN_PLACE
