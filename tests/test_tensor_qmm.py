@@ -1023,20 +1023,24 @@ def _unlean(base: str) -> str:
 
 def _eight_bit_forms(lean_bytes: bool) -> dict:
     """The 8-bit two-K-group forms, unscaled and scaled at every group size, one and
-    two m-tiles, built with the lean byte decode or the float32 one."""
-    with matmul_variants.variant(lean_bytes=lean_bytes):
-        return {
-            "form": {
-                key: spec
-                for key, spec in tensor_qmm.FORM_SPECS[(False, 2)].items()
-                if key[0] == 8
-            },
-            "scaled": {
-                key: spec
-                for key, spec in tensor_qmm.SCALED_SPECS.items()
-                if key[0] == 2 and key[1][0] == 8
-            },
-        }
+    two m-tiles, built with the lean byte decode or the float32 one (the shipped
+    objects themselves where the switch already says so: the emulator builds a form
+    once a spec object)."""
+    if tensor_qmm.LEAN_BYTES is not lean_bytes:
+        with matmul_variants.variant(lean_bytes=lean_bytes):
+            return _eight_bit_forms(lean_bytes)
+    return {
+        "form": {
+            key: spec
+            for key, spec in tensor_qmm.FORM_SPECS[(False, 2)].items()
+            if key[0] == 8
+        },
+        "scaled": {
+            key: spec
+            for key, spec in tensor_qmm.SCALED_SPECS.items()
+            if key[0] == 2 and key[1][0] == 8
+        },
+    }
 
 
 # The lean byte decode's forms (tensor_qmm.LEAN_BYTES: session 70, the default since
