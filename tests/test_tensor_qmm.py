@@ -3851,13 +3851,16 @@ def test_emulated_lean_byte_decode_over_every_byte_and_its_negative_control(
 
 
 @needs_nvcc
-def test_lean_byte_forms_compile_for_sm90_within_the_bounds(tmp_path: Path) -> None:
-    """The lean byte decode's 8-bit forms compile for sm_90 with no spills, the scaled
-    ones within their launch bounds' 128 registers (bfloat16, as the other opt-in
-    forms; its float16 decode is the 4-bit one's)."""
-    _assert_opt_in_forms_compile(list(LEAN_BYTES["form"].values()), tmp_path / "u", 255)
+def test_float_byte_forms_compile_for_sm90_within_the_bounds(tmp_path: Path) -> None:
+    """The float32 byte decode's 8-bit forms (``DFLASH_QMM_LEAN_BYTES=0``; the shipped
+    lean ones are compiled with every shipped form above) compile for sm_90 with no
+    spills, the scaled ones within their launch bounds' 128 registers (bfloat16, as the
+    other opt-in forms)."""
     _assert_opt_in_forms_compile(
-        list(LEAN_BYTES["scaled"].values()), tmp_path / "s", 128
+        list(FLOAT_BYTES["form"].values()), tmp_path / "u", 255
+    )
+    _assert_opt_in_forms_compile(
+        list(FLOAT_BYTES["scaled"].values()), tmp_path / "s", 128
     )
 
 
