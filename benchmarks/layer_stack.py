@@ -53,8 +53,7 @@ from dflash.bench.report import environment
 from dflash.bench.scale_target import (
     BRANCH_SCALE,
     GEOMETRIES,
-    QUANT_BITS_BY_NAME,
-    QUANT_GROUP_SIZE,
+    QUANT_FORMS,
     QUANTS,
     randomize,
 )
@@ -99,11 +98,12 @@ def build_layers(geometry: str, quant: str, layers: int, seed: int = 0):
     )
     model = muse_glimmer.Model(args)
     randomize(model, seed, mx.bfloat16, branch_scale=BRANCH_SCALE)
-    if quant in QUANT_BITS_BY_NAME:
+    if quant in QUANT_FORMS:
         from mlx_lm.utils import quantize_model
 
+        bits, group_size = QUANT_FORMS[quant]
         with contextlib.redirect_stdout(None):  # it prints bits per weight
-            quantize_model(model, {}, QUANT_GROUP_SIZE, QUANT_BITS_BY_NAME[quant])
+            quantize_model(model, {}, group_size, bits)
     mx.eval(model.parameters())
     model.eval()
     return model

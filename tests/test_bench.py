@@ -413,6 +413,20 @@ def test_scale_targets_are_seeded_and_quantized_by_mlx_lm():
         scale_target.build_target("tiny", "3bit")
 
 
+@pytest.mark.parametrize("name", ["4bit-g32", "4bit-g128", "8bit-g32", "8bit-g128"])
+def test_scale_targets_take_the_named_group_size(name):
+    """``-gN`` names quantize every projection at its bits in groups of ``N`` (what a
+    lease measures before a form joins the kernels' table)."""
+    bits, group = int(name[0]), int(name.split("-g")[1])
+    model = scale_target.build_target("tiny", name, seed=3)
+    layers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert layers and all((m.bits, m.group_size) == (bits, group) for m in layers)
+    assert scale.geometry_summary(model)["quantization"] == {
+        "bits": bits,
+        "group_size": group,
+    }
+
+
 def test_the_full_geometry_is_muse_glimmer_as_designed():
     args = scale_target.target_args("full")
     assert args.num_hidden_layers == 52 and args.hidden_size == 6656

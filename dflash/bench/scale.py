@@ -82,8 +82,8 @@ def build_scale_pair(
 
     Args:
         geometry: ``"full"`` or ``"tiny"``.
-        quant: ``"bf16"``, ``"4bit"`` or ``"8bit"`` (the target only; the drafter stays
-            bf16).
+        quant: ``"bf16"`` or a name of :data:`.scale_target.QUANT_FORMS` (the
+            target only; the drafter stays bf16).
         seed: Weight seed (the drafter uses ``seed + 1``).
 
     Returns:

@@ -40,10 +40,15 @@ GEOMETRIES: Dict[str, Dict[str, Any]] = {
         max_position_embeddings=4096,
     ),
 }
-# Target forms: bf16, or mlx-lm's affine quantization (groups of 64) at these bits.
-QUANT_BITS_BY_NAME = {"4bit": 4, "8bit": 8}
-QUANTS = ("bf16", *QUANT_BITS_BY_NAME)
+# Target forms: bf16, or mlx-lm's affine quantization as (bits, group size); the plain
+# names take mlx-lm's default group of 64, ``-gN`` names another group size.
 QUANT_GROUP_SIZE = 64
+QUANT_FORMS = {
+    f"{bits}bit{'' if group == QUANT_GROUP_SIZE else f'-g{group}'}": (bits, group)
+    for bits in (4, 8)
+    for group in (64, 32, 128)
+}
+QUANTS = ("bf16", *QUANT_FORMS)
 INIT_STD = 0.02
 BRANCH_SCALE = 0.05
 TOP_LOGIT = 10.0
@@ -131,8 +136,9 @@ def build_target(
 
     Args:
         geometry: ``"full"`` or ``"tiny"``.
-        quant: ``"bf16"``, ``"4bit"`` or ``"8bit"`` (mlx-lm's ``quantize_model``,
-            affine, group 64).
+        quant: ``"bf16"`` or a name of :data:`QUANT_FORMS` (mlx-lm's
+            ``quantize_model``, affine: ``"4bit"`` / ``"8bit"`` in groups of 64,
+            ``"4bit-g32"`` ... ``"8bit-g128"`` in groups of 32 or 128).
         seed: Weight seed.
 
     Returns:
@@ -144,11 +150,12 @@ def build_target(
     model = muse_glimmer.Model(args)
     randomize(model, seed, mx.bfloat16, branch_scale=BRANCH_SCALE)
     _decisive_head(model, seed)
-    if quant in QUANT_BITS_BY_NAME:
+    if quant in QUANT_FORMS:
         from mlx_lm.utils import quantize_model
 
+        bits, group_size = QUANT_FORMS[quant]
         with redirect_stdout(StringIO()):  # it prints bits per weight
-            quantize_model(model, {}, QUANT_GROUP_SIZE, QUANT_BITS_BY_NAME[quant])
+            quantize_model(model, {}, group_size, bits)
         mx.eval(model.parameters())
         mx.clear_cache()
     model.eval()
