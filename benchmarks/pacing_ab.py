@@ -129,6 +129,16 @@ def round_medians(round_ms: Dict[str, List[List[float]]]) -> Dict[str, Optional[
     return {arm: statistics.median(v) if v else None for arm, v in pooled.items()}
 
 
+def rep_line(rep: int, report: Dict[str, Any], arms: Sequence[str]) -> str:
+    """One repetition's line: each arm's ms and whether its run was lossless, and
+    mlx-lm's plain ms where this repetition ran it (a process its time limit stops
+    before the summary still says how fast and whether lossless)."""
+    shown = {arm: report["ms"][arm][-1] for arm in arms}
+    lossless = all(report["lossless"][arm][-1] for arm in arms)
+    plain = f" plain {report['plain_ms'][-1]}" if rep % 2 == 0 else ""
+    return f"{rep} {shown}{plain} lossless {lossless}"
+
+
 def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     """Build the pair, then alternate the arms; the report (times in ms)."""
     started = time.time()
@@ -167,7 +177,7 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
                 report["lossless"][arm].append(lossless)
                 report["rounds"][arm].append(len(rounds))
                 report["round_ms"][arm].append([round(1000 * r, 2) for r in rounds])
-        print(rep, {arm: report["ms"][arm][-1] for arm in args.arms}, flush=True)
+        print(rep_line(rep, report, args.arms), flush=True)
     plain_ms = statistics.median(report["plain_ms"])
     medians = {arm: statistics.median(v) for arm, v in report["ms"].items()}
     report["median_ms"] = medians

@@ -129,33 +129,46 @@ def device_profile(call: Callable[[], None], forwards: int) -> Dict[str, Any]:
     }
 
 
+def progress(began: float, text: str) -> None:
+    """One progress line on stderr, seconds since ``began`` first: a run stopped by a
+    time limit still says how far it got (the first forward of an arm includes the
+    first compiles of its kernels)."""
+    print(f"[{time.time() - began:7.1f} s] {text}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     """Prefill, then alternate the arms forward by forward; the report (times in ms)."""
     began = time.time()
     target, drafter = build_scale_pair(args.scale, args.quant, 0)
+    progress(began, f"built the {args.scale} {args.quant} pair")
     prompt = scale_prompts(target, args.context + args.rows, 1, 0)[0]
     walls: Dict[str, List[float]] = {arm: [] for arm in args.kernels}
     device: Dict[str, Any] = {}
     with mx.stream(generation_stream):
         cache, _ = _prefill_dflash(target, drafter, prompt[: args.context])
+        progress(began, f"prefilled {args.context} tokens")
         block = prompt[args.context :][None]
         bound_bytes = step_read_bytes(target, kv_bytes(cache))
         for rep in range(args.warmup + args.reps):
             order = args.kernels if rep % 2 == 0 else args.kernels[::-1]
+            took = {}
             for arm in order:
                 with kernel_arm(arm), loop_context(target, drafter) as taps:
                     call = forward_call(target, cache, taps, block, args.commit)
                     mx.synchronize()
                     start = time.perf_counter()
                     call()
+                    took[arm] = round(1e3 * (time.perf_counter() - start), 2)
                     if rep >= args.warmup:
-                        walls[arm].append(1e3 * (time.perf_counter() - start))
+                        walls[arm].append(took[arm])
+            progress(began, f"forward {rep} ms: {took}")
         if args.device:
             for arm in args.kernels:
                 with kernel_arm(arm), loop_context(target, drafter) as taps:
                     call = forward_call(target, cache, taps, block, args.commit)
                     call()  # this arm's traces made before the capture
                     device[arm] = device_profile(call, args.device_forwards)
+                progress(began, f"{arm}: device busy {device[arm]['busy_ms']} ms")
     bound_ms = 1e3 * bound_bytes / args.bandwidth
     report: Dict[str, Any] = {
         "environment": environment(command),

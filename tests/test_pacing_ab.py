@@ -14,7 +14,7 @@ from dflash.dflash_round import EVAL_EVERY_ENV, EVAL_TAIL_ENV
 
 
 def test_every_arm_reaches_the_generation_and_every_run_is_lossless(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, capsys
 ):
     monkeypatch.delenv(EVAL_EVERY_ENV, raising=False)
     monkeypatch.setenv(EVAL_TAIL_ENV, "1")  # restored after each arm
@@ -33,6 +33,16 @@ def test_every_arm_reaches_the_generation_and_every_run_is_lossless(
     pacing_ab.main([*argv, "--json", str(out)])
     report = json.loads(out.read_text())
     assert report["all_lossless"]
+    # Each repetition's line says its times, mlx-lm's plain (every other one) and
+    # whether its runs were lossless, before the summary.
+    lines = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if line[:2] in ("0 ", "1 ")
+    ]
+    assert lines[0].startswith("0 {'0': ") and " plain " in lines[0]
+    assert lines[1].startswith("1 {'0': ") and " plain " not in lines[1]
+    assert all(line.endswith("lossless True") for line in lines)
     assert set(report["median_ms"]) == {"0", "2", "3t", "auto", "2/b"}
     assert all(len(runs) == 2 for runs in report["ms"].values())
     assert all(rounds and min(rounds) >= 1 for rounds in report["rounds"].values())

@@ -12,11 +12,25 @@ from dflash.bench.scale_target import embedding_bytes, parameter_bytes
 from dflash.cache import RingPlane, make_prompt_cache
 
 
-def test_each_arm_times_every_forward_and_each_forward_commits_its_rows(tmp_path):
+def test_each_arm_times_every_forward_and_each_forward_commits_its_rows(
+    tmp_path, capsys
+):
     out = tmp_path / "verify.json"
     argv = ["--kernels", "off,default", "--reps", "2", "--warmup", "1", "--commit", "5"]
     verify_forward.main([*argv, "--json", str(out)])
     report = json.loads(out.read_text())
+    # Progress on stderr as it goes (a run its time limit stops still says how far it
+    # got): the build, the prefill, then every forward's arms, warm-up included.
+    progress = capsys.readouterr().err.splitlines()
+    assert "built the tiny 4bit pair" in progress[0]
+    assert "prefilled 64 tokens" in progress[1]
+    forwards = [line for line in progress if "] forward " in line]
+    assert [line.split("] forward ")[1].split(" ")[0] for line in forwards] == [
+        "0",
+        "1",
+        "2",
+    ]
+    assert all("'off'" in line and "'default'" in line for line in forwards)
     assert report["environment"]["command"].endswith(
         " ".join(argv + ["--json", str(out)])
     )
