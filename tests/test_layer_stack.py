@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 
 from benchmarks import layer_stack
+from dflash.bench.scale_target import QUANT_FORMS
 
 
 def test_layer_stack_runs_every_arm_and_compiled_layers_keep_the_bits(tmp_path):
@@ -138,3 +140,11 @@ def test_kernel_sequence_is_the_middle_forward_in_launch_order():
         "rms_norm_small<64,1>",
         "copy_g_nd<3,8>",
     ]
+
+
+@pytest.mark.parametrize("quant", ["4bit-g128", "8bit-g32"])
+def test_layers_are_quantized_as_the_scale_target_names_them(quant):
+    """The stack takes the scale target's group-size names (``-gN``) as it does."""
+    model = layer_stack.build_layers("tiny", quant, 2)
+    layers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert layers and {(m.bits, m.group_size) for m in layers} == {QUANT_FORMS[quant]}
