@@ -55,6 +55,7 @@ from dflash.bench.scale_target import (
     GEOMETRIES,
     QUANT_FORMS,
     QUANTS,
+    quantize_as,
     randomize,
 )
 from dflash.cache import make_prompt_cache
@@ -99,11 +100,7 @@ def build_layers(geometry: str, quant: str, layers: int, seed: int = 0):
     model = muse_glimmer.Model(args)
     randomize(model, seed, mx.bfloat16, branch_scale=BRANCH_SCALE)
     if quant in QUANT_FORMS:
-        from mlx_lm.utils import quantize_model
-
-        bits, group_size = QUANT_FORMS[quant]
-        with contextlib.redirect_stdout(None):  # it prints bits per weight
-            quantize_model(model, {}, group_size, bits)
+        quantize_as(model, quant)
     mx.eval(model.parameters())
     model.eval()
     return model

@@ -129,13 +129,15 @@ def round_medians(round_ms: Dict[str, List[List[float]]]) -> Dict[str, Optional[
     return {arm: statistics.median(v) if v else None for arm, v in pooled.items()}
 
 
-def rep_line(rep: int, report: Dict[str, Any], arms: Sequence[str]) -> str:
+def rep_line(
+    rep: int, report: Dict[str, Any], arms: Sequence[str], plain_ms: Optional[float]
+) -> str:
     """One repetition's line: each arm's ms and whether its run was lossless, and
     mlx-lm's plain ms where this repetition ran it (a process its time limit stops
     before the summary still says how fast and whether lossless)."""
     shown = {arm: report["ms"][arm][-1] for arm in arms}
     lossless = all(report["lossless"][arm][-1] for arm in arms)
-    plain = f" plain {report['plain_ms'][-1]}" if rep % 2 == 0 else ""
+    plain = "" if plain_ms is None else f" plain {plain_ms}"
     return f"{rep} {shown}{plain} lossless {lossless}"
 
 
@@ -166,9 +168,11 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
         for arm in args.arms:
             decode(arm)  # warm-up: traces and binds every shape
     for rep in range(args.reps):
+        rep_plain_ms = None
         if rep % 2 == 0:
             record = timed_run(plain, prompt, args.tokens, set(), sequence)
-            report["plain_ms"].append(round(1000 * record.decode_seconds, 1))
+            rep_plain_ms = round(1000 * record.decode_seconds, 1)
+            report["plain_ms"].append(rep_plain_ms)
         order = args.arms if rep % 2 == 0 else args.arms[::-1]
         with kernel_patch.verify_kernels(target, drafter):
             for arm in order:
@@ -177,7 +181,7 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
                 report["lossless"][arm].append(lossless)
                 report["rounds"][arm].append(len(rounds))
                 report["round_ms"][arm].append([round(1000 * r, 2) for r in rounds])
-        print(rep_line(rep, report, args.arms), flush=True)
+        print(rep_line(rep, report, args.arms, rep_plain_ms), flush=True)
     plain_ms = statistics.median(report["plain_ms"])
     medians = {arm: statistics.median(v) for arm, v in report["ms"].items()}
     report["median_ms"] = medians

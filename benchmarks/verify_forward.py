@@ -158,10 +158,11 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
                     mx.synchronize()
                     start = time.perf_counter()
                     call()
-                    took[arm] = round(1e3 * (time.perf_counter() - start), 2)
+                    took[arm] = 1e3 * (time.perf_counter() - start)
                     if rep >= args.warmup:
                         walls[arm].append(took[arm])
-            progress(began, f"forward {rep} ms: {took}")
+            shown = {arm: round(ms, 2) for arm, ms in took.items()}
+            progress(began, f"forward {rep} ms: {shown}")
         if args.device:
             for arm in args.kernels:
                 with kernel_arm(arm), loop_context(target, drafter) as taps:

@@ -151,15 +151,21 @@ def build_target(
     randomize(model, seed, mx.bfloat16, branch_scale=BRANCH_SCALE)
     _decisive_head(model, seed)
     if quant in QUANT_FORMS:
-        from mlx_lm.utils import quantize_model
-
-        bits, group_size = QUANT_FORMS[quant]
-        with redirect_stdout(StringIO()):  # it prints bits per weight
-            quantize_model(model, {}, group_size, bits)
+        quantize_as(model, quant)
         mx.eval(model.parameters())
         mx.clear_cache()
     model.eval()
     return model
+
+
+def quantize_as(model: nn.Module, quant: str) -> None:
+    """Quantize ``model`` in place by mlx-lm's ``quantize_model`` as the name
+    ``quant`` of :data:`QUANT_FORMS` says (bits and group size)."""
+    from mlx_lm.utils import quantize_model
+
+    bits, group_size = QUANT_FORMS[quant]
+    with redirect_stdout(StringIO()):  # it prints bits per weight
+        quantize_model(model, {}, group_size, bits)
 
 
 def random_prompt(vocab_size: int, length: int, seed: int, index: int = 0) -> mx.array:
