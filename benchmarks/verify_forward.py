@@ -12,6 +12,10 @@ commits ``--commit`` rows (a round's kept rows: the commit's stores then run ins
 next forward, as in the loop). Per arm it reports:
 
 * ``wall_ms``: a synced forward's wall time (median; the host's build and encode are in it);
+* ``first_forward_ms``: the arm's first forward (a warm-up one where there is any), which
+  carries the first compile of every kernel it launches that mlx has not cached on disk
+  (NVRTC on CUDA: 12-55 s a form on an H100, session 73), beside ``build_s`` and
+  ``prefill_s``, the scale pair's build and the prefill;
 * with ``--device`` (a GPU, PyTorch in the interpreter for CUPTI): ``busy_ms`` (the time in
   which at least one kernel ran, per forward), ``kernels`` per forward, the costliest
   kernel names, and ``busy_ms`` over the bound (``bound_ms``: the weights once, one
@@ -140,12 +144,15 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     """Prefill, then alternate the arms forward by forward; the report (times in ms)."""
     began = time.time()
     target, drafter = build_scale_pair(args.scale, args.quant, 0)
+    built = time.time()
     progress(began, f"built the {args.scale} {args.quant} pair")
     prompt = scale_prompts(target, args.context + args.rows, 1, 0)[0]
     walls: Dict[str, List[float]] = {arm: [] for arm in args.kernels}
+    first: Dict[str, float] = {}
     device: Dict[str, Any] = {}
     with mx.stream(generation_stream):
         cache, _ = _prefill_dflash(target, drafter, prompt[: args.context])
+        prefilled = time.time()
         progress(began, f"prefilled {args.context} tokens")
         block = prompt[args.context :][None]
         bound_bytes = step_read_bytes(target, kv_bytes(cache))
@@ -159,6 +166,7 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
                     start = time.perf_counter()
                     call()
                     took[arm] = 1e3 * (time.perf_counter() - start)
+                    first.setdefault(arm, took[arm])
                     if rep >= args.warmup:
                         walls[arm].append(took[arm])
             shown = {arm: round(ms, 2) for arm, ms in took.items()}
@@ -181,6 +189,9 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
         "bound_ms": round(bound_ms, 3),
         "context_start": args.context,
         "context_end": cache[0].offset,
+        "build_s": round(built - began, 1),
+        "prefill_s": round(prefilled - built, 1),
+        "first_forward_ms": {arm: round(ms, 3) for arm, ms in first.items()},
         "wall_ms": {
             arm: {
                 "median": round(statistics.median(times), 3),
@@ -246,7 +257,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         flush=True,
     )
     for arm, wall in report["wall_ms"].items():
-        line = f"{arm}: wall {wall['median']} ms (min {wall['min']})"
+        line = (
+            f"{arm}: wall {wall['median']} ms (min {wall['min']}; "
+            f"first {report['first_forward_ms'][arm]})"
+        )
         profile = report.get("device", {}).get(arm)
         if profile:
             line += (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 
 import pytest
@@ -21,7 +22,8 @@ def test_each_arm_times_every_forward_and_each_forward_commits_its_rows(
     report = json.loads(out.read_text())
     # Progress on stderr as it goes (a run its time limit stops still says how far it
     # got): the build, the prefill, then every forward's arms, warm-up included.
-    progress = capsys.readouterr().err.splitlines()
+    captured = capsys.readouterr()
+    progress = captured.err.splitlines()
     assert "built the tiny 4bit pair" in progress[0]
     assert "prefilled 64 tokens" in progress[1]
     forwards = [line for line in progress if "] forward " in line]
@@ -36,6 +38,17 @@ def test_each_arm_times_every_forward_and_each_forward_commits_its_rows(
     )
     assert list(report["wall_ms"]) == ["off", "default"]
     assert all(0 < t["min"] <= t["median"] for t in report["wall_ms"].values())
+    # Each arm's first forward (the warm-up one: where first compiles land) is kept
+    # apart from the timed ones, and is the one its progress line showed.
+    first_shown = ast.literal_eval(forwards[0].split(" ms: ")[1])
+    for arm in ("off", "default"):
+        first = report["first_forward_ms"][arm]
+        assert first > 0 and first == pytest.approx(first_shown[arm], abs=0.006)
+    assert report["build_s"] >= 0 and report["prefill_s"] >= 0
+    summary = captured.out.splitlines()
+    for arm in ("off", "default"):
+        line = next(text for text in summary if text.startswith(f"{arm}: wall "))
+        assert f"first {report['first_forward_ms'][arm]})" in line
     # Three repetitions of two arms, each forward keeping 5 of its 16 rows.
     assert (report["rows"], report["commit"]) == (16, 5)
     assert report["context_end"] == report["context_start"] + 3 * 2 * 5
