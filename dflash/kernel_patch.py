@@ -1415,14 +1415,26 @@ VERIFY_KERNELS_BY_DEFAULT: Dict[str, Tuple[str, ...]] = {"metal": (), "cuda": ()
 # took 340-342 ms with every part against 587 ms with mlx's matmuls (both with mlx's
 # graphs, every run lossless), and the 8-bit verify forward's device time 18.0 ms against
 # 33.2 (docs/benchmarks/h100-2026-12-07-s71; plain tokens not measured at 8 bits).
+# Groups of 32 and 128, on an H100 (session 74, one process a form, 4-bit with direct
+# launches, 8-bit with mlx's graphs): tau = 6 rounds took 21.9-23.9 ms with every part
+# against 67.4-73.4 at 4 bits and 25.0-28.3 against 37.3-44.2 at 8, all lossless; our plain
+# tokens equal mlx-lm's with and without the kernels and took 13.9-18.7 ms against
+# 16.9-26.2; 96-token 4-bit loops (graphs on) 280-337 ms, 5.8-7.6x mlx-lm's plain
+# decoding, lossless (docs/benchmarks/h100-2026-12-07-s74).
 KERNELS_BY_QUANTIZATION: Dict[Tuple[str, str, int, int], Tuple[str, ...]] = {
     ("cuda", "muse_glimmer", 4, 64): VERIFY_KERNEL_PARTS,
     ("cuda", "muse_glimmer", 8, 64): VERIFY_KERNEL_PARTS,
+    ("cuda", "muse_glimmer", 4, 32): VERIFY_KERNEL_PARTS,
+    ("cuda", "muse_glimmer", 4, 128): VERIFY_KERNEL_PARTS,
+    ("cuda", "muse_glimmer", 8, 32): VERIFY_KERNEL_PARTS,
+    ("cuda", "muse_glimmer", 8, 128): VERIFY_KERNEL_PARTS,
 }
 # Where DFlash rounds measured faster with direct launches (mlx's CUDA graphs off) than
 # with mlx's graphs while dflash's matmul runs, by the same key: 4-bit rounds are paced by
 # the host (sessions 62 and 70: 245 against 300 ms at 4k on an H100). 8-bit ones are not:
-# 340-342 ms with the graphs against 374-380 without (session 71, 7 processes).
+# 340-342 ms with the graphs against 374-380 without (session 71, 7 processes). 4-bit
+# groups of 32 and 128 are not here: their loops have run only with the graphs (session
+# 74: 280-337 ms at 4k, lossless), never against direct launches.
 DIRECT_LAUNCHES_BY_QUANTIZATION: FrozenSet[Tuple[str, str, int, int]] = frozenset(
     {("cuda", "muse_glimmer", 4, 64)}
 )

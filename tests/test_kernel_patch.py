@@ -637,8 +637,10 @@ def test_default_table_and_dflash_kernels_switch(monkeypatch) -> None:
     [
         ("muse_glimmer", 4, 64, None, kernel_patch.VERIFY_KERNEL_PARTS),  # measured
         ("muse_glimmer", 8, 64, None, kernel_patch.VERIFY_KERNEL_PARTS),  # s71
-        ("muse_glimmer", 8, 32, None, ()),
-        ("muse_glimmer", 4, 32, None, ()),
+        ("muse_glimmer", 8, 32, None, kernel_patch.VERIFY_KERNEL_PARTS),  # s74
+        ("muse_glimmer", 4, 32, None, kernel_patch.VERIFY_KERNEL_PARTS),  # s74
+        ("muse_glimmer", 6, 64, None, ()),  # not measured
+        ("muse_glimmer", 2, 32, None, ()),  # not measured
         ("muse_glimmer", None, None, None, ()),  # float32
         ("muse_glimmer", None, None, mx.bfloat16, kernel_patch.VERIFY_KERNEL_PARTS),
         ("muse_glimmer", None, None, mx.float16, ()),
@@ -649,9 +651,9 @@ def test_default_table_and_dflash_kernels_switch(monkeypatch) -> None:
 def test_kernels_default_on_only_where_measured(
     monkeypatch, arch, bits, group, dtype, parts
 ) -> None:
-    """CUDA, Muse Glimmer in 4- or 8-bit groups of 64 or dense bf16: plain, classic and DFlash
-    decoding alike (the generators ask the same question); nothing elsewhere, switched
-    off, or on Metal.
+    """CUDA, Muse Glimmer in 4- or 8-bit groups of 32 / 64 / 128 or dense bf16: plain,
+    classic and DFlash decoding alike (the generators ask the same question); nothing
+    elsewhere (other bits), switched off, or on Metal.
     """
     _on_a_cuda_gpu(monkeypatch)
     target = tiny_model(arch, seed=27, window=16)
@@ -674,6 +676,18 @@ def test_kernels_default_on_only_where_measured(
     monkeypatch.setattr(kernel_patch.backend, "KERNELS_ENABLED", True)
     monkeypatch.setattr(kernel_patch.backend, "BACKEND", "metal")  # never run there
     assert kernel_patch.wanted_parts(target) == ()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_groups_of_128_take_the_kernels_by_default(bits) -> None:
+    """Session 74 measured groups of 128 (too wide for the tiny models' 64 columns, so
+    asked of the table by form)."""
+    form, glimmer = ("affine", bits, 128), "muse_glimmer"
+    assert kernel_patch.default_parts(glimmer, form, "cuda") == (
+        kernel_patch.VERIFY_KERNEL_PARTS
+    )
+    assert kernel_patch.default_parts(glimmer, form, "metal") == ()
+    assert kernel_patch.default_parts("qwen3", form, "cuda") == ()
 
 
 def test_dense_dtype_wants_every_projection_dense_in_one_dtype(monkeypatch) -> None:

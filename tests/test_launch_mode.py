@@ -150,7 +150,12 @@ def _glimmer(**quantization):
         (QUANTIZED, True),
         (_glimmer(group_size=64, bits=4, mode="affine"), True),
         (EIGHT_BIT, False),  # dflash's matmuls: the graphs measured faster
-        (_glimmer(group_size=32, bits=4), False),  # not measured: mlx's matmuls
+        (
+            _glimmer(group_size=32, bits=4),
+            False,
+        ),  # dflash's matmul; run only with graphs
+        (_glimmer(group_size=128, bits=4), False),
+        (_glimmer(group_size=64, bits=6), False),  # not measured: mlx's matmuls
         (_glimmer(group_size=64, bits=4, mode="mxfp4"), False),
         # A layer quantized otherwise, or left dense: the kernels are not installed.
         (
@@ -219,7 +224,9 @@ def test_direct_launches_only_where_dflashs_matmul_runs_and_they_measured_faster
     assert kernel_patch.prefers_direct_launches(glimmer, ("affine", 4, 64), cuda)
     assert "matmul" in kernel_patch.default_parts(glimmer, ("affine", 8, 64), cuda)
     assert not kernel_patch.prefers_direct_launches(glimmer, ("affine", 8, 64), cuda)
-    for form in (("affine", 4, 32), ("dense", "bfloat16"), None):
+    assert "matmul" in kernel_patch.default_parts(glimmer, ("affine", 4, 32), cuda)
+    unmeasured = (("affine", 4, 32), ("affine", 4, 128), ("affine", 6, 64))
+    for form in unmeasured + (("dense", "bfloat16"), None):
         assert not kernel_patch.prefers_direct_launches(glimmer, form, cuda)
     assert not kernel_patch.prefers_direct_launches("llama", ("affine", 4, 64), cuda)
     assert not kernel_patch.prefers_direct_launches(glimmer, ("affine", 4, 64), "metal")

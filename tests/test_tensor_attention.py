@@ -374,7 +374,11 @@ RAN_ON_THE_H200 |= {
 # (``_lbytes``). In that text: its own `cuda` test (30 passed: every Glimmer shape, 1 /
 # 16 / 32 rows, unscaled and scaled, groups of 64, two K groups, so both m-tiles) and
 # whole 8-bit rounds, lossless. Its forms of groups of 32 and 128 and of one K group
-# (which no default target takes) are emulated and compiled only: recorded as not run.
+# are emulated and compiled only: recorded as not run. Session 74
+# (docs/benchmarks/h100-2026-12-07-s74, an H100) ran those of groups of 32 / 128 with two
+# K groups in whole rounds (lossless) and plain decoding (our 64 tokens equal to
+# mlx-lm's), which made them default; their own `cuda` test has not run: still recorded
+# as not run.
 _DENORMAL_RAN = [(k, (4, m), 64) for k in (1, 2) for m in (1, 2)]
 _LEAN_BYTES_RAN = [tensor_qmm.SCALED_SPECS[(2, (8, m), 64)] for m in (1, 2)] + [
     tensor_qmm.K2_SPECS[(8, m)] for m in (1, 2)
@@ -447,7 +451,8 @@ def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
     assert shipped == RAN_ON_THE_H200 | NOT_RUN_SINCE_CHANGED
     # Every form the default switches launch ran: dense and scaled, two K groups.
     defaults = {spec.name("cuda") for spec in tensor_qmm.K2_SPECS.values()}
-    # (8 bits: groups of 64, the one form KERNELS_BY_QUANTIZATION installs by default.)
+    # (8 bits: groups of 64, whose own `cuda` test ran. Groups of 32 / 128, default since
+    # session 74, ran in whole rounds and plain decoding only: recorded as not run.)
     defaults = {name for name in defaults if "_dense_" in name} | {
         spec.name("cuda")
         for (groups, (bits, _), group), spec in tensor_qmm.SCALED_SPECS.items()
