@@ -190,6 +190,7 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     report["controls"] = controls(report["ms"], args.arms)
     report["round_median_ms"] = round_medians(report["round_ms"])
     report["all_lossless"] = all(all(v) for v in report["lossless"].values())
+    report["cuda_graphs"] = report["environment"]["cuda_graphs"]
     report["auto_choices"] = [c.summary() for c in pacing_choices(target).values()]
     report["total_s"] = round(time.time() - started, 1)
     return report
@@ -210,6 +211,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "round_median_ms",
         "all_lossless",
         "auto_choices",
+        "cuda_graphs",
     )
     scale_run_main("benchmarks.pacing_ab", argv, parse_args, run, keys)
 

@@ -588,6 +588,23 @@ def test_environment_records_the_switches_that_change_what_runs(monkeypatch):
     assert "UNRELATED_SETTING" not in env
 
 
+@pytest.mark.parametrize(
+    "value, state", [(None, "on"), ("1", "on"), ("0", "off"), ("off", "off")]
+)
+def test_the_record_names_the_launch_mode_a_cuda_run_had(monkeypatch, value, state):
+    """Unset means mlx's default, graphs on: a benchmark does not choose, the commands
+    do, so a run's record must say which mode it ran in."""
+    from dflash.bench.report import cuda_graphs, environment
+
+    if value is None:
+        monkeypatch.delenv("MLX_USE_CUDA_GRAPHS", raising=False)
+    else:
+        monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", value)
+    assert cuda_graphs("cuda") == state
+    assert cuda_graphs("metal") is None and cuda_graphs("cpu") is None
+    assert environment("cmd")["cuda_graphs"] is None  # this machine's CPU backend
+
+
 def test_scale_target_loads_as_a_standalone_file() -> None:
     """The side by side hands ``scale_target.py`` to the public loop's process as a plain
     file (no package around it), so it may import only mlx and mlx-lm; its targets and

@@ -8,6 +8,8 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
+from ..metal.backend import cuda_graphs_off
+
 CPU_NOTE = (
     "NOTE: the backend is the CPU, which is slow at multi-token forwards: tokens/s and "
     "speed-ups here say nothing about GPU speed; tau, acceptance and divergences hold."
@@ -28,6 +30,24 @@ def backend() -> str:
     if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
         return "cuda"
     return "metal" if mx.metal.is_available() else "gpu"
+
+
+def cuda_graphs(backend_name: Optional[str] = None) -> Optional[str]:
+    """Whether mlx records CUDA graphs in this process, as ``MLX_USE_CUDA_GRAPHS`` says.
+
+    A benchmark leaves the variable as it finds it (only the ``dflash`` commands choose a
+    launch mode), so a run's own record names the mode it ran in.
+
+    Args:
+        backend_name: As :func:`backend` gives it (default: asked now).
+
+    Returns:
+        ``"on"`` (mlx's default, the variable unset or not an off word) or ``"off"`` on
+        the CUDA backend; None elsewhere, where the variable means nothing.
+    """
+    if (backend_name or backend()) != "cuda":
+        return None
+    return "off" if cuda_graphs_off(os.environ.get("MLX_USE_CUDA_GRAPHS")) else "on"
 
 
 def _device_info() -> Dict[str, Any]:
@@ -61,6 +81,7 @@ def environment(command: str) -> Dict[str, Any]:
         "mlx_dflash": _version("mlx-dflash"),
         "python": platform.python_version(),
         "backend": backend(),
+        "cuda_graphs": cuda_graphs(),
         "device": str(mx.default_device()),
         "device_info": _device_info(),
         "machine": f"{platform.platform()} ({platform.machine()}), {os.cpu_count()} CPUs",
