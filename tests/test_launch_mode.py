@@ -150,10 +150,8 @@ def _glimmer(**quantization):
         (QUANTIZED, True),
         (_glimmer(group_size=64, bits=4, mode="affine"), True),
         (EIGHT_BIT, False),  # dflash's matmuls: the graphs measured faster
-        (
-            _glimmer(group_size=32, bits=4),
-            False,
-        ),  # dflash's matmul; run only with graphs
+        # dflash's matmul, run only with mlx's graphs (session 74):
+        (_glimmer(group_size=32, bits=4), False),
         (_glimmer(group_size=128, bits=4), False),
         (_glimmer(group_size=64, bits=6), False),  # not measured: mlx's matmuls
         (_glimmer(group_size=64, bits=4, mode="mxfp4"), False),
