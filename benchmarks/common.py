@@ -14,14 +14,16 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
-from typing import Callable, Optional, Sequence
+from typing import Callable, MutableMapping, Optional, Sequence
 
 import mlx.core as mx
 
+from dflash import kernel_patch
 from dflash.bench.scale import build_scale_pair, scale_prompts
-from dflash.bench.scale_target import QUANTS
+from dflash.bench.scale_target import QUANT_FORMS, QUANTS
 from dflash.cache import GrowingKVCache, PlaneMeta, RingKVCache, make_prompt_cache
 from dflash.greedy import greedy_reference_with_margins
+from dflash.launch_mode import prefer_direct_launches
 from dflash.metal import kernel_backend
 
 
@@ -317,7 +319,43 @@ def scale_run_parser(prog: str, tokens: int, reps: int) -> argparse.ArgumentPars
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--reps", type=int, default=reps, help="repetitions")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--launch-mode",
+        choices=LAUNCH_MODES,
+        default="mlx",
+        help="mlx: leave MLX_USE_CUDA_GRAPHS as found (mlx's default: graphs on); "
+        "commands: choose as the dflash commands do for this target",
+    )
     return parser
+
+
+# A benchmark leaves mlx's launch mode alone unless asked to run as the commands do.
+LAUNCH_MODES = ("mlx", "commands")
+
+
+def apply_launch_mode(
+    mode: str, quant: str, environ: Optional[MutableMapping[str, str]] = None
+) -> bool:
+    """Choose mlx's CUDA launch mode for the scale target of ``quant`` as ``mode`` says,
+    before anything is evaluated: ``"commands"`` asks for direct launches where the
+    ``dflash`` commands would (:func:`dflash.kernel_patch.prefers_direct_launches`, a
+    value already set kept); ``"mlx"`` changes nothing.
+
+    Args:
+        mode: One of :data:`LAUNCH_MODES`.
+        quant: The scale target's form (``--quant``: ``"bf16"`` or a
+            :data:`~dflash.bench.scale_target.QUANT_FORMS` name).
+        environ: The environment to set (default ``os.environ``).
+
+    Returns:
+        True where this call set ``MLX_USE_CUDA_GRAPHS=0``.
+    """
+    if mode == "mlx":
+        return False
+    dense = ("dense", "bfloat16")
+    form = ("affine", *QUANT_FORMS[quant]) if quant in QUANT_FORMS else dense
+    host_paced = kernel_patch.prefers_direct_launches("muse_glimmer", form, "cuda")
+    return prefer_direct_launches(environ, host_paced=host_paced)
 
 
 def check_scale_run_args(
@@ -357,6 +395,7 @@ def scale_run_main(
     ``--json``, print the ``summary_keys`` of the report."""
     args = parse_args(argv)
     command = " ".join([f"python -m {module}", *(argv or sys.argv[1:])])
+    apply_launch_mode(args.launch_mode, args.quant)
     report = run(args, command)
     write_json(args.json, report)
     print("summary", {key: report[key] for key in summary_keys}, flush=True)

@@ -112,3 +112,29 @@ def test_bad_numbers_exit_with_one_line(capsys):
         pacing_ab.parse_args(["--tau", "9"])
     assert raised.value.code == 2
     assert "--tau must be in 1..8" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "quant, direct",
+    [("4bit", True), ("8bit", False), ("4bit-g32", False), ("bf16", False)],
+)
+def test_the_commands_launch_mode_is_theirs_and_mlxs_is_left_alone(quant, direct):
+    """``--launch-mode commands`` asks for direct launches exactly where the ``dflash``
+    commands would for that target (4-bit groups of 64 today); ``mlx`` changes nothing,
+    and a value already set is kept."""
+    from benchmarks.common import apply_launch_mode
+
+    environ = {}
+    assert apply_launch_mode("mlx", quant, environ) is False and environ == {}
+    assert apply_launch_mode("commands", quant, environ) is direct
+    assert environ == ({"MLX_USE_CUDA_GRAPHS": "0"} if direct else {})
+    chosen = {"MLX_USE_CUDA_GRAPHS": "1"}
+    assert apply_launch_mode("commands", quant, chosen) is False
+    assert chosen == {"MLX_USE_CUDA_GRAPHS": "1"}
+
+
+def test_an_unknown_launch_mode_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        pacing_ab.parse_args(["--launch-mode", "graphs"])
+    assert stopped.value.code == 2
+    assert "--launch-mode" in capsys.readouterr().err
