@@ -1419,7 +1419,7 @@ VERIFY_KERNELS_BY_DEFAULT: Dict[str, Tuple[str, ...]] = {"metal": (), "cuda": ()
 # launches, 8-bit with mlx's graphs): tau = 6 rounds took 21.9-23.9 ms with every part
 # against 67.4-73.4 at 4 bits and 25.0-28.3 against 37.3-44.2 at 8, all lossless; our plain
 # tokens equal mlx-lm's with and without the kernels and took 13.9-18.7 ms against
-# 16.9-26.2; 96-token 4-bit loops (graphs on) 280-337 ms, 5.8-7.6x mlx-lm's plain
+# 16.9-26.2; 96-token 4-bit loops (graphs on) 280-337 ms, 5.8-6.7x mlx-lm's plain
 # decoding, lossless (docs/benchmarks/h100-2026-12-07-s74).
 KERNELS_BY_QUANTIZATION: Dict[Tuple[str, str, int, int], Tuple[str, ...]] = {
     ("cuda", "muse_glimmer", 4, 64): VERIFY_KERNEL_PARTS,
