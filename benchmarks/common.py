@@ -324,7 +324,8 @@ def scale_run_parser(prog: str, tokens: int, reps: int) -> argparse.ArgumentPars
         choices=LAUNCH_MODES,
         default="mlx",
         help="mlx: leave MLX_USE_CUDA_GRAPHS as found (mlx's default: graphs on); "
-        "commands: choose as the dflash commands do for this target",
+        "commands: choose as the dflash commands do for this target (mlx-lm's plain "
+        "decoding here then runs in that mode too)",
     )
     return parser
 
