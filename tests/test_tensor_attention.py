@@ -377,12 +377,17 @@ RAN_ON_THE_H200 |= {
 # are emulated and compiled only: recorded as not run. Session 74
 # (docs/benchmarks/h100-2026-12-07-s74, an H100) ran those of groups of 32 / 128 with two
 # K groups in whole rounds (lossless) and plain decoding (our 64 tokens equal to
-# mlx-lm's), which made them default; their own `cuda` test has not run: still recorded
-# as not run.
+# mlx-lm's), which made them default. Session 75 (docs/benchmarks/h100-2026-12-07-s75,
+# T/, an H100) ran their own `cuda` test in this text with graphs off: every 8-bit
+# Glimmer projection, 1 / 16 / 32 rows, unscaled and scaled, groups of 32, 64 and 128
+# (90 passed: the lean forms launched, the float32 decode's bits, row 0's batch bits).
+# Their one-K-group forms are still emulated and compiled only.
 _DENORMAL_RAN = [(k, (4, m), 64) for k in (1, 2) for m in (1, 2)]
-_LEAN_BYTES_RAN = [tensor_qmm.SCALED_SPECS[(2, (8, m), 64)] for m in (1, 2)] + [
-    tensor_qmm.K2_SPECS[(8, m)] for m in (1, 2)
-]
+_LEAN_BYTES_RAN = [
+    tensor_qmm.SCALED_SPECS[(2, (8, m), group)]
+    for m in (1, 2)
+    for group in (32, 64, 128)
+] + [tensor_qmm.K2_SPECS[(8, m)] for m in (1, 2)]
 _DEFAULT_LAUNCHED = (
     [tensor_qmm.K2_SPECS[(0, 1)], tensor_qmm.K2_SPECS[(0, 2)]]
     + [s for s in tensor_qmm.SCALED_SPECS.values() if "_lbytes" not in s.base]
@@ -392,7 +397,8 @@ _DEFAULT_LAUNCHED = (
     + [tensor_qmm.IN_PLACE_SPECS[key] for key in _DENORMAL_RAN]
 )
 MATMUL_RAN = {spec.name("cuda") for spec in _DEFAULT_LAUNCHED}
-RAN_DIGESTS = {"matmul": "5bc9534bf606a027"}  # session 71: the lean 8-bit forms
+# Session 75: the lean 8-bit forms of two K groups at every group size.
+RAN_DIGESTS = {"matmul": "de54670439751414"}
 RAN_ON_THE_H200 |= MATMUL_RAN
 NOT_RUN_SINCE_CHANGED |= (
     {spec.name("cuda") for spec in tensor_qmm.SPECS}
@@ -451,14 +457,12 @@ def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
     assert shipped == RAN_ON_THE_H200 | NOT_RUN_SINCE_CHANGED
     # Every form the default switches launch ran: dense and scaled, two K groups.
     defaults = {spec.name("cuda") for spec in tensor_qmm.K2_SPECS.values()}
-    # (8 bits: groups of 64, whose own `cuda` test ran. Groups of 32 / 128, default since
-    # session 74, ran in whole rounds and plain decoding only: recorded as not run.)
     defaults = {name for name in defaults if "_dense_" in name} | {
         spec.name("cuda")
-        for (groups, (bits, _), group), spec in tensor_qmm.SCALED_SPECS.items()
-        if groups == 2 and (bits == 4 or group == 64)
+        for (groups, _, _), spec in tensor_qmm.SCALED_SPECS.items()
+        if groups == 2
     }
-    assert len(defaults) == 10 and defaults <= RAN_ON_THE_H200
+    assert len(defaults) == 14 and defaults <= RAN_ON_THE_H200
     assert tensor_qmm.K_GROUPS == 2 and tensor_qmm.VECTOR_MERGE
     default_layout = tensor_attention.LAYOUTS[tensor_attention.DEFAULT_LAYOUT]
     for stacked in (False, True):
@@ -466,11 +470,11 @@ def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
         assert spec.name("cuda") in RAN_ON_THE_H200
     scaled = {spec.name("cuda") for spec in tensor_qmm.SCALED_SPECS.values()}
     assert tensor_qmm.SCALED_B and tensor_qmm.LEAN_BYTES
-    # Every scaled form ran but the lean 8-bit ones no default target takes.
+    # Every scaled form ran but the lean 8-bit ones of one K group (no default takes).
     assert all(
         name.startswith("dflash_tensor_q8_")
         and "_lbytes" in name
-        and "_g64_k2_" not in name
+        and "_k2_" not in name
         for name in scaled - RAN_ON_THE_H200
     )
     # The forms a Glimmer 4-bit verify or decode step takes by default ran in their

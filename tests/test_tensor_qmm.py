@@ -2276,16 +2276,17 @@ def test_cuda_tensor_matmul_unaligned_views_give_the_same_bits() -> None:
     assert _form_close(aligned, _kernel(unaligned))
 
 
-def _glimmer_case(depth, columns, rows, bits, dtype=mx.bfloat16, spread=1.0):
+def _glimmer_case(depth, columns, rows, bits, dtype=mx.bfloat16, spread=1.0, group=64):
     """A Glimmer-shaped case; ``spread``: the weights' standard deviation (a trained
-    model's are ~0.02, so its 4-bit scales lie far below 0.25; 1.0 gives ~0.4)."""
+    model's are ~0.02, so its 4-bit scales lie far below 0.25; 1.0 gives ~0.4);
+    ``group``: the quantization's group size."""
     key = mx.random.key(depth + columns)
     k1, k2 = mx.random.split(key)
     dense = (spread * mx.random.normal((columns, depth), key=k1)).astype(dtype)
     x = mx.random.normal((rows, depth), key=k2).astype(dtype)
     if bits is None:
         return x, dense, None, None, None, None
-    return (x, *mx.quantize(dense, group_size=64, bits=bits), bits, 64)
+    return (x, *mx.quantize(dense, group_size=group, bits=bits), bits, group)
 
 
 def _close_on_columns(case, out, columns) -> bool:
@@ -3907,14 +3908,15 @@ def test_the_lean_byte_decode_touches_only_the_8_bit_forms() -> None:
 @pytest.mark.parametrize("shape", GLIMMER)
 @pytest.mark.parametrize("rows", [1, 16, 32])
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
+@pytest.mark.parametrize("group", [32, 64, 128])
 def test_cuda_lean_byte_decode_gives_the_shipped_bits(
-    monkeypatch, shape, rows, scaled
+    monkeypatch, shape, rows, scaled, group
 ) -> None:
-    """Every 8-bit Glimmer projection with the lean byte decode (passed on an H100 in
-    session 71): its forms are the ones launched and they give the float32 decode's
-    bits; row 0 alone has its batch bits."""
+    """Every 8-bit Glimmer projection with the lean byte decode, groups of 32, 64 and
+    128 (groups of 64 passed on an H100 in session 71): its forms are the ones launched
+    and they give the float32 decode's bits; row 0 alone has its batch bits."""
     monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1" if scaled else "0")
-    case = _glimmer_case(*shape, rows, 8)
+    case = _glimmer_case(*shape, rows, 8, group=group)
     with matmul_variants.variant(lean_bytes=False):
         floated = raw_bits(_kernel(case))
     launched, launch = [], qmm.groups.launch_groups
