@@ -3913,8 +3913,9 @@ def test_cuda_lean_byte_decode_gives_the_shipped_bits(
     monkeypatch, shape, rows, scaled, group
 ) -> None:
     """Every 8-bit Glimmer projection with the lean byte decode, groups of 32, 64 and
-    128 (groups of 64 passed on an H100 in session 71): its forms are the ones launched
-    and they give the float32 decode's bits; row 0 alone has its batch bits."""
+    128 (passed on an H100: groups of 64 in session 71, all three in session 75): its
+    forms are the ones launched and they give the float32 decode's bits; row 0 alone
+    has its batch bits."""
     monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1" if scaled else "0")
     case = _glimmer_case(*shape, rows, 8, group=group)
     with matmul_variants.variant(lean_bytes=False):
