@@ -1433,8 +1433,9 @@ KERNELS_BY_QUANTIZATION: Dict[Tuple[str, str, int, int], Tuple[str, ...]] = {
 # with mlx's graphs while dflash's matmul runs, by the same key: 4-bit rounds are paced by
 # the host (sessions 62 and 70: 245 against 300 ms at 4k on an H100). 8-bit ones are not:
 # 340-342 ms with the graphs against 374-380 without (session 71, 7 processes). 4-bit
-# groups of 32 and 128 are not here: their loops have run only with the graphs (session
-# 74: 280-337 ms at 4k, lossless), never against direct launches.
+# groups of 32 and 128 are not here: with the graphs their loops took 280-337 ms at 4k
+# (session 74, lossless); at groups of 128 direct launches took 298 and 361 ms against
+# 325 and 379 with the graphs (session 75), not separated; groups of 32 not measured.
 DIRECT_LAUNCHES_BY_QUANTIZATION: FrozenSet[Tuple[str, str, int, int]] = frozenset(
     {("cuda", "muse_glimmer", 4, 64)}
 )

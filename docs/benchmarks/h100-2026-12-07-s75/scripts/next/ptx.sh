@@ -1,7 +1,7 @@
 #!/bin/bash
 # For session 76 on: carry mlx's compiled-kernel disk cache from one lease to the next, so
-# a lease's first process does not pay every NVRTC compile again (sessions 73-75: the
-# first 4-bit process of a lease ran past 140-265 s; later ones took 76-100 s).
+# a lease's first process does not pay every NVRTC compile again (sessions 74-75: the
+# first 4-bit process of a lease ran past its 265 / 140 s limit; later ones took 76-100 s).
 # mlx keeps each compiled module (a cubin on sm_90, so the same file serves an H100 and an
 # H200) at ${MLX_PTX_CACHE_DIR:-$TMPDIR/mlx/<mlx version>/ptx}/<module>.ptx, keyed by the
 # module's name; our kernels' names carry a digest of their text, so a changed kernel
