@@ -1435,7 +1435,9 @@ KERNELS_BY_QUANTIZATION: Dict[Tuple[str, str, int, int], Tuple[str, ...]] = {
 # 340-342 ms with the graphs against 374-380 without (session 71, 7 processes). 4-bit
 # groups of 32 and 128 are not here: with the graphs their loops took 280-337 ms at 4k
 # (session 74, lossless); at groups of 128 direct launches took 298 and 361 ms against
-# 325 and 379 with the graphs (session 75), not separated; groups of 32 not measured.
+# 325 and 379 with the graphs (session 75), not separated; at groups of 32 269-295 ms
+# against 286-322 (session 76, 4 processes each, lower in 5 of 5 adjacent comparisons
+# but the repetitions overlap: medians 289.0 against 295.8 ms), not separated either.
 DIRECT_LAUNCHES_BY_QUANTIZATION: FrozenSet[Tuple[str, str, int, int]] = frozenset(
     {("cuda", "muse_glimmer", 4, 64)}
 )

@@ -22,8 +22,9 @@ time fell from 47.7 ms to 33.8 ms with the same 1,709 kernels. And so, unlike 4-
 an 8-bit target with dflash's matmul (session 71, an H100): 340–342 ms with the graphs
 against 374–380 ms without. So direct launches are asked for only where they measured
 faster: a target whose quantized matmuls run dflash's kernel at 4 bits in groups of 64
-(:data:`dflash.kernel_patch.DIRECT_LAUNCHES_BY_QUANTIZATION`; groups of 128 were not
-faster without the graphs in session 75, and groups of 32 are not measured).
+(:data:`dflash.kernel_patch.DIRECT_LAUNCHES_BY_QUANTIZATION`; without the graphs
+groups of 128 were not faster in session 75, and groups of 32 not separated in session
+76).
 
 mlx reads ``MLX_USE_CUDA_GRAPHS`` once, at its first GPU evaluation in the process, so
 the choice must be made before that. The ``dflash`` generate, chat and server commands

@@ -223,8 +223,9 @@ def test_direct_launches_only_where_dflashs_matmul_runs_and_they_measured_faster
     assert "matmul" in kernel_patch.default_parts(glimmer, ("affine", 8, 64), cuda)
     assert not kernel_patch.prefers_direct_launches(glimmer, ("affine", 8, 64), cuda)
     assert "matmul" in kernel_patch.default_parts(glimmer, ("affine", 4, 32), cuda)
-    unmeasured = (("affine", 4, 32), ("affine", 4, 128), ("affine", 6, 64))
-    for form in unmeasured + (("dense", "bfloat16"), None):
+    # Groups of 32 / 128: not separated (sessions 75-76); 6 bits: not measured.
+    graphs_kept = (("affine", 4, 32), ("affine", 4, 128), ("affine", 6, 64))
+    for form in graphs_kept + (("dense", "bfloat16"), None):
         assert not kernel_patch.prefers_direct_launches(glimmer, form, cuda)
     assert not kernel_patch.prefers_direct_launches("llama", ("affine", 4, 64), cuda)
     assert not kernel_patch.prefers_direct_launches(glimmer, ("affine", 4, 64), "metal")

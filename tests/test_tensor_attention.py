@@ -382,12 +382,17 @@ RAN_ON_THE_H200 |= {
 # Glimmer projection, 1 / 16 / 32 rows, unscaled and scaled, groups of 32, 64 and 128
 # (90 passed: the lean forms launched, the float32 decode's bits, row 0's batch bits).
 # Their one-K-group forms are still emulated and compiled only.
-# Session 76 (no device) found the denormal forms of groups of 32 / 128 unrecorded:
-# default for a trained 4-bit target in those groups since session 74 (the scale
-# target's scales take them too, so they ran inside its rounds and loops), but their own
-# `cuda` test ran only at groups of 64. It is now parametrized by group size; once it
-# passes on a GPU, add those groups here (two K groups) and update RAN_DIGESTS.
-_DENORMAL_RAN = [(k, (4, m), 64) for k in (1, 2) for m in (1, 2)]
+# Session 76 found the denormal forms of groups of 32 / 128 unrecorded: default for a
+# trained 4-bit target in those groups since session 74 (the scale target's scales take
+# them too, so they ran inside its rounds and loops), but their own `cuda` test had run
+# only at groups of 64. Parametrized by group size, it then ran on an H100
+# (docs/benchmarks/h100-2026-12-07-s76, U/, graphs off): every 4-bit Glimmer projection,
+# 1 / 16 / 32 rows, pairs in place or not, groups of 32, 64 and 128, 90 passed (the
+# denormal forms launched, the scaled form's bits, row 0's batch bits). Two K groups;
+# their one-K-group forms at groups of 32 / 128 are emulated and compiled only.
+_DENORMAL_RAN = [(k, (4, m), 64) for k in (1, 2) for m in (1, 2)] + [
+    (2, (4, m), group) for m in (1, 2) for group in (32, 128)
+]
 _LEAN_BYTES_RAN = [
     tensor_qmm.SCALED_SPECS[(2, (8, m), group)]
     for m in (1, 2)
@@ -402,8 +407,9 @@ _DEFAULT_LAUNCHED = (
     + [tensor_qmm.IN_PLACE_SPECS[key] for key in _DENORMAL_RAN]
 )
 MATMUL_RAN = {spec.name("cuda") for spec in _DEFAULT_LAUNCHED}
-# Session 75: the lean 8-bit forms of two K groups at every group size.
-RAN_DIGESTS = {"matmul": "de54670439751414"}
+# Session 75: the lean 8-bit forms of two K groups at every group size. Session 76: the
+# denormal 4-bit forms of two K groups at groups of 32 and 128.
+RAN_DIGESTS = {"matmul": "b69775237fc72c55"}
 RAN_ON_THE_H200 |= MATMUL_RAN
 NOT_RUN_SINCE_CHANGED |= (
     {spec.name("cuda") for spec in tensor_qmm.SPECS}
@@ -483,9 +489,11 @@ def test_the_shipped_tensor_kernels_are_the_ones_run_on_the_h200() -> None:
         for name in scaled - RAN_ON_THE_H200
     )
     # The forms a Glimmer 4-bit verify or decode step takes by default ran in their
-    # text: the pairs in place where its scales allow, else the denormal decode.
+    # text: the pairs in place where its scales allow, else the denormal decode, at
+    # every group size (two K groups, both m-tiles; session 76 for groups of 32 / 128).
     assert tensor_qmm.DENORMAL_Q4 and tensor_qmm.DENORMAL_IN_PLACE
     assert not tensor_qmm.PAIRED_STAGE
     for table in (tensor_qmm.DENORMAL_SPECS, tensor_qmm.IN_PLACE_SPECS):
-        assert table[(2, (4, 1), 64)].name("cuda") in RAN_ON_THE_H200
+        for (k_groups, _, _), spec in table.items():
+            assert k_groups == 1 or spec.name("cuda") in RAN_ON_THE_H200, spec.base
     assert not tensor_qmm.FOLD_Q4_OFFSET

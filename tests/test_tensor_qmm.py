@@ -3514,8 +3514,8 @@ def test_cuda_denormal_form_gives_the_scaled_bits(
     scales of ~0.4, past the decode's limit: session 49's first run on the device failed
     there; at sigma 0.02 they lie below the pairs in place's 2^-5 too, in groups of 32
     to 128). Groups of 32 / 128 take these forms by default since session 74 (a trained
-    model's scales); until this test runs on a GPU at those groups, their forms are
-    recorded as not run (``tests/test_tensor_attention.py``)."""
+    model's scales); this test ran at those groups in session 76 (an H100, 90 passed;
+    recorded in ``tests/test_tensor_attention.py``)."""
     monkeypatch.setenv(tensor_qmm.SCALED_B_ENV, "1")
     monkeypatch.setenv(tensor_qmm.DENORMAL_IN_PLACE_ENV, "1" if in_place else "0")
     case = _glimmer_case(*shape, rows, 4, spread=0.02, group=group)

@@ -1,10 +1,11 @@
 #!/bin/bash
-# Session 76: one driver for the lease's first measuring call. Loads the carried NVRTC
-# cache (ptx.sh), then on an H200 runs the issue's verify-forward goals (callH.sh), on an
-# H100 the groups-of-32 loops with mlx's graphs on (M) against off (K); saves the cache.
+# Session 76: one driver for the lease's first measuring call. Loads the carried compile
+# caches (session 76's cache.sh), then runs on an H200 the issue's verify-forward goals
+# (callH.sh), on an H100 4-bit groups-of-32 loops with mlx's graphs on (M) against off
+# (K); saves the caches.
 # Env: STEP (h200: "4bit" or "bf16"; h100: a loop.sh arm list), PER (seconds a process).
 set -u
-bash .sweep/s66/ptx.sh load
+bash .sweep/s66/cache.sh load
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 echo "gpu: $gpu"
 case "$gpu" in
@@ -17,4 +18,4 @@ case "$gpu" in
   *)
     QUANT=${QUANT:-4bit-g32} PER=${PER:-110} bash .sweep/s66/loop.sh "${STEP:-M K}" ;;
 esac
-bash .sweep/s66/ptx.sh save
+bash .sweep/s66/cache.sh save

@@ -1,4 +1,8 @@
 #!/bin/bash
+# Superseded in session 76 by docs/benchmarks/h100-2026-12-07-s76/scripts/cache.sh. Run
+# after a pytest of our kernels only, this saved an empty archive: mlx's disk cache held
+# none of dflash's custom kernels (only, after later loops, 21 files of mlx's own fused
+# ops), and what persisted for them was the CUDA driver's ~/.nv/ComputeCache.
 # For session 76 on: carry mlx's compiled-kernel disk cache from one lease to the next, so
 # a lease's first process does not pay every NVRTC compile again (sessions 74-75: the
 # first 4-bit process of a lease ran past its 265 / 140 s limit; later ones took 76-100 s).
