@@ -150,7 +150,7 @@ def _glimmer(**quantization):
         (QUANTIZED, True),
         (_glimmer(group_size=64, bits=4, mode="affine"), True),
         (EIGHT_BIT, False),  # dflash's matmuls: the graphs measured faster
-        # dflash's matmul, mlx's graphs kept (sessions 74-75: not measured slower):
+        # dflash's matmul, mlx's graphs kept (sessions 75-76: direct not separated):
         (_glimmer(group_size=32, bits=4), False),
         (_glimmer(group_size=128, bits=4), False),
         (_glimmer(group_size=64, bits=6), False),  # not measured: mlx's matmuls
