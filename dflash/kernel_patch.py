@@ -1437,7 +1437,9 @@ KERNELS_BY_QUANTIZATION: Dict[Tuple[str, str, int, int], Tuple[str, ...]] = {
 # (session 74, lossless); at groups of 128 direct launches took 298 and 361 ms against
 # 325 and 379 with the graphs (session 75), not separated; at groups of 32 269-295 ms
 # against 286-322 (session 76, 4 processes each, lower in 5 of 5 adjacent comparisons
-# but the repetitions overlap: medians 289.0 against 295.8 ms), not separated either.
+# but the repetitions overlap: medians 289.0 against 295.8 ms), not separated either;
+# at groups of 128 again, 6 processes an arm (session 77): 258-281 ms direct against
+# 250-310 with the graphs, p = 0.24, not separated.
 DIRECT_LAUNCHES_BY_QUANTIZATION: FrozenSet[Tuple[str, str, int, int]] = frozenset(
     {("cuda", "muse_glimmer", 4, 64)}
 )

@@ -23,8 +23,7 @@ an 8-bit target with dflash's matmul (session 71, an H100): 340–342 ms with th
 against 374–380 ms without. So direct launches are asked for only where they measured
 faster: a target whose quantized matmuls run dflash's kernel at 4 bits in groups of 64
 (:data:`dflash.kernel_patch.DIRECT_LAUNCHES_BY_QUANTIZATION`; without the graphs
-groups of 128 were not faster in session 75, and groups of 32 not separated in session
-76).
+groups of 128 and of 32 were not separated from them in sessions 75-77).
 
 mlx reads ``MLX_USE_CUDA_GRAPHS`` once, at its first GPU evaluation in the process, so
 the choice must be made before that. The ``dflash`` generate, chat and server commands

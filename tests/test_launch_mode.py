@@ -150,7 +150,7 @@ def _glimmer(**quantization):
         (QUANTIZED, True),
         (_glimmer(group_size=64, bits=4, mode="affine"), True),
         (EIGHT_BIT, False),  # dflash's matmuls: the graphs measured faster
-        # dflash's matmul, mlx's graphs kept (sessions 75-76: direct not separated):
+        # dflash's matmul, mlx's graphs kept (sessions 75-77: direct not separated):
         (_glimmer(group_size=32, bits=4), False),
         (_glimmer(group_size=128, bits=4), False),
         (_glimmer(group_size=64, bits=6), False),  # not measured: mlx's matmuls
@@ -223,7 +223,7 @@ def test_direct_launches_only_where_dflashs_matmul_runs_and_they_measured_faster
     assert "matmul" in kernel_patch.default_parts(glimmer, ("affine", 8, 64), cuda)
     assert not kernel_patch.prefers_direct_launches(glimmer, ("affine", 8, 64), cuda)
     assert "matmul" in kernel_patch.default_parts(glimmer, ("affine", 4, 32), cuda)
-    # Groups of 32 / 128: not separated (sessions 75-76); 6 bits: not measured.
+    # Groups of 32 / 128: not separated (sessions 75-77); 6 bits: not measured.
     graphs_kept = (("affine", 4, 32), ("affine", 4, 128), ("affine", 6, 64))
     for form in graphs_kept + (("dense", "bfloat16"), None):
         assert not kernel_patch.prefers_direct_launches(glimmer, form, cuda)

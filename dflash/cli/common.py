@@ -316,8 +316,8 @@ def target_prefers_direct_launches(model: Optional[str]) -> bool:
     DIRECT_LAUNCHES_BY_QUANTIZATION`: 4-bit, groups of 64, Muse Glimmer). Elsewhere
     mlx's graphs measured faster: a bf16 target (session 69), an 8-bit one with mlx's
     matmuls (session 70) and with dflash's (session 71), all on an H100; other forms
-    keep them: 4-bit groups of 128 were not faster without them (session 75), groups
-    of 32 not separated (session 76), and the rest are not measured.
+    keep them: 4-bit groups of 128 and of 32 were not separated from them (sessions
+    75-77), and the rest are not measured.
 
     A local directory, or a hub model whose config is already in the local cache, is
     read; nothing is downloaded. A config not at hand or not readable, or a
