@@ -19,7 +19,12 @@ next forward, as in the loop). Per arm it reports:
 * with ``--device`` (a GPU, PyTorch in the interpreter for CUPTI): ``busy_ms`` (the time in
   which at least one kernel ran, per forward), ``kernels`` per forward, the costliest
   kernel names, and ``busy_ms`` over the bound (``bound_ms``: the weights once, one
-  embedding row, and the KV rows the planes hold, at ``--bandwidth`` or the device's peak).
+  embedding row, and the KV rows the planes hold, at ``--bandwidth`` or the device's peak);
+  and the goal's budget (session 77): the projections' matmul launches
+  (:data:`MATMUL_NAMES`) against every other launch, each as summed time and launches a
+  forward, and ``room_for_matmuls_ms``, what :data:`GOAL_OVER_BOUND` times the bound
+  leaves the matmuls once the other launches have run (below the time their weights take
+  at the peak, the goal cannot be met by a faster matmul alone).
 
 Arms (``--kernels``: :data:`benchmarks.round_profile.KERNEL_ARMS`) alternate forward by
 forward, the order reversed every other repetition. ``--rows 1 --commit 1`` times a plain
@@ -58,6 +63,25 @@ from .verify_kernels import add_bandwidth_argument, resolve_bandwidth
 
 # Kernel names listed per arm with ``--device`` (the costliest by summed time).
 TOP_KERNELS = 16
+# Issue 16's goal: the verify forward's device time at most this many times its bound.
+GOAL_OVER_BOUND = 1.6
+# Parts of a kernel's name that make it a projection's matmul: dflash's tensor-core and
+# small-row matmuls and their split sums, mlx's quantized and dense matmuls, and the
+# cuBLAS / cuBLASLt / CUTLASS GEMMs mlx calls (with their split-K reductions).
+MATMUL_NAMES = (
+    "dflash_tensor_q",
+    "dflash_tensor_dense",
+    "dflash_tensor_split_sum",
+    "dflash_small_row_",
+    "qmv",
+    "qmm",
+    "gemv",
+    "gemm",
+    "nvjet",
+    "cublas",
+    "cutlass",
+    "splitKreduce",
+)
 
 
 def kv_bytes(cache: Sequence[Any]) -> int:
@@ -106,9 +130,38 @@ def forward_call(
     return call
 
 
+def is_matmul(name: str) -> bool:
+    """Whether the kernel ``name`` is a projection's matmul (:data:`MATMUL_NAMES`)."""
+    return any(part in name for part in MATMUL_NAMES)
+
+
+def split_budget(
+    kernels: Sequence[tuple[str, float, float]], forwards: int
+) -> Dict[str, float]:
+    """The matmul launches against every other launch, per forward: summed device
+    time (ms) and launches of each side.
+
+    Args:
+        kernels: CUPTI's ``(name, start_us, duration_us)`` events over ``forwards``.
+        forwards: How many forwards the events cover.
+    """
+    summed = {True: 0.0, False: 0.0}
+    counted = {True: 0, False: 0}
+    for name, _, duration in kernels:
+        side = is_matmul(name)
+        summed[side] += duration
+        counted[side] += 1
+    return {
+        "matmul_ms": round(summed[True] / forwards / 1e3, 4),
+        "matmul_kernels": round(counted[True] / forwards, 1),
+        "other_ms": round(summed[False] / forwards / 1e3, 4),
+        "other_kernels": round(counted[False] / forwards, 1),
+    }
+
+
 def device_profile(call: Callable[[], None], forwards: int) -> Dict[str, Any]:
-    """Kernels, busy time and the costliest names per forward over ``forwards`` calls
-    (CUPTI)."""
+    """Kernels, busy time, the costliest names and the matmuls' share per forward over
+    ``forwards`` calls (CUPTI)."""
 
     def run() -> None:
         for _ in range(forwards):
@@ -130,6 +183,7 @@ def device_profile(call: Callable[[], None], forwards: int) -> Dict[str, Any]:
             [name, round(counts[name] / forwards, 2), round(us / forwards, 1)]
             for name, us in summed.most_common(TOP_KERNELS)
         ],
+        **split_budget(kernels, forwards),
     }
 
 
@@ -202,6 +256,8 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     }
     for arm, profile in device.items():
         profile["over_bound"] = round(profile["busy_ms"] / bound_ms, 2)
+        room = GOAL_OVER_BOUND * bound_ms - profile["other_ms"]
+        profile["room_for_matmuls_ms"] = round(room, 3)
     if device:
         report["device"] = device
     report["total_s"] = round(time.time() - began, 1)
@@ -265,7 +321,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if profile:
             line += (
                 f"; device busy {profile['busy_ms']} ms, {profile['over_bound']}x the "
-                f"bound, {profile['kernels']} kernels"
+                f"bound, {profile['kernels']} kernels; matmuls {profile['matmul_ms']} "
+                f"ms in {profile['matmul_kernels']}, the rest {profile['other_ms']} ms "
+                f"in {profile['other_kernels']}, so {GOAL_OVER_BOUND}x the bound leaves "
+                f"the matmuls {profile['room_for_matmuls_ms']} ms"
             )
         print(line, flush=True)
 

@@ -101,9 +101,84 @@ def test_device_reports_per_forward_kernels_and_the_ratio(monkeypatch, tmp_path)
     assert (profile["busy_ms"], profile["sum_ms"]) == (0.0095, 0.012)
     assert profile["top_us"] == [["gemm", 1.0, 7.0], ["norm", 0.5, 5.0]]
     assert profile["over_bound"] == round(0.0095 / report["bound_ms"], 2)
+    # The budget: "gemm" is a matmul (14 us over two forwards), "norm" the rest (10 us).
+    assert (profile["matmul_ms"], profile["matmul_kernels"]) == (0.007, 1.0)
+    assert (profile["other_ms"], profile["other_kernels"]) == (0.005, 0.5)
+    room = verify_forward.GOAL_OVER_BOUND * report["bound_ms"] - 0.005
+    assert profile["room_for_matmuls_ms"] == round(room, 3)
     assert len(seen) == 1
     # One warm-up forward of the arm and the two traced ones, 7 rows kept each.
     assert report["context_end"] == report["context_start"] + (1 + 1 + 2) * 7
+
+
+@pytest.mark.parametrize(
+    "name, matmul",
+    [
+        # Names as CUPTI gave them in session 64's 4-bit verify forward on an H100.
+        (
+            "mlx::core::cu::custom_kernel_dflash_tensor_q4_m1_scaled_g64_k2_denorm_inpla",
+            True,
+        ),
+        (
+            "mlx::core::cu::custom_kernel_dflash_tensor_q4_m1_scaled_g64_k2_swiglu_denor",
+            True,
+        ),
+        (
+            "mlx::core::cu::custom_kernel_dflash_tensor_split_sum_0a1b2c3d4e_bfloat16_t",
+            True,
+        ),
+        (
+            "mlx::core::cu::custom_kernel_dflash_small_row_affine_0a1b2c3d4e_bfloat16_t",
+            True,
+        ),
+        (
+            "void mlx::core::cu::qmv_kernel<8, 16, 64, true, false, cutlass::bfloat16_t, ",
+            True,
+        ),
+        ("nvjet_sm90_tst_192x16_64x8_4x1_v_bz_TNT", True),
+        (
+            "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16, float",
+            True,
+        ),
+        (
+            "mlx::core::cu::custom_kernel_dflash_attend_chunks_wide128_05701b4585_bfloat",
+            False,
+        ),
+        (
+            "mlx::core::cu::custom_kernel_dflash_residual_norm_l2_47b1d4380d_bfloat16_t(",
+            False,
+        ),
+        (
+            "mlx::core::cu::custom_kernel_dflash_head_prep_f571d7ee08_bfloat16_t(__nv_bf",
+            False,
+        ),
+        (
+            "mlx::core::cu::custom_kernel_dflash_fold_gated_9673575981_bfloat16_t(float ",
+            False,
+        ),
+        (
+            "void mlx::core::cu::CV2ISigmoidADV2IMultiplyACEV2OMultiplyDB_VV_V2V2_614250",
+            False,
+        ),
+        (
+            "void mlx::core::cu::copy_gg_nd<__nv_bfloat16, __nv_bfloat16, int, 2, 4>(__nv",
+            False,
+        ),
+        (
+            "cudnn_generated_fort_native_sdpa_sm80_flash_fprop_wmma_f16_knob_35_16x128x1",
+            False,
+        ),
+        (
+            "void mlx::core::cu::rms_norm_small<__nv_bfloat16, 128, 7, false, 8>(__nv_bf",
+            False,
+        ),
+    ],
+)
+def test_the_budget_counts_projection_matmuls_and_nothing_else(name, matmul):
+    assert verify_forward.is_matmul(name) is matmul
+    budget = verify_forward.split_budget([(name, 0.0, 8.0), ("x", 0.0, 2.0)], 2)
+    expected = (0.004, 0.5, 0.001, 0.5) if matmul else (0.0, 0.0, 0.005, 1.0)
+    assert tuple(budget.values()) == expected
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,10 @@
 #!/bin/bash
 # Sessions 76-77: carry the compile caches from one lease to the next. What persists
 # between processes on an H100: mlx's disk cache of its own JIT kernels,
-# /tmp/mlx/<mlx version>/ptx (fused elementwise ops; none of dflash's custom kernels), and
-# the CUDA driver's cache of PTX compiled to SASS, ~/.nv/ComputeCache (dflash's kernels).
+# /tmp/mlx/<mlx version>/ptx (its fused ops and quantized matmuls, which mlx-lm's plain
+# decoding in each benchmark process uses), and the CUDA driver's JIT cache,
+# ~/.nv/ComputeCache (not broken down). dflash's own kernels are in neither: mlx writes
+# no cache for custom kernels and compiles them straight to SASS (session 77).
 # Session 77: a call's working tree (43.7 MB tracked) plus its carry must stay under
 # 64 MiB, so the parts (15 MB each) cannot ride with the wheel's; each travels in a call
 # of its own, copied to /root/ptx, before the install call.
