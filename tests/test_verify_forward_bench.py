@@ -114,7 +114,8 @@ def test_device_reports_per_forward_kernels_and_the_ratio(monkeypatch, tmp_path)
 @pytest.mark.parametrize(
     "name, matmul",
     [
-        # Names as CUPTI gave them in session 64's 4-bit verify forward on an H100.
+        # Names as CUPTI gave them (sessions 60 and 64, an H200 and an H100), cut to
+        # 80 characters; the split sum's and the small-row form's digests made up.
         (
             "mlx::core::cu::custom_kernel_dflash_tensor_q4_m1_scaled_g64_k2_denorm_inpla",
             True,
