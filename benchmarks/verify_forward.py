@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import statistics
 import sys
 import time
@@ -47,6 +48,7 @@ from collections import Counter
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import generation_stream
 
 from dflash import dflash_round
@@ -55,6 +57,7 @@ from dflash.bench.report import environment
 from dflash.bench.scale import build_scale_pair, scale_prompts
 from dflash.bench.scale_target import QUANTS, step_read_bytes
 from dflash.cache import SpeculativeCheckpoint
+from dflash.metal import kept_modules
 from dflash.taps import TargetTaps
 
 from .common import busy_us, cupti_trace, write_json
@@ -116,7 +119,7 @@ def forward_call(
     Shapes: block ``(1, rows)``.
     """
 
-    def call() -> None:
+    def call() -> mx.array:
         checkpoint = SpeculativeCheckpoint.begin(cache, block.shape[1])
         try:
             logits = model(block, cache=cache)
@@ -126,8 +129,15 @@ def forward_call(
             checkpoint.rollback()
             raise
         checkpoint.commit(commit)
+        return logits
 
     return call
+
+
+def logits_digest(logits: mx.array) -> str:
+    """SHA-256 of ``logits``' bytes (as float32): the same digest in two processes
+    means the same bits, whichever process compiled the kernels."""
+    return hashlib.sha256(np.array(logits.astype(mx.float32)).tobytes()).hexdigest()
 
 
 def is_matmul(name: str) -> bool:
@@ -203,6 +213,7 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
     prompt = scale_prompts(target, args.context + args.rows, 1, 0)[0]
     walls: Dict[str, List[float]] = {arm: [] for arm in args.kernels}
     first: Dict[str, float] = {}
+    first_digest = ""
     device: Dict[str, Any] = {}
     with mx.stream(generation_stream):
         cache, _ = _prefill_dflash(target, drafter, prompt[: args.context])
@@ -218,8 +229,10 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
                     call = forward_call(target, cache, taps, block, args.commit)
                     mx.synchronize()
                     start = time.perf_counter()
-                    call()
+                    logits = call()
                     took[arm] = 1e3 * (time.perf_counter() - start)
+                    if not first:
+                        first_digest = logits_digest(logits)
                     first.setdefault(arm, took[arm])
                     if rep >= args.warmup:
                         walls[arm].append(took[arm])
@@ -246,6 +259,8 @@ def run(args: argparse.Namespace, command: str) -> Dict[str, Any]:
         "build_s": round(built - began, 1),
         "prefill_s": round(prefilled - built, 1),
         "first_forward_ms": {arm: round(ms, 3) for arm, ms in first.items()},
+        "first_logits_sha256": first_digest,
+        "kept_modules": kept_modules.report(),
         "wall_ms": {
             arm: {
                 "median": round(statistics.median(times), 3),
@@ -310,6 +325,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(
         f"rows {report['rows']}, bound {report['bound_ms']} ms "
         f"({report['bound_bytes'] / 1e9:.2f} GB at {report['bandwidth'] / 1e12:.2f} TB/s)",
+        flush=True,
+    )
+    print(
+        f"build {report['build_s']} s, prefill {report['prefill_s']} s, first logits "
+        f"{report['first_logits_sha256'][:16]}, kept modules {report['kept_modules']}",
         flush=True,
     )
     for arm, wall in report["wall_ms"].items():

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import kernel_files
+from . import kept_modules, kernel_files
 from .sources import CUDA, MAX_PLANES, METAL, KernelSpec, compact_text
 
 Kernel = Callable[..., list]
@@ -227,7 +227,9 @@ def make_kernel(backend: str, **fields: Any) -> Optional[Kernel]:
     The source and header are handed over compacted (:func:`compact_text`: mlx hashes
     them at every CUDA launch), and on CUDA as one ``#include`` line each where their
     files can be written (:mod:`.kernel_files`); the name, made from the full texts,
-    stays.
+    stays. A CUDA kernel comes wrapped in :class:`.kept_modules.KeptKernel` (unless
+    ``DFLASH_KEPT_MODULES=0``), which leaves each launch form compiled where mlx looks
+    before it compiles, so later processes load it.
 
     Args:
         backend: ``"metal"`` or ``"cuda"``.
@@ -254,9 +256,14 @@ def make_kernel(backend: str, **fields: Any) -> Optional[Kernel]:
     try:
         if backend == METAL:
             return mx.fast.metal_kernel(**fields)
-        return mx.fast.cuda_kernel(**fields)
+        kernel = mx.fast.cuda_kernel(**fields)
     except RuntimeError:
         return None
+    if NATIVE_BACKEND == CUDA and strict_switch(
+        kept_modules.KEPT_MODULES_ENV, None, kept_modules.spelled()
+    ):
+        return kept_modules.KeptKernel(kernel, fields)
+    return kernel
 
 
 @functools.lru_cache(maxsize=None)

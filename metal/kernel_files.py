@@ -69,6 +69,18 @@ def write_text(path: Path, text: str) -> None:
     except OSError:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
+    replace_atomically(path, data)
+    if path.read_bytes() != data:
+        raise OSError(f"{path} does not hold the text just written to it")
+
+
+def replace_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file beside ``path`` and rename it over ``path``
+    (a reader sees the old file or the whole new one; the temporary never stays).
+
+    Raises:
+        OSError: The temporary cannot be made or written, or the rename fails.
+    """
     handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     try:
         with os.fdopen(handle, "wb") as file:
@@ -80,8 +92,6 @@ def write_text(path: Path, text: str) -> None:
         except OSError:
             pass
         raise
-    if path.read_bytes() != data:
-        raise OSError(f"{path} does not hold the text just written to it")
 
 
 def include_line(path: Path) -> str:
