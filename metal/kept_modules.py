@@ -40,6 +40,7 @@ import ctypes
 import ctypes.util
 import glob
 import os
+import re
 from pathlib import Path
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
@@ -412,18 +413,22 @@ def _mapped_libraries(marker: str) -> list[str]:
     return sorted({f[-1] for f in fields if len(f) >= 6 and marker in Path(f[-1]).name})
 
 
-def _site_roots() -> list[Path]:
-    """The directories holding mlx's package (and the ``nvidia`` wheels beside it)."""
-    return [Path(path).parent for path in getattr(mx, "__path__", [])] + [
-        Path(path).parents[1] for path in _mapped_libraries("libmlx")
-    ]
+def mlx_roots() -> list[Path]:
+    """mlx's package directories (``site-packages/mlx``): the imported package's, and
+    the one above each ``libmlx`` this process mapped (``mlx/lib/libmlx.so``)."""
+    import mlx
+
+    roots = [Path(path) for path in getattr(mlx, "__path__", [])]
+    roots += [Path(path).parents[1] for path in _mapped_libraries("libmlx")]
+    return list(dict.fromkeys(roots))
 
 
 def _nvrtc_candidates() -> list[str]:
     found = _mapped_libraries("libnvrtc.so")
     found = [path for path in found if "builtins" not in Path(path).name]
-    for root in _site_roots():
-        found += sorted(glob.glob(str(root / "nvidia" / "*" / "lib" / "libnvrtc.so*")))
+    for root in mlx_roots():
+        wheels = root.parent / "nvidia" / "*" / "lib" / "libnvrtc.so*"
+        found += sorted(glob.glob(str(wheels)))
     system = ctypes.util.find_library("nvrtc")
     return found + ([system] if system else [])
 
@@ -433,7 +438,7 @@ def include_options() -> list[str]:
     (and its ``cccl``), the CUDA runtime headers of the ``nvidia`` wheels beside mlx,
     else ``CUDA_HOME`` / ``CUDA_PATH`` / ``/usr/local/cuda``."""
     paths: list[Path] = []
-    for mlx_root in (Path(path) for path in getattr(mx, "__path__", [])):
+    for mlx_root in mlx_roots():
         paths += [mlx_root / "include", mlx_root / "include" / "cccl"]
         for runtime in ("cu13", "cu12", "cuda_runtime"):
             paths.append(mlx_root.parent / "nvidia" / runtime / "include")
@@ -450,16 +455,20 @@ def include_options() -> list[str]:
 
 
 def device_capability() -> Tuple[int, int]:
-    """The default CUDA device's compute capability, from ``mx.device_info``.
+    """The default CUDA device's compute capability, from ``mx.device_info``
+    (``compute_capability_major`` / ``_minor``, else its ``architecture``, ``sm_90``).
 
     Raises:
-        RuntimeError: mlx does not report it.
+        RuntimeError: mlx reports neither.
     """
     info = mx.device_info()
     major, minor = (info.get(f"compute_capability_{k}") for k in ("major", "minor"))
-    if not isinstance(major, int) or not isinstance(minor, int):
+    if isinstance(major, int) and isinstance(minor, int):
+        return major, minor
+    found = re.fullmatch(r"sm_(\d+)(\d)\w*", str(info.get("architecture", "")))
+    if found is None:
         raise RuntimeError("mlx reports no compute capability for this device")
-    return major, minor
+    return int(found.group(1)), int(found.group(2))
 
 
 class Compiler:

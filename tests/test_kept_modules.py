@@ -308,6 +308,26 @@ def test_sass_where_mlx_compiles_sass(nvrtc, device, sass) -> None:
     assert compiler.supports_sass(*device) is sass
 
 
+@pytest.mark.parametrize(
+    "info, capability",
+    [
+        ({"compute_capability_major": 9, "compute_capability_minor": 0}, (9, 0)),
+        ({"architecture": "sm_90a"}, (9, 0)),
+        ({"architecture": "sm_86"}, (8, 6)),
+        ({"architecture": "sm_120"}, (12, 0)),
+    ],
+)
+def test_the_device_capability_is_read_from_mlx(monkeypatch, info, capability):
+    monkeypatch.setattr(mx, "device_info", lambda: info)
+    assert kept_modules.device_capability() == capability
+
+
+def test_no_capability_is_a_clear_failure(monkeypatch) -> None:
+    monkeypatch.setattr(mx, "device_info", lambda: {"device_name": "cpu"})
+    with pytest.raises(RuntimeError, match="no compute capability"):
+        kept_modules.device_capability()
+
+
 def _made(monkeypatch, native: str | None) -> object:
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **fields: FakeKernel())
     monkeypatch.setattr(backend, "NATIVE_BACKEND", native)
