@@ -368,12 +368,17 @@ TOY_BODY = """
 """
 
 
-def _toy_fields(tag: str) -> dict:
+# Kept forms are compiled without mlx's device headers (no Shape type): the kernels
+# kept name no input's shape, as the package's never do.
+KEPT_BODY = TOY_BODY.replace("a_shape[0]", "8u")
+
+
+def _toy_fields(tag: str, body: str = KEPT_BODY) -> dict:
     return {
         "name": f"dflash_kept_probe_{tag}_{uuid.uuid4().hex[:8]}",
         "input_names": ["a", "b"],
         "output_names": ["out"],
-        "source": TOY_BODY,
+        "source": body,
         "header": TOY_HEADER,
     }
 
@@ -401,7 +406,7 @@ def _toy_launch(kernel, dtype, verbose: bool = False) -> mx.array:
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
 def test_the_generated_source_is_what_mlx_prints(capfd, dtype) -> None:
-    fields = _toy_fields("print")
+    fields = _toy_fields("print", TOY_BODY)
     kernel = mx.fast.cuda_kernel(**fields)
     _toy_launch(kernel, dtype, verbose=True)
     printed = capfd.readouterr().out
@@ -449,7 +454,7 @@ def test_mlx_loads_a_kept_module_instead_of_compiling() -> None:
 def test_a_kept_kernel_gives_the_references_bits(monkeypatch, dtype) -> None:
     monkeypatch.setattr(kept_modules, "STATS", kept_modules.collections.Counter())
     # A body that names no shape: make_kernel hands mlx its #include stubs.
-    fields = dict(_toy_fields("real"), source=TOY_BODY.replace("a_shape[0]", "8u"))
+    fields = _toy_fields("real")
     kernel = backend.make_kernel(CUDA, **fields)
     assert isinstance(kernel, kept_modules.KeptKernel)
     out = _toy_launch(kernel, dtype)
