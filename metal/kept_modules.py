@@ -50,6 +50,8 @@ from . import kernel_files
 
 KEPT_MODULES_ENV = "DFLASH_KEPT_MODULES"
 PTX_DIR_ENV = "MLX_PTX_CACHE_DIR"
+# The NVRTC library to compile with (default: mlx's; see Nvrtc.load).
+NVRTC_ENV = "DFLASH_NVRTC"
 
 # mlx versions whose generated custom-kernel source generated_source() spells.
 SPELLED_MLX_VERSIONS = ("0.32.4",)
@@ -302,14 +304,16 @@ class Nvrtc:
 
     @classmethod
     def load(cls) -> "Nvrtc":
-        """The NVRTC mlx loaded (from this process's mapped libraries), else the one
-        beside mlx's wheel (``nvidia/*/lib``), else the system's.
+        """The library ``DFLASH_NVRTC`` names when set, else the NVRTC mlx loaded (from
+        this process's mapped libraries), else the one beside mlx's wheel
+        (``nvidia/*/lib``), else the system's.
 
         Raises:
             NvrtcError: None can be loaded.
         """
         for path in _nvrtc_candidates():
             try:
+                _load_builtins_beside(path)
                 return cls(ctypes.CDLL(path))
             except (OSError, AttributeError, NvrtcError):
                 continue
@@ -423,7 +427,19 @@ def mlx_roots() -> list[Path]:
     return list(dict.fromkeys(roots))
 
 
+def _load_builtins_beside(path: str) -> None:
+    """Load the ``libnvrtc-builtins`` next to NVRTC library ``path`` into the global
+    namespace: NVRTC opens it by name at its first compile, which fails where the
+    directory is on no search path (mlx's own first compile may come after ours)."""
+    directory = Path(path).parent
+    for builtins in sorted(directory.glob("libnvrtc-builtins.so*")):
+        ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+
+
 def _nvrtc_candidates() -> list[str]:
+    chosen = os.environ.get(NVRTC_ENV, "").strip()
+    if chosen:
+        return [chosen]
     found = _mapped_libraries("libnvrtc.so")
     found = [path for path in found if "builtins" not in Path(path).name]
     for root in mlx_roots():
