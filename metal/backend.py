@@ -227,9 +227,9 @@ def make_kernel(backend: str, **fields: Any) -> Optional[Kernel]:
     The source and header are handed over compacted (:func:`compact_text`: mlx hashes
     them at every CUDA launch), and on CUDA as one ``#include`` line each where their
     files can be written (:mod:`.kernel_files`); the name, made from the full texts,
-    stays. A CUDA kernel comes wrapped in :class:`.kept_modules.KeptKernel` (unless
-    ``DFLASH_KEPT_MODULES=0``), which leaves each launch form compiled where mlx looks
-    before it compiles, so later processes load it.
+    stays. With ``DFLASH_KEPT_MODULES`` on, a CUDA kernel comes wrapped in
+    :class:`.kept_modules.KeptKernel`, which leaves each launch form compiled where mlx
+    looks before it compiles, so later processes load it.
 
     Args:
         backend: ``"metal"`` or ``"cuda"``.
@@ -260,7 +260,7 @@ def make_kernel(backend: str, **fields: Any) -> Optional[Kernel]:
     except RuntimeError:
         return None
     if NATIVE_BACKEND == CUDA and strict_switch(
-        kept_modules.KEPT_MODULES_ENV, None, kept_modules.spelled()
+        kept_modules.KEPT_MODULES_ENV, None, kept_modules.by_default()
     ):
         return kept_modules.KeptKernel(kernel, fields)
     return kernel

@@ -337,14 +337,24 @@ def _made(monkeypatch, native: str | None) -> object:
 def test_make_kernel_keeps_only_on_mlxs_cuda_backend(monkeypatch) -> None:
     monkeypatch.delenv(kept_modules.KEPT_MODULES_ENV, raising=False)
     monkeypatch.setattr(kept_modules, "SPELLED_MLX_VERSIONS", (mx.__version__,))
+    monkeypatch.setattr(kept_modules, "KEPT_BY_DEFAULT", True)
     assert isinstance(_made(monkeypatch, CUDA), kept_modules.KeptKernel)
     assert isinstance(_made(monkeypatch, None), FakeKernel)
     monkeypatch.setenv(kept_modules.KEPT_MODULES_ENV, "0")
     assert isinstance(_made(monkeypatch, CUDA), FakeKernel)
 
 
+def test_kept_modules_are_opt_in_until_a_gpu_proves_them(monkeypatch) -> None:
+    monkeypatch.delenv(kept_modules.KEPT_MODULES_ENV, raising=False)
+    assert kept_modules.KEPT_BY_DEFAULT is False
+    assert isinstance(_made(monkeypatch, CUDA), FakeKernel)
+    monkeypatch.setenv(kept_modules.KEPT_MODULES_ENV, "1")
+    assert isinstance(_made(monkeypatch, CUDA), kept_modules.KeptKernel)
+
+
 def test_an_unspelled_mlx_keeps_nothing_unless_asked(monkeypatch) -> None:
     monkeypatch.delenv(kept_modules.KEPT_MODULES_ENV, raising=False)
+    monkeypatch.setattr(kept_modules, "KEPT_BY_DEFAULT", True)
     monkeypatch.setattr(kept_modules, "SPELLED_MLX_VERSIONS", ("0.0.0",))
     assert isinstance(_made(monkeypatch, CUDA), FakeKernel)
     monkeypatch.setenv(kept_modules.KEPT_MODULES_ENV, "1")
@@ -453,6 +463,7 @@ def test_mlx_loads_a_kept_module_instead_of_compiling() -> None:
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_a_kept_kernel_gives_the_references_bits(monkeypatch, dtype) -> None:
     monkeypatch.setattr(kept_modules, "STATS", kept_modules.collections.Counter())
+    monkeypatch.setenv(kept_modules.KEPT_MODULES_ENV, "1")
     # A body that names no shape: make_kernel hands mlx its #include stubs.
     fields = _toy_fields("real")
     kernel = backend.make_kernel(CUDA, **fields)
