@@ -60,11 +60,11 @@ SPELLED_MLX_VERSIONS = ("0.32.4",)
 # compile (not yet: no device came in session 78).
 KEPT_BY_DEFAULT = False
 
-# What mlx 0.32.4 puts before a custom kernel's header (custom_kernel.cpp).
+# What mlx 0.32.4 puts before a custom kernel's header (custom_kernel.cpp; as mlx printed
+# it on an H100 in session 78: no ``#define inf`` line, which mlx dropped in 2026-06).
 DEFAULT_HEADER = (
     '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n'
     "#include <cooperative_groups.h>\n\n"
-    "#define inf cuda::std::numeric_limits<float>::infinity()\n\n"
 )
 UTILS_HEADER = "mlx/backend/cuda/device/utils.cuh"
 # Handed to NVRTC under UTILS_HEADER's name: the CUDA headers mlx's own includes.

@@ -31,6 +31,7 @@ from typing import Iterable, Optional, Sequence
 
 import mlx.core as mx
 
+from dflash.metal import kept_modules
 from dflash.metal.backend import PACK_SLOTS, pack_spec
 from dflash.metal.sources import (
     CUDA,
@@ -59,15 +60,8 @@ METAL_TYPES = {
 }
 CUDA_TYPES = dict(METAL_TYPES)
 
-# mlx's CUDA default header (mlx/backend/cuda/custom_kernel.cpp).
-_CUDA_DEFAULT_HEADER = """
-#include "mlx/backend/cuda/device/utils.cuh"
-
-#include <cooperative_groups.h>
-
-#define inf cuda::std::numeric_limits<float>::infinity()
-
-"""
+# mlx's CUDA default header (0.32.4, as mlx printed it on an H100 in session 78).
+_CUDA_DEFAULT_HEADER = kept_modules.DEFAULT_HEADER
 
 # Plane counts whose P-ary kernels the checks compile: small ones plus the
 # Metal per-launch maxima the wrappers chunk by.

@@ -44,6 +44,7 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from dflash.metal import kept_modules
 from dflash.metal.groups import GroupKernelSpec
 from dflash.metal.sources import CUDA, METAL
 
@@ -133,15 +134,8 @@ using namespace metal;
 """
 )
 
-# mlx's CUDA default header (mlx/backend/cuda/custom_kernel.cpp, 0.32.4).
-CUDA_DEFAULT_HEADER = """
-#include "mlx/backend/cuda/device/utils.cuh"
-
-#include <cooperative_groups.h>
-
-#define inf cuda::std::numeric_limits<float>::infinity()
-
-"""
+# mlx's CUDA default header (0.32.4, as mlx printed it on an H100 in session 78).
+CUDA_DEFAULT_HEADER = kept_modules.DEFAULT_HEADER
 
 CANARY_BYTES = 4096
 CANARY = 0xA5
