@@ -58,10 +58,7 @@ METAL_TYPES = {
     mx.uint64: "uint64_t",
     mx.int32: "int32_t",
 }
-CUDA_TYPES = dict(METAL_TYPES)
 
-# mlx's CUDA default header (0.32.4, as mlx printed it on an H100 in session 78).
-_CUDA_DEFAULT_HEADER = kept_modules.DEFAULT_HEADER
 
 # Plane counts whose P-ary kernels the checks compile: small ones plus the
 # Metal per-launch maxima the wrappers chunk by.
@@ -150,23 +147,17 @@ def metal_translation_unit(
 
 
 def cuda_translation_unit(spec: KernelSpec, word: mx.Dtype) -> str:
-    """The CUDA source mlx would generate for ``spec`` at word type ``word``."""
-    name = cuda_kernel_name(spec, word)
-    args = [
-        f"    const {CUDA_TYPES[input_dtype(arg, word)]}* {arg}"
-        for arg in spec.input_names
-    ]
-    args += [f"    {CUDA_TYPES[word]}* {arg}" for arg in spec.output_names]
-    return (
-        _CUDA_DEFAULT_HEADER
-        + "namespace mlx::core::cu {\n\n"
-        + "namespace cg = cooperative_groups;\n\n"
-        + f"__global__ void {name}(\n"
-        + ",\n".join(args)
-        + ") {\n"
-        + f"  using T = {CUDA_TYPES[word]};\n\n"
-        + spec.source(CUDA)
-        + "\n}\n\n} // namespace mlx::core::cu\n"
+    """The CUDA source mlx would generate for ``spec`` at word type ``word``
+    (:func:`dflash.metal.kept_modules.generated_source`, the package's spelling)."""
+    return kept_modules.generated_source(
+        cuda_kernel_name(spec, word),
+        "",
+        spec.source(CUDA),
+        spec.input_names,
+        [(input_dtype(arg, word), 1) for arg in spec.input_names],
+        spec.output_names,
+        [word] * len(spec.output_names),
+        [("T", word)],
     )
 
 

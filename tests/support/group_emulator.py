@@ -76,14 +76,8 @@ METAL_TYPES = {
     mx.uint32: "uint32_t",
     mx.uint8: "uint8_t",
 }
-CUDA_TYPES = {
-    mx.float32: "float",
-    mx.float16: "__half",
-    mx.bfloat16: "__nv_bfloat16",
-    mx.int32: "int32_t",
-    mx.uint32: "uint32_t",
-    mx.uint8: "uint8_t",
-}
+# mlx's CUDA spelling of each dtype (the package's table).
+CUDA_TYPES = kept_modules.CUDA_TYPES
 _NAMED = {"int32": mx.int32, "uint32": mx.uint32, "float32": mx.float32}
 TEMPLATE_TYPES = (mx.float32, mx.float16, mx.bfloat16)
 
@@ -221,26 +215,26 @@ def cuda_params(spec: GroupKernelSpec, dtype: mx.Dtype) -> list[str]:
 def cuda_unit(
     spec: GroupKernelSpec, dtype: mx.Dtype, default_header: bool = True
 ) -> str:
-    """The CUDA source mlx generates for ``spec`` at template type ``dtype``.
+    """The CUDA source mlx generates for ``spec`` at template type ``dtype``
+    (:func:`dflash.metal.kept_modules.generated_source`, the package's spelling).
 
     Args:
         spec: Kernel contract.
         dtype: The template type ``T``.
         default_header: Whether to start with mlx's default header (its includes).
     """
-    name = f"custom_kernel_{spec.name(CUDA)}_{type_suffix(dtype)}"
-    args = [f"    {param}" for param in cuda_params(spec, dtype)]
-    return (
-        (CUDA_DEFAULT_HEADER if default_header else "")
-        + spec.header(CUDA)
-        + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-        + f"__global__ void {name}(\n"
-        + ",\n".join(args)
-        + ") {\n"
-        + f"  using T = {CUDA_TYPES[dtype]};\n\n"
-        + spec.source(CUDA)
-        + "\n}\n\n} // namespace mlx::core::cu\n"
+    template = [("T", dtype)]
+    unit = kept_modules.generated_source(
+        f"custom_kernel_{spec.name(CUDA)}{kept_modules.template_suffix(template)}",
+        spec.header(CUDA),
+        spec.source(CUDA),
+        spec.input_names,
+        [(element_dtype(kind, dtype), 1) for kind in spec.input_types],
+        spec.output_names,
+        [element_dtype(kind, dtype) for kind in spec.output_types],
+        template,
     )
+    return unit if default_header else unit[len(CUDA_DEFAULT_HEADER) :]
 
 
 def _metal_file(specs: Sequence[GroupKernelSpec], every_space: bool = False) -> str:
