@@ -19,12 +19,14 @@ meets it, so later processes load the module instead of compiling it:
   its first run (session 78, an H100) found :data:`DEFAULT_HEADER` one line off, fixed
   since but not rerun.
 * **The image is compiled here** by the NVRTC library mlx itself loaded, from that same
-  source and mlx's options, with one difference: mlx hands NVRTC its device headers from
-  strings inside ``libmlx`` (the wheel ships none of them as files), so
-  ``mlx/backend/cuda/device/utils.cuh`` is given as :data:`PRELUDE`, the CUDA headers it
-  includes. A source that needs more of mlx's headers (the gated fold names mlx's
-  ``Sigmoid``, whose arithmetic must stay mlx's) fails to compile here and is left to
-  mlx, which compiles it as before.
+  source, with mlx's options and mlx's own device headers. mlx hands NVRTC those headers
+  from strings inside ``libmlx`` (the wheel ships none of them as files);
+  :mod:`.mlx_headers` reads the same two tables out of the mapped ``libmlx``, so the
+  compile is mlx's own, the kernels that name mlx's ``Sigmoid`` (the gated fold, the
+  SwiGLU forms) included. Where the tables cannot be read (a stripped or foreign
+  library), :data:`PRELUDE`, the CUDA headers ``utils.cuh`` includes, stands in for
+  ``utils.cuh``, and a source that needs more of mlx's headers fails to compile here
+  and is left to mlx, which compiles it as before.
 * **Fail open, never half-written.** Any failure (no NVRTC, no device, a compile error,
   an unwritable directory) keeps mlx's own compile for that form and is counted in
   :data:`STATS`; the ``.txt`` is written before the ``.ptx``, each by an atomic rename,
@@ -49,7 +51,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from . import kernel_files
+from . import kernel_files, mlx_headers
 
 KEPT_MODULES_ENV = "DFLASH_KEPT_MODULES"
 PTX_DIR_ENV = "MLX_PTX_CACHE_DIR"
@@ -69,7 +71,8 @@ DEFAULT_HEADER = (
     "#include <cooperative_groups.h>\n\n"
 )
 UTILS_HEADER = "mlx/backend/cuda/device/utils.cuh"
-# Handed to NVRTC under UTILS_HEADER's name: the CUDA headers mlx's own includes.
+# Handed to NVRTC under UTILS_HEADER's name where mlx's own headers cannot be read from
+# libmlx (compile_headers): the CUDA headers mlx's own includes.
 PRELUDE = (
     "#pragma once\n"
     "#include <cuda_bf16.h>\n"
@@ -507,16 +510,34 @@ class Compiler:
             *include_options(),
         ]
 
+        self.headers, self.header_source = compile_headers(libmlx_path())
+
     def image(self, name: str, source: str, kernel: str) -> Tuple[bytes, str]:
         """``(image, lowered name)`` of module ``name`` (see :meth:`Nvrtc.compile`)."""
         return self.nvrtc.compile(
-            source,
-            name + ".cu",
-            kernel,
-            {UTILS_HEADER: PRELUDE},
-            self.options,
-            self.sass,
+            source, name + ".cu", kernel, self.headers, self.options, self.sass
         )
+
+
+def libmlx_path() -> Optional[Path]:
+    """The ``libmlx`` this process mapped, else the one in mlx's package (None: none)."""
+    for path in _mapped_libraries("libmlx"):
+        return Path(path)
+    for root in mlx_roots():
+        for candidate in sorted((root / "lib").glob("libmlx.so*")):
+            return candidate
+    return None
+
+
+def compile_headers(library: Optional[Path]) -> Tuple[Dict[str, str], str]:
+    """The headers NVRTC is handed: mlx's own, read from ``library``
+    (:func:`~dflash.metal.mlx_headers.device_headers`, source ``"mlx"``), else
+    :data:`PRELUDE` as ``utils.cuh`` (source ``"prelude"``: the kernels that need
+    more of mlx's headers then fail to compile and are left to mlx)."""
+    headers = mlx_headers.device_headers(library)
+    if headers and UTILS_HEADER in headers:
+        return headers, "mlx"
+    return {UTILS_HEADER: PRELUDE}, "prelude"
 
 
 _COMPILER: list = []
@@ -615,5 +636,12 @@ class KeptKernel:
 
 
 def report() -> Dict[str, Any]:
-    """The process's counts and its last failures (for benchmarks and tests)."""
-    return {"counts": dict(STATS), "failures": dict(LAST_FAILURE)}
+    """The process's counts, its last failures and whose headers its compiles used
+    (``"mlx"``, ``"prelude"``, or None before the first compile; for benchmarks and
+    tests)."""
+    made = _COMPILER[0] if _COMPILER else None
+    return {
+        "counts": dict(STATS),
+        "failures": dict(LAST_FAILURE),
+        "headers": made.header_source if isinstance(made, Compiler) else None,
+    }

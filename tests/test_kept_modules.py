@@ -378,8 +378,8 @@ TOY_BODY = """
 """
 
 
-# Kept forms are compiled without mlx's device headers (no Shape type): the kernels
-# kept name no input's shape, as the package's never do.
+# Kept forms fall back to the prelude (no Shape type) where mlx's headers cannot be read
+# from libmlx: the toy kept here names no input's shape, as the package's never do.
 KEPT_BODY = TOY_BODY.replace("a_shape[0]", "8u")
 
 

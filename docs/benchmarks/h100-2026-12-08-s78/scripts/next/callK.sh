@@ -7,7 +7,8 @@
 #   /root/kc-kept: kept-cold (ours compiled here and written), then kept-warm (all loaded).
 # Each process reports first_forward_ms, prefill_s, the kept counts and the first logits'
 # digest (all four equal: the kept images give the bits of mlx's own compile).
-# Part "tests": tests/test_kept_modules.py on CUDA (the print and doctored-module tests).
+# Part "tests": tests/test_kept_modules.py and tests/test_mlx_headers.py on CUDA (the print,
+# doctored-module and Sigmoid-bits tests; mlx's headers read from the mapped libmlx).
 # Usage: PARTS="tests off-cold off-warm" bash callK.sh ; PARTS="kept-cold kept-warm" ...
 set -u
 export PYTHONUNBUFFERED=1
@@ -19,7 +20,8 @@ for part in ${PARTS:-tests off-cold off-warm kept-cold kept-warm}; do
   case $part in
     tests)
       timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_kept_modules.py \
-        -k "not prelude" > $OUT/K/tests.txt 2>&1
+        tests/test_mlx_headers.py -k "not prelude and not every_package" \
+        > $OUT/K/tests.txt 2>&1
       echo "tests rc=$? $(( $(date +%s)-t0 ))s"; tail -4 $OUT/K/tests.txt | cut -c1-400 ;;
     *)
       case $part in off-*) k=0; D=/root/kc-off ;; *) k=1; D=/root/kc-kept ;; esac
