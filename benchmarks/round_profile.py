@@ -66,6 +66,7 @@ from dflash.metal.prefetch import PREFETCH_ENV
 from dflash.metal.tensor_qmm import (
     CHUNK_MAJOR_SCALES_ENV,
     CLUSTER_SUM_ENV,
+    PREPARED_HEADS_ENV,
     DENORMAL_IN_PLACE_ENV,
     FOLDED_OFFSET_ENV,
     INTERLEAVED_SCALES_ENV,
@@ -261,6 +262,8 @@ KERNEL_ARMS = {
     "default-cluster": None,
     "default-uncluster": None,
     "default-wholekv": None,
+    "default-qkvprep": None,
+    "default-clusterqkvprep": None,
     "off-unheld": "0",
     "projections": "projections",
     "attention-projections": "attention,projections",
@@ -325,9 +328,13 @@ ARM_SUFFIXES = {
     "cluster": (CLUSTER_SUM_ENV, "1"),  # a K split summed in a cluster (graphs off)
     "uncluster": (CLUSTER_SUM_ENV, "0"),
     "wholekv": (STACKED_KV_ENV, "1"),  # planes and blocks bound stacked (session 66)
+    # The head prep in the fused q / k / v / gate launch (session 79).
+    "qkvprep": (PREPARED_HEADS_ENV, "1"),
 }
 # Suffixes that set several switches (each pair as above).
 ARM_SUFFIX_SETS = {
+    # The prepared q / k / v / gate launch with its split summed in a cluster.
+    "clusterqkvprep": (ARM_SUFFIXES["cluster"], ARM_SUFFIXES["qkvprep"]),
     "drafter": (ARM_SUFFIXES["drafterqkv"], ARM_SUFFIXES["drafterheads"]),
     # The traced draft layers need the drafter's head prep.
     "draftertraced": (ARM_SUFFIXES["drafterheads"], ARM_SUFFIXES["drafterreplay"]),

@@ -41,7 +41,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .metal import backend, qmm, tensor_qmm
+from .metal import backend, groups, qmm, tensor_qmm
 from .metal.qmm import BoundMatmul, bind_matmul, compile_around
 from .metal.tensor_qmm import member_views
 
@@ -301,6 +301,66 @@ class FusedProjections:
             matmul = self._matmul_for(x, use_kernel, 0)
             run = self._bound[key] = compile_around(matmul, matmul)
         return run(x), offsets
+
+    def prepared_output(
+        self,
+        x: mx.array,
+        use_kernel: Optional[bool],
+        heads: Sequence[mx.array],
+    ) -> Optional[mx.array]:
+        """The whole stack's output with the attention's heads prepared in the same
+        launch (the tensor-core matmul's prepared form,
+        :func:`~dflash.metal.tensor_qmm.prepared_spec`), or None where that form does
+        not serve: not a member-major q / k / v / gate set of this launch, more than
+        16 rows, or a geometry or form it does not take (bound once per input
+        geometry; host work only).
+
+        Args:
+            x: The members' input.
+            use_kernel: The kernel choice the members' calls pass.
+            heads: The head prep's inputs
+                (:func:`~dflash.metal.heads.prepared_inputs`).
+
+        Returns:
+            The flat member-major output: the prepared queries ``(B, S, Hq, D)`` from
+            :meth:`member_offsets`' first offset, the stacked block ``(2, B, Hkv, S,
+            D)`` from its second, the gate from its fourth; or None.
+
+        Shapes: x ``(B, S, K)``; returns ``(B * S * N,)``.
+        """
+        key = (x.shape, x.dtype, use_kernel, "prepared")
+        if key not in self._bound:
+            self._bound[key] = self._bind_prepared(x, use_kernel)
+        run = self._bound[key]
+        return None if run is None else run(x, *heads)
+
+    def _bind_prepared(self, x: mx.array, use_kernel: Optional[bool]):
+        """The prepared launch for inputs of ``x``'s shape and dtype, or None."""
+        offsets = self.member_offsets(x, use_kernel)
+        depth = x.shape[-1]
+        rows = x.size // depth if depth else 0
+        if offsets is None or len(offsets) != 4 or not 0 < rows <= 16:
+            return None
+        edges = self._matmul_for(x, use_kernel, 0).member_edges
+        tails = self._tails[0]
+        try:
+            matmul = tensor_qmm.bind_tensor_core(
+                rows, depth, tails.weight, tails.scales, tails.biases, self.bits,
+                self.group_size, x.dtype, members=edges, lead=x.shape[:-1],
+                prepared=True,
+            )  # fmt: skip
+        except ValueError:  # a form or split the prepared form does not take
+            return None
+        count = matmul.counters
+
+        def forward(x: mx.array, *inputs: mx.array) -> mx.array:
+            counters, heads = (inputs[0], inputs[1:]) if count else (None, inputs)
+            return matmul(x, counters, heads=heads)
+
+        compiled = backend.compile_bound(forward)
+        if not count:
+            return compiled
+        return lambda x, *heads: compiled(x, groups.launch_counters(count), *heads)
 
     def reads_for(self, x: mx.array, use_kernel: Optional[bool]) -> Optional[tuple]:
         """The arrays the whole stack's launch for inputs like ``x`` streams (its

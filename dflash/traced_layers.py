@@ -73,7 +73,7 @@ import mlx.nn as nn
 
 from . import fused_projections, residual_layers
 from .cache.plane import RingPlane
-from .metal import attention, backend, groups, heads, prefetch
+from .metal import attention, backend, groups, heads, prefetch, tensor_qmm
 from .residual_layers import NORMS, layer_geometry
 
 TRACED_LAYERS_ENV = "DFLASH_TRACED_LAYERS"
@@ -204,6 +204,8 @@ class _Fused:
     group: fused_projections.FusedProjections
     use_kernel: Optional[bool]
     offsets: Tuple[int, int, int, int]
+    # The launch also prepares the heads where it can (tensor_qmm.prepared_heads).
+    prepared: bool = False
 
 
 def fused_offsets(
@@ -276,7 +278,9 @@ def _pre_attention(
     With ``fused``, the projections are the one launch of their fused set, whose
     member-major output the head prep reads q, k and v from in place (at the offsets
     ``prep_ints`` carries: :func:`_pre_call`) and which stands for the gate too: no
-    view of any member is made (one graph node each, every replay).
+    view of any member is made (one graph node each, every replay). With
+    ``fused.prepared``, that launch also prepares the heads where its prepared form
+    serves (:func:`_prepared`): no head prep launch.
 
     Shapes: x ``(B, L, H)``; returns queries ``(B, L, Hq, D)``, the stacked block
     ``(2, B, Hkv, L, D)`` and the gate ``(B, L, Hq * D)``, or with ``fused`` the fused
@@ -284,6 +288,10 @@ def _pre_attention(
     """
     attn = layer.self_attn
     h = x if handed else layer.input_layernorm(x)
+    if fused is not None and fused.prepared:
+        prepared = _prepared(attn, fused, h, prep, prep_ints)
+        if prepared is not None:
+            return prepared
     if fused is not None:
         made = fused.group.fused_output(h, fused.use_kernel)
         if made is None or made[1] != fused.offsets:
@@ -305,6 +313,38 @@ def _pre_attention(
         attn.q_proj(h), attn.k_proj(h), prep, prep_ints, attn.v_proj(h), attn.head_dim
     )
     return queries, block, attn.gate_proj(h)
+
+
+def _prepared(
+    attn: nn.Module,
+    fused: _Fused,
+    h: mx.array,
+    prep: heads.Prep,
+    prep_ints: mx.array,
+) -> Optional[Tuple[mx.array, mx.array, mx.array]]:
+    """The projections and the head prep as one launch (the fused matmul's prepared
+    form), or None where it does not serve: the queries and the stacked block are
+    views of its output (the k and v members, stored head-major, lie side by side).
+
+    Shapes: h ``(B, L, H)``; returns queries ``(B, L, Hq, D)``, the block ``(2, B,
+    Hkv, L, D)`` and the fused output ``(B * L * N,)``.
+    """
+    inputs = heads.prepared_inputs(prep, prep_ints, h.dtype)
+    y = fused.group.prepared_output(h, fused.use_kernel, inputs)
+    if y is None:
+        return None
+    offsets = fused.group.member_offsets(h, fused.use_kernel)
+    if offsets != fused.offsets:
+        raise RuntimeError(
+            f"the prepared projections' output for {h.shape} {h.dtype} is not the "
+            f"one planned (offsets {fused.offsets}, now {offsets})"
+        )
+    batch, length, _ = h.shape
+    q_at, k_at, _, gate_at = fused.offsets
+    dim = attn.head_dim
+    queries = y[q_at:k_at].reshape(batch, length, attn.n_heads, dim)
+    block = y[k_at:gate_at].reshape(2, batch, attn.n_kv_heads, length, dim)
+    return queries, block, y
 
 
 def _post_attention(
@@ -751,7 +791,8 @@ def _fused(
     if offsets is None:
         return None
     slot = attn.q_proj.__dict__[fused_projections.MEMBER_SLOT]
-    return _Fused(slot.group, use_kernel, tuple(offsets))
+    prepared = attn.head_dim == tensor_qmm.COLUMNS and tensor_qmm.prepared_heads()
+    return _Fused(slot.group, use_kernel, tuple(offsets), prepared)
 
 
 # ------------------------------------------------------------------ the hand-off

@@ -599,6 +599,40 @@ def launch_head_prep(
     return q_out, k_out
 
 
+def prepared_inputs(
+    prep: Prep, ints: mx.array, dtype: mx.Dtype
+) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
+    """The ``heads`` inputs of the fused q / k / v / gate matmul's prepared form
+    (:func:`dflash.metal.tensor_qmm.prepared_spec`): the same scalars and weights
+    :func:`launch_head_prep` hands its kernel, so the prepared form does this head
+    prep's arithmetic.
+
+    Args:
+        prep: The head prep.
+        ints: :func:`head_prep_ints` of the call (``stacked``; its seq, start and
+            flags are what the matmul reads).
+        dtype: The projections' dtype (a missing weight's placeholder's).
+
+    Returns:
+        ``(ints, float scalars, q weight, k weight)``.
+    """
+    fparams = _float_params(
+        prep.eps,
+        prep.k_eps,
+        prep.q_scale,
+        prep.k_scale,
+        prep.rope_base,
+        prep.rope_scale,
+    )
+    blank = groups.unused_input(dtype)
+    return (
+        ints,
+        fparams,
+        blank if prep.q_weight is None else prep.q_weight,
+        blank if prep.k_weight is None else prep.k_weight,
+    )
+
+
 def _fused_geometry(
     queries: mx.array,
     keys: mx.array,

@@ -2532,6 +2532,259 @@ def _swiglu(body: str) -> str:
     return body
 
 
+# The head prep as the fused q / k / v / gate launch's last step (the prepared form,
+# opt-in: :data:`PREPARED_HEADS`): the launch that writes a column tile (one head: the
+# head dim is COLUMNS) stages its T results in shared memory, as the SwiGLU form does,
+# and then prepares them as ``dflash.metal.heads``' head prep would from the same T
+# values, step for step (a warp a row; each lane works out the row's sum of squares
+# itself in mlx's vector order and halving tree, then its four elements, the pairs
+# ``i`` and ``i + 64`` of RoPE among them): the queries normed, weighted, scaled and
+# rotated in place (token-major, ``(B, S, Hq, D)``), the keys likewise and the values
+# as they are, both head-major, so the k and v members' blocks together are the
+# stacked ``(2, B, Hkv, S, D)`` block a KV plane stores; the gate as it is. One
+# launch a layer less (session 77's budget: 280 us of an H100's 4-bit forward).
+# Members: q, k, v, gate (three edges). Extra inputs: the head prep's integer and
+# float scalars (``heads.head_prep_ints`` / its float scalars: seq [5], start [6],
+# flags [7]; q_eps, k_eps, q_scale, k_scale, log2 base, rope scale) and the q / k
+# norms' weights.
+PREPARED_HEADS_DEFAULT = False
+PREPARED_HEADS_ENV = "DFLASH_QMM_PREPARED_HEADS"
+PREPARED_SUFFIX = "_hprep"
+PREPARED_INPUTS = ("hparams", "hfparams", "q_weight", "k_weight")
+PREPARED_INPUT_TYPES = ("int32", "float32", "T", "T")
+# Elements of a 16-byte vector (mlx's RMS-norm read; T is a 16-bit type here).
+_PREP_VECTOR = 8
+_PREPARED_PASS = """
+    {
+      const int hp_seq = hparams[5];
+      const int hp_start = hparams[6];
+      const int hp_flags = hparams[7];
+      int hp_member = 0;
+      for (int j = 0; j < params[9]; ++j) {
+        hp_member += params[10 + j] <= col0 ? 1 : 0;
+      }
+      const bool hp_normed = hp_member < 2;
+      const bool hp_is_q = hp_member == 0;
+      const bool hp_head_major = hp_member == 1 || hp_member == 2;
+      const int hp_head = (col0 - out_lo) / COLUMNS;
+      const int hp_heads = out_width / COLUMNS;
+      const bool hp_weighted = (hp_flags & (hp_is_q ? 1 : 2)) != 0;
+      const float hp_eps = hp_is_q ? hfparams[0] : hfparams[1];
+      const T hp_scale = T(hp_is_q ? hfparams[2] : hfparams[3]);
+      const T* hp_weight = hp_is_q ? q_weight : k_weight;
+      constexpr int HP_VEC = {vector};
+      constexpr int HP_PAIRS = COLUMNS / 2;
+      for (int r = {first} + (int(lid) / 32) * {step}; r < n_rows; r += (THREADS / 32) * {step}) {
+        const T* hp_row = {stage} + r * COLUMNS;
+        float hp_normalizer = 0.0f;
+        if (hp_normed) {
+          // Sum of squares as mlx's RMS norm cuts a head: vectors summed in order with
+          // fused multiply-adds, then the halving tree of a warp's 32 sums. Vectors 16
+          // to 31 are past the head: their sums are +0, and the tree's first halving
+          // adds them (x + 0 is x for the sums, never -0), so it starts at m = 8.
+          static_assert(COLUMNS / HP_VEC == 16, "a head is 16 vectors");
+          float tree[16];
+          #pragma unroll
+          for (int v = 0; v < 16; ++v) {
+            float sum = 0.0f;
+            #pragma unroll
+            for (int j = 0; j < HP_VEC; ++j) {
+              const float t = float(hp_row[v * HP_VEC + j]);
+              sum = DFL_FMA(t, t, sum);
+            }
+            tree[v] = sum;
+          }
+          #pragma unroll
+          for (int m = 8; m > 0; m /= 2) {
+            #pragma unroll
+            for (int i = 0; i < m; ++i) {
+              tree[i] = tree[i] + tree[i + m];
+            }
+          }
+          hp_normalizer = rsqrtf(tree[0] / float(COLUMNS) + hp_eps);
+        }
+        const int hp_token = r % hp_seq;
+        const size_t hp_at = hp_head_major
+            ? out_base + (size_t((r / hp_seq) * hp_heads + hp_head) * size_t(hp_seq) +
+                          size_t(hp_token)) * COLUMNS
+            : out_base + size_t(r) * out_width + size_t(col0 - out_lo);
+        #pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const int i = int(lid) % 32 + 32 * k;
+          float hp_x[2];
+          #pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int e = i + HP_PAIRS * h;
+            float value = float(hp_row[e]);
+            if (hp_normed) {
+              T normed = T(value * hp_normalizer);
+              if (hp_weighted) {
+                normed = T(float(hp_weight[e]) * float(normed));
+              }
+              normed = T(float(normed) * float(hp_scale));
+              value = float(normed);
+            }
+            hp_x[h] = value;
+          }
+          float first = hp_x[0];
+          float second = hp_x[1];
+          if (hp_normed && (hp_flags & 4) != 0) {
+            const float d = float(i) / float(HP_PAIRS);
+            const float inv_freq = exp2f(-d * hfparams[4]);
+            const float at = hfparams[5] * float(hp_start + hp_token);
+            const float theta = at * inv_freq;
+            const float costheta = cosf(theta);
+            const float sintheta = sinf(theta);
+            const float x1 = hp_x[0];
+            const float x2 = hp_x[1];
+            first = x1 * costheta - x2 * sintheta;
+            second = x1 * sintheta + x2 * costheta;
+          }
+          if (col0 + i < n_cols) {
+            y[hp_at + i] = T(first);
+          }
+          if (col0 + i + HP_PAIRS < n_cols) {
+            y[hp_at + i + HP_PAIRS] = T(second);
+          }
+        }
+      }
+    }
+"""
+_STAGE_OFFSET = "128 * MT * 16 * 4"
+
+
+def _prepared_pass(stage: str, first: str, step: str) -> str:
+    return _fill(
+        _PREPARED_PASS,
+        {"vector": _PREP_VECTOR, "stage": stage, "first": first, "step": step},
+    )
+
+
+# Edits of a form's text (one or two K groups, no cluster) into its prepared form: the
+# SwiGLU form's staging (its results to a T stage past the two-group exchange), then
+# the pass where the SwiGLU form runs its own.
+def _prepared_edits() -> tuple:
+    whole = _prepared_pass("dfl_stage", "0", "1")
+    edits = []
+    for old, new, count in _SWIGLU_EDITS[1:]:
+        new = new.replace(_SWIGLU_PASS, whole)
+        edits.append((old, new, count))
+    return tuple(edits)
+
+
+# The cluster sum's loop (each CTA its share of the tile's outputs) as the prepared
+# form's: each CTA sums whole rows (rows split, split + CLUSTER, ...) into a T stage of
+# its own past its partial (which the other CTAs read until the last cluster barrier),
+# then prepares them.
+_CLUSTER_LOOP_OLD = (
+    "    for (int p = split * THREADS + int(lid); p < n_rows * COLUMNS; "
+    "p += CLUSTER * THREADS) {\n"
+)
+_CLUSTER_LOOP_END = (
+    "    // No CTA leaves while another may still read its shared memory.\n"
+)
+_CLUSTER_PREPARED = """    T* dfl_hp_stage = reinterpret_cast<T*>(smem + {stage_offset} + XROWS * PART * 4);
+    for (int p = int(lid); p < n_rows * COLUMNS; p += THREADS) {
+      const int r = p / COLUMNS;
+      const int c = p % COLUMNS;
+      if (r % CLUSTER == split && col0 + c < n_cols) {
+        const int e = r * PART + c;
+        float v[CLUSTER];
+        #pragma unroll
+        for (int k = 0; k < CLUSTER; ++k) {
+          v[k] = parts[k][e];
+        }
+        float sum = v[0];
+        #pragma unroll
+        for (int k = 1; k < CLUSTER; ++k) {
+          sum = __fadd_rn(sum, v[k]);
+        }
+        dfl_hp_stage[r * COLUMNS + c] = T(sum);
+      }
+    }
+    DFL_BARRIER();
+{pass}"""
+
+
+def prepared_heads() -> bool:
+    """Whether the traced layers take the fused q / k / v / gate launch's prepared form
+    where it serves (see :data:`PREPARED_HEADS_DEFAULT`): ``DFLASH_QMM_PREPARED_HEADS``
+    when set, else off. Read when a layer's pre-attention trace is made.
+
+    Raises:
+        ValueError: ``DFLASH_QMM_PREPARED_HEADS`` is not an on/off word.
+    """
+    return backend.strict_switch(PREPARED_HEADS_ENV, None, PREPARED_HEADS_DEFAULT)
+
+
+def prepared_serves(spec: GroupKernelSpec) -> bool:
+    """Whether a matmul form has a prepared form (:func:`prepared_spec`): a 4-bit or
+    dense matmul of one m-tile (up to 16 rows: a verify block), plain or scaled (one
+    or two K groups), not SwiGLU, persistent, carrying prefetch CTAs or already
+    prepared. Not 8-bit, direct (opt-in) nor two m-tiles: with the pass some of their
+    two-K-group forms spill (4-12 bytes) at their 128-register bound."""
+    return (
+        spec.base.startswith("tensor_")
+        and not spec.base.startswith("tensor_q8")
+        and "_direct" not in spec.base
+        and "constexpr int MT = 1;" in spec.body
+        and spec.output_names == ("y", "partial")
+        and "dfl_stage" not in spec.body
+        and PREPARED_SUFFIX not in spec.base
+        and not spec.base.endswith(PERSISTENT_SUFFIX)
+        and "prefetch" not in spec.input_names
+        and spec.dtypes
+        and all(dtype in DTYPES for dtype in spec.dtypes)
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def prepared_spec(spec: GroupKernelSpec) -> GroupKernelSpec:
+    """The prepared form of a matmul spec (see :data:`PREPARED_HEADS`): its launch takes
+    :data:`PREPARED_INPUTS` after its own and leaves the q / k / v / gate members
+    prepared for the attention. ``spec`` may be a cluster-sum form
+    (:func:`cluster_spec`).
+
+    Raises:
+        ValueError: a form without a prepared form (:func:`prepared_serves`), or one
+            whose shared memory cannot hold the stage.
+    """
+    if not prepared_serves(spec):
+        raise ValueError(f"{spec.base} has no prepared-heads form")
+    mtiles = 2 if "constexpr int MT = 2;" in spec.body else 1
+    stage = 16 * mtiles * COLUMNS * 2
+    needed = 128 * mtiles * 16 * 4 + stage
+    body = spec.body
+    if spec.cluster > 1:
+        needed += 16 * mtiles * PART_STRIDE * 4
+        start = body.index(_CLUSTER_LOOP_OLD)
+        stop = body.index(_CLUSTER_LOOP_END)
+        pass_text = _prepared_pass("dfl_hp_stage", "split", "CLUSTER")
+        body = (
+            body[:start]
+            + _fill(
+                _CLUSTER_PREPARED, {"stage_offset": _STAGE_OFFSET, "pass": pass_text}
+            )
+            + body[stop:]
+        )
+    else:
+        for old, new, count in _prepared_edits():
+            found = body.count(old)
+            if (found == 0 and count != 0) or (count and found != count):
+                raise RuntimeError(f"the matmul body has changed: {old.strip()[:60]}")
+            body = body.replace(old, new)
+    if spec.shared_memory < needed:
+        raise ValueError(f"{spec.base}: {spec.shared_memory} bytes of shared memory, "
+                         f"the prepared form needs {needed}")  # fmt: skip
+    return dataclasses.replace(
+        spec,
+        base=spec.base + PREPARED_SUFFIX,
+        input_names=spec.input_names + PREPARED_INPUTS,
+        input_types=spec.input_types + PREPARED_INPUT_TYPES,
+        body=body,
+    )
+
+
 def _two_k_groups(body: str, affine: bool) -> str:
     """The body with K split between two warp groups of a CTA (see :data:`K_GROUPS`)."""
     form = "affine" if affine else "dense"
@@ -3086,6 +3339,7 @@ def bind_tensor_core(
     members: Sequence[int] = (),
     swiglu: bool = False,
     lead: Optional[Sequence[int]] = None,
+    prepared: bool = False,
 ) -> Callable[[mx.array], mx.array]:
     """The tensor-core form (one launch; two when K is split and the split sum is not
     merged) with everything but ``x`` fixed (see ``qmm.bind_matmul``, which has
@@ -3126,8 +3380,16 @@ def bind_tensor_core(
         ``silu(x @ gate.T) * (x @ up.T)``, ``(*lead, N / 2)``, in one launch (see
         :data:`SWIGLU_HELPERS`; the caller checks :func:`swiglu_serves`).
 
+        ``prepared`` (a q / k / v / gate stack with ``members``, head dim
+        :data:`COLUMNS`): the launch is the prepared form (:func:`prepared_spec`) and
+        takes ``heads=(hparams, hfparams, q_weight, k_weight)`` (the head prep's
+        scalars and norm weights); its member-major result holds the prepared
+        queries, the stacked ``(2, B, Hkv, S, D)`` block and the gate (the caller
+        checks :func:`prepared_takes`).
+
     Raises:
-        ValueError: ``lead``'s extents do not multiply to ``rows``.
+        ValueError: ``lead``'s extents do not multiply to ``rows``; ``prepared`` for
+            a call the prepared form does not take.
     """
     lead = leading_shape(rows, lead)
     edges = () if swiglu else member_edges(members, weight.shape[0])
@@ -3148,6 +3410,13 @@ def bind_tensor_core(
         edges, swiglu, scaled, cluster_sum(), scaled and direct_q4(bits), denormal,
         in_place, persistent(),
     )  # fmt: skip
+    if prepared:
+        if swiglu or len(edges) != 3 or plan.reduce_params is not None:
+            raise ValueError(
+                "the prepared form takes a q / k / v / gate stack (three member edges) "
+                "whose K split, if any, is summed in its launch"
+            )
+        plan = dataclasses.replace(plan, spec=prepared_spec(plan.spec))
     if bits is not None:
         scales, biases = scale_arrays(plan.spec, scales, biases, group_size)
     weights = [weight] if bits is None else [weight, scales, biases]
@@ -3162,10 +3431,15 @@ def bind_tensor_core(
         x: mx.array,
         counters: Optional[mx.array] = None,
         prefetch: Optional[Prefetch] = None,
+        heads: Optional[Sequence[mx.array]] = None,
     ) -> mx.array:
         if counters is None:
             counters = groups.launch_counters(plan.counters)
         spec, ctas, inputs = plan.spec, plan.groups, [x, *weights, counters]
+        if prepared:
+            if heads is None or len(heads) != len(PREPARED_INPUTS):
+                raise ValueError(f"the prepared form takes heads={PREPARED_INPUTS}")
+            inputs += list(heads)
         if prefetch is not None:
             spec, ctas = carrier_spec(spec), ctas + prefetch.fetchers
             inputs += prefetch.inputs

@@ -1064,6 +1064,124 @@ def test_traced_layers_reading_the_fused_output_in_place_give_the_eager_outputs(
         assert all(key[-1] == fused for key in traces.pre), traces.pre.keys()
 
 
+# The prepared form (the head prep in the fused launch, DFLASH_QMM_PREPARED_HEADS=1).
+# wide_heads_stack's attention: 4 query and 2 KV heads of 128, batch 1.
+_WIDE = {"q": 4 * 128, "kv": 2 * 128, "heads": (4, 2), "dim": 128}
+
+
+def _prepared_mixing(misplaced: bool = False):
+    """A stand-in for the prepared launch: the plain launch's stand-in, then the head
+    prep's stand-in over its output at the member offsets, laid out as the prepared
+    launch stores them (queries, then the stacked block, then the gate); every other
+    launch as :func:`mixing_launch`. ``misplaced``: the gate stored where the block
+    belongs and the block after it (a negative control: the same sizes). Returns the
+    launch and the list of spec bases it saw."""
+    seen = []
+
+    def launch(spec, inputs, output_shapes, output_dtypes, count, dtype):
+        seen.append(spec.base)
+        if not spec.base.endswith(tensor_qmm.PREPARED_SUFFIX):
+            return mixing_launch(
+                spec, inputs, output_shapes, output_dtypes, count, dtype
+            )
+        extra = len(tensor_qmm.PREPARED_INPUTS)
+        ints, fparams, q_weight, k_weight = inputs[-extra:]
+        y, partial = mixing_launch(
+            spec, inputs[:-extra], output_shapes, output_dtypes, count, dtype
+        )
+        width = 2 * _WIDE["q"] + 2 * _WIDE["kv"]
+        seq = y.size // width
+        q_heads, kv_heads = _WIDE["heads"]
+        queries, block = mixing_launch(
+            heads.HEAD_PREP,
+            [y, y, y, q_weight, k_weight, ints, fparams],
+            [(1, seq, q_heads, _WIDE["dim"]), (2, 1, kv_heads, seq, _WIDE["dim"])],
+            [dtype, dtype],
+            0,
+            dtype,
+        )
+        gate_at = seq * (_WIDE["q"] + 2 * _WIDE["kv"])
+        flat = [queries.reshape(-1), block.reshape(-1), y[gate_at:]]
+        if misplaced:
+            flat = [flat[0], flat[2], flat[1]]
+        return [mx.concatenate(flat), partial]
+
+    return launch, seen
+
+
+@settings(
+    max_examples=3,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],  # patches only
+)
+@given(accepted=st.lists(st.integers(1, 16), min_size=3, max_size=5))
+def test_the_prepared_launchs_views_give_the_eager_outputs(
+    wide_stack, kernel_path_on_cpu, monkeypatch, accepted
+):
+    """With the prepared form on, the traces take the queries and the stacked block as
+    views of the one fused launch's output (no head prep launch) and the gate from
+    its offset, and give the eager layers' outputs at every step (the prepared
+    kernel's own arithmetic is emulated in tests/test_prepared_qkv.py)."""
+    monkeypatch.setenv(kernel_patch.KEEP_TRACES_ENV, "0")
+    launch, seen = _prepared_mixing()
+    monkeypatch.setattr(groups, "launch_groups", launch)
+    want, offsets = verify_run(wide_stack, False, accepted, context=48)
+    seen.clear()
+    monkeypatch.setenv(tensor_qmm.PREPARED_HEADS_ENV, "1")
+    got, traced_offsets = verify_run(wide_stack, True, accepted, context=48)
+    assert traced_offsets == offsets
+    _assert_same(got, want)
+    prepared = [base for base in seen if base.endswith(tensor_qmm.PREPARED_SUFFIX)]
+    # Each layer's pre trace: one prepared launch (its eager first call, its trace).
+    assert len(prepared) >= len(wide_stack.layers), seen
+    assert heads.HEAD_PREP.base not in seen[seen.index(prepared[0]) :], seen
+
+
+def test_a_prepared_output_with_block_and_gate_misplaced_shows_in_the_outputs(
+    wide_stack, kernel_path_on_cpu, monkeypatch
+):
+    monkeypatch.setenv(kernel_patch.KEEP_TRACES_ENV, "0")
+    accepted = [16, 5, 9]
+    want, _ = verify_run(wide_stack, False, accepted, context=48)
+    launch, seen = _prepared_mixing(misplaced=True)
+    monkeypatch.setattr(groups, "launch_groups", launch)
+    monkeypatch.setenv(tensor_qmm.PREPARED_HEADS_ENV, "1")
+    got, _ = verify_run(wide_stack, True, accepted, context=48)
+    assert any(base.endswith(tensor_qmm.PREPARED_SUFFIX) for base in seen)
+    assert not any(mx.array_equal(g, w).item() for g, w in zip(got, want))
+
+
+def test_where_the_prepared_form_does_not_serve_the_head_prep_launch_stays(
+    wide_stack, kernel_path_on_cpu, monkeypatch
+):
+    """A matmul form without a prepared form (8-bit, two m-tiles: see
+    ``tensor_qmm.prepared_serves``) keeps the head prep launch, and the outputs."""
+    monkeypatch.setenv(kernel_patch.KEEP_TRACES_ENV, "0")
+    accepted = [16, 5, 9]
+    launch, seen = _prepared_mixing()
+    monkeypatch.setattr(groups, "launch_groups", launch)
+    want, _ = verify_run(wide_stack, False, accepted, context=48)
+    seen.clear()
+    monkeypatch.setenv(tensor_qmm.PREPARED_HEADS_ENV, "1")
+    monkeypatch.setattr(tensor_qmm, "prepared_serves", lambda spec: False)
+    tensor_qmm.prepared_spec.cache_clear()
+    got, _ = verify_run(wide_stack, True, accepted, context=48)
+    tensor_qmm.prepared_spec.cache_clear()
+    _assert_same(got, want)
+    assert not any(base.endswith(tensor_qmm.PREPARED_SUFFIX) for base in seen)
+    assert heads.HEAD_PREP.base in seen
+
+
+def test_the_prepared_form_is_off_by_default_and_a_bad_switch_is_refused(
+    monkeypatch,
+) -> None:
+    monkeypatch.delenv(tensor_qmm.PREPARED_HEADS_ENV, raising=False)
+    assert tensor_qmm.prepared_heads() is False
+    monkeypatch.setenv(tensor_qmm.PREPARED_HEADS_ENV, "sometimes")
+    with pytest.raises(ValueError, match=tensor_qmm.PREPARED_HEADS_ENV):
+        tensor_qmm.prepared_heads()
+
+
 @pytest.mark.parametrize("slip", ["queries_read_the_gate", "gate_reads_the_queries"])
 def test_a_wrong_offset_read_in_place_shows_in_the_outputs(
     wide_stack, kernel_path_on_cpu, monkeypatch, slip
