@@ -567,14 +567,7 @@ def launch_head_prep(
             queries, keys, values, head_dim, offsets, geometry
         )
     q_rows, k_rows = batch * seq * q_heads, batch * seq * k_heads
-    fparams = _float_params(
-        prep.eps,
-        prep.k_eps,
-        prep.q_scale,
-        prep.k_scale,
-        prep.rope_base,
-        prep.rope_scale,
-    )
+    _, fparams, q_weight, k_weight = prepared_inputs(prep, ints, queries.dtype)
     blank = groups.unused_input(queries.dtype)
     if values is None:
         k_shape, rows = (batch, seq, k_heads, dim), q_rows + k_rows
@@ -586,8 +579,8 @@ def launch_head_prep(
             queries,
             keys,
             blank if values is None else values,
-            blank if prep.q_weight is None else prep.q_weight,
-            blank if prep.k_weight is None else prep.k_weight,
+            q_weight,
+            k_weight,
             ints,
             fparams,
         ],
@@ -602,10 +595,10 @@ def launch_head_prep(
 def prepared_inputs(
     prep: Prep, ints: mx.array, dtype: mx.Dtype
 ) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
-    """The ``heads`` inputs of the fused q / k / v / gate matmul's prepared form
-    (:func:`dflash.metal.tensor_qmm.prepared_spec`): the same scalars and weights
-    :func:`launch_head_prep` hands its kernel, so the prepared form does this head
-    prep's arithmetic.
+    """The head prep's scalars and weights as its kernel takes them (what
+    :func:`launch_head_prep` hands it), and so the ``heads`` inputs of the fused
+    q / k / v / gate matmul's prepared form
+    (:func:`dflash.metal.tensor_qmm.prepared_spec`), which does the same arithmetic.
 
     Args:
         prep: The head prep.

@@ -2683,13 +2683,9 @@ _CLUSTER_LOOP_OLD = (
 _CLUSTER_LOOP_END = (
     "    // No CTA leaves while another may still read its shared memory.\n"
 )
-_CLUSTER_PREPARED = """    T* dfl_hp_stage = reinterpret_cast<T*>(smem + {stage_offset} + XROWS * PART * 4);
-    for (int p = int(lid); p < n_rows * COLUMNS; p += THREADS) {
-      const int r = p / COLUMNS;
-      const int c = p % COLUMNS;
-      if (r % CLUSTER == split && col0 + c < n_cols) {
-        const int e = r * PART + c;
-        float v[CLUSTER];
+# A cluster sum's output ``e`` of a row's partials, over the ranks in split order (the
+# merge's arithmetic), read where they lie (``parts``: each rank's partial, mapped).
+_CLUSTER_OUTPUT_SUM = """        float v[CLUSTER];
         #pragma unroll
         for (int k = 0; k < CLUSTER; ++k) {
           v[k] = parts[k][e];
@@ -2699,11 +2695,22 @@ _CLUSTER_PREPARED = """    T* dfl_hp_stage = reinterpret_cast<T*>(smem + {stage_
         for (int k = 1; k < CLUSTER; ++k) {
           sum = __fadd_rn(sum, v[k]);
         }
-        dfl_hp_stage[r * COLUMNS + c] = T(sum);
+"""
+_CLUSTER_PREPARED = (
+    """    T* dfl_hp_stage = reinterpret_cast<T*>(smem + {stage_offset} + XROWS * PART * 4);
+    for (int p = int(lid); p < n_rows * COLUMNS; p += THREADS) {
+      const int r = p / COLUMNS;
+      const int c = p % COLUMNS;
+      if (r % CLUSTER == split && col0 + c < n_cols) {
+        const int e = r * PART + c;
+"""
+    + _CLUSTER_OUTPUT_SUM
+    + """        dfl_hp_stage[r * COLUMNS + c] = T(sum);
       }
     }
     DFL_BARRIER();
 {pass}"""
+)
 
 
 def prepared_heads() -> bool:
@@ -2839,17 +2846,9 @@ _CLUSTER_EDITS = (
       const int n = col0 + p % COLUMNS;
       if (n < n_cols) {
         const int e = (p / COLUMNS) * PART + p % COLUMNS;
-        float v[CLUSTER];
-        #pragma unroll
-        for (int k = 0; k < CLUSTER; ++k) {
-          v[k] = parts[k][e];
-        }
-        float sum = v[0];
-        #pragma unroll
-        for (int k = 1; k < CLUSTER; ++k) {
-          sum = __fadd_rn(sum, v[k]);
-        }
-        y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)] = T(sum);
+"""
+        + _CLUSTER_OUTPUT_SUM
+        + r"""        y[out_base + size_t(p / COLUMNS) * out_width + (n - out_lo)] = T(sum);
       }
     }
     // No CTA leaves while another may still read its shared memory.

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_kept_modules import NVRTC, _package_forms, keep_every_form
 
 from dflash.metal import backend, kept_modules, mlx_headers
 from dflash.metal.sources import CUDA
@@ -179,16 +180,9 @@ def _cuda_libmlx():
     return path if headers and kept_modules.UTILS_HEADER in headers else None
 
 
-def _nvrtc():
-    try:
-        return kept_modules.Nvrtc.load()
-    except kept_modules.NvrtcError:
-        return None
-
-
 CUDA_LIBMLX = _cuda_libmlx()
 needs_headers_and_nvrtc = pytest.mark.skipif(
-    CUDA_LIBMLX is None or _nvrtc() is None,
+    CUDA_LIBMLX is None or NVRTC is None,
     reason="needs a CUDA libmlx (DFLASH_TEST_LIBMLX) and an NVRTC (DFLASH_NVRTC)",
 )
 
@@ -197,28 +191,14 @@ needs_headers_and_nvrtc = pytest.mark.skipif(
 def test_every_package_kernel_compiles_with_mlxs_headers(tmp_path, monkeypatch):
     """mlx's own headers serve every CUDA text the package ships, the gated fold and
     the SwiGLU forms (mlx's ``Sigmoid``) among them: every form is written."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from test_kept_modules import _package_forms
-
     monkeypatch.setattr(kept_modules, "device_capability", lambda: (9, 0), raising=True)
     compiler = kept_modules.Compiler()
     compiler.headers, compiler.header_source = kept_modules.compile_headers(CUDA_LIBMLX)
     assert compiler.header_source == "mlx"
 
-    def keep(form):
-        fields, inputs, outputs, template = form
-        try:
-            return fields["name"], kept_modules.keep_module(
-                fields, inputs, outputs, template, tmp_path, compiler.image
-            )
-        except kept_modules.NvrtcError as error:
-            return fields["name"], str(error)[:600]
-
     forms = _package_forms()
     assert any("unary_ops" in f.get("header", "") for f, *_ in forms)
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        results = dict(pool.map(keep, forms))
+    results = keep_every_form(forms, compiler, tmp_path, os.cpu_count() or 2)
     failed = {name: why for name, why in results.items() if why != "written"}
     assert not failed, failed
     assert len(list(tmp_path.rglob("*.ptx"))) == len(results)

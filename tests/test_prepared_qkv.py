@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from support.compilers import NVCC, built_emulator, needs_nvcc
 from support.group_emulator import check_cuda, entry_registers
 from support.head_prep_oracle import oracle_head_prep
-from support.tensor_emulator import TensorEmulator
+from support.tensor_emulator import TensorEmulator, pretend_cluster_device
 
-from dflash.metal import groups, heads, tensor_qmm
+from dflash.metal import heads, tensor_qmm
 
 GROUP_SIZE = 64
 CHUNK = tensor_qmm.Layout(4, 1).chunk
@@ -101,20 +101,8 @@ def prepared_emulator(tmp_path_factory):
 def emulated(prepared_emulator, monkeypatch):
     """bind_tensor_core on a pretend CUDA device with clusters (graphs off), its
     launches run by the emulator, the plan's forms the bfloat16 copies built here."""
-    monkeypatch.setattr(tensor_qmm.backend, "BACKEND", "cuda")
-    monkeypatch.setattr(tensor_qmm, "device_clusters", lambda: True)
-    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "0")
-    monkeypatch.setenv(tensor_qmm.WAVE_SPLIT_ENV, "1")
-    monkeypatch.setenv(tensor_qmm.MERGED_SPLIT_SUM_ENV, "1")
-    monkeypatch.setenv(tensor_qmm.FOLDED_OFFSET_ENV, "0")
-    monkeypatch.setenv(tensor_qmm.MEMBER_MAJOR_ENV, "1")
-    for name, (table, key, _) in FORMS.items():
-        monkeypatch.setitem(table, key, BASES[name])
-    monkeypatch.setattr(groups, "launch_groups", prepared_emulator.launch)
-    tensor_qmm.launch_plan.cache_clear()
-    yield prepared_emulator
-    tensor_qmm.launch_plan.cache_clear()
-    prepared_emulator.late = False
+    copies = [(table, key, BASES[name]) for name, (table, key, _) in FORMS.items()]
+    yield from pretend_cluster_device(prepared_emulator, monkeypatch, copies)
 
 
 @dataclasses.dataclass

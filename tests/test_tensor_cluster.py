@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 from support import cluster_bits
 from support.attention_cases import bits as raw_bits
 from support.compilers import built_emulator
-from support.tensor_emulator import TensorEmulator
+from support.tensor_emulator import TensorEmulator, pretend_cluster_device
 
-from dflash.metal import groups, tensor_qmm
+from dflash.metal import tensor_qmm
 
 GROUP_SIZE = 64
 CHUNK = tensor_qmm.Layout(4, 1).chunk
@@ -143,21 +143,8 @@ def cluster_emulator(tmp_path_factory):
 def emulated(cluster_emulator, monkeypatch):
     """bind_tensor_core on a pretend CUDA device with clusters (graphs off), its
     launches run by the emulator, the plan's forms the bfloat16 copies built here."""
-    monkeypatch.setattr(tensor_qmm.backend, "BACKEND", "cuda")
-    monkeypatch.setattr(tensor_qmm, "device_clusters", lambda: True)
-    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "0")
-    monkeypatch.setenv(tensor_qmm.WAVE_SPLIT_ENV, "1")
-    monkeypatch.setenv(tensor_qmm.MERGED_SPLIT_SUM_ENV, "1")
-    monkeypatch.setenv(tensor_qmm.FOLDED_OFFSET_ENV, "0")
-    for name, (table, key, _, _) in FORMS.items():
-        monkeypatch.setitem(table, key, BASES[name])
-    monkeypatch.setattr(groups, "launch_groups", cluster_emulator.launch)
-    # Plans hold specs: none from before the copies, none of them after.
-    tensor_qmm.launch_plan.cache_clear()
-    yield cluster_emulator
-    tensor_qmm.launch_plan.cache_clear()
-    cluster_emulator.late = False
-    cluster_emulator.eager = False
+    copies = [(table, key, BASES[name]) for name, (table, key, _, _) in FORMS.items()]
+    yield from pretend_cluster_device(cluster_emulator, monkeypatch, copies)
 
 
 def _case(rows: int, splits: int, columns: int, seed: int) -> tuple:

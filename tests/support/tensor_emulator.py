@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Collection, Sequence
+from typing import Collection, Iterator, Sequence
 
 import mlx.core as mx
 
@@ -775,3 +775,34 @@ def route_launches_to(emulator: "TensorEmulator", monkeypatch) -> None:
     monkeypatch.setattr(backend, "BACKEND", "cuda")
     monkeypatch.setenv(backend.COMPILE_ENV, "0")
     monkeypatch.setattr(groups, "launch_groups", emulator.launch)
+
+
+def pretend_cluster_device(
+    emulator: "TensorEmulator",
+    monkeypatch,
+    copies: Sequence[tuple[dict, object, GroupKernelSpec]],
+) -> Iterator["TensorEmulator"]:
+    """A fixture's body: ``bind_tensor_core`` on a pretend CUDA device with clusters
+    (mlx's graphs off; the wave split, the merged split sum and the member-major store
+    on, the folded offset off), its launches run by ``emulator``, and each ``(table,
+    key, spec)`` of ``copies`` put in its form table for the plans to pick (the
+    emulator's copies: specs compare by identity). Yields the emulator; afterwards
+    its landing and warp order are reset."""
+    monkeypatch.setattr(tensor_qmm.backend, "BACKEND", "cuda")
+    monkeypatch.setattr(tensor_qmm, "device_clusters", lambda: True)
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "0")
+    monkeypatch.setenv(tensor_qmm.WAVE_SPLIT_ENV, "1")
+    monkeypatch.setenv(tensor_qmm.MERGED_SPLIT_SUM_ENV, "1")
+    monkeypatch.setenv(tensor_qmm.FOLDED_OFFSET_ENV, "0")
+    monkeypatch.setenv(tensor_qmm.MEMBER_MAJOR_ENV, "1")
+    for table, key, spec in copies:
+        monkeypatch.setitem(table, key, spec)
+    from dflash.metal import groups
+
+    monkeypatch.setattr(groups, "launch_groups", emulator.launch)
+    # Plans hold specs: none from before the copies, none of them after.
+    tensor_qmm.launch_plan.cache_clear()
+    yield emulator
+    tensor_qmm.launch_plan.cache_clear()
+    emulator.late = False
+    emulator.eager = False
