@@ -2536,9 +2536,10 @@ def _swiglu(body: str) -> str:
 # opt-in: :data:`PREPARED_HEADS`): the launch that writes a column tile (one head: the
 # head dim is COLUMNS) stages its T results in shared memory, as the SwiGLU form does,
 # and then prepares them as ``dflash.metal.heads``' head prep would from the same T
-# values, step for step (a warp a row; each lane works out the row's sum of squares
-# itself in mlx's vector order and halving tree, then its four elements, the pairs
-# ``i`` and ``i + 64`` of RoPE among them): the queries normed, weighted, scaled and
+# values, step for step (a warp a row: lane v sums vector v's squares in mlx's order,
+# the warp's xor butterfly adds them as mlx's halving tree does, then each lane makes
+# its four elements, the pairs ``i`` and ``i + 64`` of RoPE among them): the queries
+# normed, weighted, scaled and
 # rotated in place (token-major, ``(B, S, Hq, D)``), the keys likewise and the values
 # as they are, both head-major, so the k and v members' blocks together are the
 # stacked ``(2, B, Hkv, S, D)`` block a KV plane stores; the gate as it is. One
@@ -2578,30 +2579,25 @@ _PREPARED_PASS = """
         const T* hp_row = {stage} + r * COLUMNS;
         float hp_normalizer = 0.0f;
         if (hp_normed) {
-          // Sum of squares as mlx's RMS norm cuts a head: vectors summed in order with
-          // fused multiply-adds, then the halving tree of a warp's 32 sums. Vectors 16
-          // to 31 are past the head: their sums are +0, and the tree's first halving
-          // adds them (x + 0 is x for the sums, never -0), so it starts at m = 8.
+          // Sum of squares as mlx's RMS norm cuts a head: lane v sums vector v in order
+          // with fused multiply-adds (lanes past the head's 16 vectors: +0), then the
+          // warp's xor butterfly. Lane i < m adds lane i + m's sum: the halving tree's
+          // very adds, so every lane ends with the tree's sum (operands swapped at
+          // most: the same bits).
           static_assert(COLUMNS / HP_VEC == 16, "a head is 16 vectors");
-          float tree[16];
-          #pragma unroll
-          for (int v = 0; v < 16; ++v) {
-            float sum = 0.0f;
+          float total = 0.0f;
+          if (int(lid) % 32 < 16) {
             #pragma unroll
             for (int j = 0; j < HP_VEC; ++j) {
-              const float t = float(hp_row[v * HP_VEC + j]);
-              sum = DFL_FMA(t, t, sum);
+              const float t = float(hp_row[(int(lid) % 32) * HP_VEC + j]);
+              total = DFL_FMA(t, t, total);
             }
-            tree[v] = sum;
           }
           #pragma unroll
-          for (int m = 8; m > 0; m /= 2) {
-            #pragma unroll
-            for (int i = 0; i < m; ++i) {
-              tree[i] = tree[i] + tree[i + m];
-            }
+          for (int m = 16; m > 0; m /= 2) {
+            total = total + __shfl_xor_sync(0xffffffffu, total, m);
           }
-          hp_normalizer = rsqrtf(tree[0] / float(COLUMNS) + hp_eps);
+          hp_normalizer = rsqrtf(total / float(COLUMNS) + hp_eps);
         }
         const int hp_token = r % hp_seq;
         const size_t hp_at = hp_head_major
@@ -2729,7 +2725,7 @@ def prepared_serves(spec: GroupKernelSpec) -> bool:
     dense matmul of one m-tile (up to 16 rows: a verify block), plain or scaled (one
     or two K groups), not SwiGLU, persistent, carrying prefetch CTAs or already
     prepared. Not 8-bit, direct (opt-in) nor two m-tiles: with the pass some of their
-    two-K-group forms spill (4-12 bytes) at their 128-register bound."""
+    two-K-group forms spill (4-20 bytes) at their 128-register bound."""
     return (
         spec.base.startswith("tensor_")
         and not spec.base.startswith("tensor_q8")

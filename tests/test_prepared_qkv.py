@@ -8,7 +8,8 @@ prepared and the values as they are in the stacked head-major block, the gate as
 is. Over rows, batches, positions, norms with and without weights, RoPE or none, K
 split or not, the merged split sum and thread-block clusters of 2 to 4, copies
 landing early or late. Negative controls: a pass that reads the wrong half of a RoPE
-pair, and cluster ranks that sum other rows than the ones they prepare.
+pair, a butterfly one step short, and cluster ranks that sum other rows than the ones
+they prepare.
 """
 
 from __future__ import annotations
@@ -78,6 +79,13 @@ SWAPPED_PAIR = _mutant(
     "const float x1 = hp_x[0];\n            const float x2 = hp_x[1];",
     "const float x1 = hp_x[1];\n            const float x2 = hp_x[0];",
 )
+# ... and a butterfly that stops one step short (each lane then holds half the sum).
+SHORT_BUTTERFLY = _mutant(
+    PREPARED["scaled_k2"],
+    "short",
+    "for (int m = 16; m > 0; m /= 2) {",
+    "for (int m = 16; m > 1; m /= 2) {",
+)
 OTHER_ROWS = _mutant(
     PREPARED_CLUSTERS[3],
     "otherrows",
@@ -92,7 +100,7 @@ def prepared_emulator(tmp_path_factory):
         tuple(BASES.values())
         + tuple(PREPARED.values())
         + tuple(PREPARED_CLUSTERS.values())
-        + (SWAPPED_PAIR, OTHER_ROWS)
+        + (SWAPPED_PAIR, SHORT_BUTTERFLY, OTHER_ROWS)
     )
     return built_emulator(TensorEmulator, tmp_path_factory, "prepared_emulator", specs)
 
@@ -255,6 +263,13 @@ def _fixed_case(splits: int, rope: bool, seq: int = 5) -> Case:
 def test_a_swapped_rope_pair_is_caught(emulated) -> None:
     case = _fixed_case(1, rope=True)
     got = _forced(emulated, SWAPPED_PAIR, case)
+    _, want, _ = _run(emulated, case, cluster=False)
+    assert not np.array_equal(got, want)
+
+
+def test_a_short_butterfly_is_caught(emulated) -> None:
+    case = _fixed_case(1, rope=False)
+    got = _forced(emulated, SHORT_BUTTERFLY, case)
     _, want, _ = _run(emulated, case, cluster=False)
     assert not np.array_equal(got, want)
 
