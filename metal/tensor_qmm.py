@@ -2533,15 +2533,15 @@ def _swiglu(body: str) -> str:
 
 
 # The head prep as the fused q / k / v / gate launch's last step (the prepared form,
-# opt-in: :data:`PREPARED_HEADS`): the launch that writes a column tile (one head: the
-# head dim is COLUMNS) stages its T results in shared memory, as the SwiGLU form does,
-# and then prepares them as ``dflash.metal.heads``' head prep would from the same T
-# values, step for step (a warp a row: lane v sums vector v's squares in mlx's order,
-# the warp's xor butterfly adds them as mlx's halving tree does, then each lane makes
-# its four elements, the pairs ``i`` and ``i + 64`` of RoPE among them): the queries
-# normed, weighted, scaled and
-# rotated in place (token-major, ``(B, S, Hq, D)``), the keys likewise and the values
-# as they are, both head-major, so the k and v members' blocks together are the
+# session 79, opt-in: :func:`prepared_heads`; not run on a GPU yet): the launch that
+# writes a column tile (one head: the head dim is COLUMNS) stages its T results in
+# shared memory, as the SwiGLU form does, and then prepares them as
+# ``dflash.metal.heads``' head prep would from the same T values, step for step (a
+# warp a row: lane v sums vector v's squares in mlx's order, the warp's xor butterfly
+# adds them as mlx's halving tree does, then each lane makes its four elements, the
+# pairs ``i`` and ``i + 64`` of RoPE among them): the queries normed, weighted, scaled
+# and rotated in place (token-major, ``(B, S, Hq, D)``), the keys likewise and the
+# values as they are, both head-major, so the k and v members' blocks together are the
 # stacked ``(2, B, Hkv, S, D)`` block a KV plane stores; the gate as it is. One
 # launch a layer less (session 77's budget: 280 us of an H100's 4-bit forward).
 # Members: q, k, v, gate (three edges). Extra inputs: the head prep's integer and
@@ -2711,8 +2711,9 @@ _CLUSTER_PREPARED = (
 
 def prepared_heads() -> bool:
     """Whether the traced layers take the fused q / k / v / gate launch's prepared form
-    where it serves (see :data:`PREPARED_HEADS_DEFAULT`): ``DFLASH_QMM_PREPARED_HEADS``
-    when set, else off. Read when a layer's pre-attention trace is made.
+    where it serves (the head prep in that launch, see :func:`prepared_spec`):
+    ``DFLASH_QMM_PREPARED_HEADS`` when set, else off. Read when a layer's
+    pre-attention trace is made.
 
     Raises:
         ValueError: ``DFLASH_QMM_PREPARED_HEADS`` is not an on/off word.
@@ -2743,7 +2744,7 @@ def prepared_serves(spec: GroupKernelSpec) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def prepared_spec(spec: GroupKernelSpec) -> GroupKernelSpec:
-    """The prepared form of a matmul spec (see :data:`PREPARED_HEADS`): its launch takes
+    """The prepared form of a matmul spec (see :func:`prepared_heads`): its launch takes
     :data:`PREPARED_INPUTS` after its own and leaves the q / k / v / gate members
     prepared for the attention. ``spec`` may be a cluster-sum form
     (:func:`cluster_spec`).
